@@ -1,0 +1,138 @@
+"""One rank's forward pass over a scheduled batch, and the sampling that follows it.
+
+Serves every launcher: it only needs its groups, its model and a batch. Within one DP
+replica the sampled tokens come from the last pipeline stage's TP rank 0 and are broadcast,
+so TP and PP ranks can never disagree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from expertmesh.config import EngineConfig
+from expertmesh.distributed.group import ParallelGroups
+from expertmesh.engine import kv_cache
+from expertmesh.engine.block_manager import BlockManager
+from expertmesh.engine.sampler import Sampler, top_logprobs
+from expertmesh.engine.scheduler import ScheduledBatch
+from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.attention import AttentionMetadata, decode_key_mask
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, groups: ParallelGroups) -> None:
+        self.config, self.model, self.groups = config, model, groups
+        self.block_size = config.cache_config.block_size
+        self.sampler = Sampler(config.seed)
+        self.attn_layers = model.attention_layers()
+        self.kv: torch.Tensor | None = None
+        self.num_blocks = 0
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        first = self.attn_layers[0]
+        return kv_cache.bytes_per_block(
+            len(self.attn_layers),
+            self.block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            self.config.model_config.dtype,
+        )
+
+    def local_block_budget(self) -> int:
+        sc, cc = self.config.scheduler_config, self.config.cache_config
+        per_block = self.block_bytes()
+        useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size) * per_block
+        budget = kv_cache.kv_budget_bytes(
+            cc.kv_cache_memory_bytes, self.config.device, cc.gpu_memory_utilization, useful
+        )
+        return budget // per_block
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        first = self.attn_layers[0]
+        self.num_blocks = num_blocks
+        self.kv = kv_cache.allocate(
+            num_blocks,
+            len(self.attn_layers),
+            self.block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            self.config.model_config.dtype,
+            self.config.device,
+        )
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def prepare(
+        self, batch: ScheduledBatch, blocks: BlockManager
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        ids, pos, slots, last = [], [], [], []
+        for seq in batch.decodes:
+            p = seq.num_tokens - 1
+            ids.append(seq.last_token)
+            pos.append(p)
+            slots.append(blocks.slot(seq, p))
+            last.append(len(ids) - 1)
+        prefills = []
+        for seq in batch.prefills:
+            n = seq.num_tokens
+            prefills.append((len(ids), n))
+            ids.extend(seq.token_ids)
+            pos.extend(range(n))
+            slots.extend(blocks.slot(seq, p) for p in range(n))
+            last.append(len(ids) - 1)
+        meta = self._attention_metadata(batch, slots, prefills)
+        return torch.tensor(ids), torch.tensor(pos), ForwardContext(meta, [len(ids)]), last
+
+    def _attention_metadata(
+        self, batch: ScheduledBatch, slots: list[int], prefills: list
+    ) -> AttentionMetadata:
+        tables = lens = mask = None
+        if batch.decodes:
+            width = max(len(s.block_table) for s in batch.decodes)
+            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.decodes])
+            lens = torch.tensor([s.num_tokens for s in batch.decodes])
+            mask = decode_key_mask(lens, width * self.block_size, self.config.model_config.sliding_window)
+        return AttentionMetadata(
+            torch.tensor(slots, dtype=torch.long), len(batch.decodes), tables, lens, mask, prefills
+        )
+
+    def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """One token written to the scratch block: keeps a rank with no work in lockstep."""
+        scratch = self.num_blocks * self.block_size
+        meta = AttentionMetadata(torch.tensor([scratch]), 0, None, None, None, [(0, 1)])
+        return torch.tensor([0]), torch.tensor([0]), ForwardContext(meta, [1]), [0]
+
+    # ---- forward --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, last: list[int]
+    ) -> torch.Tensor | None:
+        """Runs this rank's stage; returns float32 logits [B, V] on the last stage, else None."""
+        pp = self.groups.pp
+        hidden = None
+        if pp.rank_in_group > 0:
+            hidden = pp.recv(
+                torch.empty(
+                    ids.shape[0], self.config.model_config.hidden_size, dtype=self.config.model_config.dtype
+                ),
+                pp.rank_in_group - 1,
+            )
+        hidden = self.model(ids, pos, ctx, hidden)
+        if pp.rank_in_group < pp.world_size - 1:
+            pp.send(hidden, pp.rank_in_group + 1)
+            return None
+        return self.model.compute_logits(hidden[last]).float()
+
+    def sample(self, logits: torch.Tensor | None, seqs: list) -> tuple[list[int], list]:
+        """Tokens (and logprobs) chosen on the last stage's TP rank 0, known to every rank of the replica."""
+        payload = None
+        if logits is not None:
+            tokens = self.sampler(logits, seqs)
+            payload = (tokens, top_logprobs(logits, seqs, tokens))
+        if self.groups.tp.world_size > 1 and logits is not None:
+            payload = self.groups.tp.broadcast_object(payload, 0)
+        if self.groups.pp.world_size > 1:
+            payload = self.groups.pp.broadcast_object(payload, self.groups.pp.world_size - 1)
+        return payload

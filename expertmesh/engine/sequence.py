@@ -1,0 +1,72 @@
+"""One generation stream: prompt tokens, generated tokens, its KV blocks and its sampling state."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+import torch
+
+from expertmesh.outputs import Logprob
+from expertmesh.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, max_len: int
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id, self.index, self.params = request_id, index, params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # tokens whose K/V are in the cache
+        self.max_len = max_len  # prompt + output never exceeds this (max_model_len, KV capacity)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.num_preemptions = 0
+        # A per-request generator makes seeded sampling independent of the rest of the batch.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the next step must compute K/V for the whole sequence (first run or recompute)."""
+        return self.num_cached_tokens == 0
+
+    def max_output_tokens(self) -> int:
+        limit = self.max_len - len(self.prompt_token_ids)
+        return limit if self.params.max_tokens is None else min(limit, self.params.max_tokens)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason

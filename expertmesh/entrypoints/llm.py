@@ -1,0 +1,215 @@
+"""vLLM's offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer
+
+from expertmesh.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.engine.llm_engine import LLMEngine
+from expertmesh.engine.model_runner import ModelRunner
+from expertmesh.entrypoints.all2all_choice import choose_all2all_backend
+from expertmesh.entrypoints.launcher import check_same_config, place_process
+from expertmesh.logger import setup_logging
+from expertmesh.model_source import resolve_model
+from expertmesh.models.build import ModelEnv, build_model, stage_layers
+from expertmesh.outputs import RequestOutput
+from expertmesh.sampling_params import SamplingParams
+
+log = logging.getLogger("expertmesh")
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        all2all_backend: str | None = None,
+        expert_placement: str = "contiguous",
+        distributed_executor_backend: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = True,
+        revision: str | None = None,
+        device: str | None = None,
+        pipeline_split: list[int] | None = None,
+    ) -> None:
+        parallel = ParallelConfig(
+            tensor_parallel_size,
+            data_parallel_size,
+            pipeline_parallel_size,
+            enable_expert_parallel,
+            choose_all2all_backend(all2all_backend),
+            distributed_executor_backend,
+            expert_placement,
+        )
+        placement = place_process(parallel, device)
+        setup_logging(placement.rank if parallel.world_size > 1 else None)
+        dp_rank = placement.groups.layout.coords(placement.rank)[0]
+        parallel = _with_rank(parallel, placement.rank, dp_rank)
+        model_dir = resolve_model(model, revision)
+        hf = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        model_config = ModelConfig.from_hf(hf, dtype)
+        max_len = _max_model_len(max_model_len, model_config)
+        config = EngineConfig(
+            model=model_dir,
+            model_config=model_config,
+            parallel_config=parallel,
+            cache_config=CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory_bytes),
+            scheduler_config=SchedulerConfig(
+                max_len, max_num_seqs, max_num_batched_tokens or max(8192, max_len)
+            ),
+            tokenizer=tokenizer or model_dir,
+            seed=seed,
+            device=placement.device,
+        )
+        check_same_config(placement.groups, _describe(config))
+        torch.manual_seed(seed)
+        env = ModelEnv(
+            placement.groups,
+            MoEPlan.decide(placement.groups.layout, placement.rank),
+            parallel.all2all_backend,
+            stage_layers(
+                model_config.num_layers,
+                pipeline_parallel_size,
+                placement.groups.pp.rank_in_group,
+                pipeline_split,
+            ),
+            expert_placement,
+        )
+        self.model_env = env
+        net = build_model(model_config, env, model_dir, placement.device)
+        runner = ModelRunner(config, net, placement.groups)
+        tok = _load_tokenizer(config.tokenizer, trust_remote_code)
+        self.llm_engine = LLMEngine(config, runner, placement.groups, tok)
+        self._ids = itertools.count()
+        log.info(
+            "Loaded %s (%s) on rank %d of %d",
+            model_config.architecture,
+            model_dir,
+            placement.rank,
+            parallel.world_size,
+        )
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = _per_prompt_params(sampling_params, len(prompts))
+        engine = self.llm_engine
+        order = []
+        for prompt, sp in zip(prompts, params):
+            text, ids = self._tokenize(prompt)
+            rid = str(next(self._ids))
+            engine.add_request(rid, ids, sp, text)
+            order.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        for out in engine.step_until_none_left():
+            done[out.request_id] = out
+            bar.update(1)
+        bar.close()
+        return [done[r] for r in order]
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError(
+                    f"a dict prompt needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}"
+                )
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer; pass prompts as {'prompt_token_ids': [...]}")
+        return prompt, tok(prompt)["input_ids"]
+
+    def all2all_stats(self) -> dict[str, int]:
+        """Bytes the MoE token exchange sent and received on this rank, over all MoE layers."""
+        total = {"bytes_sent": 0, "bytes_received": 0, "calls": 0}
+        for backend in self.model_env.dispatchers:
+            for key in total:
+                total[key] += int(backend.stats.get(key, 0))
+        return total
+
+
+def _with_rank(pc: ParallelConfig, rank: int, dp_rank: int) -> ParallelConfig:
+    return replace(pc, rank=rank, data_parallel_rank=dp_rank)
+
+
+def _max_model_len(requested: int | None, mc: ModelConfig) -> int:
+    if requested is None:
+        return mc.max_position_embeddings
+    if requested > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's "
+            f"max_position_embeddings={mc.max_position_embeddings}"
+        )
+    return requested
+
+
+def _per_prompt_params(sp: Any, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n:
+        raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt")
+    return sp
+
+
+def _load_tokenizer(path: str, trust_remote_code: bool):
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, exc)
+        return None
+
+
+def _describe(config: EngineConfig) -> str:
+    pc = config.parallel_config
+    return repr(
+        (
+            config.model_config,
+            pc.tensor_parallel_size,
+            pc.data_parallel_size,
+            pc.pipeline_parallel_size,
+            pc.enable_expert_parallel,
+            pc.all2all_backend,
+            pc.expert_placement,
+            config.cache_config,
+            config.scheduler_config,
+            config.seed,
+        )
+    )

@@ -1,0 +1,14 @@
+"""Per-step metadata passed down the model in one typed object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from expertmesh.layers.attention import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    # Tokens in this step on every DP rank (agreed each step); MoE dispatch sizes derive from it.
+    dp_token_counts: list[int]

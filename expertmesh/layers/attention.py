@@ -1,0 +1,84 @@
+"""Attention over a paged KV cache.
+
+A batch is laid out decodes first (one token each, batched over the cache through block
+tables), then prefills (each sequence's whole context is new, attended causally in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention layout, built once by the model runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    num_decodes: int  # tokens [0, num_decodes) are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in cache incl. the new one
+    decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] True = attend
+    prefills: list[tuple[int, int]]  # (first token index, length) for each prefill sequence
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.sliding_window = scale, sliding_window
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by the runner
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, H, D], k and v: [T, Hk, D] -> [T, H*D]."""
+        if self.k_cache.numel():
+            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
+        for start, length in meta.prefills:
+            out[start : start + length] = self._prefill(
+                q[start : start + length], k[start : start + length], v[start : start + length]
+            )
+        return out.view(q.shape[0], -1)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
+        mask, causal = None, True
+        if self.sliding_window is not None and q.shape[0] > self.sliding_window:
+            pos = torch.arange(q.shape[0])
+            diff = pos[:, None] - pos[None, :]
+            mask, causal = (diff >= 0) & (diff < self.sliding_window), False
+        y = F.scaled_dot_product_attention(
+            q_, k_, v_, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+        )
+        return y.squeeze(0).transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        # [B, blocks, block_size, Hk, D] -> [B, Hk, L, D]
+        k = self.k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        v = self.v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=meta.decode_key_mask, scale=self.scale, enable_gqa=True
+        )  # [B, H, 1, D]
+        return y.view(b, self.num_heads, self.head_dim)
+
+
+def decode_key_mask(context_lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, 1, max_len] boolean: key j is visible to the newest token of a sequence."""
+    j = torch.arange(max_len)[None, :]
+    last = (context_lens - 1)[:, None]
+    mask = j <= last
+    if sliding_window is not None:
+        mask &= last - j < sliding_window
+    return mask[:, None, None, :]

@@ -1,0 +1,52 @@
+"""Vocab-parallel embedding and LM head: the vocabulary is split in contiguous blocks over TP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertmesh.layers.weights import copy_into, read, set_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, group: Any, dtype=torch.float32) -> None:
+        super().__init__()
+        self.group, tp = group, group.world_size
+        if vocab_size % tp:
+            raise ValueError(f"vocab_size={vocab_size} is not divisible by tensor_parallel_size={tp}")
+        self.shard = vocab_size // tp
+        self.start = group.rank_in_group * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden, dtype=dtype), requires_grad=False)
+        set_loader(self.weight, self._load)
+
+    def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, read(src, 0, self.start, self.shard), "vocab shard")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocab block, then an all-gather so every rank sees all of them."""
+
+    def __init__(self, vocab_size: int, hidden: int, bias: bool, group: Any, dtype=torch.float32) -> None:
+        super().__init__(vocab_size, hidden, group, dtype)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.shard, dtype=dtype), requires_grad=False)
+            set_loader(self.bias, self._load)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight, self.bias)
+        if self.group.world_size > 1:
+            logits = self.group.all_gather(logits, dim=-1)
+        return logits

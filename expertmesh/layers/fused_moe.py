@@ -1,0 +1,86 @@
+"""Expert weights and expert compute: tokens sorted by expert, one pair of matmuls per expert.
+
+Holds `expert_ids` (the global experts this rank owns) and, for each, the
+`[shard_rank]`-th of `shard_size` slices of the intermediate dimension. Returns this rank's
+partial sum over its experts and slices; who sums the partials is the MoE plan's business.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from expertmesh.layers.activation import gated
+from expertmesh.layers.weights import copy_into, read, set_loader
+
+
+class FusedExperts(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        expert_ids: list[int],
+        hidden: int,
+        intermediate: int,
+        shard_rank: int,
+        shard_size: int,
+        act,
+        dtype=torch.float32,
+    ) -> None:
+        super().__init__()
+        if intermediate % shard_size:
+            raise ValueError(
+                f"expert intermediate size {intermediate} is not divisible by the {shard_size} ranks "
+                "that split it; choose a parallel layout whose expert shard count divides it"
+            )
+        self.num_experts, self.expert_ids, self.act = num_experts, list(expert_ids), act
+        self.shard_rank, self.inter = shard_rank, intermediate // shard_size
+        self.full_inter = intermediate
+        e = len(self.expert_ids)
+        self.w13 = nn.Parameter(
+            torch.empty(e, 2 * self.inter, hidden, dtype=dtype), requires_grad=False
+        )  # [E,2I,H]
+        self.w2 = nn.Parameter(
+            torch.empty(e, hidden, self.inter, dtype=dtype), requires_grad=False
+        )  # [E,H,I]
+        local = torch.full((num_experts,), -1, dtype=torch.long)
+        local[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(e)
+        self.register_buffer("local_index", local, persistent=False)  # global expert -> local slot or -1
+        set_loader(self.w13, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})
+        set_loader(self.w2, self._load_w2, {(x, None) for x in self.expert_ids})
+
+    def owns(self, expert: int) -> bool:
+        return expert in self.expert_ids
+
+    def _load_w13(self, param: nn.Parameter, src: Any, shard_id: tuple[int, int]) -> None:
+        expert, half = shard_id
+        dst = param.data[self.expert_ids.index(expert)].narrow(0, half * self.inter, self.inter)
+        copy_into(dst, read(src, 0, self.shard_rank * self.inter, self.inter), f"expert {expert} w13[{half}]")
+
+    def _load_w2(self, param: nn.Parameter, src: Any, shard_id: tuple[int, None]) -> None:
+        expert = shard_id[0]
+        dst = param.data[self.expert_ids.index(expert)]
+        copy_into(dst, read(src, 1, self.shard_rank * self.inter, self.inter), f"expert {expert} w2")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] partial sum over local experts."""
+        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return out
+        k = topk_ids.shape[1]
+        slot = self.local_index[topk_ids].flatten()  # [n*k], -1 where another rank owns the expert
+        order = torch.argsort(slot, stable=True)
+        counts = torch.bincount(slot + 1, minlength=len(self.expert_ids) + 1).tolist()
+        order = order[counts[0] :]  # drop (token, expert) pairs owned elsewhere
+        token = order // k  # [m] source token of each sorted pair
+        xs = x[token]  # [m, H]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, count in enumerate(counts[1:]):
+            if count:
+                h = gated(xs[start : start + count] @ self.w13[e].t(), self.act)
+                ys[start : start + count] = h @ self.w2[e].t()
+                start += count
+        ys *= topk_weights.flatten()[order].to(ys.dtype).unsqueeze(1)
+        return out.index_add_(0, token, ys)

@@ -1,0 +1,24 @@
+"""Dense gated MLP (Llama, Qwen2-MoE's shared expert and dense layers), tensor parallel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from expertmesh.layers.activation import gated, get_act
+from expertmesh.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class GatedMLP(nn.Module):
+    def __init__(
+        self, hidden: int, intermediate: int, act: str, group: Any, reduce: bool = True, dtype=torch.float32
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, group, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, group, reduce=reduce, dtype=dtype)
+        self.act = get_act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.gate_up_proj(x), self.act))

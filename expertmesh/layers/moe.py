@@ -1,0 +1,90 @@
+"""The MoE block: router, experts, optional shared expert, and the plan's collectives.
+
+The plan (distributed/moe_plan.py) decides once which ranks hold which weight slices, over
+which group tokens are exchanged, and how partial sums are reduced. This block only follows it:
+gather across exactly the ranks holding different tokens, sum exactly once across exactly the
+ranks holding different weight shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertmesh.config import ModelConfig
+from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.activation import get_act
+from expertmesh.layers.fused_moe import FusedExperts
+from expertmesh.layers.linear import ReplicatedLinear
+from expertmesh.layers.mlp import GatedMLP
+from expertmesh.layers.routing import ROUTERS
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        router: str,
+        plan: Any,
+        groups: Any,
+        dispatcher: Any,
+        placement: str = "contiguous",
+    ) -> None:
+        super().__init__()
+        self.plan, self.tp, self.dispatcher = plan, groups.tp, dispatcher
+        self.top_k, self.router_name = cfg.top_k, router
+        self.router = ROUTERS[router]
+        self.router_kwargs = {"renormalize": cfg.norm_topk_prob, "jitter_eps": cfg.router_jitter_noise}
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=cfg.dtype)
+        self.experts = FusedExperts(
+            cfg.num_experts,
+            plan.local_experts(cfg.num_experts, placement),
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            plan.weight_shard_rank,
+            plan.weight_shard_size,
+            get_act(cfg.hidden_act),
+            cfg.dtype,
+        )
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            # A dense MLP under plain TP, on the full local batch (never on an SP slice).
+            self.shared_expert = GatedMLP(
+                cfg.hidden_size,
+                cfg.shared_expert_intermediate_size,
+                cfg.hidden_act,
+                groups.tp,
+                False,
+                cfg.dtype,
+            )
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False, dtype=cfg.dtype)
+
+    def dispatch_sizes(self, ctx: ForwardContext) -> list[int]:
+        if self.plan.sequence_parallel:
+            return [size for n in ctx.dp_token_counts for size in self.plan.sp_sizes(n)]
+        return list(ctx.dp_token_counts)
+
+    def routed(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        weights, ids = self.router(self.gate(x), top_k=self.top_k, **self.router_kwargs)
+        if self.dispatcher is None:
+            return self.experts(x, ids, weights)
+        sizes = self.dispatch_sizes(ctx)
+        x_all, ids_all, w_all = self.dispatcher.dispatch(x, ids, weights, sizes)
+        return self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: [n, H] replicated over TP -> [n, H] replicated over TP."""
+        shared = None
+        if self.shared_expert is not None:
+            shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # TP-partial
+        if self.plan.sequence_parallel:
+            y = self.routed(x[self.plan.sp_slice(x.shape[0])], ctx)
+            y = self.tp.all_gather_v(y, self.plan.sp_sizes(x.shape[0]))
+            return y if shared is None else y + self.tp.all_reduce(shared)
+        y = self.routed(x, ctx)
+        if shared is not None:
+            y = y + shared
+        return self.tp.all_reduce(y) if self.tp.world_size > 1 else y

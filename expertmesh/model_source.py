@@ -1,0 +1,33 @@
+"""Where a model's files come from: a local directory, the hub, or the embedded default."""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> str:
+    """A local directory holding config.json, fetching a hub id with huggingface_hub if needed."""
+    if model is None:
+        model = DEFAULT_MODEL_DIR
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"model directory {model!r} has no config.json")
+        return model
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    return _download(model, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # offline, unknown repo, gated: one clear message either way
+        raise RuntimeError(
+            f"could not fetch model {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "If this machine is offline, download it elsewhere and pass its local directory as model=."
+        ) from exc

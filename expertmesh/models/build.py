@@ -1,0 +1,69 @@
+"""Build a model for one rank: its groups, MoE plan, pipeline stage and all2all backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from expertmesh.config import ModelConfig
+from expertmesh.distributed.all2all import All2AllBackend, make_all2all
+from expertmesh.distributed.group import ParallelGroups
+from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.models.loader import load_weights
+from expertmesh.models.registry import model_class
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int, split: list[int] | None = None) -> range:
+    """Decoder layers of one pipeline stage: an even split (earlier stages one more), or `split`."""
+    if num_layers < pp_size:
+        raise ValueError(
+            f"the model has {num_layers} decoder layers, fewer than pipeline_parallel_size={pp_size}"
+        )
+    if split is None:
+        base, extra = divmod(num_layers, pp_size)
+        split = [base + (1 if r < extra else 0) for r in range(pp_size)]
+    if len(split) != pp_size or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(
+            f"pipeline split {split} must give each of {pp_size} stages >= 1 of {num_layers} layers"
+        )
+    start = sum(split[:pp_rank])
+    return range(start, start + split[pp_rank])
+
+
+@dataclass
+class ModelEnv:
+    """What a model's layers receive: their groups and decisions, never the environment."""
+
+    groups: ParallelGroups
+    moe_plan: MoEPlan
+    all2all_backend: str
+    layer_range: range
+    expert_placement: str = "contiguous"
+    poison_recv: bool = False
+    dispatchers: list[All2AllBackend] = field(default_factory=list)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.groups.pp.rank_in_group == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.groups.pp.rank_in_group == self.groups.pp.world_size - 1
+
+    def make_dispatcher(self) -> All2AllBackend | None:
+        """One backend per MoE layer (so traffic is counted per layer), on the plan's group."""
+        name = self.moe_plan.dispatch_group_name
+        if name is None:
+            return None
+        backend = make_all2all(self.all2all_backend, self.groups.get(name), poison_recv=self.poison_recv)
+        self.dispatchers.append(backend)
+        return backend
+
+
+def build_model(cfg: ModelConfig, env: ModelEnv, model_dir: str, device: str = "cpu") -> torch.nn.Module:
+    cls = model_class(cfg.architecture)
+    with torch.device(device):
+        model = cls(cfg, env)
+    load_weights(model, model_dir)
+    return model.eval()

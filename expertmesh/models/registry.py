@@ -1,0 +1,27 @@
+"""Models by HF `architectures[0]`, imported lazily; an unknown name lists the known ones."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "PhimoeForCausalLM": ("phimoe", "PhimoeForCausalLM"),
+    "PhiMoEForCausalLM": ("phimoe", "PhimoeForCausalLM"),  # spelling of Microsoft's own configs
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; supported: {supported_architectures()}"
+        )
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"expertmesh.models.{module}"), name)
