@@ -40,7 +40,8 @@ def torchrun_hint(pc: ParallelConfig) -> str:
     return (
         f"torchrun --nproc-per-node={pc.world_size} your_script.py  (with LLM(..., "
         f"tensor_parallel_size={pc.tensor_parallel_size}, data_parallel_size={pc.data_parallel_size}, "
-        f"pipeline_parallel_size={pc.pipeline_parallel_size}, distributed_executor_backend='external_launcher'))"
+        f"pipeline_parallel_size={pc.pipeline_parallel_size}, "
+        "distributed_executor_backend='external_launcher'))"
     )
 
 

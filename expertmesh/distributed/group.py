@@ -1,0 +1,351 @@
+"""A process group that speaks in group indices, and the set of groups one rank belongs to.
+
+Every ``src``/``dst`` given to a :class:`Group` is an index inside the group (0..world_size-1);
+the group translates it to a global rank itself, so no caller mixes the two numberings (the
+seed bug: DP-group indices used on the EP group).
+
+Tensor collectives that reduce or gather in place (``all_reduce``, ``broadcast``, ``recv``) work
+on the tensor given when it is contiguous; always use the returned tensor. With one rank every
+collective is the identity and needs no ``torch.distributed`` at all.
+
+gloo lacks uneven all-gather, and reduce-scatter only came to it in recent torch, so:
+  all_gather_v      padded all_gather, then slice (gloo and NCCL: NCCL has no uneven one either)
+  reduce_scatter_v  NCCL: padded native reduce_scatter; gloo: all_reduce, then own slice
+  all_to_all_single native on both (gloo has had alltoall_base for a long time)
+
+Each collective adds what this rank moves to ``Group.traffic`` (padding included), counted as if
+every byte went directly from the rank that has it to the rank that needs it; an all-reduce of N
+bytes counts 2 * (p - 1) / p * N each way (reduce-scatter + all-gather). Object collectives count
+calls only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from expertmesh.distributed.layout import ParallelLayout, check_world_size
+
+ReduceOp = Literal["sum", "max", "min"]
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a receive buffer with a value no correct result has (NaN, or -1 / max for ints)."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        info = torch.iinfo(t.dtype)
+        t.fill_(-1 if info.min < 0 else info.max)
+    return t
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank moved through one group (mutable: a running counter)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: int = 0
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.bytes_sent, self.bytes_received, self.calls
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check_sizes(sizes: list[int], world_size: int, what: str) -> None:
+    if len(sizes) != world_size:
+        raise ValueError(f"{what}: len(sizes)={len(sizes)} != group world_size={world_size}")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{what}: negative size in {sizes}")
+
+
+class Group:
+    """One process group, addressed by index inside the group.
+
+    ``pg`` is the torch process group whose rank order equals ``ranks``; it may be None for a
+    single rank, or for a group that spans the whole default world.
+    """
+
+    def __init__(
+        self,
+        ranks: tuple[int, ...],
+        global_rank: int,
+        pg: Any = None,
+        name: str = "tp",
+        *,
+        backend: str | None = None,
+    ) -> None:
+        self.ranks = tuple(int(r) for r in ranks)
+        self.name = name
+        if len(set(self.ranks)) != len(self.ranks) or not self.ranks:
+            raise ValueError(f"group {name!r}: ranks {self.ranks} must be non-empty and distinct")
+        if global_rank not in self.ranks:
+            raise ValueError(f"group {name!r}: global rank {global_rank} not in ranks {self.ranks}")
+        self.global_rank = global_rank
+        self.rank_in_group = self.ranks.index(global_rank)
+        self.world_size = len(self.ranks)
+        self.traffic = Traffic()
+        self.pg = self._resolve_pg(pg) if self.world_size > 1 else None
+        self.backend = (backend or dist.get_backend(self.pg)) if self.pg is not None else "none"
+
+    def _resolve_pg(self, pg: Any) -> Any:
+        if not dist.is_initialized():
+            raise RuntimeError(f"group {self.name!r} of {self.world_size} ranks needs torch.distributed")
+        if pg is None:
+            pg = dist.group.WORLD
+        actual = tuple(dist.get_process_group_ranks(pg))
+        # Gather order and src/dst translation rely on torch's group ranks matching ours.
+        if actual != self.ranks:
+            raise ValueError(f"group {self.name!r}: process group has ranks {actual}, expected {self.ranks}")
+        return pg
+
+    def __repr__(self) -> str:
+        return (
+            f"Group(name={self.name!r}, ranks={self.ranks}, rank_in_group={self.rank_in_group}, "
+            f"backend={self.backend!r})"
+        )
+
+    # --- bookkeeping -------------------------------------------------------------------------
+
+    def _count(self, sent: int, received: int) -> None:
+        self.traffic.bytes_sent += sent
+        self.traffic.bytes_received += received
+        self.traffic.calls += 1
+
+    def _global(self, index: int, what: str) -> int:
+        if not 0 <= index < self.world_size:
+            raise ValueError(f"group {self.name!r}: {what}={index} outside [0, {self.world_size})")
+        return self.ranks[index]
+
+    # --- tensor collectives ------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"all_reduce op {op!r}; valid: {', '.join(ops)}")
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, op=ops[op], group=self.pg)
+        moved = 2 * (self.world_size - 1) * _nbytes(x) // self.world_size
+        self._count(moved, moved)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Equal-shaped tensors from every rank, concatenated along ``dim`` in group order."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.pg)
+        self._count((self.world_size - 1) * _nbytes(x), (self.world_size - 1) * _nbytes(x))
+        return torch.cat(parts, dim=dim)
+
+    def all_gather_v(self, x: torch.Tensor, sizes: list[int], *, poison: bool = False) -> torch.Tensor:
+        """x [sizes[me], ...] on each rank -> [sum(sizes), ...], group order. Sizes may be 0."""
+        _check_sizes(sizes, self.world_size, f"{self.name}.all_gather_v")
+        if sizes[self.rank_in_group] != x.shape[0]:
+            raise ValueError(
+                f"{self.name}.all_gather_v: sizes[{self.rank_in_group}]={sizes[self.rank_in_group]} "
+                f"!= local rows {x.shape[0]}"
+            )
+        if self.world_size == 1:
+            return x
+        width = max(sizes)
+        if width == 0:
+            return x.new_empty((0, *x.shape[1:]))
+        padded = x.new_zeros((width, *x.shape[1:]))  # [max(sizes), ...]
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        if poison:
+            for p in parts:
+                poison_(p)
+        dist.all_gather(parts, padded, group=self.pg)
+        self._count((self.world_size - 1) * _nbytes(padded), (self.world_size - 1) * _nbytes(padded))
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+    def reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], *, poison: bool = False) -> torch.Tensor:
+        """x [sum(sizes), ...] on each rank -> this rank's rows of the sum, [sizes[me], ...]."""
+        _check_sizes(sizes, self.world_size, f"{self.name}.reduce_scatter_v")
+        if x.shape[0] != sum(sizes):
+            raise ValueError(f"{self.name}.reduce_scatter_v: {x.shape[0]} rows != sum(sizes)={sum(sizes)}")
+        if self.world_size == 1:
+            return x
+        start = sum(sizes[: self.rank_in_group])
+        stop = start + sizes[self.rank_in_group]
+        if self.backend != "nccl":
+            # gloo: no (uneven) reduce-scatter everywhere; reduce the whole buffer, keep our rows.
+            return self.all_reduce(x.clone())[start:stop]
+        width = max(sizes)
+        if width == 0:
+            return x.new_empty((0, *x.shape[1:]))
+        chunks = [x.new_zeros((width, *x.shape[1:])) for _ in sizes]  # one padded slot per rank
+        offset = 0
+        for chunk, n in zip(chunks, sizes, strict=True):
+            chunk[:n] = x[offset : offset + n]
+            offset += n
+        out = x.new_empty((width, *x.shape[1:]))
+        if poison:
+            poison_(out)
+        dist.reduce_scatter(out, chunks, group=self.pg)
+        self._count((self.world_size - 1) * _nbytes(out), (self.world_size - 1) * _nbytes(out))
+        return out[: sizes[self.rank_in_group]]
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s x on every rank (received in place into x when contiguous)."""
+        src_global = self._global(src, "src")
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        dist.broadcast(x, src_global, group=self.pg)
+        if src == self.rank_in_group:
+            self._count((self.world_size - 1) * _nbytes(x), 0)
+        else:
+            self._count(0, _nbytes(x))
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        dst_global = self._global(dst, "dst")
+        if dst == self.rank_in_group:
+            raise ValueError(f"group {self.name!r}: send to itself (dst={dst})")
+        x = x.contiguous()
+        dist.send(x, dst_global, group=self.pg)
+        self._count(_nbytes(x), 0)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into x (a buffer of the right shape and dtype) from group index ``src``."""
+        src_global = self._global(src, "src")
+        if src == self.rank_in_group:
+            raise ValueError(f"group {self.name!r}: recv from itself (src={src})")
+        if not x.is_contiguous():
+            raise ValueError(f"group {self.name!r}: recv buffer must be contiguous")
+        dist.recv(x, src_global, group=self.pg)
+        self._count(0, _nbytes(x))
+        return x
+
+    def all_to_all_single(
+        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, poison: bool = False
+    ) -> torch.Tensor:
+        """Rows in_splits[j] of x go to rank j; rows out_splits[j] of the result come from j."""
+        _check_sizes(in_splits, self.world_size, f"{self.name}.all_to_all_single in_splits")
+        _check_sizes(out_splits, self.world_size, f"{self.name}.all_to_all_single out_splits")
+        if sum(in_splits) != x.shape[0]:
+            raise ValueError(f"{self.name}.all_to_all_single: sum(in_splits) != {x.shape[0]} rows")
+        if self.world_size == 1:
+            if out_splits != in_splits:
+                raise ValueError(f"single rank: out_splits {out_splits} != in_splits {in_splits}")
+            return x
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        if poison:
+            poison_(out)
+        dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=self.pg)
+        row = _nbytes(x[:1]) if x.shape[0] else _nbytes(out[:1])
+        me = self.rank_in_group
+        self._count(row * (sum(in_splits) - in_splits[me]), row * (sum(out_splits) - out_splits[me]))
+        return out
+
+    # --- control plane -----------------------------------------------------------------------
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        self._count(0, 0)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        src_global = self._global(src, "src")
+        if self.world_size == 1:
+            return obj
+        box = [obj if src == self.rank_in_group else None]
+        dist.broadcast_object_list(box, src=src_global, group=self.pg)
+        self._count(0, 0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.pg)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The groups one rank belongs to.
+
+    ``ep`` always spans the same ranks: same pp, all (dp, tp), dp-major. With expert parallelism
+    on it is the EP group (named "ep"); with it off it is the flattened DP x TP group of the
+    DP x TP MoE mode (named "dp_tp"), whose index is the weight-shard rank dp * TP + tp.
+    """
+
+    layout: ParallelLayout
+    tp: Group
+    pp: Group
+    dp: Group
+    ep: Group
+    world: Group
+
+    @property
+    def global_rank(self) -> int:
+        return self.world.global_rank
+
+    def get(self, name: str) -> Group:
+        """Group by kind name ("tp", "pp", "dp", "ep", "world"); "dp_tp" is an alias of ep."""
+        key = "ep" if name == "dp_tp" else name
+        if key not in ("tp", "pp", "dp", "ep", "world"):
+            raise ValueError(f"unknown group {name!r}; valid: tp, pp, dp, ep, dp_tp, world")
+        return getattr(self, key)
+
+    @staticmethod
+    def single(layout: ParallelLayout | None = None) -> ParallelGroups:
+        """All groups of one process: no torch.distributed needed."""
+        layout = layout or ParallelLayout()
+        check_world_size(layout, 1)
+        names = {"tp": "tp", "pp": "pp", "dp": "dp", "ep": _ep_name(layout), "world": "world"}
+        return ParallelGroups(layout=layout, **{k: Group((0,), 0, name=v) for k, v in names.items()})
+
+
+def _ep_name(layout: ParallelLayout) -> str:
+    return "ep" if layout.enable_expert_parallel else "dp_tp"
+
+
+def init_groups(
+    layout: ParallelLayout,
+    global_rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta | None = None,
+) -> ParallelGroups:
+    """Create every group of every kind, in the same order on every rank, and return ours.
+
+    torch requires all ranks to take part in each ``new_group``. Groups of one rank need no
+    process group and are skipped (the same decision on every rank); a rank set seen before
+    (e.g. EP == TP when DP == 1, or the whole world) reuses its process group.
+    """
+    check_world_size(layout, world_size)
+    if world_size == 1:
+        return ParallelGroups.single(layout)
+    if not dist.is_initialized():
+        raise RuntimeError("init_groups needs torch.distributed initialised for world_size > 1")
+    if (dist.get_world_size(), dist.get_rank()) != (world_size, global_rank):
+        raise ValueError(
+            f"torch.distributed has world {dist.get_world_size()} rank {dist.get_rank()}, "
+            f"expected world {world_size} rank {global_rank}"
+        )
+    pgs: dict[tuple[int, ...], Any] = {tuple(range(world_size)): dist.group.WORLD}
+    mine: dict[str, Group] = {}
+    for kind in ("tp", "pp", "dp", "ep", "world"):
+        name = _ep_name(layout) if kind == "ep" else kind
+        for ranks in layout.group_ranks(kind):
+            if len(ranks) > 1 and ranks not in pgs:
+                pgs[ranks] = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+            if global_rank in ranks:
+                mine[kind] = Group(ranks, global_rank, pgs.get(ranks), name=name, backend=backend)
+    return ParallelGroups(layout=layout, **mine)

@@ -1,0 +1,115 @@
+"""Tiny random checkpoints made with transformers' own config classes, and its reference outputs."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    PhimoeConfig,
+    PreTrainedTokenizerFast,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+VOCAB = 512
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,  # larger than default: clearer top-1 margins in greedy comparisons
+)
+FAMILIES = {
+    "phimoe": lambda **kw: PhimoeConfig(
+        **COMMON, num_local_experts=8, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True, **kw
+    ),
+    "mixtral": lambda **kw: MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2, **kw),
+    "qwen2_moe": lambda **kw: Qwen2MoeConfig(
+        **COMMON,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        **kw,
+    ),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(
+        **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, **kw
+    ),
+    "llama": lambda **kw: LlamaConfig(**COMMON, **kw),
+}
+
+
+def train_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in seconds on English text that ships with CPython."""
+    from pydoc_data.topics import topics
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(topics.values())[:200], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def randomize_1d(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights and biases start at 1/0: shake them so a dropped one shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def make_checkpoint(family: str, path: str, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
+    torch.manual_seed(seed)
+    config = FAMILIES[family](**overrides)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    randomize_1d(model, seed)
+    model.save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        with (
+            open(os.path.join(tokenizer_dir, name), "rb") as src,
+            open(os.path.join(path, name), "wb") as dst,
+        ):
+            dst.write(src.read())
+    return path
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(
+            x, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+        outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def hf_last_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0, -1].float() for ids in prompts]
+
+
+def prompts_of_lengths(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
