@@ -27,7 +27,8 @@ def _download(repo_id: str, revision: str | None) -> str:
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)
     except Exception as exc:  # offline, unknown repo, gated: one clear message either way
+        reason = " ".join(str(exc).split())
         raise RuntimeError(
-            f"could not fetch model {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            f"could not fetch model {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {reason}). "
             "If this machine is offline, download it elsewhere and pass its local directory as model=."
         ) from exc

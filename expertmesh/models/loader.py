@@ -78,7 +78,10 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
             )
         if shard in loaded[name]:
             raise WeightLoadError(f"parameter {name!r} shard {shard!r} is filled twice (last by {key!r})")
-        param.weight_loader(param, pick(f.get_slice(key)), shard)
+        try:
+            param.weight_loader(param, pick(f.get_slice(key)), shard)
+        except ValueError as exc:  # name the checkpoint key, not just the shapes
+            raise WeightLoadError(f"checkpoint key {key!r} does not fit parameter {name!r}: {exc}") from exc
         loaded[name].add(shard)
 
 
