@@ -54,6 +54,7 @@ class LLM:
         revision: str | None = None,
         device: str | None = None,
         pipeline_split: list[int] | None = None,
+        debug_nan_recv_buffers: bool = False,
     ) -> None:
         parallel = ParallelConfig(
             tensor_parallel_size,
@@ -97,6 +98,7 @@ class LLM:
                 pipeline_split,
             ),
             expert_placement,
+            poison_recv=debug_nan_recv_buffers,  # a wrong source shows at once as NaN
         )
         self.model_env = env
         net = build_model(model_config, env, model_dir, placement.device)
@@ -111,6 +113,11 @@ class LLM:
             placement.rank,
             parallel.world_size,
         )
+
+    def is_replica_leader(self) -> bool:
+        """The rank that speaks for its DP replica (first pipeline stage, TP rank 0)."""
+        groups = self.llm_engine.groups
+        return groups.tp.rank_in_group == 0 and groups.pp.rank_in_group == 0
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -1,0 +1,7 @@
+.PHONY: setup demo test
+setup:
+	bash scripts/setup.sh
+demo:
+	bash scripts/demo.sh
+test:
+	bash scripts/test.sh
