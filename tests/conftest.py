@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from checkpoints import FAMILIES, make_checkpoint, train_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -20,8 +20,13 @@ LOADS = {
 
 def _engine(path, dp, tp, backend):
     return LLM(
-        path, tensor_parallel_size=tp, data_parallel_size=dp, all2all_backend=backend,
-        distributed_executor_backend="external_launcher", max_model_len=128, kv_cache_memory_bytes=1 << 22,
+        path,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        all2all_backend=backend,
+        distributed_executor_backend="external_launcher",
+        max_model_len=128,
+        kv_cache_memory_bytes=1 << 22,
         debug_nan_recv_buffers=True,
     )
 
@@ -33,9 +38,14 @@ def _rank_main(rank, world, path, layouts):
         pc = llm.llm_engine.vllm_config.parallel_config
         for name, load in LOADS.items():
             mine = load[pc.data_parallel_rank] if dp > 1 else load[0] + load[1]
-            outs = llm.generate([{"prompt_token_ids": p} for p, _ in mine],
-                                [SamplingParams(**sp) for _, sp in mine], use_tqdm=False)
-            results.append(((dp, tp, backend, name), pc.data_parallel_rank, [o.outputs[0].token_ids for o in outs]))
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p, _ in mine],
+                [SamplingParams(**sp) for _, sp in mine],
+                use_tqdm=False,
+            )
+            results.append(
+                ((dp, tp, backend, name), pc.data_parallel_rank, [o.outputs[0].token_ids for o in outs])
+            )
         assert llm.llm_engine.blocks.num_free == llm.llm_engine.blocks.num_blocks
     return results
 
@@ -54,12 +64,14 @@ def _reference(path):
 
 def _check(results, reference, dp_size_of):
     for per_rank in results:
-        for (layout, dp_rank, tokens) in per_rank:
+        for layout, dp_rank, tokens in per_rank:
             dp, tp, backend, name = layout
             load = LOADS[name]
             mine = load[dp_rank] if dp > 1 else load[0] + load[1]
             expected = [reference[(tuple(p), sp["max_tokens"])] for p, sp in mine]
-            assert tokens == expected, f"layout DP{dp} TP{tp} {backend} load {name}: DP rank {dp_rank} differs"
+            assert tokens == expected, (
+                f"layout DP{dp} TP{tp} {backend} load {name}: DP rank {dp_rank} differs"
+            )
 
 
 @pytest.mark.timeout(150)

@@ -49,7 +49,8 @@ def test_strict_weight_loading(checkpoint, tmp_path, edit):
     key = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     if edit == "drop":
         del weights[key]
-        match = "missing weights for: model.layers.1.block_sparse_moe.experts.w2 \\(shards \\['\\(3, None\\)'\\]\\)"
+        param = "model.layers.1.block_sparse_moe.experts.w2"
+        match = f"missing weights for: {param} \\(shards \\['\\(3, None\\)'\\]\\)"
     elif edit == "extra":
         weights["model.layers.0.self_attn.surprise.weight"] = weights[key].clone()
         match = "surprise.weight.*matches no parameter"

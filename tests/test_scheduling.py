@@ -9,7 +9,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def _run(llm, prompts, sp=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ]
 
 
 @pytest.mark.timeout(90)
@@ -36,7 +39,9 @@ def test_batch_limits_do_not_change_tokens(checkpoint):
     path = checkpoint("qwen3_moe")
     prompts = prompts_of_lengths([3, 8, 15, 4, 22], seed=4)
     base = _run(LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 22), prompts)
-    narrow = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 22, max_num_seqs=2, max_num_batched_tokens=64)
+    narrow = LLM(
+        path, max_model_len=64, kv_cache_memory_bytes=1 << 22, max_num_seqs=2, max_num_batched_tokens=64
+    )
     assert _run(narrow, prompts) == base
     assert narrow.llm_engine.stats()["steps"] > 24  # only two at a time: many more steps
 
@@ -45,6 +50,8 @@ def test_batch_limits_do_not_change_tokens(checkpoint):
 def test_outputs_stop_at_max_model_len(checkpoint):
     path = checkpoint("mixtral")
     llm = LLM(path, max_model_len=32, kv_cache_memory_bytes=1 << 22)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_of_lengths([30, 10], seed=5)], GREEDY, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts_of_lengths([30, 10], seed=5)], GREEDY, use_tqdm=False
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 22]
     assert all(o.outputs[0].finish_reason == "length" for o in outs)

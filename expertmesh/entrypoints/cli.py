@@ -13,26 +13,46 @@ from expertmesh.model_source import DEFAULT_MODEL_DIR
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF directory or hub id (default: the embedded tiny PhiMoE)")
+    p.add_argument(
+        "--model", default=None, help="local HF directory or hub id (default: the embedded tiny PhiMoE)"
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per replica")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--enable-expert-parallel", action="store_true", help="place whole experts over the EP group")
-    p.add_argument("--all2all-backend", choices=ALL2ALL_BACKEND_NAMES, default=None,
-                   help="MoE token exchange (default allgather_reducescatter; VLLM_ALL2ALL_BACKEND is honoured)")
-    p.add_argument("--distributed-executor-backend", default=None, choices=["external_launcher"],
-                   help="external_launcher: one engine per torchrun process (set automatically under torchrun)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument(
+        "--enable-expert-parallel", action="store_true", help="place whole experts over the EP group"
+    )
+    p.add_argument(
+        "--all2all-backend",
+        choices=ALL2ALL_BACKEND_NAMES,
+        default=None,
+        help="MoE token exchange (default allgather_reducescatter; VLLM_ALL2ALL_BACKEND is honoured)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["external_launcher"],
+        help="external_launcher: one engine per torchrun process (set automatically under torchrun)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache size per rank (default: 10%% of free RAM on CPU, capped at what is useful)")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size per rank (default: 10%% of free RAM on CPU, capped at what is useful)",
+    )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="expertmesh", description="MoE inference over DP x PP x TP x EP ranks")
+    parser = argparse.ArgumentParser(
+        prog="expertmesh", description="MoE inference over DP x PP x TP x EP ranks"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts and print them")
     _add_engine_flags(gen)
@@ -52,18 +72,31 @@ def main(argv: list[str] | None = None) -> int:
 
     executor = args.distributed_executor_backend
     llm = LLM(
-        args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        all2all_backend=args.all2all_backend, distributed_executor_backend=executor,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        all2all_backend=args.all2all_backend,
+        distributed_executor_backend=executor,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
     pc = llm.llm_engine.vllm_config.parallel_config
     # Under DP, each replica takes every DP-th prompt; one rank per replica prints.
     prompts = args.prompt[pc.data_parallel_rank :: pc.data_parallel_size]
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
     start = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -78,17 +111,29 @@ def _print(outs, args, pc, elapsed: float, llm) -> None:
         print(f"(model: the embedded tiny PhiMoE at {DEFAULT_MODEL_DIR}; it writes only simple English)")
     for out in outs:
         if args.json:
-            print(json.dumps({"dp_rank": pc.data_parallel_rank, "prompt": out.prompt, "text": out.outputs[0].text,
-                              "token_ids": out.outputs[0].token_ids, "error": out.error}))
+            print(
+                json.dumps(
+                    {
+                        "dp_rank": pc.data_parallel_rank,
+                        "prompt": out.prompt,
+                        "text": out.outputs[0].text,
+                        "token_ids": out.outputs[0].token_ids,
+                        "error": out.error,
+                    }
+                )
+            )
         elif out.error:
             print(f"{tag}Prompt: {out.prompt!r}\n{tag}Error: {out.error}\n")
         else:
             print(f"{tag}Prompt: {out.prompt!r}\n{tag}Generated text: {out.outputs[0].text!r}\n")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
     traffic = llm.all2all_stats()
-    print(f"{tag}{len(outs)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / max(elapsed, 1e-9):.1f} tok/s); "
-          f"all2all {pc.all2all_backend}: {traffic['bytes_sent']} bytes sent, {traffic['bytes_received']} received",
-          file=sys.stderr if args.json else sys.stdout)
+    rate = tokens / max(elapsed, 1e-9)
+    print(
+        f"{tag}{len(outs)} prompts, {tokens} tokens in {elapsed:.2f}s ({rate:.1f} tok/s); all2all "
+        f"{pc.all2all_backend}: {traffic['bytes_sent']} bytes sent, {traffic['bytes_received']} received",
+        file=sys.stderr if args.json else sys.stdout,
+    )
     sys.stdout.flush()
 
 

