@@ -29,23 +29,16 @@ COMMON = dict(
     eos_token_id=2,
     initializer_range=0.1,  # larger than default: clearer top-1 margins in greedy comparisons
 )
-FAMILIES = {
-    "phimoe": lambda **kw: PhimoeConfig(
-        **COMMON, num_local_experts=8, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True, **kw
+MOE = dict(num_experts_per_tok=2)
+FAMILIES = {  # family -> (config class, its settings on top of COMMON)
+    "phimoe": (PhimoeConfig, dict(MOE, num_local_experts=8, attention_bias=True, lm_head_bias=True)),
+    "mixtral": (MixtralConfig, dict(MOE, num_local_experts=8)),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     ),
-    "mixtral": lambda **kw: MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2, **kw),
-    "qwen2_moe": lambda **kw: Qwen2MoeConfig(
-        **COMMON,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        **kw,
-    ),
-    "qwen3_moe": lambda **kw: Qwen3MoeConfig(
-        **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, **kw
-    ),
-    "llama": lambda **kw: LlamaConfig(**COMMON, **kw),
+    "qwen3_moe": (Qwen3MoeConfig, dict(MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)),
+    "llama": (LlamaConfig, {}),
 }
 
 
@@ -79,7 +72,8 @@ def randomize_1d(model: torch.nn.Module, seed: int) -> None:
 
 def make_checkpoint(family: str, path: str, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
     torch.manual_seed(seed)
-    config = FAMILIES[family](**overrides)
+    cls, settings = FAMILIES[family]
+    config = cls(**{**COMMON, **settings, **overrides})
     model = AutoModelForCausalLM.from_config(config).eval()
     randomize_1d(model, seed)
     model.save_pretrained(path)

@@ -39,13 +39,17 @@ class MoE(nn.Module):
         self.router = ROUTERS[router]
         self.router_kwargs = {"renormalize": cfg.norm_topk_prob, "jitter_eps": cfg.router_jitter_noise}
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=cfg.dtype)
+        # EP places whole experts; otherwise every rank holds a slice of every expert.
+        inter_rank, inter_size = (
+            (0, 1) if plan.expert_parallel else (plan.weight_shard_rank, plan.weight_shard_size)
+        )
         self.experts = FusedExperts(
             cfg.num_experts,
             plan.local_experts(cfg.num_experts, placement),
             cfg.hidden_size,
             cfg.moe_intermediate_size,
-            plan.weight_shard_rank,
-            plan.weight_shard_size,
+            inter_rank,
+            inter_size,
             get_act(cfg.hidden_act),
             cfg.dtype,
         )
