@@ -96,3 +96,21 @@ def test_dp2_tp2_on_four_ranks(family, checkpoint):
         a = by_rank[((2, 2, backend, "uneven"), 0)][0]
         b = by_rank[((2, 2, backend, "uneven"), 1)][0]
         assert a[:4] == b
+
+
+def _one_rank_fails(rank, world, path):
+    llm = _engine(path, 2, 1, "allgather_reducescatter")
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    # Rank 0 would wait for rank 1 in the lockstep forever without the harness' failure handling.
+    llm.generate([{"prompt_token_ids": P[0]}], SamplingParams(**LONG), use_tqdm=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_fails_the_run_quickly(checkpoint):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 fails on purpose"):
+        run_distributed(_one_rank_fails, 2, checkpoint("mixtral"), timeout=50)
+    assert time.monotonic() - start < 45
