@@ -16,10 +16,10 @@ LAYOUTS_2 = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
 
 
 def backends(dp: int, ep: bool) -> list[str]:
-    """Backends valid for a layout: token exchange exists only with DP > 1."""
+    """Backends valid for a layout: token exchange exists only with DP > 1; alltoall needs EP."""
     if dp == 1:
         return ["allgather_reducescatter"]
-    return ["naive", "allgather_reducescatter"]
+    return ["naive", "allgather_reducescatter"] + (["alltoall"] if ep else [])
 
 
 def cases(layouts):

@@ -9,7 +9,7 @@ import torch
 from expertmesh.config import ModelConfig
 from expertmesh.distributed.all2all import All2AllBackend, make_all2all
 from expertmesh.distributed.group import ParallelGroups
-from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
 
@@ -51,12 +51,31 @@ class ModelEnv:
     def is_last_stage(self) -> bool:
         return self.groups.pp.rank_in_group == self.groups.pp.world_size - 1
 
-    def make_dispatcher(self) -> All2AllBackend | None:
-        """One backend per MoE layer (so traffic is counted per layer), on the plan's group."""
-        name = self.moe_plan.dispatch_group_name
+    def make_dispatcher(self, num_experts: int) -> All2AllBackend | None:
+        """One backend per MoE layer (so traffic is counted per layer), on the plan's group.
+
+        "alltoall" routes tokens by expert owner, so it needs whole experts per rank (EP) and
+        the placement the layer's experts use.
+        """
+        plan = self.moe_plan
+        if self.all2all_backend == "alltoall" and not plan.expert_parallel:
+            raise ValueError(
+                "all2all backend 'alltoall' requires enable_expert_parallel=True (it sends each "
+                "token to the ranks owning its experts; without expert parallelism every rank holds "
+                "a slice of every expert); use 'allgather_reducescatter' or 'naive'"
+            )
+        name = plan.dispatch_group_name
         if name is None:
             return None
-        backend = make_all2all(self.all2all_backend, self.groups.get(name), poison_recv=self.poison_recv)
+        group = self.groups.get(name)
+        owner = None
+        if self.all2all_backend == "alltoall":
+            # The owners are EP-group indices: that group's rank order is the weight shard rank.
+            if (group.world_size, group.rank_in_group) != (plan.weight_shard_size, plan.weight_shard_rank):
+                raise RuntimeError(f"group {group!r} does not match the MoE plan {plan!r}")
+            owners = expert_owners(num_experts, plan.weight_shard_size, self.expert_placement)
+            owner = torch.tensor(owners, dtype=torch.int64)  # [E]
+        backend = make_all2all(self.all2all_backend, group, poison_recv=self.poison_recv, expert_owner=owner)
         self.dispatchers.append(backend)
         return backend
 

@@ -60,7 +60,12 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
             mlp = MoE(
-                cfg, family.router, env.moe_plan, env.groups, env.make_dispatcher(), env.expert_placement
+                cfg,
+                family.router,
+                env.moe_plan,
+                env.groups,
+                env.make_dispatcher(cfg.num_experts),
+                env.expert_placement,
             )
         else:
             mlp = GatedMLP(
