@@ -108,3 +108,32 @@ def test_local_rows_stay_local_and_results_sum(results):
         torch.testing.assert_close(y, x * copies.reshape(-1, 1))
         _, _, y_ag, _ = results[rank]["allgather_reducescatter"]
         torch.testing.assert_close(y_ag, x * EP)  # every rank returns every row
+
+
+def _engine_traffic(rank, world, path):
+    from expertmesh import LLM, SamplingParams
+
+    llm = LLM(
+        path,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend="alltoall",
+        distributed_executor_backend="external_launcher",
+        max_model_len=64,
+        kv_cache_memory_bytes=1 << 21,
+    )
+    llm.generate(
+        [{"prompt_token_ids": [5, 6, 7, 8 + rank]}],
+        SamplingParams(temperature=0, max_tokens=3),
+        use_tqdm=False,
+    )
+    return llm.all2all_stats(per_layer=True)
+
+
+@pytest.mark.timeout(60)
+def test_engine_reports_traffic_per_layer_and_step(checkpoint):
+    stats = run_distributed(_engine_traffic, 2, checkpoint("mixtral"), timeout=50)
+    for s in stats:
+        assert len(s["layers"]) == 2  # one backend per MoE layer
+        assert s["bytes_sent"] == sum(layer["bytes_sent"] for layer in s["layers"]) > 0
+        assert 0 < s["last_step"]["bytes_sent"] < s["bytes_sent"]

@@ -76,7 +76,7 @@ def _reference(path):
 
 def _check(path, world, case_list):
     expected = _reference(path)
-    results = run_distributed(_rank_main, world, path, case_list, timeout=170)
+    results = run_distributed(_rank_main, world, path, case_list, timeout=170 if world <= 4 else 880)
     for rank, per_rank in enumerate(results):
         for case, idx, tokens in per_rank:
             assert tokens == [expected[i] for i in idx], f"rank {rank}, (DP,PP,TP,EP,backend)={case}"
@@ -92,3 +92,14 @@ def test_world4_matrix(family, checkpoint):
 def test_world2_matrix_experts_not_divisible_by_ep(checkpoint):
     # 7 experts over EP 2: ranks own 4 and 3.
     _check(checkpoint("mixtral", num_local_experts=7), 2, cases(LAYOUTS_2))
+
+
+LAYOUTS_8 = [(2, 2, 2), (8, 1, 1), (4, 1, 2), (2, 1, 4), (1, 2, 4), (4, 2, 1), (1, 8, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["mixtral", "phimoe", "qwen3_moe", "qwen2_moe"])
+def test_world8_matrix(family, checkpoint):
+    """On demand (pytest -m slow): the world-8 sweep, 8 layers so PP 8 has one each."""
+    _check(checkpoint(family, num_hidden_layers=8), 8, cases(LAYOUTS_8))

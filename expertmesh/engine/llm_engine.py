@@ -36,8 +36,11 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, groups: ParallelGroups, tokenizer) -> None:
+    def __init__(
+        self, config: EngineConfig, runner: ModelRunner, groups: ParallelGroups, tokenizer, dispatchers=()
+    ) -> None:
         self.config = self.vllm_config = config
+        self.dispatchers = list(dispatchers)  # the MoE layers' all2all backends, for traffic stats
         self.groups, self.runner, self.tokenizer = groups, runner, tokenizer
         num_blocks = self._agree_on_blocks(runner.local_block_budget())
         runner.allocate_kv(num_blocks)
@@ -49,6 +52,7 @@ class LLMEngine:
             config.scheduler_config.max_model_len, num_blocks * config.cache_config.block_size
         )
         self.num_steps = self.num_dummy_steps = 0
+        self.last_step_traffic = {"bytes_sent": 0, "bytes_received": 0}
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, self.blocks.block_size, self.capacity
         )
@@ -127,7 +131,7 @@ class LLMEngine:
             return self._collect()
         ids, pos, ctx, last = self.runner.prepare(batch, self.blocks)
         ctx.dp_token_counts = counts
-        logits = self.runner.forward(ids, pos, ctx, last)
+        logits = self._forward_counting(ids, pos, ctx, last)
         seqs = batch.seqs
         tokens, logprobs = self.runner.sample(logits, seqs)
         for seq, token, lp in zip(seqs, tokens, logprobs):
@@ -147,8 +151,20 @@ class LLMEngine:
     def _dummy_step(self, counts: list[int]) -> None:
         ids, pos, ctx, last = self.runner.dummy_inputs()
         ctx.dp_token_counts = counts
-        self.runner.forward(ids, pos, ctx, last)
+        self._forward_counting(ids, pos, ctx, last)
         self.num_dummy_steps += 1
+
+    def _forward_counting(self, ids, pos, ctx, last):
+        """The runner's forward, noting the bytes the MoE exchange moved in this step."""
+        before = self._traffic()
+        logits = self.runner.forward(ids, pos, ctx, last)
+        after = self._traffic()
+        self.last_step_traffic = {k: after[k] - before[k] for k in after}
+        return logits
+
+    def _traffic(self) -> dict[str, int]:
+        stats = [b.stats for b in self.dispatchers]
+        return {k: sum(int(s[k]) for s in stats) for k in ("bytes_sent", "bytes_received")}
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
         seq.output_token_ids.append(token)

@@ -104,7 +104,7 @@ class LLM:
         net = build_model(model_config, env, model_dir, placement.device)
         runner = ModelRunner(config, net, placement.groups)
         tok = _load_tokenizer(config.tokenizer, trust_remote_code)
-        self.llm_engine = LLMEngine(config, runner, placement.groups, tok)
+        self.llm_engine = LLMEngine(config, runner, placement.groups, tok, env.dispatchers)
         self._ids = itertools.count()
         log.info(
             "Loaded %s (%s) on rank %d of %d",
@@ -161,12 +161,16 @@ class LLM:
             raise ValueError("this model has no tokenizer; pass prompts as {'prompt_token_ids': [...]}")
         return prompt, tok(prompt)["input_ids"]
 
-    def all2all_stats(self) -> dict[str, int]:
-        """Bytes the MoE token exchange sent and received on this rank, over all MoE layers."""
-        total = {"bytes_sent": 0, "bytes_received": 0, "calls": 0}
-        for backend in self.model_env.dispatchers:
-            for key in total:
-                total[key] += int(backend.stats.get(key, 0))
+    def all2all_stats(self, per_layer: bool = False) -> dict[str, Any]:
+        """Bytes the MoE token exchange sent and received on this rank: totals over all MoE
+        layers, the last engine step's totals, and (per_layer=True) one entry per MoE layer."""
+        layers = [dict(b.stats) for b in self.model_env.dispatchers]
+        total = {
+            key: sum(int(s.get(key, 0)) for s in layers) for key in ("bytes_sent", "bytes_received", "calls")
+        }
+        total["last_step"] = dict(self.llm_engine.last_step_traffic)
+        if per_layer:
+            total["layers"] = layers
         return total
 
 
