@@ -42,6 +42,10 @@ class Attention(nn.Module):
         if self.k_cache.numel():
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if not meta.prefills:  # decode-only step: no copy into a fresh buffer
+            return self._decode(q, meta).view(q.shape[0], -1)
+        if not meta.num_decodes and len(meta.prefills) == 1:
+            return self._prefill(q, k, v).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)

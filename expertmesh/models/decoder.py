@@ -46,7 +46,7 @@ class DecoderAttention(nn.Module):
         q, k, v = q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.apply(ctx.rope, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), ctx.attn))
 
 
@@ -91,6 +91,7 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_type, params
         )
+        self.rotary = rotary
         self.embed_tokens = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype) if self.first else None
         )
@@ -104,6 +105,7 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None, ctx
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if self.first else hidden
+        ctx.rope = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers.values():
             x = layer(positions, x, ctx)
         return self.norm(x) if self.last else x
