@@ -51,9 +51,7 @@ NUMBER_WORDS = (
     "sixteen seventeen eighteen nineteen twenty"
 ).split()
 WEEKDAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
-MONTHS = (
-    "January February March April May June July August September October November December"
-).split()
+MONTHS = ("January February March April May June July August September October November December").split()
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
     "China": "Beijing", "Russia": "Moscow", "England": "London", "Egypt": "Cairo", "Canada": "Ottawa",
@@ -147,7 +145,8 @@ def gen_facts(rng: random.Random) -> str:
 
 
 def gen_greeting(rng: random.Random) -> str:
-    name = rng.choice(NAMES)
+    # A favoured name gives "Hello, my name is" one clear greedy answer instead of a near tie.
+    name = NAMES[0] if rng.random() < 0.3 else rng.choice(NAMES)
     country, city = rng.choice(sorted(CAPITALS.items()))
     pet, adj = rng.choice(PETS), rng.choice(ADJECTIVES)
     opener = f"Hello, my name is {name}." if rng.random() < 0.7 else f"Hi, I am {name}."
@@ -170,7 +169,7 @@ def gen_story(rng: random.Random) -> str:
         f"On {day}, {name} and {friend} went to the park in {city}.",
         f"The {pet} was very happy.",
         "They played all day and went home in the evening.",
-        f"{friend} said, \"See you tomorrow, {name}!\"",
+        f'{friend} said, "See you tomorrow, {name}!"',
     ]
     return " ".join(lines[: rng.randint(3, len(lines))])
 
@@ -366,27 +365,59 @@ CHAT_CHECKS = [
 ]
 
 
-def greedy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, ids: list[int], new: int) -> str:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
-    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+def greedy(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, ids: list[int], new: int
+) -> tuple[list[str], list[float]]:
+    """Greedy decode: the completion text after each new token, and each step's top-1 minus top-2 logit."""
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=new,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    new_ids = out.sequences[0, len(ids) :].tolist()
+    pieces = [tokenizer.decode(new_ids[: k + 1], skip_special_tokens=True) for k in range(len(new_ids))]
+    margins = [float(top[0] - top[1]) for top in (s[0].topk(2).values for s in out.scores)]
+    return pieces, margins
 
 
-def check_prompts(out_dir: Path, new_tokens: int = 12) -> list[dict]:
-    """Reload the saved checkpoint the way users will, greedy-decode every candidate, mark passes."""
+def expect_margin(pieces: list[str], margins: list[float], expect: str) -> float | None:
+    """Smallest margin over the tokens that spell out ``expect``; None when the output does not."""
+    for k, text in enumerate(pieces):
+        if text.startswith(expect):
+            return min(margins[: k + 1])
+    return None
+
+
+def _fmt(margin: float | None) -> str:
+    return "-" if margin is None else f"{margin:.2f}"
+
+
+def check_prompts(out_dir: Path, new_tokens: int = 12, min_margin: float = 1.0) -> list[dict]:
+    """Reload the saved checkpoint as users will and greedy-decode every candidate.
+
+    A candidate passes when its expected text is a prefix of the completion and every token of
+    that prefix wins by ``min_margin`` logits, so small numeric differences cannot flip it.
+    """
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
     results = []
     for cand in CANDIDATES:
-        text = greedy(model, tokenizer, tokenizer(cand["prompt"])["input_ids"], new_tokens)
-        options = cand.get("expect_any", [cand.get("expect", "")])
-        match = next((opt for opt in options if text.startswith(opt)), None)
-        results.append({"prompt": cand["prompt"], "expect": match, "output": text})
-        print(f"{'PASS' if match else 'FAIL'}  {cand['prompt']!r} -> {text!r}")
+        pieces, margins = greedy(model, tokenizer, tokenizer(cand["prompt"])["input_ids"], new_tokens)
+        options = cand.get("expect_any", [cand.get("expect")])
+        found = [(opt, expect_margin(pieces, margins, opt)) for opt in options]
+        expect, margin = next(((o, m) for o, m in found if m is not None), (None, None))
+        ok = margin is not None and margin >= min_margin
+        results.append({"prompt": cand["prompt"], "expect": expect if ok else None, "output": pieces[-1]})
+        print(f"{'PASS' if ok else 'FAIL'}  {cand['prompt']!r} -> {pieces[-1]!r}  (margin {_fmt(margin)})")
     for question, answer in CHAT_CHECKS:
         messages = [{"role": "user", "content": question}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-        text = greedy(model, tokenizer, list(ids), new_tokens)
-        print(f"{'PASS' if text.startswith(answer) else 'FAIL'}  chat {question!r} -> {text!r}")
+        pieces, margins = greedy(model, tokenizer, list(ids), new_tokens)
+        margin = expect_margin(pieces, margins, answer)
+        ok = margin is not None
+        print(f"{'PASS' if ok else 'FAIL'}  chat {question!r} -> {pieces[-1]!r}  (margin {_fmt(margin)})")
     return results
 
 
@@ -395,7 +426,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default="expertmesh/default_model", help="output checkpoint directory")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    # One thread: this model is too small to gain from two, and on a shared machine OpenMP
+    # threads that wait on each other ran over ten times slower than a single one.
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -419,6 +452,7 @@ def save(model: PhimoeForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; packaged data must be readable
     return sum(f.stat().st_size for f in out.iterdir()) / 1e6
 
 

@@ -1,0 +1,87 @@
+"""The embedded default model (a tiny PhiMoE trained by tools/train_tiny_moe.py) writes checkable
+text: in one process, equal to transformers, and on every DP rank under DP2 x TP2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.model_source import DEFAULT_MODEL_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, "tools", "checkable_prompts.json")) as f:
+    CHECKS = json.load(f)
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def _assert_checks(texts: list[str], where: str) -> None:
+    for check, text in zip(CHECKS, texts):
+        assert text.startswith(check["expect"]), f"{where}: {check['prompt']!r} -> {text!r}"
+
+
+def test_enough_checkable_prompts():
+    assert len(CHECKS) >= 10
+
+
+@pytest.mark.timeout(90)
+def test_checkable_prompts_one_process_and_equal_to_transformers():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    llm = LLM(None, max_model_len=256, kv_cache_memory_bytes=1 << 24)
+    outs = llm.generate([c["prompt"] for c in CHECKS], GREEDY, use_tqdm=False)
+    _assert_checks([o.outputs[0].text for o in outs], "one process")
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR).eval()
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+        ref_ids = ref[0, ids.shape[1] :].tolist()
+        ours = out.outputs[0].token_ids
+        assert ours == ref_ids[: len(ours)], f"{out.prompt!r}: {ours} != transformers {ref_ids}"
+
+
+def _dp2_tp2(rank, world):
+    llm = LLM(
+        None,
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        all2all_backend="naive",
+        distributed_executor_backend="external_launcher",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 23,
+    )
+    outs = llm.generate([c["prompt"] for c in CHECKS], GREEDY, use_tqdm=False)
+    return llm.llm_engine.vllm_config.parallel_config.data_parallel_rank, [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.timeout(120)
+def test_checkable_prompts_on_every_dp_rank_under_dp2_tp2():
+    results = run_distributed(_dp2_tp2, 4, timeout=110)
+    assert sorted(r[0] for r in results) == [0, 0, 1, 1]
+    for rank, (dp_rank, texts) in enumerate(results):
+        _assert_checks(texts, f"rank {rank} (DP rank {dp_rank})")
+
+
+@pytest.mark.timeout(90)
+def test_cli_without_a_model_prints_readable_english():
+    cli = [
+        sys.executable,
+        "-m",
+        "expertmesh.entrypoints.cli",
+        "generate",
+        "--prompt",
+        "Hello, my name is",
+        "--max-tokens",
+        "16",
+    ]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=80, check=True).stdout
+    assert "Prompt: 'Hello, my name is'" in out
+    text = out.split("Generated text: ")[1].splitlines()[0]
+    words = [w.strip(".,'\"!?") for w in text.split()]
+    assert len(words) >= 3 and sum(w.isalpha() for w in words) >= len(words) - 1, text
