@@ -68,10 +68,11 @@ class Attention(nn.Module):
         return y.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        b = q.shape[0]
-        # [B, blocks, block_size, Hk, D] -> [B, Hk, L, D]
-        k = self.k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        v = self.v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
+        # index_select over flat block ids is several times faster than advanced indexing here.
+        blocks = meta.decode_block_tables.flatten()
+        k = self.k_cache.index_select(0, blocks).view(b, -1, hk, d).transpose(1, 2)  # [B, Hk, L, D]
+        v = self.v_cache.index_select(0, blocks).view(b, -1, hk, d).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=meta.decode_key_mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, D]

@@ -65,6 +65,8 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] partial sum over local experts."""
+        if x.shape[0] == 1:
+            return self._one_token(x, topk_ids, topk_weights)
         out = torch.zeros_like(x)
         if x.shape[0] == 0:
             return out
@@ -79,8 +81,20 @@ class FusedExperts(nn.Module):
         start = 0
         for e, count in enumerate(counts[1:]):
             if count:
-                h = gated(xs[start : start + count] @ self.w13[e].t(), self.act)
-                ys[start : start + count] = h @ self.w2[e].t()
+                ys[start : start + count] = self._expert(e, xs[start : start + count])
                 start += count
         ys *= topk_weights.flatten()[order].to(ys.dtype).unsqueeze(1)
         return out.index_add_(0, token, ys)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return gated(x @ self.w13[e].t(), self.act) @ self.w2[e].t()
+
+    def _one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Decode at batch 1: no sort, gather or scatter, just the chosen local experts in expert order."""
+        local = self.local_index[topk_ids[0]].tolist()
+        picks = sorted((slot, j) for j, slot in enumerate(local) if slot >= 0)
+        out = None
+        for slot, j in picks:
+            y = self._expert(slot, x) * topk_weights[0, j].to(x.dtype)
+            out = y if out is None else out + y
+        return torch.zeros_like(x) if out is None else out
