@@ -114,3 +114,30 @@ def test_a_failing_rank_fails_the_run_quickly(checkpoint):
     with pytest.raises(RuntimeError, match="rank 1 fails on purpose"):
         run_distributed(_one_rank_fails, 2, checkpoint("mixtral"), timeout=50)
     assert time.monotonic() - start < 45
+
+
+def _mismatched_configs(rank, world, path):
+    # Rank 1 was started with another max_model_len: start-up must say so instead of hanging later.
+    LLM(
+        path,
+        tensor_parallel_size=2,
+        distributed_executor_backend="external_launcher",
+        max_model_len=128 if rank == 0 else 64,
+        kv_cache_memory_bytes=1 << 22,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_ranks_with_different_configs_fail_naming_the_rank(checkpoint):
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] differ from rank 0"):
+        run_distributed(_mismatched_configs, 2, checkpoint("mixtral"), timeout=50)
+
+
+def _wrong_world(rank, world, path):
+    LLM(path, tensor_parallel_size=2, data_parallel_size=2, distributed_executor_backend="external_launcher")
+
+
+@pytest.mark.timeout(60)
+def test_world_size_mismatch_names_all_four_numbers(checkpoint):
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2.*DP=2.*PP=1.*TP=2"):
+        run_distributed(_wrong_world, 2, checkpoint("mixtral"), timeout=50)
