@@ -26,6 +26,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.attn_layers = model.attention_layers()
         self.kv: torch.Tensor | None = None
+        self._workspace: torch.Tensor | None = None  # decode K/V gather buffers, see _gather_buffers
         self.num_blocks = 0
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -94,9 +95,19 @@ class ModelRunner:
             tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.decodes])
             lens = torch.tensor([s.num_tokens for s in batch.decodes])
             mask = decode_key_mask(lens, width * self.block_size, self.config.model_config.sliding_window)
-        return AttentionMetadata(
-            torch.tensor(slots, dtype=torch.long), len(batch.decodes), tables, lens, mask, prefills
-        )
+        buffers = self._gather_buffers(tables.numel()) if tables is not None else None
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        return AttentionMetadata(slots_t, len(batch.decodes), tables, lens, mask, prefills, buffers)
+
+    def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather buffers for `num_blocks` blocks, grown (doubling) and then reused."""
+        ws = self._workspace
+        if ws is None or ws.shape[1] < num_blocks:
+            rows = max(num_blocks, 2 * (0 if ws is None else ws.shape[1]))
+            ws = self._workspace = torch.empty(
+                (2, rows, *self.kv.shape[3:]), dtype=self.kv.dtype, device=self.kv.device
+            )
+        return ws[0, :num_blocks], ws[1, :num_blocks]
 
     def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """One token written to the scratch block: keeps a rank with no work in lockstep."""

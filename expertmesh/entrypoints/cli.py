@@ -63,11 +63,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    _add_serve_parser(sub)
     return parser
 
 
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model (default: embedded)"
+    )
+    _add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients pass as `model` (default: MODEL, or expertmesh-default)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(parser, args)
     from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
 
     executor = args.distributed_executor_backend
@@ -102,6 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     if llm.is_replica_leader():
         _print(outs, args, pc, elapsed, llm)
+    return 0
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from expertmesh.entrypoints.api_server import serve
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
+    kwargs = dict(
+        model=args.model_tag or args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        all2all_backend=args.all2all_backend,
+        distributed_executor_backend=args.distributed_executor_backend,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
+    serve(kwargs, args.host, args.port, args.served_model_name)
     return 0
 
 

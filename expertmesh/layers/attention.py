@@ -23,6 +23,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in cache incl. the new one
     decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] True = attend
     prefills: list[tuple[int, int]]  # (first token index, length) for each prefill sequence
+    # Reused buffers the decode gathers K and V blocks into ([blocks, block_size, Hk, D] each):
+    # a fresh multi-MB tensor per layer costs more in page faults than the copy itself.
+    decode_kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
@@ -71,8 +74,9 @@ class Attention(nn.Module):
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
         # index_select over flat block ids is several times faster than advanced indexing here.
         blocks = meta.decode_block_tables.flatten()
-        k = self.k_cache.index_select(0, blocks).view(b, -1, hk, d).transpose(1, 2)  # [B, Hk, L, D]
-        v = self.v_cache.index_select(0, blocks).view(b, -1, hk, d).transpose(1, 2)
+        k_buf, v_buf = meta.decode_kv_buffers or (None, None)
+        k = torch.index_select(self.k_cache, 0, blocks, out=k_buf).view(b, -1, hk, d).transpose(1, 2)
+        v = torch.index_select(self.v_cache, 0, blocks, out=v_buf).view(b, -1, hk, d).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q.unsqueeze(2), k, v, attn_mask=meta.decode_key_mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, D]

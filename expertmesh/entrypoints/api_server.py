@@ -1,0 +1,371 @@
+"""OpenAI-compatible HTTP server: `expertmesh serve [MODEL]` (FastAPI + uvicorn).
+
+Endpoints: /health, /v1/models, /v1/completions, /v1/chat/completions (both with `stream`),
+/metrics (Prometheus text). Every error has OpenAI's body, {"error": {message, type, param,
+code}}, and touches only the request that caused it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from expertmesh.entrypoints.async_engine import AsyncEngine, EngineDead, PromptRejected, Update
+from expertmesh.entrypoints.protocol import (
+    ChatCompletionRequest,
+    ChatRenderer,
+    CompletionRenderer,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Renderer,
+    SamplingFields,
+    UsageInfo,
+    add_usage,
+)
+from expertmesh.sampling_params import SamplingParams
+
+log = logging.getLogger("expertmesh")
+DEFAULT_SERVED_NAME = "expertmesh-default"
+
+
+class APIError(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def build_app(engine: AsyncEngine, served_model_names: list[str]) -> FastAPI:
+    app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None)
+    app.state.engine, app.state.names = engine, list(served_model_names)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [ModelCard(id=name, max_model_len=engine.max_model_len) for name in app.state.names]
+        return ModelList(data=cards).model_dump()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(engine.metrics), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        name = _model_name(app, body)
+        params = _sampling_params(body, body.max_tokens, body.logprobs)
+        prompts = _completion_prompts(body.prompt)
+        renderer = CompletionRenderer(name, params.n, body.logprobs is not None)
+        return await _serve(request, engine, body, prompts, params, renderer, add_special_tokens=True)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        name = _model_name(app, body)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
+        prompt = _chat_prompt(engine, body)
+        renderer = ChatRenderer(name, params.n, top)
+        # The template already holds the special tokens (BOS): do not add them twice.
+        return await _serve(request, engine, body, [prompt], params, renderer, add_special_tokens=False)
+
+    return app
+
+
+# ---- request -> engine ------------------------------------------------------------------------
+def _model_name(app: FastAPI, body: SamplingFields) -> str:
+    names = app.state.names
+    if body.model is None:
+        return names[0]
+    if body.model not in names:
+        raise APIError(
+            f"the model {body.model!r} does not exist; served: {names}", "model", "model_not_found"
+        )
+    return body.model
+
+
+def _sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as exc:
+        field = re.match(r"SamplingParams\.(\w+)=", str(exc))
+        raise APIError(str(exc), field.group(1) if field else None, "invalid_value") from exc
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("the prompt is empty", "prompt", "invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # one prompt of token ids
+    return list(prompt)
+
+
+def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> str:
+    tok = engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(
+            "the model's tokenizer has no chat template, so /v1/chat/completions cannot build a prompt; "
+            "use /v1/completions",
+            "messages",
+            "no_chat_template",
+        )
+    messages = [m.for_template() for m in body.messages]
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a template that rejects these messages is the client's problem
+        raise APIError(f"the chat template failed on these messages: {exc}", "messages") from exc
+
+
+async def _serve(
+    request: Request,
+    engine: AsyncEngine,
+    body: SamplingFields,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    renderer: Renderer,
+    add_special_tokens: bool,
+) -> Response:
+    gens = [engine.generate(p, params, body.stream, add_special_tokens) for p in prompts]
+    try:
+        firsts = await _unless_disconnected(request, _first_updates(gens))
+    except PromptRejected as exc:
+        param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
+        return error_response(400, str(exc), param, _rejection_code(str(exc)))
+    except ClientGone:
+        return Response(status_code=499)
+    updates = _merged(gens, firsts)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _sse(request, updates, renderer, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        finals = await _unless_disconnected(request, _finals(updates, len(gens)))
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(renderer.response(finals).model_dump())
+
+
+def _rejection_code(message: str) -> str:
+    return (
+        "context_length_exceeded" if "max_model_len" in message or "KV cache" in message else "invalid_prompt"
+    )
+
+
+# ---- engine -> response -------------------------------------------------------------------------
+async def _first_updates(gens: list[AsyncIterator[Update]]) -> list[Update]:
+    """Each request's first update; any rejection closes (aborts) them all and is raised."""
+    results = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for g in gens:
+            await g.aclose()
+        raise errors[0]
+    return list(results)
+
+
+async def _merged(
+    gens: list[AsyncIterator[Update]], firsts: list[Update]
+) -> AsyncIterator[tuple[int, Update]]:
+    """(prompt index, update) from every request as they come; closing it aborts what is left."""
+    out: asyncio.Queue[tuple[int, Update | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[Update]) -> None:
+        try:
+            async for update in gen:
+                out.put_nowait((i, update))
+        except Exception as exc:
+            out.put_nowait((i, exc))
+
+    live = [i for i, first in enumerate(firsts) if first.final is None]
+    tasks = [asyncio.create_task(pump(i, gens[i])) for i in live]
+    try:
+        for i, first in enumerate(firsts):
+            yield i, first
+        remaining = len(live)
+        while remaining:
+            i, item = await out.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.final is not None
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()  # cancelling a pump aborts its request in the engine
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()
+
+
+async def _finals(updates: AsyncIterator[tuple[int, Update]], count: int) -> list[Any]:
+    finals: list[Any] = [None] * count
+    async for i, update in updates:
+        if update.final is not None:
+            finals[i] = update.final
+    return finals
+
+
+async def _sse(
+    request: Request, updates: AsyncIterator[tuple[int, Update]], renderer: Renderer, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`."""
+    usage = UsageInfo()
+    try:
+        for chunk in renderer.stream_start():
+            yield _event(chunk)
+        async for i, update in updates:
+            if await request.is_disconnected():
+                log.info("client disconnected mid-stream; aborting its request")
+                return
+            for chunk in renderer.stream_chunks(i, update):
+                yield _event(chunk)
+            if update.final is not None:
+                add_usage(usage, update.final)
+        if include_usage:
+            yield _event(renderer.usage_chunk(usage))
+    except (EngineDead, PromptRejected) as exc:
+        yield _event({"error": ErrorInfo(message=str(exc), type="server_error").model_dump()})
+    finally:
+        await updates.aclose()  # aborts whatever is still running
+    yield "data: [DONE]\n\n"
+
+
+def _event(chunk: Any) -> str:
+    data = chunk if isinstance(chunk, dict) else chunk.model_dump()
+    if data.get("usage", 0) is None:  # only the include_usage chunk carries usage
+        del data["usage"]
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- errors and metrics --------------------------------------------------------------------------
+def _add_error_handlers(app: FastAPI) -> None:
+    def handler(
+        status: int, param: str | None = None, code: str | None = None
+    ) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+        async def handle(_: Request, exc: Exception) -> JSONResponse:
+            return error_response(status, str(exc), param, code)
+
+        return handle
+
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None, None)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(EngineDead, handler(503, code="engine_dead"))
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """pydantic's 422 becomes OpenAI's 400, naming the first bad field."""
+    err = exc.errors()[0]
+    if err.get("type") == "json_invalid":
+        return error_response(400, f"malformed JSON body: {err.get('msg')}", None, "invalid_json")
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or "body"
+    return error_response(400, f"{where}: {err.get('msg')}", loc[0] if loc else None, "invalid_value")
+
+
+METRICS = {  # name -> (type, help)
+    "num_requests_running": ("gauge", "Sequences in the running batch."),
+    "num_requests_waiting": ("gauge", "Sequences waiting to be scheduled."),
+    "generation_tokens_total": ("counter", "Tokens generated since start."),
+    "kv_blocks_used": ("gauge", "KV cache blocks in use."),
+    "kv_blocks_free": ("gauge", "KV cache blocks free."),
+    "num_preemptions_total": ("counter", "Sequences preempted (blocks freed, recomputed later)."),
+    "all2all_bytes_sent_total": ("counter", "Bytes the MoE token exchange sent from this rank."),
+    "all2all_bytes_received_total": ("counter", "Bytes the MoE token exchange received on this rank."),
+}
+
+
+def prometheus_text(values: dict[str, int]) -> str:
+    lines = []
+    for name, (kind, help_text) in METRICS.items():
+        full = f"expertmesh_{name}"
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full} {values.get(name, 0)}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- start-up -----------------------------------------------------------------------------------
+def serve(
+    llm_kwargs: dict[str, Any],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_names: list[str] | None = None,
+) -> None:
+    """Load the model in this process and serve it until interrupted."""
+    import uvicorn
+
+    from expertmesh import LLM
+
+    sizes = [llm_kwargs.get(f"{k}_parallel_size", 1) for k in ("tensor", "data", "pipeline")]
+    if sizes != [1, 1, 1]:
+        # The server steps one engine in this process; ranks elsewhere would need an executor.
+        raise SystemExit(f"expertmesh serve runs one rank; got TP, DP, PP = {sizes} (not supported yet)")
+    llm = LLM(**llm_kwargs)
+    engine = AsyncEngine(llm)
+    names = served_model_names or [llm_kwargs.get("model") or DEFAULT_SERVED_NAME]
+    log.info("serving %s on http://%s:%d", names, host, port)
+    try:
+        uvicorn.run(build_app(engine, names), host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()

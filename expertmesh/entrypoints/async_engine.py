@@ -1,0 +1,300 @@
+"""The engine behind the server: one thread owns the LLMEngine and steps it while any request is
+active, so requests from many clients join the running batch (continuous batching).
+
+asyncio callers never touch the engine (nor the tokenizer, whose Rust object is not safe to share
+across threads): they send closures to the engine thread, which runs them between steps, and
+get per-step `Update`s back on their own asyncio queue. A caller that stops listening (client
+disconnected, task cancelled) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from expertmesh.engine.llm_engine import Request
+from expertmesh.outputs import Logprob, RequestOutput
+from expertmesh.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from expertmesh.entrypoints.llm import LLM
+
+log = logging.getLogger("expertmesh")
+
+
+class PromptRejected(ValueError):
+    """The engine refused the request (too long, empty, no tokenizer, ...): a client error."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has stopped (an exception in a step, or shut down)."""
+
+
+@dataclass
+class SeqDelta:
+    """What one sequence added in one step (streaming requests only)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    text: str
+
+
+@dataclass
+class Update:
+    deltas: list[SeqDelta] = field(default_factory=list)
+    final: RequestOutput | None = None  # set on a request's last update
+
+
+class IncrementalText:
+    """Emits the new suffix of a sequence's text each step.
+
+    Decodes the whole output every step (a suffix alone can decode differently) and holds back
+    what may still change: an incomplete UTF-8 character, or a tail that could be the start of a
+    stop string (the finished text is cut before it).
+    """
+
+    def __init__(self, hold: int) -> None:
+        self.sent, self.hold = "", hold
+
+    def delta(self, text: str, finished: bool) -> str:
+        if not finished:
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[: max(0, len(text) - self.hold)]
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent) :], text
+        return new
+
+
+@dataclass
+class _Tracked:
+    """The engine thread's view of one active request."""
+
+    request: Request
+    push: Callable[[Any], None]
+    stream: bool
+    seen: list[int]
+    texts: list[IncrementalText]
+
+
+class AsyncEngine:
+    """Wraps an `LLM` (one process) for concurrent asyncio callers."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.engine = llm, llm.llm_engine
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.config.scheduler_config.max_model_len
+        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._active: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._tokens_total = 0
+        self._error: BaseException | None = None
+        self.metrics: dict[str, int] = {}
+        self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="expertmesh-engine", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ---------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[Update]:
+        """Per-step updates of one request, ending with the one whose `final` is set.
+
+        Raises PromptRejected before the first update when the engine refuses the prompt.
+        Leaving early (break, cancellation) aborts the request.
+        """
+        rid = f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Any] = asyncio.Queue()
+        accepted: asyncio.Future[None] = loop.create_future()
+
+        def push(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, item)
+            except RuntimeError:  # the caller's loop is gone: nobody is listening
+                pass
+
+        def settle(error: BaseException | None) -> None:
+            if not accepted.done():
+                accepted.set_exception(error) if error else accepted.set_result(None)
+
+        def on_added(error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(settle, error)
+
+        self._submit(lambda: self._add(rid, prompt, add_special_tokens, params, stream, push, on_added))
+        finished = False
+        try:
+            await accepted
+            while not finished:
+                item = await updates.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.final is not None
+                yield item
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id), quiet=True)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def _submit(self, command: Callable[[], None], quiet: bool = False) -> None:
+        if not self.is_alive:
+            if quiet:
+                return
+            raise EngineDead(f"the engine is not running ({self._error or 'shut down'})")
+        self._commands.put(command)
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        # After a failed step the thread stays up, only to turn new requests away.
+        while self._apply_commands(
+            block=self._error is not None or not self.engine.has_unfinished_requests()
+        ):
+            if self._error is None and self.engine.has_unfinished_requests():
+                try:
+                    self._publish(self.engine.step())
+                except Exception as exc:  # every waiting caller must hear about it
+                    self._fail(exc)
+            self._snapshot()
+
+    def _has_work(self) -> bool:
+        return self._error is None and self.engine.has_unfinished_requests()
+
+    def _fail(self, exc: Exception) -> None:
+        log.exception("engine step failed; the server will answer 503 from now on")
+        self._error = exc
+        for tracked in self._active.values():
+            tracked.push(EngineDead(f"the engine failed: {exc!r}"))
+        self._active.clear()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one when idle); False once asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while command is not None:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _add(
+        self,
+        rid: str,
+        prompt: str | list[int],
+        add_special: bool,
+        params: SamplingParams,
+        stream: bool,
+        push: Callable[[Any], None],
+        on_added: Callable[[BaseException | None], None],
+    ) -> None:
+        if self._error is not None:
+            on_added(EngineDead(f"the engine failed: {self._error!r}"))
+            return
+        try:
+            ids = self._encode(prompt, add_special)
+            req = self.engine.add_request(rid, ids, params, prompt if isinstance(prompt, str) else None)
+        except Exception as exc:  # a bad prompt must not stop the engine
+            on_added(PromptRejected(str(exc)))
+            return
+        if req.error:
+            self.engine.abort_request(rid)  # drop it: it never runs
+            on_added(PromptRejected(req.error))
+            return
+        hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        n = len(req.seqs)
+        self._active[rid] = _Tracked(req, push, stream, [0] * n, [IncrementalText(hold) for _ in range(n)])
+        on_added(None)
+
+    def _encode(self, prompt: str | list[int], add_special: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; send the prompt as token ids")
+        return self.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+
+    def _abort(self, rid: str) -> None:
+        if self._active.pop(rid, None) is not None:
+            self.engine.abort_request(rid)
+
+    def _publish(self, finished: list[RequestOutput]) -> None:
+        done = {out.request_id: out for out in finished}
+        for rid, tracked in list(self._active.items()):
+            final = done.get(rid)
+            deltas = self._deltas(tracked, final is not None)
+            if final is not None:
+                self._name_tokens(final)
+                del self._active[rid]
+            if deltas or final is not None:
+                tracked.push(Update(deltas, final))
+
+    def _deltas(self, tracked: _Tracked, finished: bool) -> list[SeqDelta]:
+        """New tokens of each sequence since the last step (only counted when not streaming)."""
+        deltas = []
+        for seq, text in zip(tracked.request.seqs, tracked.texts):
+            start, end = tracked.seen[seq.index], len(seq.output_token_ids)
+            tracked.seen[seq.index] = end
+            self._tokens_total += end - start
+            if not tracked.stream or (end == start and not finished):
+                continue
+            logprobs = seq.logprobs[start:end] if seq.logprobs is not None else None
+            self._name_tokens_in(logprobs or [])
+            done = seq.is_finished
+            full = self.engine.detok.final_text(seq) if done else self._decode(seq)
+            deltas.append(
+                SeqDelta(seq.index, seq.output_token_ids[start:end], logprobs, text.delta(full, done))
+            )
+        return deltas
+
+    def _decode(self, seq) -> str:
+        return self.engine.detok.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+
+    def _name_tokens(self, out: RequestOutput) -> None:
+        for completion in out.outputs:
+            self._name_tokens_in(completion.logprobs or [])
+
+    def _name_tokens_in(self, logprobs: list[dict[int, Logprob]]) -> None:
+        """Fill in each logprob's token text here, the only thread that uses the tokenizer."""
+        for entry in logprobs:
+            for token_id, lp in entry.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.engine.detok.decode([token_id], skip_special_tokens=False)
+
+    def _snapshot(self) -> None:
+        """Numbers for /metrics, read by the server thread: one dict swap, no locking."""
+        stats, sched = self.engine.stats(), self.engine.scheduler
+        traffic = self.llm.all2all_stats()
+        self.metrics = {
+            "num_requests_running": len(sched.running),
+            "num_requests_waiting": len(sched.waiting),
+            "generation_tokens_total": self._tokens_total,
+            "kv_blocks_used": stats["kv_blocks_total"] - stats["kv_blocks_free"],
+            "kv_blocks_free": stats["kv_blocks_free"],
+            "num_preemptions_total": stats["preemptions"],
+            "all2all_bytes_sent_total": traffic["bytes_sent"],
+            "all2all_bytes_received_total": traffic["bytes_received"],
+        }
