@@ -74,12 +74,41 @@ class IncrementalText:
         return new
 
 
+class _Channel:
+    """Carries one request's results from the engine thread to the asyncio loop awaiting them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.updates: asyncio.Queue[Update | BaseException] = asyncio.Queue()
+        self.accepted: asyncio.Future[None] = loop.create_future()
+
+    def push(self, item: Update | BaseException) -> None:
+        self._call(self.updates.put_nowait, item)
+
+    def on_added(self, error: BaseException | None) -> None:
+        self._call(self._settle, error)
+
+    def _settle(self, error: BaseException | None) -> None:
+        if self.accepted.done():
+            return
+        if error is None:
+            self.accepted.set_result(None)
+        else:
+            self.accepted.set_exception(error)
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the caller's loop is gone: nobody is listening
+            pass
+
+
 @dataclass
 class _Tracked:
     """The engine thread's view of one active request."""
 
     request: Request
-    push: Callable[[Any], None]
+    channel: _Channel
     stream: bool
     seen: list[int]
     texts: list[IncrementalText]
@@ -120,29 +149,13 @@ class AsyncEngine:
         Leaving early (break, cancellation) aborts the request.
         """
         rid = f"req-{next(self._ids)}"
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Any] = asyncio.Queue()
-        accepted: asyncio.Future[None] = loop.create_future()
-
-        def push(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(updates.put_nowait, item)
-            except RuntimeError:  # the caller's loop is gone: nobody is listening
-                pass
-
-        def settle(error: BaseException | None) -> None:
-            if not accepted.done():
-                accepted.set_exception(error) if error else accepted.set_result(None)
-
-        def on_added(error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(settle, error)
-
-        self._submit(lambda: self._add(rid, prompt, add_special_tokens, params, stream, push, on_added))
+        channel = _Channel(asyncio.get_running_loop())
+        self._submit(lambda: self._add(rid, prompt, add_special_tokens, params, stream, channel))
         finished = False
         try:
-            await accepted
+            await channel.accepted
             while not finished:
-                item = await updates.get()
+                item = await channel.updates.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.final is not None
@@ -168,10 +181,8 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         # After a failed step the thread stays up, only to turn new requests away.
-        while self._apply_commands(
-            block=self._error is not None or not self.engine.has_unfinished_requests()
-        ):
-            if self._error is None and self.engine.has_unfinished_requests():
+        while self._apply_commands(block=not self._has_work()):
+            if self._has_work():
                 try:
                     self._publish(self.engine.step())
                 except Exception as exc:  # every waiting caller must hear about it
@@ -185,7 +196,7 @@ class AsyncEngine:
         log.exception("engine step failed; the server will answer 503 from now on")
         self._error = exc
         for tracked in self._active.values():
-            tracked.push(EngineDead(f"the engine failed: {exc!r}"))
+            tracked.channel.push(EngineDead(f"the engine failed: {exc!r}"))
         self._active.clear()
 
     def _apply_commands(self, block: bool) -> bool:
@@ -209,26 +220,25 @@ class AsyncEngine:
         add_special: bool,
         params: SamplingParams,
         stream: bool,
-        push: Callable[[Any], None],
-        on_added: Callable[[BaseException | None], None],
+        channel: _Channel,
     ) -> None:
         if self._error is not None:
-            on_added(EngineDead(f"the engine failed: {self._error!r}"))
+            channel.on_added(EngineDead(f"the engine failed: {self._error!r}"))
             return
         try:
             ids = self._encode(prompt, add_special)
             req = self.engine.add_request(rid, ids, params, prompt if isinstance(prompt, str) else None)
         except Exception as exc:  # a bad prompt must not stop the engine
-            on_added(PromptRejected(str(exc)))
+            channel.on_added(PromptRejected(str(exc)))
             return
         if req.error:
             self.engine.abort_request(rid)  # drop it: it never runs
-            on_added(PromptRejected(req.error))
+            channel.on_added(PromptRejected(req.error))
             return
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         n = len(req.seqs)
-        self._active[rid] = _Tracked(req, push, stream, [0] * n, [IncrementalText(hold) for _ in range(n)])
-        on_added(None)
+        self._active[rid] = _Tracked(req, channel, stream, [0] * n, [IncrementalText(hold) for _ in range(n)])
+        channel.on_added(None)
 
     def _encode(self, prompt: str | list[int], add_special: bool) -> list[int]:
         if not isinstance(prompt, str):
@@ -250,7 +260,7 @@ class AsyncEngine:
                 self._name_tokens(final)
                 del self._active[rid]
             if deltas or final is not None:
-                tracked.push(Update(deltas, final))
+                tracked.channel.push(Update(deltas, final))
 
     def _deltas(self, tracked: _Tracked, finished: bool) -> list[SeqDelta]:
         """New tokens of each sequence since the last step (only counted when not streaming)."""

@@ -56,6 +56,13 @@ class LLM:
         pipeline_split: list[int] | None = None,
         debug_nan_recv_buffers: bool = False,
     ) -> None:
+        self._executor = None
+        if distributed_executor_backend == "mp":
+            # Every rank runs in a spawned worker; this process only hands out prompts.
+            kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+            self._executor = _start_mp_executor(kwargs)
+            self._tokenizer = _load_tokenizer(tokenizer or resolve_model(model, revision), trust_remote_code)
+            return
         parallel = ParallelConfig(
             tensor_parallel_size,
             data_parallel_size,
@@ -116,11 +123,18 @@ class LLM:
 
     def is_replica_leader(self) -> bool:
         """The rank that speaks for its DP replica (first pipeline stage, TP rank 0)."""
+        if self._executor is not None:
+            return True  # the caller of an mp executor gets every replica's outputs
         groups = self.llm_engine.groups
         return groups.tp.rank_in_group == 0 and groups.pp.rank_in_group == 0
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self._tokenizer if self._executor is not None else self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the mp executor's workers now (otherwise: when this LLM is collected, or at exit)."""
+        if self._executor is not None:
+            self._executor.shutdown()
 
     def generate(
         self,
@@ -130,6 +144,8 @@ class LLM:
     ) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt_params(sampling_params, len(prompts))
+        if self._executor is not None:
+            return self._executor.generate(prompts, params)
         engine = self.llm_engine
         order = []
         for prompt, sp in zip(prompts, params):
@@ -172,6 +188,22 @@ class LLM:
         if per_layer:
             total["layers"] = layers
         return total
+
+
+def _start_mp_executor(kwargs: dict[str, Any]):
+    from expertmesh.executor.mp_executor import MPExecutor  # only this backend needs it
+
+    # Check the parallel request here, before any process is spawned.
+    ParallelConfig(
+        kwargs["tensor_parallel_size"],
+        kwargs["data_parallel_size"],
+        kwargs["pipeline_parallel_size"],
+        kwargs["enable_expert_parallel"],
+        choose_all2all_backend(kwargs["all2all_backend"]),
+        "mp",
+        kwargs["expert_placement"],
+    )
+    return MPExecutor(kwargs)
 
 
 def _with_rank(pc: ParallelConfig, rank: int, dp_rank: int) -> ParallelConfig:

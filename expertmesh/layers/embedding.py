@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.layers import cpu_gemm
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -45,8 +46,18 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias = nn.Parameter(torch.empty(self.shard, dtype=dtype), requires_grad=False)
             set_loader(self.bias, self._load)
 
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        if cpu_gemm.can_pack(self.weight):
+            self.packed = cpu_gemm.pack(self.weight)
+            cpu_gemm.release(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        if self.packed is not None:
+            logits = cpu_gemm.linear(hidden, self.packed, self.bias)
+        else:
+            logits = F.linear(hidden, self.weight, self.bias)
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from expertmesh.layers import cpu_gemm
 from expertmesh.layers.activation import gated
 from expertmesh.layers.weights import copy_into, read, set_loader
 
@@ -86,7 +87,20 @@ class FusedExperts(nn.Module):
         ys *= topk_weights.flatten()[order].to(ys.dtype).unsqueeze(1)
         return out.index_add_(0, token, ys)
 
+    packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per local expert (w13, w2)
+
+    def pack_for_cpu(self) -> None:
+        if len(self.expert_ids) and cpu_gemm.can_pack(self.w13[0]):
+            self.packed = [
+                (cpu_gemm.pack(self.w13[e]), cpu_gemm.pack(self.w2[e])) for e in range(len(self.expert_ids))
+            ]
+            cpu_gemm.release(self.w13)
+            cpu_gemm.release(self.w2)
+
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            w13, w2 = self.packed[e]
+            return cpu_gemm.linear(gated(cpu_gemm.linear(x, w13), self.act), w2)
         return gated(x @ self.w13[e].t(), self.act) @ self.w2[e].t()
 
     def _one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.layers import cpu_gemm
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -29,8 +30,20 @@ class LinearBase(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
 
+    packed: torch.Tensor | None = None  # oneDNN copy of the weight, set by pack_for_cpu()
+
+    def pack_for_cpu(self) -> None:
+        if cpu_gemm.can_pack(self.weight):
+            self.packed = cpu_gemm.pack(self.weight)
+            cpu_gemm.release(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -143,10 +156,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         # Without the reduce, the caller sums the partials later: the bias joins on rank 0 only.
         bias = self.bias if (self.reduce or self.tp_rank == 0) else None
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         if self.reduce:
             y = self.group.all_reduce(y)
         return y if bias is None else y + bias

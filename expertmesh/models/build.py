@@ -85,4 +85,7 @@ def build_model(cfg: ModelConfig, env: ModelEnv, model_dir: str, device: str = "
     with torch.device(device):
         model = cls(cfg, env)
     load_weights(model, model_dir)
+    for module in model.modules():  # after loading: packing reorders the loaded weights
+        if hasattr(module, "pack_for_cpu"):
+            module.pack_for_cpu()
     return model.eval()

@@ -1,0 +1,144 @@
+"""distributed_executor_backend="mp": `LLM(..., tensor_parallel_size=2)` in a plain script.
+
+The engine is SPMD, so this executor spawns one worker process per rank, each building the
+engine exactly as under torchrun (see worker.py), and drives them from the caller's process:
+each `generate` call is split over the DP replicas (round robin; every rank of a replica gets
+the same prompts), sent to every worker, and answered from each replica's leader, in input
+order. While waiting it watches every worker's process sentinel: a worker that dies or raises
+is reported with its rank within a second and the others are shut down, never waited on.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.multiprocessing as torch_mp
+
+from expertmesh.distributed.layout import ParallelLayout
+from expertmesh.executor.worker import recv, send, worker_main
+from expertmesh.outputs import RequestOutput
+from expertmesh.sampling_params import SamplingParams
+
+log = logging.getLogger("expertmesh")
+
+
+class WorkerError(RuntimeError):
+    """A worker process died or raised; the executor has shut every worker down."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MPExecutor:
+    def __init__(self, llm_kwargs: dict[str, Any]) -> None:
+        tp, dp, pp = (llm_kwargs.get(f"{k}_parallel_size", 1) for k in ("tensor", "data", "pipeline"))
+        self.layout = ParallelLayout(dp, pp, tp, bool(llm_kwargs.get("enable_expert_parallel")))
+        self.world_size, self.dp_size = dp * pp * tp, dp
+        ctx, port = torch_mp.get_context("spawn"), _free_port()
+        self._procs, self._conns = [], []
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, self.world_size, port, llm_kwargs, child_end),
+                name=f"expertmesh-rank{rank}",
+                daemon=True,  # a last resort: multiprocessing ends daemons when the caller exits
+            )
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        # Runs on shutdown(), on garbage collection, or at interpreter exit, whichever is first.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self.last_split: list[list[int]] = []  # prompt indices per DP replica in the last call
+        self._wait_for(range(self.world_size), "ready")
+        log.info("mp executor: %d workers ready", self.world_size)
+
+    def generate(self, prompts: list[Any], params: list[SamplingParams]) -> list[RequestOutput]:
+        if not self._finalizer.alive:
+            raise WorkerError("the mp executor was shut down; create a new LLM")
+        split = [list(range(d, len(prompts), self.dp_size)) for d in range(self.dp_size)]
+        self.last_split = split
+        for rank, conn in enumerate(self._conns):
+            mine = split[self.layout.coords(rank)[0]]
+            try:
+                send(conn, ("generate", [prompts[i] for i in mine], [params[i] for i in mine]))
+            except OSError:
+                self._fail(rank, "cannot be reached (its pipe is closed: it died)")
+        replies = self._wait_for(range(self.world_size), "done")
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for d, indices in enumerate(split):
+            leader = self.layout.rank_of(d, 0, 0)  # first pipeline stage, TP rank 0
+            for i, out in zip(indices, replies[leader]):
+                outputs[i] = out
+        return outputs  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _wait_for(self, ranks: range, kind: str) -> dict[int, Any]:
+        """One `kind` reply from each rank; a worker that dies or reports an error first raises."""
+        pending: dict[Connection, int] = {self._conns[r]: r for r in ranks}
+        sentinels = [p.sentinel for p in self._procs]
+        replies: dict[int, Any] = {}
+        while pending:
+            ready = wait([*pending, *sentinels], timeout=1.0)
+            self._check_alive()
+            for conn in (c for c in ready if c in pending):
+                rank = pending.pop(conn)
+                try:
+                    got, payload = recv(conn)
+                except (EOFError, OSError):
+                    self._fail(rank, "closed its pipe (it died)")
+                if got == "error":
+                    # A peer's death makes the others' collectives fail: name the dead one.
+                    wait(sentinels, timeout=2.0)
+                    self._check_alive()
+                    self._fail(rank, f"raised:\n{payload}")
+                replies[rank] = payload
+        return replies
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                self._fail(rank, f"died (exit code {proc.exitcode})")
+
+    def _fail(self, rank: int, what: str) -> None:
+        pid = self._procs[rank].pid
+        self._finalizer.detach()
+        _stop_workers(self._procs, self._conns, graceful=False)
+        raise WorkerError(
+            f"mp executor: worker rank {rank} of {self.world_size} (pid {pid}) {what}; "
+            "every other worker was shut down"
+        )
+
+
+def _stop_workers(procs: list[Any], conns: list[Connection], graceful: bool = True) -> None:
+    """Ask the workers to stop, then terminate, then kill whatever is left: none survives."""
+    if graceful:
+        for conn in conns:
+            try:
+                send(conn, ("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()

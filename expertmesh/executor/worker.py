@@ -1,0 +1,66 @@
+"""One rank of an `mp` executor: a spawned process that builds the engine SPMD-style, exactly
+as under torchrun (external_launcher), and runs the `generate` calls its parent sends it.
+
+Messages are pickled bytes over a pipe (plain pickle: torch's reducers would route tensors
+through shared memory that dies with the sender). The loop ends on "stop", or when the parent
+goes away (the pipe closes), so a worker never outlives its parent for long.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+def send(conn: Connection, message: Any) -> None:
+    conn.send_bytes(pickle.dumps(message))
+
+
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any], conn: Connection) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    from expertmesh.entrypoints.llm import LLM
+
+    # The ranks share this machine's cores: one rank must not take them all.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        llm = LLM(**{**llm_kwargs, "distributed_executor_backend": "external_launcher"})
+        send(conn, ("ready", None))
+        _serve_calls(llm, conn)
+    except (EOFError, OSError):
+        pass  # the parent is gone: nothing to report to
+    except BaseException:
+        try:
+            send(conn, ("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve_calls(llm: Any, conn: Connection) -> None:
+    leader = llm.is_replica_leader()
+    while True:
+        message = recv(conn)
+        if message[0] == "stop":
+            return
+        _, prompts, params = message
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        # Every rank of a replica has the same outputs; only the replica leader sends them back.
+        send(conn, ("done", outputs if leader else None))
