@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -182,30 +182,37 @@ async def _serve(
 
 
 def _rejection_code(message: str) -> str:
-    return (
-        "context_length_exceeded" if "max_model_len" in message or "KV cache" in message else "invalid_prompt"
-    )
+    too_long = "max_model_len" in message or "KV cache" in message
+    return "context_length_exceeded" if too_long else "invalid_prompt"
 
 
 # ---- engine -> response -------------------------------------------------------------------------
-async def _first_updates(gens: list[AsyncIterator[Update]]) -> list[Update]:
-    """Each request's first update; any rejection closes (aborts) them all and is raised."""
-    results = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+async def _first_updates(gens: list[AsyncGenerator[Update, None]]) -> list[Update]:
+    """Each request's first update; a rejection (or cancellation) closes, so aborts, them all."""
+    try:
+        results = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+    except BaseException:  # cancelled: the client left while its prompts were starting
+        await _close(gens)
+        raise
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
-        for g in gens:
-            await g.aclose()
+        await _close(gens)
         raise errors[0]
     return list(results)
 
 
+async def _close(gens: list[AsyncGenerator[Update, None]]) -> None:
+    for gen in gens:
+        await gen.aclose()  # a generator closed before its final update aborts its request
+
+
 async def _merged(
-    gens: list[AsyncIterator[Update]], firsts: list[Update]
-) -> AsyncIterator[tuple[int, Update]]:
+    gens: list[AsyncGenerator[Update, None]], firsts: list[Update]
+) -> AsyncGenerator[tuple[int, Update], None]:
     """(prompt index, update) from every request as they come; closing it aborts what is left."""
     out: asyncio.Queue[tuple[int, Update | BaseException]] = asyncio.Queue()
 
-    async def pump(i: int, gen: AsyncIterator[Update]) -> None:
+    async def pump(i: int, gen: AsyncGenerator[Update, None]) -> None:
         try:
             async for update in gen:
                 out.put_nowait((i, update))
@@ -228,11 +235,10 @@ async def _merged(
         for task in tasks:
             task.cancel()  # cancelling a pump aborts its request in the engine
         await asyncio.gather(*tasks, return_exceptions=True)
-        for gen in gens:
-            await gen.aclose()
+        await _close(gens)
 
 
-async def _finals(updates: AsyncIterator[tuple[int, Update]], count: int) -> list[Any]:
+async def _finals(updates: AsyncGenerator[tuple[int, Update], None], count: int) -> list[Any]:
     finals: list[Any] = [None] * count
     async for i, update in updates:
         if update.final is not None:
@@ -241,7 +247,10 @@ async def _finals(updates: AsyncIterator[tuple[int, Update]], count: int) -> lis
 
 
 async def _sse(
-    request: Request, updates: AsyncIterator[tuple[int, Update]], renderer: Renderer, include_usage: bool
+    request: Request,
+    updates: AsyncGenerator[tuple[int, Update], None],
+    renderer: Renderer,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events: one `data:` line per chunk, then `data: [DONE]`."""
     usage = UsageInfo()

@@ -14,7 +14,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +142,7 @@ class AsyncEngine:
         params: SamplingParams,
         stream: bool = False,
         add_special_tokens: bool = True,
-    ) -> AsyncIterator[Update]:
+    ) -> AsyncGenerator[Update, None]:
         """Per-step updates of one request, ending with the one whose `final` is set.
 
         Raises PromptRejected before the first update when the engine refuses the prompt.

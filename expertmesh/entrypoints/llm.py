@@ -60,8 +60,9 @@ class LLM:
         if distributed_executor_backend == "mp":
             # Every rank runs in a spawned worker; this process only hands out prompts.
             kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-            self._executor = _start_mp_executor(kwargs)
-            self._tokenizer = _load_tokenizer(tokenizer or resolve_model(model, revision), trust_remote_code)
+            model_dir = resolve_model(model, revision)  # a bad path fails here, before any spawn
+            self._executor = _start_mp_executor({**kwargs, "model": model_dir})
+            self._tokenizer = _load_tokenizer(tokenizer or model_dir, trust_remote_code)
             return
         parallel = ParallelConfig(
             tensor_parallel_size,

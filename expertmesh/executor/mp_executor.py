@@ -25,6 +25,10 @@ from expertmesh.outputs import RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
 log = logging.getLogger("expertmesh")
+STARTUP_HINT = (
+    "Workers are spawned and import the caller's main module again: a script must create the "
+    "LLM under `if __name__ == '__main__':` (the worker's own error is printed above)"
+)
 
 
 class WorkerError(RuntimeError):
@@ -59,7 +63,9 @@ class MPExecutor:
         # Runs on shutdown(), on garbage collection, or at interpreter exit, whichever is first.
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
         self.last_split: list[list[int]] = []  # prompt indices per DP replica in the last call
-        self._wait_for(range(self.world_size), "ready")
+        self._death_hint = f". {STARTUP_HINT}"  # a worker dying while it starts: most often this
+        self._wait_for("ready")
+        self._death_hint = ""
         log.info("mp executor: %d workers ready", self.world_size)
 
     def generate(self, prompts: list[Any], params: list[SamplingParams]) -> list[RequestOutput]:
@@ -73,7 +79,7 @@ class MPExecutor:
                 send(conn, ("generate", [prompts[i] for i in mine], [params[i] for i in mine]))
             except OSError:
                 self._fail(rank, "cannot be reached (its pipe is closed: it died)")
-        replies = self._wait_for(range(self.world_size), "done")
+        replies = self._wait_for("done")
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         for d, indices in enumerate(split):
             leader = self.layout.rank_of(d, 0, 0)  # first pipeline stage, TP rank 0
@@ -84,41 +90,72 @@ class MPExecutor:
     def shutdown(self) -> None:
         self._finalizer()
 
-    def _wait_for(self, ranks: range, kind: str) -> dict[int, Any]:
-        """One `kind` reply from each rank; a worker that dies or reports an error first raises."""
-        pending: dict[Connection, int] = {self._conns[r]: r for r in ranks}
+    def _wait_for(self, kind: str) -> dict[int, Any]:
+        """One `kind` reply from every rank; a worker that dies or reports an error raises."""
+        pending: dict[Connection, int] = {conn: rank for rank, conn in enumerate(self._conns)}
         sentinels = [p.sentinel for p in self._procs]
         replies: dict[int, Any] = {}
         while pending:
             ready = wait([*pending, *sentinels], timeout=1.0)
-            self._check_alive()
-            for conn in (c for c in ready if c in pending):
+            errors: dict[int, str] = {}
+            closed: list[int] = []
+            for conn in [c for c in ready if c in pending]:
                 rank = pending.pop(conn)
                 try:
                     got, payload = recv(conn)
                 except (EOFError, OSError):
-                    self._fail(rank, "closed its pipe (it died)")
-                if got == "error":
-                    # A peer's death makes the others' collectives fail: name the dead one.
-                    wait(sentinels, timeout=2.0)
-                    self._check_alive()
-                    self._fail(rank, f"raised:\n{payload}")
+                    closed.append(rank)
+                    continue
+                if got != kind:
+                    errors[rank] = payload if got == "error" else f"answered {got!r}, not {kind!r}"
                 replies[rank] = payload
+            if errors or closed or any(p.exitcode is not None for p in self._procs):
+                self._blame(errors, closed)
         return replies
 
-    def _check_alive(self) -> None:
-        for rank, proc in enumerate(self._procs):
-            if proc.exitcode is not None:
-                self._fail(rank, f"died (exit code {proc.exitcode})")
+    def _blame(self, errors: dict[int, str], closed: list[int]) -> None:
+        """Something failed: let the other workers settle, then name the cause and raise.
 
-    def _fail(self, rank: int, what: str) -> None:
+        A peer's death makes the others' collectives fail too, so a worker that died without a
+        word (killed, crashed) is named before one that reported an error.
+        """
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            alive = [p.sentinel for p in self._procs if p.exitcode is None]
+            if not alive or not wait(alive, timeout=deadline - time.monotonic()):
+                break
+        for rank, conn in enumerate(self._conns):
+            words = _last_words(conn)
+            if words is not None:
+                errors.setdefault(rank, words)
+        dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None or r in closed]
+        silent = [r for r in dead if r not in errors]
+        if silent or not errors:
+            rank = (silent or dead)[0]
+            self._fail(rank, f"died (exit code {self._procs[rank].exitcode})", self._death_hint)
+        rank = min(errors)
+        self._fail(rank, f"raised:\n{errors[rank]}")
+
+    def _fail(self, rank: int, what: str, hint: str = "") -> None:
         pid = self._procs[rank].pid
         self._finalizer.detach()
         _stop_workers(self._procs, self._conns, graceful=False)
         raise WorkerError(
             f"mp executor: worker rank {rank} of {self.world_size} (pid {pid}) {what}; "
-            "every other worker was shut down"
+            f"every other worker was shut down{hint}"
         )
+
+
+def _last_words(conn: Connection) -> str | None:
+    """The error a worker sent before it exited, if it sent one."""
+    try:
+        while conn.poll():
+            got, payload = recv(conn)
+            if got == "error":
+                return payload
+    except (EOFError, OSError):
+        pass
+    return None
 
 
 def _stop_workers(procs: list[Any], conns: list[Connection], graceful: bool = True) -> None:

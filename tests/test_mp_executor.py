@@ -1,0 +1,103 @@
+"""distributed_executor_backend="mp": LLM(..., tensor_parallel_size=2) in a plain process spawns
+its own workers, gives the tokens of one process, spreads prompts over DP replicas, reports a
+dead worker by rank within seconds, and leaves no process behind."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.executor.mp_executor import WorkerError
+
+PROMPTS = ["The cat", "Hello world and more words here", "a", "1 2 3 4 5 6 7 8 9", "x y"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22)
+
+
+def _workers() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("expertmesh-rank")]
+
+
+def _wait_no_workers(timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _workers():
+        assert time.monotonic() < deadline, f"workers left behind: {_workers()}"
+        time.sleep(0.1)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    path = checkpoint("phimoe")
+    return path, _tokens(LLM(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.timeout(90)
+def test_tp2_equals_one_process_and_shuts_down(reference):
+    path, expected = reference
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    assert len(_workers()) == 2
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert _tokens(outs) == expected
+    assert [o.prompt for o in outs] == PROMPTS
+    assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == expected[:1]  # the workers keep serving
+    llm.shutdown()
+    _wait_no_workers()
+
+
+@pytest.mark.timeout(90)
+def test_dp2_spreads_prompts_keeps_order_and_exits_when_collected(reference):
+    path, expected = reference
+    llm = LLM(path, data_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
+    assert llm._executor.last_split == [[0, 2, 4], [1, 3]]
+    assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == expected[:1]  # replica 1 idles in lockstep
+    del llm
+    gc.collect()
+    _wait_no_workers()
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_worker_is_reported_by_rank_within_seconds(reference):
+    path, _ = reference
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    victim = next(p for p in _workers() if p.name == "expertmesh-rank1")
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(victim.pid, signal.SIGKILL)
+
+    threading.Timer(0.5, kill).start()
+    with pytest.raises(WorkerError, match=r"worker rank 1 of 2 .* died") as err:
+        while True:  # the kill lands during a call, or just before the next one
+            llm.generate(PROMPTS * 4, long)
+    assert time.monotonic() - killed_at[0] < 30, err.value
+    _wait_no_workers()
+    with pytest.raises(WorkerError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_raises_at_start_up_is_reported_with_its_traceback(reference):
+    path, _ = reference
+    with pytest.raises(WorkerError, match=r"(?s)worker rank [01] of 2 .* raised:.*holds no block"):
+        LLM(
+            path,
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            max_model_len=128,
+            kv_cache_memory_bytes=1,
+        )
+    _wait_no_workers()
