@@ -16,7 +16,7 @@ from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sampler import Sampler, top_logprobs
 from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
-from expertmesh.layers.attention import AttentionMetadata, decode_key_mask
+from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, decode_key_mask
 
 
 class ModelRunner:
@@ -69,6 +69,9 @@ class ModelRunner:
         self, batch: ScheduledBatch, blocks: BlockManager
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         ids, pos, slots, last = [], [], [], []
+        # Shortest context first, so decode attention can group similar lengths (see _decode_groups);
+        # batch.seqs follows, keeping sampled rows aligned. Deterministic: every rank sorts alike.
+        batch.decodes.sort(key=lambda s: len(s.block_table))
         for seq in batch.decodes:
             p = seq.num_tokens - 1
             ids.append(seq.last_token)
@@ -89,15 +92,27 @@ class ModelRunner:
     def _attention_metadata(
         self, batch: ScheduledBatch, slots: list[int], prefills: list
     ) -> AttentionMetadata:
-        tables = lens = mask = None
-        if batch.decodes:
-            width = max(len(s.block_table) for s in batch.decodes)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.decodes])
-            lens = torch.tensor([s.num_tokens for s in batch.decodes])
-            mask = decode_key_mask(lens, width * self.block_size, self.config.model_config.sliding_window)
-        buffers = self._gather_buffers(tables.numel()) if tables is not None else None
+        groups = self._decode_groups(batch.decodes)
+        most = max((g.block_tables.numel() for g in groups), default=0)
+        buffers = self._gather_buffers(most) if groups else None
         slots_t = torch.tensor(slots, dtype=torch.long)
-        return AttentionMetadata(slots_t, len(batch.decodes), tables, lens, mask, prefills, buffers)
+        return AttentionMetadata(slots_t, len(batch.decodes), groups, prefills, buffers)
+
+    def _decode_groups(self, decodes: list) -> list[DecodeGroup]:
+        """Consecutive decodes (sorted by length in prepare) while the widest stays <= 2x the first."""
+        groups, start = [], 0
+        while start < len(decodes):
+            end = start + 1
+            while end < len(decodes) and len(decodes[end].block_table) <= 2 * len(decodes[start].block_table):
+                end += 1
+            members = decodes[start:end]
+            width = len(members[-1].block_table)
+            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in members])
+            lens = torch.tensor([s.num_tokens for s in members])
+            mask = decode_key_mask(lens, width * self.block_size, self.config.model_config.sliding_window)
+            groups.append(DecodeGroup(start, end, tables, mask))
+            start = end
+        return groups
 
     def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V gather buffers for `num_blocks` blocks, grown (doubling) and then reused."""
@@ -112,7 +127,7 @@ class ModelRunner:
     def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """One token written to the scratch block: keeps a rank with no work in lockstep."""
         scratch = self.num_blocks * self.block_size
-        meta = AttentionMetadata(torch.tensor([scratch]), 0, None, None, None, [(0, 1)])
+        meta = AttentionMetadata(torch.tensor([scratch]), 0, [], [(0, 1)])
         return torch.tensor([0]), torch.tensor([0]), ForwardContext(meta, [1]), [0]
 
     # ---- forward --------------------------------------------------------------------------

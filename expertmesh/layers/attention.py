@@ -14,14 +14,24 @@ from torch import nn
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes [start, end) of a step, attended together: their block tables padded to one width."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [end - start, width]
+    key_mask: torch.Tensor  # [end - start, 1, 1, width * block_size], True = attend
+
+
+@dataclass
 class AttentionMetadata:
     """One step's attention layout, built once by the model runner and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     num_decodes: int  # tokens [0, num_decodes) are single-token decodes
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in cache incl. the new one
-    decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] True = attend
+    # Decodes sorted by context length and grouped so that short contexts are not padded to the
+    # longest one (the gather and attention cost grow with the padded width).
+    decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int]]  # (first token index, length) for each prefill sequence
     # Reused buffers the decode gathers K and V blocks into ([blocks, block_size, Hk, D] each):
     # a fresh multi-MB tensor per layer costs more in page faults than the copy itself.
@@ -71,14 +81,24 @@ class Attention(nn.Module):
         return y.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if len(meta.decode_groups) == 1:
+            return self._decode_group(q, meta.decode_groups[0], meta.decode_kv_buffers)
+        return torch.cat(
+            [self._decode_group(q[g.start : g.end], g, meta.decode_kv_buffers) for g in meta.decode_groups]
+        )
+
+    def _decode_group(self, q: torch.Tensor, group: DecodeGroup, buffers) -> torch.Tensor:
+        """q: [B, H, D] for the group's sequences -> [B, H, D]."""
         b, hk, d = q.shape[0], self.num_kv_heads, self.head_dim
         # index_select over flat block ids is several times faster than advanced indexing here.
-        blocks = meta.decode_block_tables.flatten()
-        k_buf, v_buf = meta.decode_kv_buffers or (None, None)
+        blocks = group.block_tables.flatten()
+        k_buf, v_buf = (
+            (buffers[0][: blocks.numel()], buffers[1][: blocks.numel()]) if buffers else (None, None)
+        )
         k = torch.index_select(self.k_cache, 0, blocks, out=k_buf).view(b, -1, hk, d).transpose(1, 2)
         v = torch.index_select(self.v_cache, 0, blocks, out=v_buf).view(b, -1, hk, d).transpose(1, 2)
         y = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=meta.decode_key_mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2), k, v, attn_mask=group.key_mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, D]
         return y.view(b, self.num_heads, self.head_dim)
 
