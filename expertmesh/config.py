@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from expertmesh.distributed.layout import ParallelLayout
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -180,10 +182,7 @@ class ParallelConfig:
     data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        self.layout  # noqa: B018 -- builds the ParallelLayout, which validates the sizes
         if self.all2all_backend not in ALL2ALL_BACKEND_NAMES:
             raise ValueError(
                 f"all2all_backend={self.all2all_backend!r} is unknown; valid: {list(ALL2ALL_BACKEND_NAMES)}"
@@ -199,8 +198,18 @@ class ParallelConfig:
             )
 
     @property
+    def layout(self) -> ParallelLayout:
+        """The rank layout these sizes describe; every group is derived from it."""
+        return ParallelLayout(
+            self.data_parallel_size,
+            self.pipeline_parallel_size,
+            self.tensor_parallel_size,
+            self.enable_expert_parallel,
+        )
+
+    @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size * self.pipeline_parallel_size
+        return self.layout.world_size
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ class ParallelLayout:
             value = getattr(self, f.name)
             if f.name == "enable_expert_parallel":
                 if not isinstance(value, bool):
-                    raise ValueError(f"{f.name} must be a bool, got {value!r}")
+                    raise ValueError(f"{f.name}={value!r} must be a bool")
             # bool is an int subclass; True is not a valid size.
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"{f.name}={value!r} must be an integer >= 1")
 
     # Short aliases keep the index arithmetic readable.
     @property

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from expertmesh.config import ParallelConfig
 from expertmesh.distributed.group import ParallelGroups, init_groups
-from expertmesh.distributed.layout import ParallelLayout, check_world_size
+from expertmesh.distributed.layout import check_world_size
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -46,9 +46,7 @@ def torchrun_hint(pc: ParallelConfig) -> str:
 
 
 def place_process(pc: ParallelConfig, device: str | None, timeout_s: float = 300.0) -> Placement:
-    layout = ParallelLayout(
-        pc.data_parallel_size, pc.pipeline_parallel_size, pc.tensor_parallel_size, pc.enable_expert_parallel
-    )
+    layout = pc.layout
     env = torchrun_env()
     launched = pc.distributed_executor_backend == "external_launcher" or (
         env is not None and pc.world_size > 1
