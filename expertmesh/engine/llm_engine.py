@@ -35,6 +35,20 @@ class Request:
     error: str | None = None
 
 
+def validate_prompt(ids: list[int], max_model_len: int, capacity: int, vocab_size: int) -> str | None:
+    """Why a prompt cannot run (too long, empty, ids outside the vocabulary), or None."""
+    if not ids:
+        return "the prompt is empty"
+    if len(ids) > max_model_len:
+        return f"the prompt has {len(ids)} tokens, longer than max_model_len={max_model_len}"
+    if len(ids) > capacity:
+        return f"the prompt has {len(ids)} tokens, more than the KV cache holds ({capacity})"
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, runner: ModelRunner, groups: ParallelGroups, tokenizer, dispatchers=()
@@ -85,17 +99,15 @@ class LLMEngine:
         return req
 
     def _validate(self, ids: list[int]) -> str | None:
-        max_len, vocab = self.config.scheduler_config.max_model_len, self.config.model_config.vocab_size
-        if not ids:
-            return "the prompt is empty"
-        if len(ids) > max_len:
-            return f"the prompt has {len(ids)} tokens, longer than max_model_len={max_len}"
-        if len(ids) > self.capacity:
-            return f"the prompt has {len(ids)} tokens, more than the KV cache holds ({self.capacity})"
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-        return None
+        return validate_prompt(ids, **self.prompt_limits())
+
+    def prompt_limits(self) -> dict[str, int]:
+        """What `validate_prompt` checks against (an mp driver checks prompts with these)."""
+        return {
+            "max_model_len": self.config.scheduler_config.max_model_len,
+            "capacity": self.capacity,
+            "vocab_size": self.config.model_config.vocab_size,
+        }
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -156,13 +168,13 @@ class LLMEngine:
 
     def _forward_counting(self, ids, pos, ctx, last):
         """The runner's forward, noting the bytes the MoE exchange moved in this step."""
-        before = self._traffic()
+        before = self.traffic()
         logits = self.runner.forward(ids, pos, ctx, last)
-        after = self._traffic()
+        after = self.traffic()
         self.last_step_traffic = {k: after[k] - before[k] for k in after}
         return logits
 
-    def _traffic(self) -> dict[str, int]:
+    def traffic(self) -> dict[str, int]:
         stats = [b.stats for b in self.dispatchers]
         return {k: sum(int(s[k]) for s in stats) for k in ("bytes_sent", "bytes_received")}
 

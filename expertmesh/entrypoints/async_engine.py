@@ -1,5 +1,6 @@
-"""The engine behind the server: one thread owns the LLMEngine and steps it while any request is
-active, so requests from many clients join the running batch (continuous batching).
+"""The engine behind the server: one thread owns an `EngineClient` (an LLMEngine in this process,
+or the mp executor's workers) and steps it while any request is active, so requests from many
+clients join the running batch (continuous batching).
 
 asyncio callers never touch the engine (nor the tokenizer, whose Rust object is not safe to share
 across threads): they send closures to the engine thread, which runs them between steps, and
@@ -18,7 +19,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from expertmesh.engine.llm_engine import Request
+from expertmesh.engine.client import EngineClient, SeqProgress, StepResult
 from expertmesh.outputs import Logprob, RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from expertmesh.entrypoints.llm import LLM
 
 log = logging.getLogger("expertmesh")
+HEALTH_POLL_S = 1.0  # while idle, how often the engine thread checks the engine (mp workers) is alive
 
 
 class PromptRejected(ValueError):
@@ -33,7 +35,7 @@ class PromptRejected(ValueError):
 
 
 class EngineDead(RuntimeError):
-    """The engine thread has stopped (an exception in a step, or shut down)."""
+    """The engine thread has stopped (an exception in a step, a dead worker, or shut down)."""
 
 
 @dataclass
@@ -107,26 +109,27 @@ class _Channel:
 class _Tracked:
     """The engine thread's view of one active request."""
 
-    request: Request
     channel: _Channel
     stream: bool
-    seen: list[int]
+    params: SamplingParams
+    tokens: list[list[int]]  # output tokens so far, per sequence (streams decode them)
     texts: list[IncrementalText]
 
 
 class AsyncEngine:
-    """Wraps an `LLM` (one process) for concurrent asyncio callers."""
+    """Serves concurrent asyncio callers from an `LLM` (one process or mp) or any EngineClient."""
 
-    def __init__(self, llm: LLM) -> None:
-        self.llm, self.engine = llm, llm.llm_engine
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.config.scheduler_config.max_model_len
+    def __init__(self, engine: LLM | EngineClient) -> None:
+        self.client: EngineClient = engine.engine_client() if hasattr(engine, "engine_client") else engine
+        self.tokenizer = self.client.tokenizer
+        self.max_model_len = self.client.max_model_len
+        self.on_failure: Callable[[BaseException], None] | None = None  # called on the engine thread
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._active: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._tokens_total = 0
         self._error: BaseException | None = None
-        self.metrics: dict[str, int] = {}
+        self.metrics: dict[str, Any] = {}
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="expertmesh-engine", daemon=True)
         self._thread.start()
@@ -135,6 +138,11 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine, if anything did."""
+        return self._error
 
     async def generate(
         self,
@@ -170,6 +178,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(None)
         self._thread.join(timeout)
+        self.client.close()
 
     def _submit(self, command: Callable[[], None], quiet: bool = False) -> None:
         if not self.is_alive:
@@ -180,17 +189,20 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        # After a failed step the thread stays up, only to turn new requests away.
+        # After a failure the thread stays up, only to turn new requests away.
         while self._apply_commands(block=not self._has_work()):
-            if self._has_work():
+            if self._error is None:
                 try:
-                    self._publish(self.engine.step())
+                    if self._has_work():
+                        self._publish(self.client.step())
+                    else:
+                        self.client.check_health()  # an mp worker may die while all is idle
                 except Exception as exc:  # every waiting caller must hear about it
                     self._fail(exc)
             self._snapshot()
 
     def _has_work(self) -> bool:
-        return self._error is None and self.engine.has_unfinished_requests()
+        return self._error is None and self.client.has_unfinished_requests()
 
     def _fail(self, exc: Exception) -> None:
         log.exception("engine step failed; the server will answer 503 from now on")
@@ -198,11 +210,13 @@ class AsyncEngine:
         for tracked in self._active.values():
             tracked.channel.push(EngineDead(f"the engine failed: {exc!r}"))
         self._active.clear()
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
     def _apply_commands(self, block: bool) -> bool:
-        """Run queued commands (waiting for one when idle); False once asked to stop."""
+        """Run queued commands (waiting a while for one when idle); False once asked to stop."""
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=HEALTH_POLL_S if block else None)
         except queue.Empty:
             return True
         while command is not None:
@@ -227,17 +241,18 @@ class AsyncEngine:
             return
         try:
             ids = self._encode(prompt, add_special)
-            req = self.engine.add_request(rid, ids, params, prompt if isinstance(prompt, str) else None)
+            error = self.client.add_request(rid, ids, params, prompt if isinstance(prompt, str) else None)
         except Exception as exc:  # a bad prompt must not stop the engine
             channel.on_added(PromptRejected(str(exc)))
             return
-        if req.error:
-            self.engine.abort_request(rid)  # drop it: it never runs
-            channel.on_added(PromptRejected(req.error))
+        if error:
+            channel.on_added(PromptRejected(error))
             return
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
-        n = len(req.seqs)
-        self._active[rid] = _Tracked(req, channel, stream, [0] * n, [IncrementalText(hold) for _ in range(n)])
+        n = params.n
+        self._active[rid] = _Tracked(
+            channel, stream, params, [[] for _ in range(n)], [IncrementalText(hold) for _ in range(n)]
+        )
         channel.on_added(None)
 
     def _encode(self, prompt: str | list[int], add_special: bool) -> list[int]:
@@ -249,39 +264,46 @@ class AsyncEngine:
 
     def _abort(self, rid: str) -> None:
         if self._active.pop(rid, None) is not None:
-            self.engine.abort_request(rid)
+            self.client.abort_request(rid)
 
-    def _publish(self, finished: list[RequestOutput]) -> None:
-        done = {out.request_id: out for out in finished}
+    def _publish(self, result: StepResult) -> None:
+        done = {out.request_id: out for out in result.finished}
         for rid, tracked in list(self._active.items()):
-            final = done.get(rid)
-            deltas = self._deltas(tracked, final is not None)
+            final, progress = done.get(rid), result.progress.get(rid, [])
+            self._tokens_total += sum(len(p.token_ids) for p in progress)
+            deltas = self._deltas(tracked, progress, final) if tracked.stream else []
             if final is not None:
-                self._name_tokens(final)
                 del self._active[rid]
+                if final.error:  # refused where it ran (the driver's checks let it through)
+                    tracked.channel.push(PromptRejected(final.error))
+                    continue
+                self._name_tokens(final)
             if deltas or final is not None:
                 tracked.channel.push(Update(deltas, final))
 
-    def _deltas(self, tracked: _Tracked, finished: bool) -> list[SeqDelta]:
-        """New tokens of each sequence since the last step (only counted when not streaming)."""
+    def _deltas(
+        self, tracked: _Tracked, progress: list[SeqProgress], final: RequestOutput | None
+    ) -> list[SeqDelta]:
+        """Each sequence's new tokens and text; at the end, every sequence's last piece of text."""
+        gained = {p.index: p for p in progress}
+        no_logprobs = [] if tracked.params.logprobs is not None else None
         deltas = []
-        for seq, text in zip(tracked.request.seqs, tracked.texts):
-            start, end = tracked.seen[seq.index], len(seq.output_token_ids)
-            tracked.seen[seq.index] = end
-            self._tokens_total += end - start
-            if not tracked.stream or (end == start and not finished):
+        for i, (tokens, text) in enumerate(zip(tracked.tokens, tracked.texts)):
+            p = gained.get(i)
+            if p is None and final is None:
                 continue
-            logprobs = seq.logprobs[start:end] if seq.logprobs is not None else None
+            new = p.token_ids if p is not None else []
+            tokens.extend(new)
+            logprobs = p.logprobs if p is not None else no_logprobs
             self._name_tokens_in(logprobs or [])
-            done = seq.is_finished
-            full = self.engine.detok.final_text(seq) if done else self._decode(seq)
-            deltas.append(
-                SeqDelta(seq.index, seq.output_token_ids[start:end], logprobs, text.delta(full, done))
-            )
+            if final is not None:
+                full, done = final.outputs[i].text, True
+            elif p is not None and p.final_text is not None:
+                full, done = p.final_text, True
+            else:
+                full, done = self.client.decode(tokens, tracked.params.skip_special_tokens), False
+            deltas.append(SeqDelta(i, list(new), logprobs, text.delta(full, done)))
         return deltas
-
-    def _decode(self, seq) -> str:
-        return self.engine.detok.decode(seq.output_token_ids, seq.params.skip_special_tokens)
 
     def _name_tokens(self, out: RequestOutput) -> None:
         for completion in out.outputs:
@@ -292,19 +314,14 @@ class AsyncEngine:
         for entry in logprobs:
             for token_id, lp in entry.items():
                 if lp.decoded_token is None:
-                    lp.decoded_token = self.engine.detok.decode([token_id], skip_special_tokens=False)
+                    lp.decoded_token = self.client.decode([token_id], False)
 
     def _snapshot(self) -> None:
         """Numbers for /metrics, read by the server thread: one dict swap, no locking."""
-        stats, sched = self.engine.stats(), self.engine.scheduler
-        traffic = self.llm.all2all_stats()
+        stats = dict(self.client.stats())
+        total = stats.pop("kv_blocks_total")
         self.metrics = {
-            "num_requests_running": len(sched.running),
-            "num_requests_waiting": len(sched.waiting),
+            **stats,
             "generation_tokens_total": self._tokens_total,
-            "kv_blocks_used": stats["kv_blocks_total"] - stats["kv_blocks_free"],
-            "kv_blocks_free": stats["kv_blocks_free"],
-            "num_preemptions_total": stats["preemptions"],
-            "all2all_bytes_sent_total": traffic["bytes_sent"],
-            "all2all_bytes_received_total": traffic["bytes_received"],
+            "kv_blocks_used": total - stats["kv_blocks_free"],
         }

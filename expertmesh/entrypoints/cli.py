@@ -33,8 +33,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--distributed-executor-backend",
         default=None,
-        choices=["external_launcher"],
-        help="external_launcher: one engine per torchrun process (set automatically under torchrun)",
+        choices=["external_launcher", "mp"],
+        help="external_launcher: one engine per torchrun process (set automatically under torchrun); "
+        "mp: this process spawns one worker per rank (what `serve` uses for several ranks)",
     )
     p.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
@@ -83,16 +84,10 @@ def _add_serve_parser(sub) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(parser, args)
-    from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
-
-    executor = args.distributed_executor_backend
-    llm = LLM(
-        args.model,
+def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
+    """LLM(...) keywords from the engine flags shared by `generate` and `serve`."""
+    return dict(
+        model=model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         seed=args.seed,
@@ -101,11 +96,21 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         all2all_backend=args.all2all_backend,
-        distributed_executor_backend=executor,
+        distributed_executor_backend=args.distributed_executor_backend,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(parser, args)
+    from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
+
+    llm = LLM(**_engine_kwargs(args, args.model))
     pc = llm.llm_engine.vllm_config.parallel_config
     # Under DP, each replica takes every DP-th prompt; one rank per replica prints.
     prompts = args.prompt[pc.data_parallel_rank :: pc.data_parallel_size]
@@ -130,21 +135,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
-    kwargs = dict(
-        model=args.model_tag or args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        all2all_backend=args.all2all_backend,
-        distributed_executor_backend=args.distributed_executor_backend,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-    )
+    kwargs = _engine_kwargs(args, args.model_tag or args.model)
     serve(kwargs, args.host, args.port, args.served_model_name)
     return 0
 

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from expertmesh.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.engine.client import EngineClient, EngineStepper
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.model_runner import ModelRunner
 from expertmesh.entrypoints.all2all_choice import choose_all2all_backend
@@ -131,6 +132,19 @@ class LLM:
 
     def get_tokenizer(self):
         return self._tokenizer if self._executor is not None else self.llm_engine.tokenizer
+
+    def engine_client(self) -> EngineClient:
+        """The step-by-step interface the server drives (this process's engine, or the mp workers)."""
+        if self._executor is not None:
+            from expertmesh.executor.mp_client import MPEngineClient
+
+            return MPEngineClient(self._executor, self._tokenizer)
+        return EngineStepper(self.llm_engine)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The mp executor's worker process ids, by rank (empty without one)."""
+        return self._executor.pids if self._executor is not None else []
 
     def shutdown(self) -> None:
         """Stop the mp executor's workers now (otherwise: when this LLM is collected, or at exit)."""

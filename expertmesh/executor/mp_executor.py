@@ -1,11 +1,13 @@
 """distributed_executor_backend="mp": `LLM(..., tensor_parallel_size=2)` in a plain script.
 
 The engine is SPMD, so this executor spawns one worker process per rank, each building the
-engine exactly as under torchrun (see worker.py), and drives them from the caller's process:
-each `generate` call is split over the DP replicas (round robin; every rank of a replica gets
-the same prompts), sent to every worker, and answered from each replica's leader, in input
-order. While waiting it watches every worker's process sentinel: a worker that dies or raises
-is reported with its rank within a second and the others are shut down, never waited on.
+engine exactly as under torchrun (see worker.py), and drives them from the caller's process
+with one of two protocols. Whole calls: each `generate` call is split over the DP replicas
+(round robin; every rank of a replica gets the same prompts), sent to every worker, and
+answered from each replica's leader, in input order. Steps (the server, see mp_client.py): each
+`step` sends every worker the requests to add and abort, and every worker runs one engine step.
+While waiting it watches every worker's process sentinel: a worker that dies or raises is
+reported with its rank within a second and the others are shut down, never waited on.
 """
 
 from __future__ import annotations
@@ -63,22 +65,26 @@ class MPExecutor:
         # Runs on shutdown(), on garbage collection, or at interpreter exit, whichever is first.
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
         self.last_split: list[list[int]] = []  # prompt indices per DP replica in the last call
+        # Each replica speaks through its first pipeline stage's TP rank 0.
+        self.leaders = [self.layout.rank_of(d, 0, 0) for d in range(dp)]
         self._death_hint = f". {STARTUP_HINT}"  # a worker dying while it starts: most often this
-        self._wait_for("ready")
+        self.ready_info: dict[int, Any] = self._wait_for("ready")  # rank -> prompt limits, stats
         self._death_hint = ""
-        log.info("mp executor: %d workers ready", self.world_size)
+        pids = ", ".join(f"rank {r} pid {p}" for r, p in enumerate(self.pids))
+        log.info("mp executor: %d workers ready (%s)", self.world_size, pids)
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids, by rank."""
+        return [p.pid for p in self._procs]
 
     def generate(self, prompts: list[Any], params: list[SamplingParams]) -> list[RequestOutput]:
-        if not self._finalizer.alive:
-            raise WorkerError("the mp executor was shut down; create a new LLM")
+        self._check_open()
         split = [list(range(d, len(prompts), self.dp_size)) for d in range(self.dp_size)]
         self.last_split = split
-        for rank, conn in enumerate(self._conns):
+        for rank in range(self.world_size):
             mine = split[self.layout.coords(rank)[0]]
-            try:
-                send(conn, ("generate", [prompts[i] for i in mine], [params[i] for i in mine]))
-            except OSError:
-                self._fail(rank, "cannot be reached (its pipe is closed: it died)")
+            self._send(rank, ("generate", [prompts[i] for i in mine], [params[i] for i in mine]))
         replies = self._wait_for("done")
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         for d, indices in enumerate(split):
@@ -87,8 +93,35 @@ class MPExecutor:
                 outputs[i] = out
         return outputs  # type: ignore[return-value]
 
+    def step(self, adds: list[tuple], aborts: list[str]) -> dict[int, Any]:
+        """One engine step on every rank (lockstep needs all of them); each rank's StepResult.
+
+        `adds` are (DP replica, request id, prompt ids, params, prompt text): every worker gets
+        them all and takes its replica's; `aborts` go to every worker.
+        """
+        self._check_open()
+        for rank in range(self.world_size):
+            self._send(rank, ("step", adds, aborts))
+        return self._wait_for("stepped")
+
+    def check_workers(self) -> None:
+        """Raise WorkerError, naming the rank, if a worker has died (or the executor is shut down)."""
+        self._check_open()
+        if any(p.exitcode is not None for p in self._procs):
+            self._blame({}, [])
+
     def shutdown(self) -> None:
         self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise WorkerError("the mp executor was shut down; create a new LLM")
+
+    def _send(self, rank: int, message: Any) -> None:
+        try:
+            send(self._conns[rank], message)
+        except OSError:
+            self._fail(rank, "cannot be reached (its pipe is closed: it died)")
 
     def _wait_for(self, kind: str) -> dict[int, Any]:
         """One `kind` reply from every rank; a worker that dies or reports an error raises."""

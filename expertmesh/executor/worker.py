@@ -1,5 +1,6 @@
 """One rank of an `mp` executor: a spawned process that builds the engine SPMD-style, exactly
-as under torchrun (external_launcher), and runs the `generate` calls its parent sends it.
+as under torchrun (external_launcher), and runs the `generate` calls or engine steps its parent
+sends it.
 
 Messages are pickled bytes over a pipe (plain pickle: torch's reducers would route tensors
 through shared memory that dies with the sender). The loop ends on "stop", or when the parent
@@ -12,7 +13,10 @@ import os
 import pickle
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported in worker_main, after the rank's environment is set
+    from expertmesh.engine.client import EngineStepper, StepResult
 
 
 def send(conn: Connection, message: Any) -> None:
@@ -34,14 +38,16 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
     import torch
     import torch.distributed as dist
 
+    from expertmesh.engine.client import EngineStepper
     from expertmesh.entrypoints.llm import LLM
 
     # The ranks share this machine's cores: one rank must not take them all.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         llm = LLM(**{**llm_kwargs, "distributed_executor_backend": "external_launcher"})
-        send(conn, ("ready", None))
-        _serve_calls(llm, conn)
+        stepper = EngineStepper(llm.llm_engine)
+        send(conn, ("ready", {"limits": llm.llm_engine.prompt_limits(), "stats": stepper.stats()}))
+        _serve_calls(llm, stepper, conn)
     except (EOFError, OSError):
         pass  # the parent is gone: nothing to report to
     except BaseException:
@@ -54,13 +60,39 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
             dist.destroy_process_group()
 
 
-def _serve_calls(llm: Any, conn: Connection) -> None:
+def _serve_calls(llm: Any, stepper: EngineStepper, conn: Connection) -> None:
+    from expertmesh.engine.client import StepResult
+
     leader = llm.is_replica_leader()
+    dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
     while True:
         message = recv(conn)
         if message[0] == "stop":
             return
+        if message[0] == "step":
+            result = _step(stepper, dp_rank, *message[1:])
+            # Every rank of a replica has the same progress; only its leader sends it back.
+            send(conn, ("stepped", result if leader else StepResult(stats=result.stats)))
+            continue
         _, prompts, params = message
         outputs = llm.generate(prompts, params, use_tqdm=False)
         # Every rank of a replica has the same outputs; only the replica leader sends them back.
         send(conn, ("done", outputs if leader else None))
+
+
+def _step(stepper: EngineStepper, dp_rank: int, adds: list[tuple], aborts: list[str]) -> StepResult:
+    """Apply this replica's adds and every abort, then step (every rank steps, for lockstep)."""
+    from expertmesh.outputs import RequestOutput
+
+    for rid in aborts:
+        stepper.abort_request(rid)
+    refused = []
+    for replica, rid, ids, params, prompt in adds:
+        if replica != dp_rank:
+            continue
+        error = stepper.add_request(rid, ids, params, prompt)
+        if error:  # the driver checks prompts by the same rule, so this is not expected
+            refused.append(RequestOutput(rid, prompt, ids, [], True, error))
+    result = stepper.step()
+    result.finished += refused
+    return result
