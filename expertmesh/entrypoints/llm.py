@@ -79,37 +79,16 @@ class LLM:
         dp_rank = placement.groups.layout.coords(placement.rank)[0]
         parallel = _with_rank(parallel, placement.rank, dp_rank)
         model_dir = resolve_model(model, revision)
-        hf = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-        model_config = ModelConfig.from_hf(hf, dtype)
-        max_len = _max_model_len(max_model_len, model_config)
-        config = EngineConfig(
-            model=model_dir,
-            model_config=model_config,
-            parallel_config=parallel,
-            cache_config=CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory_bytes),
-            scheduler_config=SchedulerConfig(
-                max_len, max_num_seqs, max_num_batched_tokens or max(8192, max_len)
-            ),
-            tokenizer=tokenizer or model_dir,
-            seed=seed,
-            device=placement.device,
-        )
+        config = _engine_config(
+            model_dir, parallel, placement.device, dtype, trust_remote_code, max_model_len,
+            CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory_bytes),
+            max_num_seqs, max_num_batched_tokens, tokenizer, seed,
+        )  # fmt: skip
         check_same_config(placement.groups, _describe(config))
         torch.manual_seed(seed)
-        env = ModelEnv(
-            placement.groups,
-            MoEPlan.decide(placement.groups.layout, placement.rank),
-            parallel.all2all_backend,
-            stage_layers(
-                model_config.num_layers,
-                pipeline_parallel_size,
-                placement.groups.pp.rank_in_group,
-                pipeline_split,
-            ),
-            expert_placement,
-            poison_recv=debug_nan_recv_buffers,  # a wrong source shows at once as NaN
-        )
+        env = _model_env(config, placement, pipeline_split, debug_nan_recv_buffers)
         self.model_env = env
+        model_config = config.model_config
         net = build_model(model_config, env, model_dir, placement.device)
         runner = ModelRunner(config, net, placement.groups)
         tok = _load_tokenizer(config.tokenizer, trust_remote_code)
@@ -219,6 +198,42 @@ def _start_mp_executor(kwargs: dict[str, Any]):
         kwargs["expert_placement"],
     )
     return MPExecutor(kwargs)
+
+
+def _engine_config(
+    model_dir: str, parallel: ParallelConfig, device: str, dtype, trust_remote_code: bool,
+    max_model_len: int | None, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int | None,
+    tokenizer: str | None, seed: int,
+) -> EngineConfig:  # fmt: skip
+    """The frozen config of one rank's engine, from the checkpoint's config and the user's arguments."""
+    hf = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    model_config = ModelConfig.from_hf(hf, dtype)
+    max_len = _max_model_len(max_model_len, model_config)
+    return EngineConfig(
+        model=model_dir,
+        model_config=model_config,
+        parallel_config=parallel,
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(max_len, max_num_seqs, max_num_batched_tokens or max(8192, max_len)),
+        tokenizer=tokenizer or model_dir,
+        seed=seed,
+        device=device,
+    )
+
+
+def _model_env(config: EngineConfig, placement, pipeline_split: list[int] | None, poison: bool) -> ModelEnv:
+    """What this rank's layers receive: groups, the MoE plan, its pipeline stage, the backend."""
+    pc, groups = config.parallel_config, placement.groups
+    return ModelEnv(
+        groups,
+        MoEPlan.decide(groups.layout, placement.rank),
+        pc.all2all_backend,
+        stage_layers(
+            config.model_config.num_layers, pc.pipeline_parallel_size, groups.pp.rank_in_group, pipeline_split
+        ),
+        pc.expert_placement,
+        poison_recv=poison,  # a wrong source shows at once as NaN
+    )
 
 
 def _with_rank(pc: ParallelConfig, rank: int, dp_rank: int) -> ParallelConfig:
