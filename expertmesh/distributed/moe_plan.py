@@ -33,6 +33,13 @@ ReduceAfter = Literal["tp_all_reduce", "none", "tp_all_gather"]
 Placement = Literal["contiguous", "round_robin"]
 
 
+def local_slot_map(num_experts: int, local: list[int]) -> torch.Tensor:
+    """[E] int64: global expert id -> its index in `local`, -1 for experts held elsewhere."""
+    mapping = torch.full((num_experts,), -1, dtype=torch.int64)
+    mapping[torch.tensor(local, dtype=torch.int64)] = torch.arange(len(local), dtype=torch.int64)
+    return mapping
+
+
 def expert_owners(num_experts: int, ep_size: int, placement: Placement = "contiguous") -> list[int]:
     """EP rank owning each expert: E // ep per rank, the first E % ep ranks one more."""
     if num_experts < 1 or ep_size < 1:
@@ -92,10 +99,7 @@ class MoEPlan:
 
     def expert_map(self, num_experts: int, placement: Placement = "contiguous") -> torch.Tensor:
         """[E] int64: global expert id -> local index on this rank, -1 where not local."""
-        mapping = torch.full((num_experts,), -1, dtype=torch.int64)
-        local = self.local_experts(num_experts, placement)
-        mapping[local] = torch.arange(len(local), dtype=torch.int64)
-        return mapping
+        return local_slot_map(num_experts, self.local_experts(num_experts, placement))
 
     @staticmethod
     def decide(layout: ParallelLayout, global_rank: int) -> MoEPlan:

@@ -20,9 +20,9 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top_p = torch.tensor([s.params.top_p for s in seqs])
     if (top_p < 1).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
+        sorted_probs = sorted_logits.softmax(-1)
         # Drop a token once the mass before it already reaches top_p (keeps at least one).
-        drop = (cum - sorted_logits.softmax(-1)) >= top_p.unsqueeze(1)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p.unsqueeze(1)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     min_p = torch.tensor([s.params.min_p for s in seqs])
     if (min_p > 0).any():

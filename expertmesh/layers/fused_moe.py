@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm
 from expertmesh.layers.activation import gated
 from expertmesh.layers.weights import copy_into, read, set_loader
@@ -45,8 +46,7 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(e, hidden, self.inter, dtype=dtype), requires_grad=False
         )  # [E,H,I]
-        local = torch.full((num_experts,), -1, dtype=torch.long)
-        local[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(e)
+        local = local_slot_map(num_experts, self.expert_ids)
         self.register_buffer("local_index", local, persistent=False)  # global expert -> local slot or -1
         set_loader(self.w13, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})
         set_loader(self.w2, self._load_w2, {(x, None) for x in self.expert_ids})

@@ -24,7 +24,7 @@ from expertmesh.models.checkpoint import CheckpointNames
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Any, norm_cls: type, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, tp: Any, norm_cls: type) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, cfg.dtype
@@ -37,7 +37,6 @@ class DecoderAttention(nn.Module):
         self.heads = (h, hk, d)
         self.q_norm = norm_cls(d, cfg.norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.k_norm = norm_cls(d, cfg.norm_eps, cfg.dtype) if cfg.qk_norm else None
-        self.rotary = rotary
         self.attn = Attention(h, hk, d, d**-0.5, cfg.sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -46,16 +45,16 @@ class DecoderAttention(nn.Module):
         q, k, v = q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(ctx.rope, q, k)
+        q, k = RotaryEmbedding.apply(ctx.rope, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), ctx.attn))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, family: type, env: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, family: type, env: Any) -> None:
         super().__init__()
         norm = family.norm_cls
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
-        self.self_attn = DecoderAttention(cfg, env.groups.tp, norm, rotary)
+        self.self_attn = DecoderAttention(cfg, env.groups.tp, norm)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
@@ -88,17 +87,14 @@ class DecoderModel(nn.Module):
         self.layer_range = env.layer_range
         self.first, self.last = env.is_first_stage, env.is_last_stage
         params = dict(cfg.rope_parameters)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_type, params
         )
-        self.rotary = rotary
         self.embed_tokens = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype) if self.first else None
         )
         # Layers of other pipeline stages are absent; a ModuleDict keeps checkpoint indices.
-        self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, i, family, env, rotary) for i in self.layer_range}
-        )
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, family, env) for i in self.layer_range})
         self.norm = family.norm_cls(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
 
     def forward(

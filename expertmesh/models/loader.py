@@ -66,7 +66,7 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
     targets = checkpoint_targets(key, model.names, experts, tie)
     for name, shard, pick in targets:
         if name not in params:
-            if _owned_elsewhere(name, shard, model, key):
+            if _owned_elsewhere(name, model):
                 continue
             raise WeightLoadError(f"checkpoint key {key!r} matches no parameter of {type(model).__name__}")
         param = params[name]
@@ -85,7 +85,7 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
         loaded[name].add(shard)
 
 
-def _owned_elsewhere(name: str, shard: Any, model: Any, key: str) -> bool:
+def _owned_elsewhere(name: str, model: Any) -> bool:
     """Embedding and head live on the first and last pipeline stage only."""
     if name.startswith("model.embed_tokens.") and model.model.embed_tokens is None:
         return True
