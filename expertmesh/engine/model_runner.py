@@ -28,6 +28,9 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self._workspace: torch.Tensor | None = None  # decode K/V gather buffers, see _gather_buffers
         self.num_blocks = 0
+        # Our compiled CPU kernels (decode attention over the paged cache in place), if the model
+        # builder chose them (models/build.py).
+        self.kernels = getattr(model, "cpu_kernels", None)
 
     # ---- KV cache -------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -63,6 +66,7 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
+            layer.kernels = self.kernels
 
     # ---- inputs ---------------------------------------------------------------------------
     def prepare(
@@ -92,11 +96,25 @@ class ModelRunner:
     def _attention_metadata(
         self, batch: ScheduledBatch, slots: list[int], prefills: list
     ) -> AttentionMetadata:
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        if self.kernels is not None:
+            tables, lens = self._decode_tables(batch.decodes)
+            return AttentionMetadata(slots_t, len(batch.decodes), [], prefills, None, tables, lens)
         groups = self._decode_groups(batch.decodes)
         most = max((g.block_tables.numel() for g in groups), default=0)
         buffers = self._gather_buffers(most) if groups else None
-        slots_t = torch.tensor(slots, dtype=torch.long)
         return AttentionMetadata(slots_t, len(batch.decodes), groups, prefills, buffers)
+
+    @staticmethod
+    def _decode_tables(decodes: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """int32 block tables [B, widest] (zero-padded) and context lengths [B] of the decodes."""
+        if not decodes:
+            return None, None
+        width = max(len(s.block_table) for s in decodes)
+        tables = torch.tensor(
+            [s.block_table + [0] * (width - len(s.block_table)) for s in decodes], dtype=torch.int32
+        )
+        return tables, torch.tensor([s.num_tokens for s in decodes], dtype=torch.int32)
 
     def _decode_groups(self, decodes: list) -> list[DecodeGroup]:
         """Consecutive decodes (sorted by length in prepare) while the widest stays <= 2x the first."""

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.layers.cpu_kernels import CpuKernels
+
 
 @dataclass
 class DecodeGroup:
@@ -36,6 +38,10 @@ class AttentionMetadata:
     # Reused buffers the decode gathers K and V blocks into ([blocks, block_size, Hk, D] each):
     # a fresh multi-MB tensor per layer costs more in page faults than the copy itself.
     decode_kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    # For the CPU paged-decode kernel, which reads blocks in place instead of grouping and
+    # gathering: every decode's block table (int32 [num_decodes, W], zero-padded) and length.
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -47,6 +53,7 @@ class Attention(nn.Module):
         self.scale, self.sliding_window = scale, sliding_window
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by the runner
         self.v_cache = torch.empty(0)
+        self.kernels: CpuKernels | None = None  # set by the runner when its CPU kernels are built
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -81,6 +88,16 @@ class Attention(nn.Module):
         return y.squeeze(0).transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_block_tables is not None:
+            return self.kernels.paged_decode(
+                q.contiguous(),
+                self.k_cache,
+                self.v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                self.sliding_window,
+            )
         if len(meta.decode_groups) == 1:
             return self._decode_group(q, meta.decode_groups[0], meta.decode_kv_buffers)
         return torch.cat(

@@ -1,35 +1,63 @@
-"""oneDNN-packed weights for CPU matmuls.
+"""Which CPU matmul serves a weight, and the weight packed for it.
 
-On CPU, torch's default float32 matmul here goes through a BLAS that neither uses both cores
-for one-row products nor blocks skinny ones well; weights reordered once for oneDNN run the
-same products about twice as fast (measured: benchmarks/, docs/benchmarks.md). After packing,
-the dense copy is dropped so the weights are held once.
+torch's default float32 matmul here goes through a BLAS that uses one core for one-row
+products and blocks skinny ones poorly. Weights are therefore packed once, after loading, for
+one of two kernels, and the dense copy is dropped so every weight is held once:
+
+- float32: expertmesh's own panel GEMM (csrc/cpu_kernels.c) when it builds on this machine;
+  measured here 1.3-1.5x faster than oneDNN from 1 to 13 rows (decode) and even at 32-512.
+- bfloat16, or when our kernels are unavailable: oneDNN's packed linear, whose AVX512-BF16
+  products beat our widen-to-float32 path from about 13 rows on.
+
+Measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-_PACKABLE = (torch.float32, torch.bfloat16)
+from expertmesh.layers.cpu_kernels import CpuKernels
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+class OneDnnWeight:
+    def __init__(self, weight: torch.Tensor) -> None:
+        # The 32 is oneDNN's batch-size hint for choosing the layout.
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
+class PanelWeight:
+    def __init__(self, weight: torch.Tensor, kernels: CpuKernels) -> None:
+        self.kernels, self.data = kernels, kernels.pack(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.linear(x, self.data, bias)
+
+
+PackedWeight = OneDnnWeight | PanelWeight
+
+
+def _onednn_ok(weight: torch.Tensor) -> bool:
     return (
-        weight.device.type == "cpu"
-        and weight.dtype in _PACKABLE
-        and weight.dim() == 2
+        weight.dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] dense -> an opaque oneDNN tensor for `linear` (the 32 is a batch-size hint)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def pack(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | None:
+    """A packed copy of a CPU [out, in] weight for its best kernel, or None (keep F.linear)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
+        return None
+    if kernels is not None and weight.dtype == torch.float32:
+        return PanelWeight(weight, kernels)
+    if _onednn_ok(weight):
+        return OneDnnWeight(weight)
+    return None
 
 
 def release(param: torch.nn.Parameter) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.layers import cpu_gemm
+from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -46,16 +47,16 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias = nn.Parameter(torch.empty(self.shard, dtype=dtype), requires_grad=False)
             set_loader(self.bias, self._load)
 
-    packed: torch.Tensor | None = None
+    packed: cpu_gemm.PackedWeight | None = None
 
-    def pack_for_cpu(self) -> None:
-        if cpu_gemm.can_pack(self.weight):
-            self.packed = cpu_gemm.pack(self.weight)
+    def pack_for_cpu(self, kernels: CpuKernels | None) -> None:
+        self.packed = cpu_gemm.pack(self.weight, kernels)
+        if self.packed is not None:
             cpu_gemm.release(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            logits = cpu_gemm.linear(hidden, self.packed, self.bias)
+            logits = self.packed(hidden, self.bias)
         else:
             logits = F.linear(hidden, self.weight, self.bias)
         if self.group.world_size > 1:

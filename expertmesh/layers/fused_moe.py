@@ -15,6 +15,7 @@ from torch import nn
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm
 from expertmesh.layers.activation import gated
+from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -87,20 +88,22 @@ class FusedExperts(nn.Module):
         ys *= topk_weights.flatten()[order].to(ys.dtype).unsqueeze(1)
         return out.index_add_(0, token, ys)
 
-    packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per local expert (w13, w2)
+    packed: list[tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight]] | None = None  # per local expert
 
-    def pack_for_cpu(self) -> None:
-        if len(self.expert_ids) and cpu_gemm.can_pack(self.w13[0]):
-            self.packed = [
-                (cpu_gemm.pack(self.w13[e]), cpu_gemm.pack(self.w2[e])) for e in range(len(self.expert_ids))
-            ]
+    def pack_for_cpu(self, kernels: CpuKernels | None) -> None:
+        pairs = [
+            (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels))
+            for e in range(len(self.expert_ids))
+        ]
+        if pairs and all(a is not None and b is not None for a, b in pairs):
+            self.packed = pairs
             cpu_gemm.release(self.w13)
             cpu_gemm.release(self.w2)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             w13, w2 = self.packed[e]
-            return cpu_gemm.linear(gated(cpu_gemm.linear(x, w13), self.act), w2)
+            return w2(gated(w13(x), self.act))
         return gated(x @ self.w13[e].t(), self.act) @ self.w2[e].t()
 
     def _one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

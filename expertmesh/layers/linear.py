@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.layers import cpu_gemm
+from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -30,16 +31,16 @@ class LinearBase(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
 
-    packed: torch.Tensor | None = None  # oneDNN copy of the weight, set by pack_for_cpu()
+    packed: cpu_gemm.PackedWeight | None = None  # set by pack_for_cpu(); the dense weight is then dropped
 
-    def pack_for_cpu(self) -> None:
-        if cpu_gemm.can_pack(self.weight):
-            self.packed = cpu_gemm.pack(self.weight)
+    def pack_for_cpu(self, kernels: CpuKernels | None) -> None:
+        self.packed = cpu_gemm.pack(self.weight, kernels)
+        if self.packed is not None:
             cpu_gemm.release(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
-            return cpu_gemm.linear(x, self.packed, bias)
+            return self.packed(x, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from expertmesh.config import ModelConfig
 from expertmesh.distributed.all2all import All2AllBackend, make_all2all
 from expertmesh.distributed.group import ParallelGroups
 from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
+from expertmesh.layers import cpu_kernels
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
 
@@ -85,7 +86,14 @@ def build_model(cfg: ModelConfig, env: ModelEnv, model_dir: str, device: str = "
     with torch.device(device):
         model = cls(cfg, env)
     load_weights(model, model_dir)
-    for module in model.modules():  # after loading: packing reorders the loaded weights
-        if hasattr(module, "pack_for_cpu"):
-            module.pack_for_cpu()
+    # The one place that decides whether our compiled CPU kernels serve this model: its matmuls
+    # (packed below, after loading) and, through model.cpu_kernels, the runner's decode attention.
+    kernels = cpu_kernels.load() if device == "cpu" else None
+    if kernels is not None and not kernels.supports(cfg.dtype):
+        kernels = None
+    model.cpu_kernels = kernels
+    if device == "cpu":
+        for module in model.modules():
+            if hasattr(module, "pack_for_cpu"):
+                module.pack_for_cpu(kernels)
     return model.eval()

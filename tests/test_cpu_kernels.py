@@ -1,0 +1,153 @@
+"""expertmesh's compiled CPU kernels against torch's own ops, and the engine with and without them.
+
+The kernels are compiled here from csrc/cpu_kernels.c; this machine image has a C compiler, so
+a failed build is a test failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.layers import cpu_gemm, cpu_kernels
+from expertmesh.layers.attention import decode_key_mask
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    assert k is not None, "the CPU kernels did not build; see the warning logged by cpu_kernels.load()"
+    return k
+
+
+def _tolerance(dtype):
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+# ---- matmul ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (37, 24), (3, 8), (130, 200)])
+def test_linear_matches_torch(kernels, dtype, out_features, in_features):
+    """Every row count the tiles special-case (0..9, 13, 17, 33), out_features not a multiple of
+    the panel width, odd in_features, with and without bias, 2-D and 3-D inputs."""
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype)
+    packed = kernels.pack(w)
+    assert packed.data.shape == (-(-out_features // kernels.lanes), in_features, kernels.lanes)
+    for m in [*range(10), 13, 17, 33]:
+        x = torch.randn(m, in_features, generator=g).to(dtype)
+        want = F.linear(x.float(), w.float()).to(dtype)
+        torch.testing.assert_close(kernels.linear(x, packed), want, **_tolerance(dtype))
+        want_b = F.linear(x.float(), w.float(), b.float()).to(dtype)
+        torch.testing.assert_close(kernels.linear(x, packed, b), want_b, **_tolerance(dtype))
+    x3 = torch.randn(2, 5, in_features, generator=g).to(dtype)
+    torch.testing.assert_close(
+        kernels.linear(x3, packed), F.linear(x3.float(), w.float()).to(dtype), **_tolerance(dtype)
+    )
+    # A non-contiguous input (a column slice) is read correctly.
+    wide = torch.randn(7, in_features * 2, generator=g).to(dtype)
+    x = wide[:, ::2]
+    torch.testing.assert_close(
+        kernels.linear(x, packed), F.linear(x.float(), w.float()).to(dtype), **_tolerance(dtype)
+    )
+
+
+def test_linear_rejects_mismatched_input(kernels):
+    packed = kernels.pack(torch.randn(16, 8))
+    with pytest.raises(ValueError, match=r"does not fit weight \[16, 8\]"):
+        kernels.linear(torch.randn(2, 9), packed)
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.linear(torch.randn(2, 8, dtype=torch.bfloat16), packed)
+
+
+def test_pack_choice(kernels):
+    """float32 weights go to our panels, bfloat16 to oneDNN; without kernels float32 goes to oneDNN."""
+    assert isinstance(cpu_gemm.pack(torch.randn(8, 8), kernels), cpu_gemm.PanelWeight)
+    assert isinstance(cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16), kernels), cpu_gemm.OneDnnWeight)
+    assert isinstance(cpu_gemm.pack(torch.randn(8, 8), None), cpu_gemm.OneDnnWeight)
+    assert cpu_gemm.pack(torch.randn(8, 8, dtype=torch.float64), kernels) is None
+
+
+# ---- paged decode attention -------------------------------------------------------------------
+def _paged_case(dtype, lens, heads, kv_heads, head_dim, block_size=16, seed=0):
+    """A cache with each sequence's blocks scattered in random order, plus the dense K/V per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    width = max(need)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor([free.pop() for _ in range(n)])
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
+    """torch SDPA over K/V gathered densely, with the engine's own key mask."""
+    b, _, d = q.shape
+    _, bs, hk, _ = k_cache.shape
+    blocks = tables.long().flatten()
+    k = k_cache[blocks].view(b, -1, hk, d).transpose(1, 2).float()
+    v = v_cache[blocks].view(b, -1, hk, d).transpose(1, 2).float()
+    mask = decode_key_mask(lens.long(), tables.shape[1] * bs, window)
+    y = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return y.squeeze(2).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lens,heads,kv_heads,head_dim,window",
+    [
+        ([1, 17, 16, 100, 3], 8, 4, 64, None),  # uneven lengths, block edges, GQA 2
+        ([40], 4, 4, 128, None),  # batch 1 (heads split over threads), MHA, D=128
+        ([33, 5, 64], 6, 2, 24, None),  # a head size the kernel does not specialise
+        ([50, 10, 200], 8, 1, 64, 16),  # sliding window shorter and longer than contexts
+    ],
+)
+def test_paged_decode_matches_sdpa(kernels, dtype, lens, heads, kv_heads, head_dim, window):
+    q, kc, vc, tables, lt = _paged_case(dtype, lens, heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    got = kernels.paged_decode(q, kc, vc, tables, lt, scale, window)
+    want = _reference_decode(q, kc, vc, tables, lt, scale, window)
+    torch.testing.assert_close(got, want, **_tolerance(dtype))
+
+
+def test_paged_decode_rejects_bad_inputs(kernels):
+    q, kc, vc, tables, lt = _paged_case(torch.float32, [5], 2, 2, 8)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_decode(q, kc, vc, tables.long(), lt, 1.0, None)
+    with pytest.raises(ValueError, match="v_cache must be contiguous"):
+        kernels.paged_decode(q, kc, vc.to(torch.bfloat16), tables, lt, 1.0, None)
+
+
+# ---- the engine with and without kernels ------------------------------------------------------
+def test_engine_same_tokens_without_kernels(checkpoint, monkeypatch):
+    """Greedy tokens with our kernels equal those of the torch/oneDNN path they replace."""
+    path = checkpoint("mixtral")
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 100) for _ in range(n)]} for n in (1, 7, 33, 70)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run():
+        llm = LLM(model=path, max_model_len=128, kv_cache_memory_bytes=1 << 22, max_num_seqs=4)
+        kernels = llm.llm_engine.runner.kernels
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], kernels
+
+    with_kernels, used = run()
+    assert used is not None
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    without, unused = run()
+    assert unused is None
+    assert with_kernels == without
