@@ -10,7 +10,6 @@ from expertmesh.distributed.all2all import KNOWN_ALL2ALL_BACKENDS, make_all2all
 from expertmesh.distributed.group import Group, ParallelGroups, init_groups
 from expertmesh.distributed.layout import ParallelLayout
 from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
-from expertmesh.layers.activation import get_act
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.models.build import ModelEnv
 
@@ -223,7 +222,7 @@ def _fused(num_experts: int, experts: list[int]) -> FusedExperts:
     g = _gen(4321 + num_experts)
     w13 = torch.randn(num_experts, 2 * A2A_INTER, HIDDEN, generator=g) / 4  # [E, 2I, H]
     w2 = torch.randn(num_experts, HIDDEN, A2A_INTER, generator=g) / 4  # [E, H, I]
-    fe = FusedExperts(num_experts, experts, HIDDEN, A2A_INTER, 0, 1, get_act("silu"))
+    fe = FusedExperts(num_experts, experts, HIDDEN, A2A_INTER, 0, 1, "silu")
     fe.w13.data.copy_(w13[experts])
     fe.w2.data.copy_(w2[experts])
     return fe

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_gemm, cpu_kernels
 from expertmesh.layers.attention import decode_key_mask
+from expertmesh.layers.fused_moe import FusedExperts
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +152,36 @@ def test_engine_same_tokens_without_kernels(checkpoint, monkeypatch):
     without, unused = run()
     assert unused is None
     assert with_kernels == without
+
+
+# ---- routed experts in one call ---------------------------------------------------------------
+def _experts(expert_ids, act, seed=0, hidden=40, inter=24, num_experts=6):
+    torch.manual_seed(seed)
+    fe = FusedExperts(num_experts, expert_ids, hidden, inter, 0, 1, act)
+    fe.w13.data.normal_(0, 0.3)
+    fe.w2.data.normal_(0, 0.3)
+    return fe
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("expert_ids", [[0, 1, 2, 3, 4, 5], [1, 3, 4]])  # all, or some (EP: -1 slots)
+def test_fused_moe_matches_torch_path(kernels, act, expert_ids):
+    """Uneven routing (one expert gets most tokens, some none), 0, 1 and many tokens, top-1..3."""
+    ref = _experts(expert_ids, act)
+    fused = _experts(expert_ids, act)
+    fused.pack_for_cpu(kernels)
+    assert fused.fused is not None and fused.w13.numel() == 0  # dense copy dropped
+    g = torch.Generator().manual_seed(1)
+    for n, k in [(0, 2), (1, 2), (2, 1), (9, 2), (37, 3)]:
+        x = torch.randn(n, 40, generator=g)
+        ids = torch.randint(0, 6, (n, k), generator=g)
+        ids[: n // 2, 0] = 4  # skew: expert 4 takes half the first choices
+        ids[:, 1:] = torch.where(ids[:, 1:] == ids[:, :1], (ids[:, 1:] + 1) % 6, ids[:, 1:])
+        w = torch.rand(n, k, generator=g)
+        torch.testing.assert_close(fused(x, ids, w), ref(x, ids, w), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_only_for_float32(kernels):
+    fe = FusedExperts(4, [0, 1, 2, 3], 16, 8, 0, 1, "silu", torch.bfloat16)
+    fe.pack_for_cpu(kernels)
+    assert fe.fused is None and fe.packed is not None  # bf16 experts: oneDNN products per expert

@@ -88,6 +88,22 @@ class CpuKernels:
             fn.restype = None
             fn.argtypes = [_c] * 3 + [_i64] * 3 + [ctypes.c_int]
         lib.gemm_lanes.restype = _i64
+        lib.moe_f32.restype = None
+        lib.moe_f32.argtypes = [
+            _c,
+            _i64,
+            _i64,
+            _c,
+            _c,
+            _i64,
+            _c,
+            _c,
+            _i64,
+            _i64,
+            ctypes.c_int,
+            _c,
+            ctypes.c_int,
+        ]
         self.lanes = int(lib.gemm_lanes())
 
     def supports(self, dtype: torch.dtype) -> bool:
@@ -126,6 +142,54 @@ class CpuKernels:
         if bias is not None:
             y += bias
         return y.view(*lead, w.out_features)
+
+    MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
+
+    def moe_supports(self, dtype: torch.dtype, act: str) -> bool:
+        return dtype == torch.float32 and act in self.MOE_ACTIVATIONS
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        slot: torch.Tensor,
+        weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        inter: int,
+        act: str,
+    ) -> torch.Tensor:
+        """Routed experts in one call: x [n, H] float32, slot [n, k] int32 (local expert or -1),
+        weights [n, k]; w13 / w2 the experts' [gate | up] and down weights stacked in panels
+        ([E, P, H, lanes] and [E, P, inter, lanes]) -> [n, H], this rank's partial sum."""
+        n, hidden = x.shape
+        if x.dtype != torch.float32 or slot.dtype != torch.int32 or slot.shape[0] != n:
+            raise ValueError(
+                f"moe: x must be float32 [n, H] and slot int32 [n, k], got {x.dtype}, {slot.dtype}"
+            )
+        if w13.shape[2] != hidden or w2.shape[2] != inter or w13.shape[0] != w2.shape[0]:
+            raise ValueError(
+                f"moe: weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit H={hidden}, I={inter}"
+            )
+        x = x.contiguous()
+        slot = slot.contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        self.lib.moe_f32(
+            x.data_ptr(),
+            n,
+            hidden,
+            slot.data_ptr(),
+            weights.data_ptr(),
+            slot.shape[1],
+            w13.data_ptr(),
+            w2.data_ptr(),
+            w13.shape[0],
+            inter,
+            self.MOE_ACTIVATIONS[act],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
 
     def paged_decode(
         self,

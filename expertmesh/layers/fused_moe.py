@@ -14,7 +14,7 @@ from torch import nn
 
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm
-from expertmesh.layers.activation import gated
+from expertmesh.layers.activation import gated, get_act
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.weights import copy_into, read, set_loader
 
@@ -28,7 +28,7 @@ class FusedExperts(nn.Module):
         intermediate: int,
         shard_rank: int,
         shard_size: int,
-        act,
+        act: str,
         dtype=torch.float32,
     ) -> None:
         super().__init__()
@@ -37,7 +37,8 @@ class FusedExperts(nn.Module):
                 f"expert intermediate size {intermediate} is not divisible by the {shard_size} ranks "
                 "that split it; choose a parallel layout whose expert shard count divides it"
             )
-        self.num_experts, self.expert_ids, self.act = num_experts, list(expert_ids), act
+        self.num_experts, self.expert_ids = num_experts, list(expert_ids)
+        self.act_name, self.act = act, get_act(act)
         self.shard_rank, self.inter = shard_rank, intermediate // shard_size
         self.full_inter = intermediate
         e = len(self.expert_ids)
@@ -67,6 +68,10 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] partial sum over local experts."""
+        if self.fused is not None:
+            kernels, w13, w2, act = self.fused
+            slot = self.local_index[topk_ids].to(torch.int32)
+            return kernels.moe(x, slot, topk_weights, w13, w2, self.inter, act)
         if x.shape[0] == 1:
             return self._one_token(x, topk_ids, topk_weights)
         out = torch.zeros_like(x)
@@ -89,8 +94,17 @@ class FusedExperts(nn.Module):
         return out.index_add_(0, token, ys)
 
     packed: list[tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight]] | None = None  # per local expert
+    # (kernels, w13 panels, w2 panels, activation): the whole block in one call of our CPU kernel.
+    fused: tuple[CpuKernels, torch.Tensor, torch.Tensor, str] | None = None
 
     def pack_for_cpu(self, kernels: CpuKernels | None) -> None:
+        if kernels is not None and kernels.moe_supports(self.w13.dtype, self.act_name) and self.expert_ids:
+            w13 = torch.stack([kernels.pack(self.w13[e]).data for e in range(len(self.expert_ids))])
+            w2 = torch.stack([kernels.pack(self.w2[e]).data for e in range(len(self.expert_ids))])
+            self.fused = (kernels, w13, w2, self.act_name)
+            cpu_gemm.release(self.w13)
+            cpu_gemm.release(self.w2)
+            return
         pairs = [
             (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels))
             for e in range(len(self.expert_ids))

@@ -16,7 +16,6 @@ from torch import nn
 
 from expertmesh.config import ModelConfig
 from expertmesh.forward_context import ForwardContext
-from expertmesh.layers.activation import get_act
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.mlp import GatedMLP
@@ -50,7 +49,7 @@ class MoE(nn.Module):
             cfg.moe_intermediate_size,
             inter_rank,
             inter_size,
-            get_act(cfg.hidden_act),
+            cfg.hidden_act,
             cfg.dtype,
         )
         self.shared_expert = self.shared_expert_gate = None
