@@ -170,11 +170,20 @@ static inline void store_row_bf16(bf16_t* y, const vf v, int64_t n) {
   for (int64_t l = 0; l < n; l++) y[l] = f32_to_bf16(tmp[l]);
 }
 
+/* Bias (float32, may be NULL) is added before the output is rounded, as oneDNN does. */
+static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
+  float tmp[LANES] = {0};
+  if (bias) memcpy(tmp, bias + o, sizeof(float) * (size_t)n);
+  vf v;
+  memcpy(&v, tmp, sizeof v);
+  return v;
+}
+
 #define DEFINE_GEMM(SUFFIX, T)                                                                   \
   static inline __attribute__((always_inline)) void tile_##SUFFIX(                              \
       const float* x, int64_t I, const T* wp, T* y, int64_t O, int64_t p0, int64_t np,          \
-      const int rows) {                                                                          \
-    vf acc[8][NP]; /* 8 >= MR: the remainder cases below go up to 7 rows */                                                                           \
+      const int rows, const float* bias) {                                                       \
+    vf acc[8][NP]; /* 8 >= MR: rows_* below calls tiles of up to 7 remainder rows */             \
     for (int r = 0; r < rows; r++)                                                               \
       for (int j = 0; j < NP; j++) acc[r][j] = (vf){0};                                          \
     const T* w = wp + p0 * I * LANES;                                                            \
@@ -194,90 +203,155 @@ static inline void store_row_bf16(bf16_t* y, const vf v, int64_t n) {
           for (int r = 0; r < rows; r++) acc[r][j] += wv * x[r * I + i];                         \
         }                                                                                        \
     }                                                                                            \
-    for (int r = 0; r < rows; r++)                                                               \
-      for (int j = 0; j < np; j++) {                                                             \
-        const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                   \
-        store_row_##SUFFIX(y + r * O + o, acc[r][j], n);                                         \
-      }                                                                                          \
+    for (int j = 0; j < np; j++) {                                                               \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
+      const vf b = bias_vec(bias, o, n);                                                         \
+      for (int r = 0; r < rows; r++) store_row_##SUFFIX(y + r * O + o, acc[r][j] + b, n);        \
+    }                                                                                            \
   }                                                                                              \
                                                                                                  \
-  static void gemm_rows_##SUFFIX(const float* x, const T* wp, T* y, int64_t M, int64_t O,       \
-                                 int64_t I, int threads) {                                       \
-    const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;                       \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                            \
-    for (int64_t g = 0; g < groups; g++) {                                                       \
-      const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                 \
-      int64_t m = 0;                                                                             \
-      for (; m + MR <= M; m += MR) tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, MR);    \
-      switch (M - m) { /* constant row counts, so each tile's loops unroll */                    \
-        case 7: tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, 7); break;                 \
-        case 6: tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, 6); break;                 \
-        case 5: tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, 5); break;                 \
-        case 4: tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, 4); break;                 \
-        case 3: tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, 3); break;                 \
-        case 2: tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, 2); break;                 \
-        case 1: tile_##SUFFIX(x + m * I, I, wp, y + m * O, O, p0, np, 1); break;                 \
-        default: break;                                                                          \
-      }                                                                                          \
+  /* Rows [r0, r1) of x against panel group g: MR rows a tile, then one tile of the rest   */   \
+  /* (constant row counts, so every tile's loops unroll).                                  */   \
+  static void rows_##SUFFIX(const float* x, int64_t I, const T* wp, T* y, int64_t O, int64_t P,  \
+                            int64_t g, int64_t r0, int64_t r1, const float* bias) {              \
+    const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
+    int64_t r = r0;                                                                              \
+    for (; r + MR <= r1; r += MR) tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, MR, bias); \
+    switch (r1 - r) {                                                                            \
+      case 7: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 7, bias); break;             \
+      case 6: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 6, bias); break;             \
+      case 5: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 5, bias); break;             \
+      case 4: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 4, bias); break;             \
+      case 3: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 3, bias); break;             \
+      case 2: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 2, bias); break;             \
+      case 1: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 1, bias); break;             \
+      default: break;                                                                            \
     }                                                                                            \
   }
 
 DEFINE_GEMM(f32, float)
 DEFINE_GEMM(bf16, bf16_t)
 
-void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, int64_t I, int threads) {
-  gemm_rows_f32(x, wp, y, M, O, I, threads);
+void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, int64_t I,
+              const float* bias, int threads) {
+  const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
+  _Pragma("omp parallel for schedule(static) num_threads(threads)")
+  for (int64_t g = 0; g < groups; g++) rows_f32(x, I, wp, y, O, P, g, 0, M, bias);
 }
 
 /* x is widened to float32 once, so the tiles broadcast plain floats. */
 void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
-               int threads) {
-  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I));
+               const float* bias, int threads) {
+  const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
+  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
   for (int64_t k = 0; k < M * I; k++) xf[k] = bf16_to_f32(x[k]);
-  gemm_rows_bf16(xf, wp, y, M, O, I, threads);
+  _Pragma("omp parallel for schedule(static) num_threads(threads)")
+  for (int64_t g = 0; g < groups; g++) rows_bf16(xf, I, wp, y, O, P, g, 0, M, bias);
   free(xf);
 }
 
-/* A routed-experts block in one call: y[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))
+/* ---- routed experts ------------------------------------------------------------------------
+ * A routed-experts block in one call: y[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))
  * over the pairs (t, j) whose expert e = slot[t, j] is held here (slot -1: another rank's).
  *
- * x:      [n, H] float32           slot, w: [n, k] int32 local expert / float32 weight
- * w13:    E x [ceil(2I/LANES)][H][LANES]   [gate | up] rows of each expert, in panels
- * w2:     E x [ceil(H/LANES)][I][LANES]    down rows of each expert, in panels
+ * x:      [n, H]                   slot, w: [n, k] int32 local expert / float32 weight
+ * w13:    E x panels of [gate | up] ([2I, H] each), w2: E x panels of down ([H, I] each)
  * out:    [n, H]                   act: 0 silu, 1 gelu (erf), 2 gelu (tanh)
  *
- * The pairs are sorted by expert (a counting sort), their tokens gathered, and then one OpenMP
+ * The pairs are sorted by expert (a counting sort) and their tokens gathered; then one OpenMP
  * region runs gate/up for every (expert, panel group), the activation, down for every
  * (expert, panel group) and the weighted sum per token, with a barrier between phases: no
  * per-expert thread start-up and no Python between the products.
  */
-static inline float act_fn(float v, int act) {
-  switch (act) {
-    case 1: return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
-    case 2: return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
-    default: return v / (1.f + expf(-v));
+typedef struct {
+  int64_t m;             /* (token, expert) pairs held here */
+  int64_t* start;        /* [E + 1] first sorted row of each expert */
+  int64_t* pair_of_row;  /* [m] sorted row -> pair index t * k + j */
+  int64_t* row_of_pair;  /* [n * k] pair -> sorted row, or -1 */
+} moe_plan;
+
+static moe_plan moe_sort(const int32_t* slot, int64_t n, int64_t k, int64_t E) {
+  moe_plan p;
+  p.start = (int64_t*)calloc((size_t)(E + 1), sizeof(int64_t));
+  for (int64_t q = 0; q < n * k; q++)
+    if (slot[q] >= 0) p.start[slot[q] + 1]++;
+  for (int64_t e = 0; e < E; e++) p.start[e + 1] += p.start[e];
+  p.m = p.start[E];
+  int64_t* fill = (int64_t*)malloc(sizeof(int64_t) * (size_t)(E + 1));
+  memcpy(fill, p.start, sizeof(int64_t) * (size_t)(E + 1));
+  p.pair_of_row = (int64_t*)malloc(sizeof(int64_t) * (size_t)(p.m + 1));
+  p.row_of_pair = (int64_t*)malloc(sizeof(int64_t) * (size_t)(n * k + 1));
+  for (int64_t q = 0; q < n * k; q++) { /* stable: an expert's rows keep token order */
+    p.row_of_pair[q] = -1;
+    if (slot[q] >= 0) {
+      p.pair_of_row[fill[slot[q]]] = q;
+      p.row_of_pair[q] = fill[slot[q]]++;
+    }
+  }
+  free(fill);
+  return p;
+}
+
+static void moe_free(moe_plan* p) {
+  free(p->start);
+  free(p->pair_of_row);
+  free(p->row_of_pair);
+}
+
+/* sum_j w[t, j] * ys[row of (t, j)] for token t (zero if none of its experts is held here). */
+static inline void moe_combine_row(const moe_plan* p, const float* ys, const float* w, int64_t t,
+                                   int64_t k, int64_t H, float* o) {
+  for (int64_t c = 0; c < H; c++) o[c] = 0.f;
+  for (int64_t j = 0; j < k; j++) {
+    const int64_t r = p->row_of_pair[t * k + j];
+    if (r < 0) continue;
+    const float wt = w[t * k + j];
+    const float* y = ys + r * H;
+    for (int64_t c = 0; c < H; c++) o[c] += wt * y[c];
+  }
+}
+
+/* exp(v) for float32, written so the compiler vectorises it (libm's expf is a scalar call):
+ * v = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error
+ * about 2e-7, within a float's rounding of expf), times 2^n built in the exponent bits. */
+static inline float exp_vec(float v) {
+  v = v < -87.3f ? -87.3f : (v > 88.7f ? 88.7f : v);
+  const float n = __builtin_roundf(v * 1.44269504088896341f);
+  const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f; /* ln2 split in two */
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  union { uint32_t u; float f; } scale;
+  scale.u = (uint32_t)((int32_t)n + 127) << 23;
+  return p * scale.f;
+}
+
+/* act(gate) * up over one row of [gate | up] (width 2 * I) into a (width I). */
+static inline void gated_row(const float* h, float* a, int64_t I, int act) {
+  if (act == 0) {
+    _Pragma("omp simd") for (int64_t i = 0; i < I; i++) {
+      const float g = h[i];
+      a[i] = g / (1.f + exp_vec(-g)) * h[I + i];
+    }
+  } else if (act == 1) {
+    for (int64_t i = 0; i < I; i++) a[i] = 0.5f * h[i] * (1.f + erff(h[i] * 0.70710678118654752f)) * h[I + i];
+  } else {
+    for (int64_t i = 0; i < I; i++) {
+      const float g = h[i];
+      a[i] = 0.5f * g * (1.f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g))) * h[I + i];
+    }
   }
 }
 
 void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
              const float* w13, const float* w2, int64_t E, int64_t I, int act, float* out,
              int threads) {
-  int64_t* start = (int64_t*)calloc((size_t)(E + 1), sizeof(int64_t));
-  for (int64_t p = 0; p < n * k; p++)
-    if (slot[p] >= 0) start[slot[p] + 1]++;
-  for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-  const int64_t m = start[E];
-  int64_t* fill = (int64_t*)malloc(sizeof(int64_t) * (size_t)(E + 1));
-  memcpy(fill, start, sizeof(int64_t) * (size_t)(E + 1));
-  int64_t* pair_of_row = (int64_t*)malloc(sizeof(int64_t) * (size_t)(m + 1));
-  int64_t* row_of_pair = (int64_t*)malloc(sizeof(int64_t) * (size_t)(n * k + 1));
-  for (int64_t p = 0; p < n * k; p++) { /* stable: rows of an expert keep token order */
-    row_of_pair[p] = -1;
-    if (slot[p] >= 0) {
-      pair_of_row[fill[slot[p]]] = p;
-      row_of_pair[p] = fill[slot[p]]++;
-    }
-  }
+  moe_plan p = moe_sort(slot, n, k, E);
+  const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
   const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
@@ -286,53 +360,156 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
-      memcpy(xs + r * H, x + (pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
+      memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G13; item++) {
-      const int64_t e = item / G13, p0 = (item % G13) * NP, np = P13 - p0 < NP ? P13 - p0 : NP;
-      const float* we = w13 + e * P13 * H * LANES;
-      int64_t r = start[e];
-      for (; r + MR <= start[e + 1]; r += MR) tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, MR);
-      switch (start[e + 1] - r) {
-        case 7: tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, 7); break;
-        case 6: tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, 6); break;
-        case 5: tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, 5); break;
-        case 4: tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, 4); break;
-        case 3: tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, 3); break;
-        case 2: tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, 2); break;
-        case 1: tile_f32(xs + r * H, H, we, h + r * 2 * I, 2 * I, p0, np, 1); break;
-        default: break;
-      }
+      const int64_t e = item / G13;
+      rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
-      for (int64_t i = 0; i < I; i++) a[r * I + i] = act_fn(h[r * 2 * I + i], act) * h[r * 2 * I + I + i];
+      gated_row(h + r * 2 * I, a + r * I, I, act);
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G2; item++) {
-      const int64_t e = item / G2, p0 = (item % G2) * NP, np = P2 - p0 < NP ? P2 - p0 : NP;
-      const float* we = w2 + e * P2 * I * LANES;
-      int64_t r = start[e];
-      for (; r + MR <= start[e + 1]; r += MR) tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, MR);
-      switch (start[e + 1] - r) {
-        case 7: tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, 7); break;
-        case 6: tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, 6); break;
-        case 5: tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, 5); break;
-        case 4: tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, 4); break;
-        case 3: tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, 3); break;
-        case 2: tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, 2); break;
-        case 1: tile_f32(a + r * I, I, we, ys + r * H, H, p0, np, 1); break;
-        default: break;
-      }
+      const int64_t e = item / G2;
+      rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
     }
-    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++) {
-      float* o = out + t * H;
-      for (int64_t c = 0; c < H; c++) o[c] = 0.f;
-      for (int64_t j = 0; j < k; j++) {
-        const int64_t r = row_of_pair[t * k + j];
-        if (r < 0) continue;
-        const float wt = w[t * k + j];
-        const float* y = ys + r * H;
-        for (int64_t c = 0; c < H; c++) o[c] += wt * y[c];
-      }
-    }
+    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
+      moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
   free(xs); free(h); free(a); free(ys);
-  free(pair_of_row); free(row_of_pair); free(fill); free(start);
+  moe_free(&p);
 }
+
+/* ---- bfloat16 with AVX512-BF16: products on pairs of inputs ----------------------------------
+ * vdpbf16ps multiplies bf16 pairs and accumulates in float32: twice the work of a float32 FMA
+ * per instruction. Weights are packed as wp[P][I2][LANES][2] (I2 = ceil(I/2): each lane holds
+ * the pair W[o, 2i], W[o, 2i+1]); x is read as pairs too, so one broadcast 32-bit load feeds
+ * LANES outputs. Without AVX512-BF16, bf16_pairs() is 0 and bfloat16 weights take gemm_bf16's
+ * widening path above or oneDNN (see cpu_gemm.py). */
+#if defined(__AVX512BF16__) && LANES == 16
+#include <immintrin.h>
+
+int64_t bf16_pairs(void) { return 1; }
+
+static inline __attribute__((always_inline)) void tile_pairs(const uint32_t* x, int64_t I2,
+                                                            const bf16_t* wp, void* y, int y_bf16,
+                                                            int64_t O, int64_t p0, int64_t np,
+                                                            const int rows, const float* bias) {
+  __m512 acc[8][NP];
+  for (int r = 0; r < rows; r++)
+    for (int j = 0; j < NP; j++) acc[r][j] = _mm512_setzero_ps();
+  const bf16_t* w = wp + p0 * I2 * 2 * LANES;
+  if (np == NP) {
+    for (int64_t i = 0; i < I2; i++) {
+      __m512i wv[NP];
+      for (int j = 0; j < NP; j++) wv[j] = _mm512_loadu_si512((const void*)(w + (j * I2 + i) * 2 * LANES));
+      for (int r = 0; r < rows; r++) {
+        const __m512i xb = _mm512_set1_epi32((int)x[r * I2 + i]);
+        for (int j = 0; j < NP; j++)
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[j], (__m512bh)xb);
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < I2; i++)
+      for (int j = 0; j < np; j++) {
+        const __m512i wv = _mm512_loadu_si512((const void*)(w + (j * I2 + i) * 2 * LANES));
+        for (int r = 0; r < rows; r++)
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv, (__m512bh)_mm512_set1_epi32((int)x[r * I2 + i]));
+      }
+  }
+  for (int j = 0; j < np; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + o) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+      const __m512 v = _mm512_add_ps(acc[r][j], b);
+      if (y_bf16) /* round to nearest even */
+        _mm256_mask_storeu_epi16((bf16_t*)y + r * O + o, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      else
+        _mm512_mask_storeu_ps((float*)y + r * O + o, mask, v);
+    }
+  }
+}
+
+/* Rows [r0, r1) of pairs x (I2 per row) against panel group g; outputs of width O. */
+static void rows_pairs(const uint32_t* x, int64_t I2, const bf16_t* wp, void* y, int y_bf16,
+                       int64_t O, int64_t P, int64_t g, int64_t r0, int64_t r1, const float* bias) {
+  const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;
+  char* yb = (char*)y;
+  const int64_t row_bytes = O * (int64_t)(y_bf16 ? sizeof(bf16_t) : sizeof(float));
+  int64_t r = r0;
+  for (; r + MR <= r1; r += MR) tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, MR, bias);
+  switch (r1 - r) {
+    case 7: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 7, bias); break;
+    case 6: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 6, bias); break;
+    case 5: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 5, bias); break;
+    case 4: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 4, bias); break;
+    case 3: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 3, bias); break;
+    case 2: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 2, bias); break;
+    case 1: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 1, bias); break;
+    default: break;
+  }
+}
+
+/* A bf16 row of width I as I2 pairs, an odd tail paired with zero. */
+static inline void to_pairs(const bf16_t* x, int64_t I, uint32_t* out) {
+  for (int64_t i = 0; i < I / 2; i++) out[i] = (uint32_t)x[2 * i] | ((uint32_t)x[2 * i + 1] << 16);
+  if (I % 2) out[I / 2] = (uint32_t)x[I - 1];
+}
+
+void gemm_bf16_pairs(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
+                     const float* bias, int threads) {
+  const int64_t I2 = (I + 1) / 2, P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
+  uint32_t* xp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(M * I2 + 1));
+  for (int64_t r = 0; r < M; r++) to_pairs(x + r * I, I, xp + r * I2);
+  _Pragma("omp parallel for schedule(static) num_threads(threads)")
+  for (int64_t g = 0; g < groups; g++) rows_pairs(xp, I2, wp, y, 1, O, P, g, 0, M, bias);
+  free(xp);
+}
+
+/* moe_f32's plan with bf16 weights, input and output: pair products; the gate and up outputs
+ * rounded to bf16 and the activation's output rounded to bf16 (what a bf16 model's projections
+ * return and its down projection receives); the weighted sum kept in float32, rounded once. */
+void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, bf16_t* out,
+              int threads) {
+  moe_plan p = moe_sort(slot, n, k, E);
+  const int64_t m = p.m;
+  const int64_t H2 = (H + 1) / 2, I2 = (I + 1) / 2;
+  const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
+  const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  uint32_t* xs = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * H2 + 1));
+  float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
+  float* af = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
+  uint32_t* a = (uint32_t*)calloc((size_t)(m * I2 + 1), sizeof(uint32_t));
+  float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  float* os = (float*)malloc(sizeof(float) * (size_t)(n * H + 1));
+  _Pragma("omp parallel num_threads(threads)") {
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
+      to_pairs(x + (p.pair_of_row[r] / k) * H, H, xs + r * H2);
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G13; item++) {
+      const int64_t e = item / G13;
+      rows_pairs(xs, H2, w13 + e * P13 * H2 * 2 * LANES, h, 0, 2 * I, P13, item % G13, p.start[e],
+                 p.start[e + 1], NULL);
+    }
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      float* hr = h + r * 2 * I;
+      bf16_t* ar = (bf16_t*)(a + r * I2);
+      for (int64_t i = 0; i < 2 * I; i++) hr[i] = bf16_to_f32(f32_to_bf16(hr[i]));
+      gated_row(hr, af + r * I, I, act);
+      for (int64_t i = 0; i < I; i++) ar[i] = f32_to_bf16(af[r * I + i]);
+    }
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G2; item++) {
+      const int64_t e = item / G2;
+      rows_pairs(a, I2, w2 + e * P2 * I2 * 2 * LANES, ys, 0, H, P2, item % G2, p.start[e],
+                 p.start[e + 1], NULL);
+    }
+    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++) {
+      moe_combine_row(&p, ys, w, t, k, H, os + t * H);
+      for (int64_t c = 0; c < H; c++) out[t * H + c] = f32_to_bf16(os[t * H + c]);
+    }
+  }
+  free(xs); free(h); free(af); free(a); free(ys); free(os);
+  moe_free(&p);
+}
+#else
+int64_t bf16_pairs(void) { return 0; }
+#endif

@@ -4,10 +4,11 @@ torch's default float32 matmul here goes through a BLAS that uses one core for o
 products and blocks skinny ones poorly. Weights are therefore packed once, after loading, for
 one of two kernels, and the dense copy is dropped so every weight is held once:
 
-- float32: expertmesh's own panel GEMM (csrc/cpu_kernels.c) when it builds on this machine;
-  measured here 1.3-1.5x faster than oneDNN from 1 to 13 rows (decode) and even at 32-512.
-- bfloat16, or when our kernels are unavailable: oneDNN's packed linear, whose AVX512-BF16
-  products beat our widen-to-float32 path from about 13 rows on.
+- expertmesh's own panel GEMM (csrc/cpu_kernels.c) when it builds on this machine: float32
+  (measured here 1.3-1.5x faster than oneDNN from 1 to 13 rows, i.e. decode, and even at
+  32-512), and bfloat16 where the CPU has AVX512-BF16 pair products;
+- otherwise oneDNN's packed linear (bfloat16 without AVX512-BF16, where our widen-to-float32
+  path loses to it from about 13 rows on, or no C compiler).
 
 Measurements: docs/benchmarks.md.
 """
@@ -53,7 +54,9 @@ def pack(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | Non
     """A packed copy of a CPU [out, in] weight for its best kernel, or None (keep F.linear)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
         return None
-    if kernels is not None and weight.dtype == torch.float32:
+    if kernels is not None and (
+        weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and kernels.bf16_pairs)
+    ):
         return PanelWeight(weight, kernels)
     if _onednn_ok(weight):
         return OneDnnWeight(weight)

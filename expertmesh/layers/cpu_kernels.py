@@ -67,55 +67,69 @@ def _build(compiler: str, out: Path) -> None:
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A weight laid out for `CpuKernels.linear`: [panels, in_features, lanes]."""
+    """A weight laid out for `CpuKernels.linear` (see `CpuKernels.panel_shape`)."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
 
 
+def _sig(fn, pointers: int, ints: int, *rest) -> None:
+    fn.restype = None
+    fn.argtypes = [_c] * pointers + [_i64] * ints + list(rest)
+
+
+_MOE_ARGS = [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, ctypes.c_int, _c, ctypes.c_int]
+
+
 class CpuKernels:
     """Typed entry points of the compiled library."""
+
+    MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib, self.path = lib, path
         for name in ("paged_decode_f32", "paged_decode_bf16"):
-            fn = getattr(lib, name)
-            fn.restype = None
-            fn.argtypes = [_c] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, ctypes.c_int]
-        for name in ("gemm_f32", "gemm_bf16"):
-            fn = getattr(lib, name)
-            fn.restype = None
-            fn.argtypes = [_c] * 3 + [_i64] * 3 + [ctypes.c_int]
+            _sig(getattr(lib, name), 6, 6, ctypes.c_float, _i64, ctypes.c_int)
+        for name in ("gemm_f32", "gemm_bf16"):  # x, panels, y, M, O, I, bias or NULL, threads
+            _sig(getattr(lib, name), 3, 3, _c, ctypes.c_int)
         lib.gemm_lanes.restype = _i64
-        lib.moe_f32.restype = None
-        lib.moe_f32.argtypes = [
-            _c,
-            _i64,
-            _i64,
-            _c,
-            _c,
-            _i64,
-            _c,
-            _c,
-            _i64,
-            _i64,
-            ctypes.c_int,
-            _c,
-            ctypes.c_int,
-        ]
+        lib.bf16_pairs.restype = _i64
         self.lanes = int(lib.gemm_lanes())
+        # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights go to oneDNN.
+        self.bf16_pairs = bool(lib.bf16_pairs())
+        moe_fns = ["moe_f32"]
+        if self.bf16_pairs:
+            _sig(lib.gemm_bf16_pairs, 3, 3, _c, ctypes.c_int)
+            moe_fns.append("moe_bf16")
+        for name in moe_fns:
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = None, _MOE_ARGS
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16)
 
-    def pack(self, weight: torch.Tensor) -> PanelWeight:
-        """[out, in] weight -> panels of `lanes` output rows, [P, in, lanes], zero rows past `out`."""
-        out_features, in_features = weight.shape
+    # ---- matmul ----------------------------------------------------------------------------------
+    def panel_shape(self, out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, ...]:
+        """[P, in, lanes]: panels of `lanes` output rows; bf16 on pairs: [P, ceil(in / 2), lanes, 2]."""
         panels = -(-out_features // self.lanes)
-        padded = torch.zeros(panels * self.lanes, in_features, dtype=weight.dtype)
-        padded[:out_features] = weight
-        data = padded.view(panels, self.lanes, in_features).transpose(1, 2).contiguous()
+        if dtype == torch.bfloat16 and self.bf16_pairs:
+            return (panels, -(-in_features // 2), self.lanes, 2)
+        return (panels, in_features, self.lanes)
+
+    def pack(self, weight: torch.Tensor) -> PanelWeight:
+        """[out, in] weight -> its panels (zero rows past `out`; a zero column pads odd `in` pairs)."""
+        out_features, in_features = weight.shape
+        shape = self.panel_shape(out_features, in_features, weight.dtype)
+        panels = shape[0]
+        if len(shape) == 4:  # pairs: lane l of pair i holds W[o, 2i] and W[o, 2i + 1]
+            padded = torch.zeros(panels * self.lanes, 2 * shape[1], dtype=weight.dtype)
+            padded[:out_features, :in_features] = weight
+            data = padded.view(panels, self.lanes, shape[1], 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            padded = torch.zeros(panels * self.lanes, in_features, dtype=weight.dtype)
+            padded[:out_features] = weight
+            data = padded.view(panels, self.lanes, in_features).transpose(1, 2).contiguous()
         return PanelWeight(data, out_features, in_features)
 
     def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,8 +142,13 @@ class CpuKernels:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, w.in_features).contiguous()
         y = torch.empty(x2.shape[0], w.out_features, dtype=x.dtype)
+        # The bias is added in float32 before the output is rounded (as oneDNN does).
+        b = None if bias is None else bias.to(torch.float32).contiguous()
         if x2.shape[0]:
-            fn = self.lib.gemm_f32 if x.dtype == torch.float32 else self.lib.gemm_bf16
+            if x.dtype == torch.float32:
+                fn = self.lib.gemm_f32
+            else:
+                fn = self.lib.gemm_bf16_pairs if w.data.dim() == 4 else self.lib.gemm_bf16
             fn(
                 x2.data_ptr(),
                 w.data.data_ptr(),
@@ -137,16 +156,15 @@ class CpuKernels:
                 x2.shape[0],
                 w.out_features,
                 w.in_features,
+                None if b is None else b.data_ptr(),
                 torch.get_num_threads(),
             )
-        if bias is not None:
-            y += bias
         return y.view(*lead, w.out_features)
 
-    MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
-
+    # ---- routed experts --------------------------------------------------------------------------
     def moe_supports(self, dtype: torch.dtype, act: str) -> bool:
-        return dtype == torch.float32 and act in self.MOE_ACTIVATIONS
+        ok = dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16_pairs)
+        return ok and act in self.MOE_ACTIVATIONS
 
     def moe(
         self,
@@ -158,23 +176,25 @@ class CpuKernels:
         inter: int,
         act: str,
     ) -> torch.Tensor:
-        """Routed experts in one call: x [n, H] float32, slot [n, k] int32 (local expert or -1),
-        weights [n, k]; w13 / w2 the experts' [gate | up] and down weights stacked in panels
-        ([E, P, H, lanes] and [E, P, inter, lanes]) -> [n, H], this rank's partial sum."""
+        """Routed experts in one call: x [n, H], slot [n, k] int32 (local expert or -1), weights
+        [n, k]; w13 / w2 the experts' [gate | up] and down weights, each packed by `pack`, stacked
+        -> [n, H], this rank's partial sum."""
         n, hidden = x.shape
-        if x.dtype != torch.float32 or slot.dtype != torch.int32 or slot.shape[0] != n:
+        if not self.moe_supports(x.dtype, act) or slot.dtype != torch.int32 or slot.shape[0] != n:
+            raise ValueError(f"moe: unsupported input {x.dtype} / slot {slot.dtype} / activation {act!r}")
+        e = w13.shape[0]
+        want13 = (e, *self.panel_shape(2 * inter, hidden, x.dtype))
+        want2 = (e, *self.panel_shape(hidden, inter, x.dtype))
+        if tuple(w13.shape) != want13 or tuple(w2.shape) != want2 or w13.dtype != x.dtype:
             raise ValueError(
-                f"moe: x must be float32 [n, H] and slot int32 [n, k], got {x.dtype}, {slot.dtype}"
+                f"moe: weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit H={hidden}, "
+                f"I={inter} (want {want13} / {want2} {x.dtype})"
             )
-        if w13.shape[2] != hidden or w2.shape[2] != inter or w13.shape[0] != w2.shape[0]:
-            raise ValueError(
-                f"moe: weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit H={hidden}, I={inter}"
-            )
-        x = x.contiguous()
-        slot = slot.contiguous()
+        x, slot = x.contiguous(), slot.contiguous()
         weights = weights.to(torch.float32).contiguous()
         out = torch.empty_like(x)
-        self.lib.moe_f32(
+        fn = self.lib.moe_f32 if x.dtype == torch.float32 else self.lib.moe_bf16
+        fn(
             x.data_ptr(),
             n,
             hidden,
@@ -183,7 +203,7 @@ class CpuKernels:
             slot.shape[1],
             w13.data_ptr(),
             w2.data_ptr(),
-            w13.shape[0],
+            e,
             inter,
             self.MOE_ACTIVATIONS[act],
             out.data_ptr(),
@@ -191,6 +211,7 @@ class CpuKernels:
         )
         return out
 
+    # ---- attention -------------------------------------------------------------------------------
     def paged_decode(
         self,
         q: torch.Tensor,
