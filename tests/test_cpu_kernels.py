@@ -16,6 +16,8 @@ from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_gemm, cpu_kernels
 from expertmesh.layers.attention import decode_key_mask
 from expertmesh.layers.fused_moe import FusedExperts
+from expertmesh.layers.norm import RMSNorm
+from expertmesh.layers.rotary import RotaryEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +181,7 @@ def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids):
     exact = _experts(expert_ids, act, dtype=torch.float32)  # the same (bf16-rounded) weights in fp32
     exact.w13.data.copy_(torch_path.w13.float())
     exact.w2.data.copy_(torch_path.w2.float())
-    fused.pack_for_cpu(kernels)
+    fused.use_cpu_kernels(kernels)
     assert fused.fused is not None and fused.w13.numel() == 0  # dense copy dropped
     g = torch.Generator().manual_seed(1)
     for n, k in [(0, 2), (1, 2), (2, 1), (9, 2), (37, 3)]:
@@ -206,7 +208,7 @@ def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids):
 
 def test_fused_moe_dtype_choice(kernels):
     fe = FusedExperts(4, [0, 1, 2, 3], 16, 8, 0, 1, "silu", torch.bfloat16)
-    fe.pack_for_cpu(kernels)
+    fe.use_cpu_kernels(kernels)
     # bf16 experts: one fused call with pair products, else oneDNN products per expert
     assert (fe.fused is not None) == kernels.bf16_pairs
     assert (fe.packed is not None) == (not kernels.bf16_pairs)
@@ -248,3 +250,42 @@ def test_engine_bf16_logprobs_close_to_transformers(checkpoint, family):
         # sparsemixer's band test is a hard threshold on the router logits: one bf16 ulp there can
         # move an expert in or out of the softmax (measured: 1 position in 24 at 0.58).
         assert sorted(errors)[-2] < 0.1 and max(errors) < 1.0, f"phimoe: per position {errors}"
+
+
+# ---- RMSNorm and rotary + cache store -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 5, 40])
+def test_rms_norm_matches_reference(kernels, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    ref = RMSNorm(72, 1e-5, dtype)
+    ref.weight.data = torch.randn(72, generator=g).to(dtype)
+    x = (3 * torch.randn(rows, 72, generator=g)).to(dtype)
+    want = ref(x)
+    ref.use_cpu_kernels(kernels)
+    got = ref(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    # float32: same operations, summation order may differ; bf16: at most one rounding step apart
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 33])
+def test_rope_cache_matches_torch(kernels, dtype, tokens):
+    """Rotated q, k and the cache contents equal torch's rotary + index_copy, from strided views."""
+    g = torch.Generator().manual_seed(tokens)
+    h, hk, d, bs, blocks = 4, 2, 16, 4, 12
+    rotary = RotaryEmbedding(d, 64, 10000.0, "default", {})
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    cos, sin = rotary.lookup(positions, dtype)
+    qkv = torch.randn(tokens, (h + 2 * hk) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    caches = [torch.zeros(blocks, bs, hk, d, dtype=dtype) for _ in range(4)]
+    q_ref, k_ref = RotaryEmbedding.apply((cos, sin), q, k)
+    caches[0].view(-1, hk, d).index_copy_(0, slots, k_ref)
+    caches[1].view(-1, hk, d).index_copy_(0, slots, v.contiguous())
+    q_got, k_got, v_got = kernels.rope_cache(q, k, v, cos, sin, slots, caches[2], caches[3])
+    assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref) and torch.equal(v_got, v)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])

@@ -28,8 +28,8 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None
         self._workspace: torch.Tensor | None = None  # decode K/V gather buffers, see _gather_buffers
         self.num_blocks = 0
-        # Our compiled CPU kernels (decode attention over the paged cache in place), if the model
-        # builder chose them (models/build.py).
+        # Our compiled CPU kernels, if the model builder chose them (models/build.py): decode
+        # steps then carry int32 block tables for the in-place paged attention.
         self.kernels = getattr(model, "cpu_kernels", None)
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -66,7 +66,6 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
-            layer.kernels = self.kernels
 
     # ---- inputs ---------------------------------------------------------------------------
     def prepare(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -53,15 +54,31 @@ class Attention(nn.Module):
         self.scale, self.sliding_window = scale, sliding_window
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by the runner
         self.v_cache = torch.empty(0)
-        self.kernels: CpuKernels | None = None  # set by the runner when its CPU kernels are built
+        self.kernels: CpuKernels | None = None  # set by use_cpu_kernels()
+
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """Rotary + cache store in one call, and decode attention over the blocks in place."""
+        self.kernels = kernels
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k and v: [T, Hk, D] -> [T, H*D]."""
-        if self.k_cache.numel():
-            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        """q: [T, H, D], k and v: [T, Hk, D] (views allowed), rotated by `rope` (cos, sin) when
+        given -> [T, H*D]. The new k and v are stored in the cache first."""
+        if self.kernels is not None and rope is not None:
+            q, k, v = self.kernels.rope_cache(q, k, v, *rope, meta.slot_mapping, self.k_cache, self.v_cache)
+        else:
+            if rope is not None:
+                q, k = RotaryEmbedding.apply(rope, q, k)
+            v = v.contiguous()
+            if self.k_cache.numel():
+                self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+                self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         if not meta.prefills:  # decode-only step: no copy into a fresh buffer
             return self._decode(q, meta).view(q.shape[0], -1)
         if not meta.num_decodes and len(meta.prefills) == 1:

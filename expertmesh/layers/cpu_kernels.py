@@ -102,6 +102,12 @@ class CpuKernels:
         if self.bf16_pairs:
             _sig(lib.gemm_bf16_pairs, 3, 3, _c, ctypes.c_int)
             moe_fns.append("moe_bf16")
+        for name in ("rms_norm_f32", "rms_norm_bf16"):  # x, weight, out, rows, H, eps, threads
+            _sig(getattr(lib, name), 3, 2, ctypes.c_float, ctypes.c_int)
+        for name in ("rope_cache_f32", "rope_cache_bf16"):
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = [_c, _i64, _c, _i64, _c, _i64] + [_c] * 8 + [_i64] * 4 + [ctypes.c_int]
         for name in moe_fns:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = None, _MOE_ARGS
@@ -210,6 +216,80 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return out
+
+    # ---- per-token ops ---------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim, rounding as the float32-then-cast reference does."""
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if x.dtype != weight.dtype or weight.numel() != x2.shape[1]:
+            raise ValueError(
+                f"rms_norm: x {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)} {weight.dtype}"
+            )
+        out = torch.empty_like(x2)
+        fn = self.lib.rms_norm_f32 if x.dtype == torch.float32 else self.lib.rms_norm_bf16
+        fn(
+            x2.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x2.shape[0],
+            x2.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
+        return out.view(x.shape)
+
+    def rope_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotary q and k (NeoX halves) and k, v stored at `slots` of the caches, in one pass.
+
+        q [T, H, D], k and v [T, Hk, D] may be row-strided views (of the fused qkv output); cos and
+        sin [T, D] (or [T, 1, D]); caches [blocks, block_size, Hk, D] or empty (no store).
+        Returns contiguous rotated q, rotated k and v."""
+        t, h, d = q.shape
+        hk = k.shape[1]
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.dtype != q.dtype or x.stride(2) != 1 or x.stride(1) != d or x.shape[0] != t:
+                raise ValueError(f"rope_cache: {name} must be [T, heads, {d}] with unit-stride heads")
+        cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+        if cos.dtype != q.dtype or slots.dtype != torch.int64:
+            raise ValueError("rope_cache: cos/sin must have q's dtype and slots must be int64")
+        q_out, k_out, v_out = (
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            *(torch.empty(t, hk, d, dtype=q.dtype) for _ in range(2)),
+        )
+        store = k_cache.numel() > 0
+        fn = self.lib.rope_cache_f32 if q.dtype == torch.float32 else self.lib.rope_cache_bf16
+        fn(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.contiguous().data_ptr() if store else None,
+            k_cache.data_ptr() if store else None,
+            v_cache.data_ptr() if store else None,
+            q_out.data_ptr(),
+            k_out.data_ptr(),
+            v_out.data_ptr(),
+            t,
+            h,
+            hk,
+            d,
+            torch.get_num_threads(),
+        )
+        return q_out, k_out, v_out
 
     # ---- attention -------------------------------------------------------------------------------
     def paged_decode(

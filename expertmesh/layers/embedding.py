@@ -49,7 +49,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: cpu_gemm.PackedWeight | None = None
 
-    def pack_for_cpu(self, kernels: CpuKernels | None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         self.packed = cpu_gemm.pack(self.weight, kernels)
         if self.packed is not None:
             cpu_gemm.release(self.weight)

@@ -97,7 +97,7 @@ class FusedExperts(nn.Module):
     # (kernels, w13 panels, w2 panels, activation): the whole block in one call of our CPU kernel.
     fused: tuple[CpuKernels, torch.Tensor, torch.Tensor, str] | None = None
 
-    def pack_for_cpu(self, kernels: CpuKernels | None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         if kernels is not None and kernels.moe_supports(self.w13.dtype, self.act_name) and self.expert_ids:
             w13 = torch.stack([kernels.pack(self.w13[e]).data for e in range(len(self.expert_ids))])
             w2 = torch.stack([kernels.pack(self.w2[e]).data for e in range(len(self.expert_ids))])

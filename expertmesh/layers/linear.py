@@ -31,9 +31,9 @@ class LinearBase(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
 
-    packed: cpu_gemm.PackedWeight | None = None  # set by pack_for_cpu(); the dense weight is then dropped
+    packed: cpu_gemm.PackedWeight | None = None  # set by use_cpu_kernels(); the dense weight is then dropped
 
-    def pack_for_cpu(self, kernels: CpuKernels | None) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         self.packed = cpu_gemm.pack(self.weight, kernels)
         if self.packed is not None:
             cpu_gemm.release(self.weight)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.weights import default_loader, set_loader
 
 
@@ -16,7 +17,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         set_loader(self.weight, default_loader)
 
+    kernels: CpuKernels | None = None  # set by use_cpu_kernels(): one compiled call per norm
+
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        if kernels is not None and kernels.supports(self.weight.dtype):
+            self.kernels = kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

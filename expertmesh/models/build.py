@@ -86,14 +86,15 @@ def build_model(cfg: ModelConfig, env: ModelEnv, model_dir: str, device: str = "
     with torch.device(device):
         model = cls(cfg, env)
     load_weights(model, model_dir)
-    # The one place that decides whether our compiled CPU kernels serve this model: its matmuls
-    # (packed below, after loading) and, through model.cpu_kernels, the runner's decode attention.
+    # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
+    # routed experts (weights packed below, after loading), RMSNorm, rotary + KV store and decode
+    # attention; model.cpu_kernels tells the runner to lay out decode metadata for them.
     kernels = cpu_kernels.load() if device == "cpu" else None
     if kernels is not None and not kernels.supports(cfg.dtype):
         kernels = None
     model.cpu_kernels = kernels
     if device == "cpu":
         for module in model.modules():
-            if hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu(kernels)
+            if hasattr(module, "use_cpu_kernels"):
+                module.use_cpu_kernels(kernels)
     return model.eval()

@@ -45,8 +45,7 @@ class DecoderAttention(nn.Module):
         q, k, v = q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(ctx.rope, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), ctx.attn))
+        return self.o_proj(self.attn(q, k, v, ctx.attn, rope=ctx.rope))
 
 
 class DecoderLayer(nn.Module):
