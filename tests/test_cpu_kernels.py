@@ -35,14 +35,14 @@ def _tolerance(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (37, 24), (3, 8), (130, 200)])
 def test_linear_matches_torch(kernels, dtype, out_features, in_features):
-    """Every row count the tiles special-case (0..9, 13, 17, 33), out_features not a multiple of
+    """Every row count the tiles special-case (0..9, 13, 17, 33, 300, 513), out_features not a multiple of
     the panel width, odd in_features, with and without bias, 2-D and 3-D inputs."""
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype)
     packed = kernels.pack(w)
     assert packed.data.shape == kernels.panel_shape(out_features, in_features, dtype)
-    for m in [*range(10), 13, 17, 33]:
+    for m in [*range(10), 13, 17, 33, 300, 513]:  # 300, 513: several row blocks of 256
         x = torch.randn(m, in_features, generator=g).to(dtype)
         want = F.linear(x.float(), w.float()).to(dtype)
         torch.testing.assert_close(kernels.linear(x, packed), want, **_tolerance(dtype))
@@ -171,11 +171,12 @@ def _experts(expert_ids, act, seed=0, hidden=41, inter=23, num_experts=6, dtype=
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("expert_ids", [[0, 1, 2, 3, 4, 5], [1, 3, 4]])  # all, or some (EP: -1 slots)
-def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids):
+def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids, monkeypatch):
     """Uneven routing (one expert gets most tokens, some none), 0, 1 and many tokens, top-1..3;
-    odd hidden and intermediate sizes (bf16 pairs pad them)."""
+    odd hidden and intermediate sizes (bf16 pairs pad them); 37 tokens span three chunks."""
     if not kernels.moe_supports(dtype, act):
         pytest.skip(f"no fused {dtype} experts on this CPU (bf16 needs AVX512-BF16)")
+    monkeypatch.setattr(kernels, "MOE_CHUNK", 16)
     torch_path = _experts(expert_ids, act, dtype=dtype)
     fused = _experts(expert_ids, act, dtype=dtype)
     exact = _experts(expert_ids, act, dtype=torch.float32)  # the same (bf16-rounded) weights in fp32

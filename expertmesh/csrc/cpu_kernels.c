@@ -232,11 +232,19 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
 DEFINE_GEMM(f32, float)
 DEFINE_GEMM(bf16, bf16_t)
 
+/* Work items are (block of ROW_BLOCK rows, panel group): a thread's consecutive items share a
+ * row block, which stays in cache while the panel groups stream past it (long prefills). */
+#define ROW_BLOCK 256
+
 void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, int64_t I,
               const float* bias, int threads) {
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
+  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t g = 0; g < groups; g++) rows_f32(x, I, wp, y, O, P, g, 0, M, bias);
+  for (int64_t item = 0; item < blocks * groups; item++) {
+    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+    rows_f32(x, I, wp, y, O, P, item % groups, r0, r1, bias);
+  }
 }
 
 /* x is widened to float32 once, so the tiles broadcast plain floats. */
@@ -245,8 +253,12 @@ void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t 
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
   for (int64_t k = 0; k < M * I; k++) xf[k] = bf16_to_f32(x[k]);
+  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t g = 0; g < groups; g++) rows_bf16(xf, I, wp, y, O, P, g, 0, M, bias);
+  for (int64_t item = 0; item < blocks * groups; item++) {
+    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+    rows_bf16(xf, I, wp, y, O, P, item % groups, r0, r1, bias);
+  }
   free(xf);
 }
 
@@ -520,8 +532,12 @@ void gemm_bf16_pairs(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, in
   const int64_t I2 = (I + 1) / 2, P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   uint32_t* xp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(M * I2 + 1));
   for (int64_t r = 0; r < M; r++) to_pairs(x + r * I, I, xp + r * I2);
+  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t g = 0; g < groups; g++) rows_pairs(xp, I2, wp, y, 1, O, P, g, 0, M, bias);
+  for (int64_t item = 0; item < blocks * groups; item++) {
+    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+    rows_pairs(xp, I2, wp, y, 1, O, P, item % groups, r0, r1, bias);
+  }
   free(xp);
 }
 
