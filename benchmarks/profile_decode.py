@@ -5,6 +5,11 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
 
     .venv/bin/python benchmarks/profile_decode.py --batch 1 --tool pyinstrument
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool torch
+    .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool kernels --prompt-len 384
+
+torch.profiler sees torch ops only; `--tool kernels` times each call into expertmesh's compiled CPU
+kernels (matmuls, routed experts, decode attention, norms, rotary) and attributes the rest of a
+step to torch ops and Python.
 """
 
 from __future__ import annotations
@@ -61,6 +66,41 @@ def profile_torch(engine, steps: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def profile_kernels(engine, steps: int) -> None:
+    """Wall time per step in each CpuKernels entry point, and what is left for torch and Python."""
+    import collections
+
+    from expertmesh.layers.cpu_kernels import CpuKernels
+
+    spent, calls = collections.defaultdict(float), collections.Counter()
+    originals = {}
+    for name in ("linear", "moe", "paged_decode", "rms_norm", "rope_cache"):
+        originals[name] = fn = getattr(CpuKernels, name)
+
+        def timed(self, *args, _fn=fn, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(self, *args, **kwargs)
+            finally:
+                spent[_name] += time.perf_counter() - start
+                calls[_name] += 1
+
+        setattr(CpuKernels, name, timed)
+    try:
+        total = sum(time_steps(engine, steps))
+    finally:
+        for name, fn in originals.items():
+            setattr(CpuKernels, name, fn)
+    if not calls:
+        print("no CPU-kernel calls: the kernels are off (no compiler, or EXPERTMESH_DISABLE_CPU_KERNELS)")
+    print(f"{'part':<28}{'ms/step':>10}{'calls/step':>12}{'share':>8}")
+    for name in sorted(spent, key=spent.get, reverse=True):
+        ms, per_step, share = spent[name] / steps * 1e3, calls[name] / steps, spent[name] / total
+        print(f"{name:<28}{ms:>10.2f}{per_step:>12.0f}{share:>8.0%}")
+    rest = total - sum(spent.values())
+    print(f"{'torch ops + Python':<28}{rest / steps * 1e3:>10.2f}{'':>12}{rest / total:>8.0%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -68,7 +108,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tool", default="pyinstrument", choices=["pyinstrument", "torch", "none"])
+    ap.add_argument("--tool", default="pyinstrument", choices=["pyinstrument", "torch", "kernels", "none"])
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,6 +124,8 @@ def main() -> None:
         profile_pyinstrument(engine, args.steps)
     elif args.tool == "torch":
         profile_torch(engine, args.steps)
+    elif args.tool == "kernels":
+        profile_kernels(engine, args.steps)
 
 
 if __name__ == "__main__":

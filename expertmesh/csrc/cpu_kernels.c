@@ -29,6 +29,25 @@ static inline bf16_t f32_to_bf16(float f) {
 
 static inline float f32_id(float x) { return x; }
 
+/* exp(v) for float32, written so the compiler vectorises it (libm's expf is a scalar call):
+ * v = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error
+ * about 2e-7, within a float's rounding of expf), times 2^n built in the exponent bits. */
+static inline float exp_vec(float v) {
+  v = v < -87.3f ? -87.3f : (v > 88.7f ? 88.7f : v);
+  const float n = __builtin_roundf(v * 1.44269504088896341f);
+  const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f; /* ln2 split in two */
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  union { uint32_t u; float f; } scale;
+  scale.u = (uint32_t)((int32_t)n + 127) << 23;
+  return p * scale.f;
+}
+
 /* Decode attention over the paged KV cache, reading K and V rows where they lie.
  *
  * q:            [B, H, D]            the newest token of each sequence
@@ -46,45 +65,56 @@ static inline float f32_id(float x) { return x; }
       const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,         \
       T* out, int64_t H, int64_t Hk, int64_t h0, int64_t h1, const int64_t D, int64_t bs,        \
       float scale, int64_t window, float* work) {                                                \
-    const int64_t G = H / Hk, nh = (h1 - h0) * G;                                                \
+    const int64_t G = H / Hk, nkv = h1 - h0, nh = nkv * G, row_stride = Hk * D;                  \
     const int64_t first = (window > 0 && len > window) ? len - window : 0, n = len - first;      \
     float* qf = work;                   /* [nh, D] */                                            \
     float* acc = qf + nh * D;           /* [nh, D] */                                            \
     float* scores = acc + nh * D;       /* [nh, n] */                                            \
     for (int64_t i = 0; i < nh; i++)                                                             \
       for (int64_t d = 0; d < D; d++) qf[i * D + d] = LOAD(q[(h0 * G + i) * D + d]) * scale;     \
-    for (int64_t t = 0; t < n; t++) {                                                            \
-      const int64_t pos = first + t;                                                             \
-      const T* row = k_cache + ((int64_t)table[pos / bs] * bs + pos % bs) * Hk * D + h0 * D;     \
-      for (int64_t i = 0; i < nh; i++) {                                                         \
-        const T* kr = row + (i / G) * D;                                                         \
-        const float* qi = qf + i * D;                                                            \
-        float s = 0.f;                                                                           \
-        _Pragma("omp simd reduction(+ : s)") for (int64_t d = 0; d < D; d++) s += qi[d] * LOAD(kr[d]); \
-        scores[i * n + t] = s;                                                                   \
-      }                                                                                          \
+    /* Token runs within one block: no division per token. */                                   \
+    for (int64_t t = 0; t < n;) {                                                                \
+      const int64_t pos = first + t, off = pos % bs;                                             \
+      const int64_t run = bs - off < n - t ? bs - off : n - t;                                   \
+      const T* base = k_cache + ((int64_t)table[pos / bs] * bs + off) * row_stride + h0 * D;     \
+      for (int64_t u = 0; u < run; u++)                                                          \
+        for (int64_t hh = 0; hh < nkv; hh++) {                                                   \
+          const T* kr = base + u * row_stride + hh * D;                                          \
+          for (int64_t g = 0; g < G; g++) {                                                      \
+            const float* qi = qf + (hh * G + g) * D;                                             \
+            float s = 0.f;                                                                       \
+            _Pragma("omp simd reduction(+ : s)") for (int64_t d = 0; d < D; d++) s += qi[d] * LOAD(kr[d]); \
+            scores[(hh * G + g) * n + t + u] = s;                                                \
+          }                                                                                      \
+        }                                                                                        \
+      t += run;                                                                                  \
     }                                                                                            \
     for (int64_t i = 0; i < nh; i++) {                                                           \
       float* si = scores + i * n;                                                                \
       float m = -INFINITY, sum = 0.f;                                                            \
       for (int64_t t = 0; t < n; t++) m = si[t] > m ? si[t] : m;                                 \
-      for (int64_t t = 0; t < n; t++) {                                                          \
-        si[t] = expf(si[t] - m);                                                                 \
+      _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {                   \
+        si[t] = exp_vec(si[t] - m);                                                              \
         sum += si[t];                                                                            \
       }                                                                                          \
       const float inv = 1.f / sum;                                                               \
       for (int64_t t = 0; t < n; t++) si[t] *= inv;                                              \
     }                                                                                            \
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));                                           \
-    for (int64_t t = 0; t < n; t++) {                                                            \
-      const int64_t pos = first + t;                                                             \
-      const T* row = v_cache + ((int64_t)table[pos / bs] * bs + pos % bs) * Hk * D + h0 * D;     \
-      for (int64_t i = 0; i < nh; i++) {                                                         \
-        const T* vr = row + (i / G) * D;                                                         \
-        const float p = scores[i * n + t];                                                       \
-        float* a = acc + i * D;                                                                  \
-        _Pragma("omp simd") for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vr[d]);             \
-      }                                                                                          \
+    for (int64_t t = 0; t < n;) {                                                                \
+      const int64_t pos = first + t, off = pos % bs;                                             \
+      const int64_t run = bs - off < n - t ? bs - off : n - t;                                   \
+      const T* base = v_cache + ((int64_t)table[pos / bs] * bs + off) * row_stride + h0 * D;     \
+      for (int64_t u = 0; u < run; u++)                                                          \
+        for (int64_t hh = 0; hh < nkv; hh++) {                                                   \
+          const T* vr = base + u * row_stride + hh * D;                                          \
+          for (int64_t g = 0; g < G; g++) {                                                      \
+            const float p = scores[(hh * G + g) * n + t + u];                                    \
+            float* a = acc + (hh * G + g) * D;                                                   \
+            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vr[d]);         \
+          }                                                                                      \
+        }                                                                                        \
+      t += run;                                                                                  \
     }                                                                                            \
     for (int64_t i = 0; i < nh; i++)                                                             \
       for (int64_t d = 0; d < D; d++) out[(h0 * G + i) * D + d] = STORE(acc[i * D + d]);         \
@@ -268,7 +298,7 @@ void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t 
 #define DEFINE_RMSNORM(SUFFIX, T, LOAD, STORE)                                                   \
   void rms_norm_##SUFFIX(const T* x, const T* weight, T* out, int64_t rows, int64_t H,          \
                          float eps, int threads) {                                               \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows > 16)")            \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows > 256)")            \
     for (int64_t r = 0; r < rows; r++) {                                                         \
       const T* xr = x + r * H;                                                                   \
       float ss = 0.f;                                                                            \
@@ -305,7 +335,7 @@ DEFINE_RMSNORM(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
       const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,  \
       const T* cos, const T* sin, const int64_t* slots, T* k_cache, T* v_cache, T* q_out,        \
       T* k_out, T* v_out, int64_t tokens, int64_t H, int64_t Hk, int64_t D, int threads) {       \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (tokens > 16)")          \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (tokens > 256)")          \
     for (int64_t t = 0; t < tokens; t++) {                                                       \
       const T* c = cos + t * D;                                                                  \
       const T* s = sin + t * D;                                                                  \
@@ -381,25 +411,6 @@ static inline void moe_combine_row(const moe_plan* p, const float* ys, const flo
     const float* y = ys + r * H;
     for (int64_t c = 0; c < H; c++) o[c] += wt * y[c];
   }
-}
-
-/* exp(v) for float32, written so the compiler vectorises it (libm's expf is a scalar call):
- * v = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error
- * about 2e-7, within a float's rounding of expf), times 2^n built in the exponent bits. */
-static inline float exp_vec(float v) {
-  v = v < -87.3f ? -87.3f : (v > 88.7f ? 88.7f : v);
-  const float n = __builtin_roundf(v * 1.44269504088896341f);
-  const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f; /* ln2 split in two */
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  union { uint32_t u; float f; } scale;
-  scale.u = (uint32_t)((int32_t)n + 127) << 23;
-  return p * scale.f;
 }
 
 /* act(gate) * up over one row of [gate | up] (width 2 * I) into a (width I). */

@@ -38,6 +38,7 @@ class FusedExperts(nn.Module):
                 "that split it; choose a parallel layout whose expert shard count divides it"
             )
         self.num_experts, self.expert_ids = num_experts, list(expert_ids)
+        self.all_local = self.expert_ids == list(range(num_experts))
         self.act_name, self.act = act, get_act(act)
         self.shard_rank, self.inter = shard_rank, intermediate // shard_size
         self.full_inter = intermediate
@@ -70,7 +71,12 @@ class FusedExperts(nn.Module):
         """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] partial sum over local experts."""
         if self.fused is not None:
             kernels, w13, w2, act = self.fused
-            slot = self.local_index[topk_ids].to(torch.int32)
+            if self.all_local:  # every expert here: its slot is its id
+                slot = topk_ids.to(torch.int32)
+            else:
+                slot = (
+                    self.local_index.index_select(0, topk_ids.flatten()).view(topk_ids.shape).to(torch.int32)
+                )
             return kernels.moe(x, slot, topk_weights, w13, w2, self.inter, act)
         if x.shape[0] == 1:
             return self._one_token(x, topk_ids, topk_weights)
