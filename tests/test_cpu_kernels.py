@@ -6,6 +6,7 @@ a failed build is a test failure, not a skip.
 
 from __future__ import annotations
 
+import platform
 import random
 
 import pytest
@@ -290,3 +291,39 @@ def test_rope_cache_matches_torch(kernels, dtype, tokens):
     q_got, k_got, v_got = kernels.rope_cache(q, k, v, cos, sin, slots, caches[2], caches[3])
     assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref) and torch.equal(v_got, v)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+# ---- the generic vector path (CPUs without AVX-512) --------------------------------------------
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_generic_path_without_avx512(tmp_path):
+    """The same source built with -mno-avx512f takes the 8-lane tiles and, for bf16, the widening
+    GEMM (no pair products, no fused bf16 experts): checked against torch like the native build."""
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None
+    generic = cpu_kernels.build(tmp_path / "generic.so", compiler, ("-mno-avx512f",))
+    assert generic.lanes == 8 and not generic.bf16_pairs
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(37, 24, generator=g).to(dtype)
+        b = torch.randn(37, generator=g).to(dtype)
+        packed = generic.pack(w)
+        assert packed.data.shape == (5, 24, 8)
+        for m in (0, 1, 3, 5, 9, 300):
+            x = torch.randn(m, 24, generator=g).to(dtype)
+            want = F.linear(x.float(), w.float(), b.float()).to(dtype)
+            torch.testing.assert_close(generic.linear(x, packed, b), want, **_tolerance(dtype))
+    assert generic.moe_supports(torch.float32, "silu") and not generic.moe_supports(torch.bfloat16, "silu")
+    ref, fused = _experts([1, 3, 4], "silu"), _experts([1, 3, 4], "silu")
+    fused.use_cpu_kernels(generic)
+    x, ids, wt = (
+        torch.randn(21, 41, generator=g),
+        torch.randint(0, 6, (21, 2), generator=g),
+        torch.rand(21, 2),
+    )
+    torch.testing.assert_close(fused(x, ids, wt), ref(x, ids, wt), atol=1e-5, rtol=1e-5)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, tables, lt = _paged_case(dtype, [1, 17, 40], 8, 4, 64)
+        got = generic.paged_decode(q, kc, vc, tables, lt, 0.125, None)
+        torch.testing.assert_close(
+            got, _reference_decode(q, kc, vc, tables, lt, 0.125, None), **_tolerance(dtype)
+        )

@@ -50,14 +50,17 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(compiler: str, out: Path) -> None:
+def _build(compiler: str, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """Compile into a temporary file, then rename: ranks building at once never see half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True
+            [compiler, *FLAGS, *extra_flags, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         os.replace(tmp, out)
     finally:
@@ -354,11 +357,17 @@ def load() -> CpuKernels | None:
     root = Path(os.environ.get("EXPERTMESH_CACHE", Path.home() / ".cache" / "expertmesh"))
     path = root / "kernels" / key.hexdigest()[:16] / "libexpertmesh_cpu.so"
     try:
-        if not path.exists():
-            log.info("compiling CPU kernels with %s into %s", compiler, path.parent)
-            _build(compiler, path)
-        return CpuKernels(ctypes.CDLL(str(path)), path)
+        return build(path, compiler)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("CPU kernels could not be built or loaded (%s); using torch ops (slower)", detail.strip())
         return None
+
+
+def build(path: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
+    """Compile (unless `path` exists) and load. `extra_flags` lets tests build other variants,
+    e.g. `-mno-avx512f` for the generic 8-lane path other CPUs take."""
+    if not path.exists():
+        log.info("compiling CPU kernels with %s into %s", compiler, path.parent)
+        _build(compiler, path, extra_flags)
+    return CpuKernels(ctypes.CDLL(str(path)), path)
