@@ -105,11 +105,19 @@ class FusedExperts(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         if kernels is not None and kernels.moe_supports(self.w13.dtype, self.act_name) and self.expert_ids:
-            w13 = torch.stack([kernels.pack(self.w13[e]).data for e in range(len(self.expert_ids))])
-            w2 = torch.stack([kernels.pack(self.w2[e]).data for e in range(len(self.expert_ids))])
-            self.fused = (kernels, w13, w2, self.act_name)
-            cpu_gemm.release(self.w13)
-            cpu_gemm.release(self.w2)
+            # One expert at a time into the stacked panels: the dense weights and the packed copy
+            # coexist (2x) while loading, never a third list of per-expert copies.
+            packed = []
+            for param in (self.w13, self.w2):
+                out = torch.empty(
+                    (len(self.expert_ids), *kernels.panel_shape(*param.shape[1:], param.dtype)),
+                    dtype=param.dtype,
+                )
+                for e in range(len(self.expert_ids)):
+                    out[e] = kernels.pack(param[e]).data
+                cpu_gemm.release(param)
+                packed.append(out)
+            self.fused = (kernels, packed[0], packed[1], self.act_name)
             return
         pairs = [
             (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels))
