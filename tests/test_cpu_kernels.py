@@ -72,9 +72,9 @@ def test_linear_rejects_mismatched_input(kernels):
 def test_pack_choice(kernels):
     """float32 weights go to our panels, bfloat16 too where the CPU has pair products (else oneDNN);
     without our kernels everything goes to oneDNN."""
-    assert isinstance(cpu_gemm.pack(torch.randn(8, 8), kernels), cpu_gemm.PanelWeight)
+    assert isinstance(cpu_gemm.pack(torch.randn(8, 8), kernels), cpu_kernels.PanelWeight)
     bf16 = cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16), kernels)
-    assert isinstance(bf16, cpu_gemm.PanelWeight if kernels.bf16_pairs else cpu_gemm.OneDnnWeight)
+    assert isinstance(bf16, cpu_kernels.PanelWeight if kernels.bf16_pairs else cpu_gemm.OneDnnWeight)
     assert isinstance(cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16), None), cpu_gemm.OneDnnWeight)
     assert isinstance(cpu_gemm.pack(torch.randn(8, 8), None), cpu_gemm.OneDnnWeight)
     assert cpu_gemm.pack(torch.randn(8, 8, dtype=torch.float64), kernels) is None

@@ -209,6 +209,21 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
   return v;
 }
 
+/* Rows [r, r1) in tiles: MR rows a tile, then one tile of the 1..7 left, the row count a
+ * constant in each case so every tile's loops unroll. The tile takes (..., rows, bias). */
+#define TILE_ROWS(r, r1, tile, bias, ...)                    \
+  for (; r + MR <= r1; r += MR) tile(__VA_ARGS__, MR, bias); \
+  switch (r1 - r) {                                          \
+    case 7: tile(__VA_ARGS__, 7, bias); break;               \
+    case 6: tile(__VA_ARGS__, 6, bias); break;               \
+    case 5: tile(__VA_ARGS__, 5, bias); break;               \
+    case 4: tile(__VA_ARGS__, 4, bias); break;               \
+    case 3: tile(__VA_ARGS__, 3, bias); break;               \
+    case 2: tile(__VA_ARGS__, 2, bias); break;               \
+    case 1: tile(__VA_ARGS__, 1, bias); break;               \
+    default: break;                                          \
+  }
+
 #define DEFINE_GEMM(SUFFIX, T)                                                                   \
   static inline __attribute__((always_inline)) void tile_##SUFFIX(                              \
       const float* x, int64_t I, const T* wp, T* y, int64_t O, int64_t p0, int64_t np,          \
@@ -240,23 +255,12 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     }                                                                                            \
   }                                                                                              \
                                                                                                  \
-  /* Rows [r0, r1) of x against panel group g: MR rows a tile, then one tile of the rest   */   \
-  /* (constant row counts, so every tile's loops unroll).                                  */   \
+  /* Rows [r0, r1) of x against panel group g, in tiles (TILE_ROWS).                       */   \
   static void rows_##SUFFIX(const float* x, int64_t I, const T* wp, T* y, int64_t O, int64_t P,  \
                             int64_t g, int64_t r0, int64_t r1, const float* bias) {              \
     const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
     int64_t r = r0;                                                                              \
-    for (; r + MR <= r1; r += MR) tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, MR, bias); \
-    switch (r1 - r) {                                                                            \
-      case 7: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 7, bias); break;             \
-      case 6: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 6, bias); break;             \
-      case 5: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 5, bias); break;             \
-      case 4: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 4, bias); break;             \
-      case 3: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 3, bias); break;             \
-      case 2: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 2, bias); break;             \
-      case 1: tile_##SUFFIX(x + r * I, I, wp, y + r * O, O, p0, np, 1, bias); break;             \
-      default: break;                                                                            \
-    }                                                                                            \
+    TILE_ROWS(r, r1, tile_##SUFFIX, bias, x + r * I, I, wp, y + r * O, O, p0, np);               \
   }
 
 DEFINE_GEMM(f32, float)
@@ -519,17 +523,7 @@ static void rows_pairs(const uint32_t* x, int64_t I2, const bf16_t* wp, void* y,
   char* yb = (char*)y;
   const int64_t row_bytes = O * (int64_t)(y_bf16 ? sizeof(bf16_t) : sizeof(float));
   int64_t r = r0;
-  for (; r + MR <= r1; r += MR) tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, MR, bias);
-  switch (r1 - r) {
-    case 7: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 7, bias); break;
-    case 6: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 6, bias); break;
-    case 5: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 5, bias); break;
-    case 4: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 4, bias); break;
-    case 3: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 3, bias); break;
-    case 2: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 2, bias); break;
-    case 1: tile_pairs(x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np, 1, bias); break;
-    default: break;
-  }
+  TILE_ROWS(r, r1, tile_pairs, bias, x + r * I2, I2, wp, yb + r * row_bytes, y_bf16, O, p0, np);
 }
 
 /* A bf16 row of width I as I2 pairs, an odd tail paired with zero. */

@@ -105,15 +105,15 @@ class ModelRunner:
         return AttentionMetadata(slots_t, len(batch.decodes), groups, prefills, buffers)
 
     @staticmethod
-    def _decode_tables(decodes: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """int32 block tables [B, widest] (zero-padded) and context lengths [B] of the decodes."""
-        if not decodes:
-            return None, None
-        width = max(len(s.block_table) for s in decodes)
-        tables = torch.tensor(
-            [s.block_table + [0] * (width - len(s.block_table)) for s in decodes], dtype=torch.int32
-        )
-        return tables, torch.tensor([s.num_tokens for s in decodes], dtype=torch.int32)
+    def _tables_and_lengths(seqs: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [B, widest] (zero-padded) and context lengths [B] of `seqs`."""
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=dtype)
+        return tables, torch.tensor([s.num_tokens for s in seqs], dtype=dtype)
+
+    def _decode_tables(self, decodes: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """int32 tables and lengths of every decode, for the paged-decode kernel."""
+        return self._tables_and_lengths(decodes, torch.int32) if decodes else (None, None)
 
     def _decode_groups(self, decodes: list) -> list[DecodeGroup]:
         """Consecutive decodes (sorted by length in prepare) while the widest stays <= 2x the first."""
@@ -122,11 +122,10 @@ class ModelRunner:
             end = start + 1
             while end < len(decodes) and len(decodes[end].block_table) <= 2 * len(decodes[start].block_table):
                 end += 1
-            members = decodes[start:end]
-            width = len(members[-1].block_table)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in members])
-            lens = torch.tensor([s.num_tokens for s in members])
-            mask = decode_key_mask(lens, width * self.block_size, self.config.model_config.sliding_window)
+            tables, lens = self._tables_and_lengths(decodes[start:end], torch.long)
+            mask = decode_key_mask(
+                lens, tables.shape[1] * self.block_size, self.config.model_config.sliding_window
+            )
             groups.append(DecodeGroup(start, end, tables, mask))
             start = end
         return groups

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.cpu_kernels import CpuKernels, PanelWeight
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -29,14 +29,6 @@ class OneDnnWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
-
-
-class PanelWeight:
-    def __init__(self, weight: torch.Tensor, kernels: CpuKernels) -> None:
-        self.kernels, self.data = kernels, kernels.pack(weight)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.linear(x, self.data, bias)
 
 
 PackedWeight = OneDnnWeight | PanelWeight
@@ -57,7 +49,7 @@ def pack(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | Non
     if kernels is not None and (
         weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and kernels.bf16_pairs)
     ):
-        return PanelWeight(weight, kernels)
+        return kernels.pack(weight)
     if _onednn_ok(weight):
         return OneDnnWeight(weight)
     return None

@@ -70,19 +70,32 @@ def _build(compiler: str, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A weight laid out for `CpuKernels.linear` (see `CpuKernels.panel_shape`)."""
+    """A weight laid out for `CpuKernels.linear` (see `CpuKernels.panel_shape`); calling it
+    multiplies by it, like cpu_gemm's other packed weights."""
 
+    kernels: CpuKernels
     data: torch.Tensor
     out_features: int
     in_features: int
 
-
-def _sig(fn, pointers: int, ints: int, *rest) -> None:
-    fn.restype = None
-    fn.argtypes = [_c] * pointers + [_i64] * ints + list(rest)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.linear(x, self, bias)
 
 
-_MOE_ARGS = [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, ctypes.c_int, _c, ctypes.c_int]
+_F32, _INT = ctypes.c_float, ctypes.c_int
+# Argument types of each entry point (pointers are c_void_p); every one returns nothing.
+_SIGNATURES = {
+    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, W, block_size, scale, window, threads
+    "paged_decode": [_c] * 6 + [_i64] * 6 + [_F32, _i64, _INT],
+    # x, panels, y, M, O, I, bias or NULL, threads
+    "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
+    # x, weight, out, rows, H, eps, threads
+    "rms_norm": [_c] * 3 + [_i64] * 2 + [_F32, _INT],
+    # q, k, v (each with its row stride), cos, sin, slots, k/v caches, q/k/v out, T, H, Hk, D, threads
+    "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 4 + [_INT],
+    # x, n, H, slot, weights, k, w13, w2, E, I, act, out, threads
+    "moe": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _c, _INT],
+}
 
 
 class CpuKernels:
@@ -93,28 +106,20 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib, self.path = lib, path
-        for name in ("paged_decode_f32", "paged_decode_bf16"):
-            _sig(getattr(lib, name), 6, 6, ctypes.c_float, _i64, ctypes.c_int)
-        for name in ("gemm_f32", "gemm_bf16"):  # x, panels, y, M, O, I, bias or NULL, threads
-            _sig(getattr(lib, name), 3, 3, _c, ctypes.c_int)
         lib.gemm_lanes.restype = _i64
         lib.bf16_pairs.restype = _i64
         self.lanes = int(lib.gemm_lanes())
         # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights go to oneDNN.
         self.bf16_pairs = bool(lib.bf16_pairs())
-        moe_fns = ["moe_f32"]
+        variants = {kind: ("f32", "bf16") for kind in ("paged_decode", "gemm", "rms_norm", "rope_cache")}
+        variants["moe"] = ("f32",)
         if self.bf16_pairs:
-            _sig(lib.gemm_bf16_pairs, 3, 3, _c, ctypes.c_int)
-            moe_fns.append("moe_bf16")
-        for name in ("rms_norm_f32", "rms_norm_bf16"):  # x, weight, out, rows, H, eps, threads
-            _sig(getattr(lib, name), 3, 2, ctypes.c_float, ctypes.c_int)
-        for name in ("rope_cache_f32", "rope_cache_bf16"):
-            fn = getattr(lib, name)
-            fn.restype = None
-            fn.argtypes = [_c, _i64, _c, _i64, _c, _i64] + [_c] * 8 + [_i64] * 4 + [ctypes.c_int]
-        for name in moe_fns:
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = None, _MOE_ARGS
+            variants["gemm"] += ("bf16_pairs",)
+            variants["moe"] += ("bf16",)
+        for kind, names in variants.items():
+            for name in names:
+                fn = getattr(lib, f"{kind}_{name}")
+                fn.restype, fn.argtypes = None, _SIGNATURES[kind]
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16)
@@ -140,7 +145,7 @@ class CpuKernels:
             padded = torch.zeros(panels * self.lanes, in_features, dtype=weight.dtype)
             padded[:out_features] = weight
             data = padded.view(panels, self.lanes, in_features).transpose(1, 2).contiguous()
-        return PanelWeight(data, out_features, in_features)
+        return PanelWeight(self, data, out_features, in_features)
 
     def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias) -> [..., out], for a weight packed by `pack`."""
