@@ -70,12 +70,16 @@ def test_linear_rejects_mismatched_input(kernels):
 
 
 def test_pack_choice(kernels):
-    """float32 weights go to our panels, bfloat16 too where the CPU has pair products (else oneDNN);
-    without our kernels everything goes to oneDNN."""
+    """float32 weights go to our panels, bfloat16 too where the CPU has pair products (else oneDNN,
+    and where oneDNN has no bf16 path either, as on AVX2-only CPUs, our widening kernel); without
+    our kernels everything goes to oneDNN (bf16 to F.linear where oneDNN cannot take it)."""
     assert isinstance(cpu_gemm.pack(torch.randn(8, 8), kernels), cpu_kernels.PanelWeight)
     bf16 = cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16), kernels)
-    assert isinstance(bf16, cpu_kernels.PanelWeight if kernels.bf16_pairs else cpu_gemm.OneDnnWeight)
-    assert isinstance(cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16), None), cpu_gemm.OneDnnWeight)
+    onednn_bf16 = cpu_gemm.onednn_bf16()
+    want = cpu_kernels.PanelWeight if kernels.bf16_pairs or not onednn_bf16 else cpu_gemm.OneDnnWeight
+    assert isinstance(bf16, want)
+    no_kernels = cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16), None)
+    assert isinstance(no_kernels, cpu_gemm.OneDnnWeight) if onednn_bf16 else no_kernels is None
     assert isinstance(cpu_gemm.pack(torch.randn(8, 8), None), cpu_gemm.OneDnnWeight)
     assert cpu_gemm.pack(torch.randn(8, 8, dtype=torch.float64), kernels) is None
 
@@ -211,9 +215,12 @@ def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids, monkeypat
 def test_fused_moe_dtype_choice(kernels):
     fe = FusedExperts(4, [0, 1, 2, 3], 16, 8, 0, 1, "silu", torch.bfloat16)
     fe.use_cpu_kernels(kernels)
-    # bf16 experts: one fused call with pair products, else oneDNN products per expert
+    # bf16 experts: one fused call with pair products, else packed products per expert (oneDNN,
+    # or our widening kernel where oneDNN has no bf16 path)
     assert (fe.fused is not None) == kernels.bf16_pairs
     assert (fe.packed is not None) == (not kernels.bf16_pairs)
+    if fe.packed is not None and not cpu_gemm.onednn_bf16():
+        assert isinstance(fe.packed[0][0], cpu_kernels.PanelWeight)
 
 
 @pytest.mark.timeout(120)

@@ -8,12 +8,16 @@ one of two kernels, and the dense copy is dropped so every weight is held once:
   (measured here 1.3-1.5x faster than oneDNN from 1 to 13 rows, i.e. decode, and even at
   32-512), and bfloat16 where the CPU has AVX512-BF16 pair products;
 - otherwise oneDNN's packed linear (bfloat16 without AVX512-BF16, where our widen-to-float32
-  path loses to it from about 13 rows on, or no C compiler).
+  path loses to it from about 13 rows on, or no C compiler);
+- bfloat16 on a CPU where oneDNN has no bf16 path either (AVX2-only CPUs, e.g. AMD Zen 3, lack
+  avx512bw/avx_ne_convert): our widen-to-float32 kernel, else plain F.linear.
 
 Measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 
@@ -35,11 +39,21 @@ PackedWeight = OneDnnWeight | PanelWeight
 
 
 def _onednn_ok(weight: torch.Tensor) -> bool:
-    return (
+    if not (
         weight.dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    return weight.dtype != torch.bfloat16 or onednn_bf16()
+
+
+@cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN has a bf16 matmul on this CPU (it refuses bf16 weights without avx512bw/vl/dq
+    or avx_ne_convert, as on AVX2-only CPUs)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def pack(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | None:
@@ -52,6 +66,8 @@ def pack(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | Non
         return kernels.pack(weight)
     if _onednn_ok(weight):
         return OneDnnWeight(weight)
+    if kernels is not None and weight.dtype == torch.bfloat16:
+        return kernels.pack(weight)  # widens to float32 in registers
     return None
 
 
