@@ -65,7 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     _add_serve_parser(sub)
+    _add_verify_parser(sub)
     return parser
+
+
+def _add_verify_parser(sub) -> None:
+    verify = sub.add_parser(
+        "verify",
+        help="run every layout that fits the model and the world and compare every rank with one process",
+        description="Runs every (DP, PP, TP, EP, all2all backend) layout with DP x PP x TP = the world "
+        "size that the model's sizes allow, compares every rank's greedy tokens with one process, "
+        "prints a table, and exits 1 if any rank of any layout differs. The world is torchrun's "
+        "(torchrun --nproc-per-node=N -m expertmesh.entrypoints.cli verify ...) or --world N "
+        "self-spawned ranks on this machine.",
+    )
+    verify.add_argument(
+        "--model", default=None, help="local HF directory or hub id (default: the embedded tiny PhiMoE)"
+    )
+    verify.add_argument("--world", type=int, default=None, help="ranks to spawn here (not under torchrun)")
+    verify.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16")
+    verify.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
+    verify.add_argument("--max-model-len", type=int, default=128, help="engine max_model_len per layout")
+    verify.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=1 << 23, help="KV cache per rank and layout"
+    )
+    verify.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 def _add_serve_parser(sub) -> None:
@@ -108,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(parser, args)
+    if args.command == "verify":
+        return _verify(parser, args)
     from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
 
     llm = LLM(**_engine_kwargs(args, args.model))
@@ -138,6 +164,26 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     kwargs = _engine_kwargs(args, args.model_tag or args.model)
     serve(kwargs, args.host, args.port, args.served_model_name)
     return 0
+
+
+def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from expertmesh.entrypoints import verify
+    from expertmesh.entrypoints.launcher import torchrun_env
+
+    kw = dict(
+        max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        dtype=args.dtype,
+    )
+    if torchrun_env() is not None:
+        if args.world is not None:
+            parser.error("--world is for self-spawned ranks; under torchrun the world is WORLD_SIZE")
+        result = verify.verify_under_torchrun(args.model, **kw)
+        return 0 if result is None else verify.report(*result, args.json)
+    if args.world is None or args.world < 1:
+        parser.error("give --world N (ranks to spawn here), or run under torchrun")
+    return verify.report(*verify.verify(args.model, args.world, **kw), args.json)
 
 
 def _print(outs, args, pc, elapsed: float, llm) -> None:
