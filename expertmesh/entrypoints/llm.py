@@ -64,6 +64,7 @@ class LLM:
         pipeline_split: list[int] | None = None,
         debug_nan_recv_buffers: bool = False,
         distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S,
+        allow_nonfinite_weights: bool = False,
     ) -> None:
         self._executor = None
         if distributed_executor_backend == "mp":
@@ -102,7 +103,7 @@ class LLM:
         env = _model_env(config, placement, pipeline_split, debug_nan_recv_buffers)
         self.model_env = env
         model_config = config.model_config
-        net = build_model(model_config, env, model_dir, placement.device)
+        net = build_model(model_config, env, model_dir, placement.device, allow_nonfinite_weights)
         runner = ModelRunner(config, net, placement.groups)
         tok = _load_tokenizer(config.tokenizer, trust_remote_code)
         if placement.groups.world.world_size > 1:  # ranks load at their own pace: wait while they beat
