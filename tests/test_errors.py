@@ -109,6 +109,8 @@ def test_token_prompts_work_without_a_tokenizer(checkpoint, tmp_path):
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     # A text prompt fails alone (the invariant: a finished request with its error), the next one works.
-    bad, good = llm.generate(["text needs a tokenizer", {"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    bad, good = llm.generate(
+        ["text needs a tokenizer", {"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False
+    )
     assert "no tokenizer" in bad.error and bad.outputs == []
     assert good.outputs[0].token_ids == out.outputs[0].token_ids

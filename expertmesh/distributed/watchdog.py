@@ -23,6 +23,8 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -33,6 +35,7 @@ log = logging.getLogger("expertmesh")
 DEFAULT_TIMEOUT_S = 60.0
 WATCHDOG_EXIT_CODE = 70
 PREFIX = "expertmesh-watchdog/"
+_HOST = socket.gethostname()
 
 
 class Wait:
@@ -58,6 +61,8 @@ class Watchdog:
         self.wait: Wait | None = None
         self.exited: str | None = None
         self._beat = 0
+        self._barriers = 0
+        self._frozen: dict | None = None  # the record of a peer found frozen (ended with us, if local)
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (beat, monotonic time it changed)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the store client is used by this thread and the main one
@@ -83,7 +88,8 @@ class Watchdog:
 
     def barrier(self, what: str) -> None:
         """Wait until every rank got here; slow ranks are waited for as long as they beat."""
-        key = f"{PREFIX}barrier/{what}"
+        self._barriers += 1  # every rank passes its barriers in the same order
+        key = f"{PREFIX}barrier/{self._barriers}"
         with self.waiting(f"the start-up barrier '{what}'", tuple(range(self.world_size)), patient=True):
             with self._lock:
                 self.store.add(key, 1)
@@ -123,6 +129,8 @@ class Watchdog:
         wait = self.wait
         record = {
             "beat": self._beat,
+            "host": _HOST,
+            "pid": os.getpid(),
             "doing": self.doing,
             "wait": None if wait is None else [wait.what, round(time.monotonic() - wait.start, 1)],
             "seqs": dict(self.seqs),
@@ -165,6 +173,7 @@ class Watchdog:
             if beat != rec["beat"]:
                 self._seen[peer] = (rec["beat"], now)
             elif now - since >= self.timeout:
+                self._frozen = rec
                 return (
                     f"rank {peer} stopped responding: no heartbeat for {now - since:.0f} s (it was "
                     f"{_describe(rec)}); rank {self.rank} was waiting for it in {wait.what}"
@@ -222,6 +231,16 @@ class Watchdog:
         for callback in self.on_fire:
             with contextlib.suppress(Exception):
                 callback(message)
+        frozen = self._frozen
+        if frozen is not None and frozen.get("host") == _HOST:
+            # A stopped process cannot end itself (SIGTERM waits for SIGCONT): launchers then wait
+            # their whole grace period. It shares this host, so end it here.
+            print(
+                f"expertmesh watchdog: ending the frozen rank's process (pid {frozen['pid']})",
+                file=sys.stderr,
+            )
+            with contextlib.suppress(OSError):
+                os.kill(int(frozen["pid"]), signal.SIGKILL)
         os._exit(WATCHDOG_EXIT_CODE)
 
 

@@ -159,6 +159,7 @@ class LLM:
             return self._executor.generate(prompts, params)
         engine, order = self.llm_engine, []
         done: dict[str, RequestOutput] = {}
+        watchdog.set_doing("in generate")
         try:  # whatever stops this call (an error, Ctrl-C) takes its requests out of the engine
             for prompt, sp in zip(prompts, params):
                 order.append(self._add(str(next(self._ids)), prompt, sp))
@@ -172,6 +173,8 @@ class LLM:
             for rid in order:
                 engine.abort_request(rid)
             raise
+        finally:
+            watchdog.set_doing("outside generate (in the user's script)")
         return [done[r] for r in order]
 
     def _add(self, rid: str, prompt: Any, params: SamplingParams) -> str:
