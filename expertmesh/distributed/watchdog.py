@@ -226,8 +226,10 @@ class Watchdog:
         with contextlib.suppress(Exception), self._lock:
             if not self.store.check([f"{PREFIX}abort"]):
                 self.store.set(f"{PREFIX}abort", f"rank {self.rank}: {cause}")
-        log.error(message)
-        print(message, file=sys.stderr, flush=True)
+        if log.handlers or logging.getLogger().handlers:
+            log.error(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
         for callback in self.on_fire:
             with contextlib.suppress(Exception):
                 callback(message)
@@ -249,6 +251,29 @@ def _describe(record: dict) -> str:
         what, seconds = record["wait"]
         return f"waiting in {what} for {seconds:.0f} s"
     return f"not in a collective ({record.get('doing')})"
+
+
+class HeartbeatMonitor:
+    """Reads the ranks' records from outside (the mp executor's parent, which hosts the store)."""
+
+    def __init__(self, store: Any, world_size: int, timeout_s: float) -> None:
+        self.store, self.world_size, self.timeout = store, world_size, float(timeout_s)
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def stalled(self) -> tuple[int, str] | None:
+        """(rank, what it was doing) of a rank whose beat has not moved for `timeout` seconds."""
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            key = f"{PREFIX}{rank}"
+            if not self.store.check([key]):
+                continue  # still starting: its watchdog is not up yet
+            rec = json.loads(self.store.get(key))
+            beat, since = self._seen.get(rank, (None, now))
+            if beat != rec["beat"]:
+                self._seen[rank] = (rec["beat"], now)
+            elif now - since >= self.timeout and not rec["exited"]:
+                return rank, f"no heartbeat for {now - since:.0f} s; it was {_describe(rec)}"
+        return None
 
 
 _current: Watchdog | None = None

@@ -12,7 +12,7 @@ go on. `check_invariants` verifies the block accounting that promise rests on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any
@@ -96,6 +96,9 @@ class LLMEngine:
             config.scheduler_config.max_model_len, num_blocks * config.cache_config.block_size
         )
         self.num_steps = self.num_dummy_steps = 0
+        # Asked before each step of step_until_none_left; True ends the call (an mp worker's
+        # driver was interrupted). Every rank must give the same answer at the same step.
+        self.interrupt: Callable[[], bool] | None = None
         self.last_step_traffic = {"bytes_sent": 0, "bytes_received": 0}
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, self.blocks.block_size, self.capacity
@@ -176,6 +179,8 @@ class LLMEngine:
         """Step until no DP rank has work; yields each request as it finishes (rejected ones first)."""
         yield from self._collect()
         while self.any_rank_unfinished():
+            if self.interrupt is not None and self.interrupt():
+                raise KeyboardInterrupt("the call was interrupted by its driver")
             yield from self.step()
 
     def step(self) -> list[RequestOutput]:
