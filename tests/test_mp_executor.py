@@ -129,11 +129,16 @@ def test_a_stopped_worker_is_named_and_every_worker_ended(reference):
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_during_generate_leaves_nothing_behind_mp(reference):
+def test_bad_requests_and_ctrl_c_leave_the_workers_serving(reference):
     import _thread
 
     path, expected = reference
     llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    # Bad requests fail alone: every worker stays up (they were all shut down before).
+    bad = SamplingParams(logprobs=5000, max_tokens=2)
+    outs = llm.generate([PROMPTS[0], {"prompt_token_ids": [5.0, 7.9]}, PROMPTS[1]], [bad, GREEDY, GREEDY])
+    assert "logprobs=5000 exceeds the vocabulary" in outs[0].error and "integers" in outs[1].error
+    assert outs[2].outputs[0].token_ids == expected[1] and len(_workers()) == 2
     long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     threading.Timer(1.0, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
