@@ -61,6 +61,22 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+# What the routes answer, for the OpenAPI schema (the API is fuzzed from it: tests/test_fuzz_api.py).
+_ERROR = {"model": ErrorResponse}
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine is running", "content": {}},
+    503: {"description": "The engine has stopped", "content": {}},
+}
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "A completion (JSON), or server-sent events with `stream`",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    400: {**_ERROR, "description": "Invalid request (the error names the parameter)"},
+    413: {**_ERROR, "description": "Request body larger than max_request_body_bytes"},
+    499: {"description": "The client disconnected first", "content": {}},
+    503: {**_ERROR, "description": "The engine has stopped"},
+}  # fmt: skip
+
+
 class BodyLimit:
     """ASGI middleware: 413 for a body over `limit` bytes, by its Content-Length or as it streams in."""
 
@@ -100,7 +116,7 @@ def build_app(
     app.add_middleware(BodyLimit, limit=max_request_body_bytes)
     _add_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
@@ -109,11 +125,11 @@ def build_app(
         cards = [ModelCard(id=name, max_model_len=engine.max_model_len) for name in app.state.names]
         return ModelList(data=cards).model_dump()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(engine.metrics), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _model_name(app, body)
         params = _sampling_params(body, body.max_tokens, body.logprobs)
@@ -121,7 +137,7 @@ def build_app(
         renderer = CompletionRenderer(name, params.n, body.logprobs is not None)
         return await _serve(request, engine, body, prompts, params, renderer, add_special_tokens=True)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _model_name(app, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
