@@ -178,9 +178,6 @@ def test_a_stopped_worker_stops_the_server_naming_the_rank(tmp_path):
         assert answer.status_code == 503 and re.search(named, answer.text), answer.text
         code = server.proc.wait(20)
         assert code != 0 and time.monotonic() - stopped_at < 3 + 15
-        assert re.search(
-            r"(?s)expertmesh serve stopped: mp executor: worker rank \d of 2 .*rank 1 stopped",
-            server.output(),
-        )
+        assert re.search(r"(?s)expertmesh serve stopped: mp executor: worker .*" + named, server.output())
     finally:
         server.stop()
