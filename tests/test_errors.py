@@ -114,3 +114,22 @@ def test_token_prompts_work_without_a_tokenizer(checkpoint, tmp_path):
     )
     assert "no tokenizer" in bad.error and bad.outputs == []
     assert good.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.timeout(60)
+def test_tp_that_does_not_fit_the_heads_names_each_number_under_its_own_label(checkpoint, monkeypatch):
+    # 4 query heads, 2 KV heads: TP=3 fits neither. The message used to swap the two labels.
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    path = checkpoint("mixtral")
+    with pytest.raises(
+        ValueError, match=r"^num_attention_heads=4 is not divisible by tensor_parallel_size=3.*\[1, 2, 4\]"
+    ):
+        LLM(path, tensor_parallel_size=3)  # before any process group or torchrun check
+    path = checkpoint("mixtral", num_attention_heads=12, num_key_value_heads=4, head_dim=16)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=3 neither divides num_key_value_heads=4 nor is a multiple"
+    ):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="distributed_timeout_seconds=0 must be a number > 0"):
+        LLM(path, distributed_timeout_seconds=0)

@@ -67,6 +67,10 @@ class LLM:
         allow_nonfinite_weights: bool = False,
     ) -> None:
         self._executor = None
+        if not isinstance(distributed_timeout_seconds, (int, float)) or not distributed_timeout_seconds > 0:
+            raise ValueError(
+                f"distributed_timeout_seconds={distributed_timeout_seconds!r} must be a number > 0"
+            )
         if distributed_executor_backend == "mp":
             # Every rank runs in a spawned worker; this process only hands out prompts.
             kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
