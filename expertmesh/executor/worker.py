@@ -36,6 +36,7 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",  # the parent hosts the store, as torchrun's agent does
+        TORCHELASTIC_RESTART_COUNT="0",  # the parent reads the heartbeats of attempt 0
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which tells us
     import torch
