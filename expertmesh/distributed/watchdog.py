@@ -19,6 +19,7 @@ above `timeout` as a backstop (launcher.py). One watchdog per process (`install`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -70,6 +71,10 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="expertmesh-watchdog", daemon=True)
         self._thread.start()
 
+    @property
+    def deadline(self) -> float:
+        return _deadline(self.timeout, self.interval)
+
     # ---- main thread --------------------------------------------------------------------------
     @contextlib.contextmanager
     def waiting(
@@ -119,7 +124,7 @@ class Watchdog:
                 last_ok = time.monotonic()
             except Exception as exc:  # the store is hosted by rank 0 or the launcher: gone?
                 cause = None
-                if time.monotonic() - last_ok > self.timeout:
+                if time.monotonic() - last_ok > self.deadline:
                     cause = f"the rendezvous store has been unreachable for {self.timeout:g} s ({exc})"
             if cause:
                 self._fire(cause)
@@ -166,19 +171,19 @@ class Watchdog:
             rec = records.get(peer)
             if rec is None:
                 continue
-            if rec["exited"]:
+            if rec["exited"] and waited >= self.interval:  # not a peer that left as we finished
                 why = rec["exited"]
                 return f"rank {peer} exited ({why}); rank {self.rank} was waiting for it in {wait.what}"
             beat, since = self._seen.get(peer, (None, now))
             if beat != rec["beat"]:
                 self._seen[peer] = (rec["beat"], now)
-            elif now - since >= self.timeout:
+            elif now - since >= self.deadline:
                 self._frozen = rec
                 return (
                     f"rank {peer} stopped responding: no heartbeat for {now - since:.0f} s (it was "
                     f"{_describe(rec)}); rank {self.rank} was waiting for it in {wait.what}"
                 )
-        if waited < self.timeout:
+        if waited < self.deadline:
             return None
         if wait.patient:  # every peer is alive: say so now and then, never give up on it
             if int(waited) % max(1, int(self.timeout)) < self.interval:
@@ -246,6 +251,12 @@ class Watchdog:
         os._exit(WATCHDOG_EXIT_CODE)
 
 
+def _deadline(timeout: float, interval: float) -> float:
+    """When to act so the process is gone within `timeout` of a silence: a peer is first read
+    up to an interval after a wait starts, a check runs once an interval, and ending takes a moment."""
+    return max(timeout - 3 * min(interval, timeout / 5), timeout / 5)
+
+
 def _describe(record: dict) -> str:
     if record.get("wait"):
         what, seconds = record["wait"]
@@ -271,7 +282,7 @@ class HeartbeatMonitor:
             beat, since = self._seen.get(rank, (None, now))
             if beat != rec["beat"]:
                 self._seen[rank] = (rec["beat"], now)
-            elif now - since >= self.timeout and not rec["exited"]:
+            elif now - since >= _deadline(self.timeout, 1.0) and not rec["exited"]:
                 return rank, f"no heartbeat for {now - since:.0f} s; it was {_describe(rec)}"
         return None
 
@@ -284,6 +295,15 @@ def install(watchdog: Watchdog) -> Watchdog:
     if _current is not None:
         _current.close("replaced by a new engine in the same process")
     _current = watchdog
+    atexit.register(watchdog.close)
+    previous = sys.excepthook
+
+    def excepthook(kind: type, value: BaseException, tb: Any) -> None:
+        # Peers waiting for this rank then read why it left, instead of a bare "connection closed".
+        watchdog.close(f"it raised {kind.__name__}: {value}"[:500])
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
     return watchdog
 
 
