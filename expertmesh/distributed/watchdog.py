@@ -167,6 +167,7 @@ class Watchdog:
             return None
         now, waited = time.monotonic(), time.monotonic() - wait.start
         records = self._records(wait.peers)
+        silent: dict[int, float] = {}  # peer -> seconds its beat has not moved (0: it just did)
         for peer in wait.peers:
             rec = records.get(peer)
             if rec is None:
@@ -176,13 +177,11 @@ class Watchdog:
                 return f"rank {peer} exited ({why}); rank {self.rank} was waiting for it in {wait.what}"
             beat, since = self._seen.get(peer, (None, now))
             if beat != rec["beat"]:
-                self._seen[peer] = (rec["beat"], now)
-            elif now - since >= self.deadline:
-                self._frozen = rec
-                return (
-                    f"rank {peer} stopped responding: no heartbeat for {now - since:.0f} s (it was "
-                    f"{_describe(rec)}); rank {self.rank} was waiting for it in {wait.what}"
-                )
+                self._seen[peer], silent[peer] = (rec["beat"], now), 0.0
+            else:
+                silent[peer] = now - since
+            if silent[peer] >= self.deadline:
+                return self._frozen_peer(peer, rec, silent[peer], wait)
         if waited < self.deadline:
             return None
         if wait.patient:  # every peer is alive: say so now and then, never give up on it
@@ -196,14 +195,27 @@ class Watchdog:
             for p in wait.peers
             if wait.group and records.get(p, {}).get("seqs", {}).get(wait.group, 0) < wait.seq
         ]
+        for peer in behind or list(silent):  # a silent one is frozen, whatever it last showed
+            quiet = silent.get(peer, 0.0)
+            if quiet >= 1.5 * self.interval:  # it missed a beat: more than jitter
+                return self._frozen_peer(peer, records[peer], quiet, wait)
+            if quiet > 0:
+                return None  # one more look before blaming a live peer
         if behind:
             who = "; ".join(f"rank {p} is {_describe(records[p])}" for p in behind if p in records)
             return (
-                f"rank {self.rank} waited {waited:.0f} s in {wait.what} (collective #{wait.seq} on "
+                f"rank {self.rank} waited {waited:.1f} s in {wait.what} (collective #{wait.seq} on "
                 f"{wait.group}) for rank(s) {behind}, which never joined it ({who})"
             )
         who = "; ".join(f"rank {p} is {_describe(r)}" for p, r in records.items())
         return f"rank {self.rank} waited {waited:.0f} s in {wait.what} without an answer ({who})"
+
+    def _frozen_peer(self, peer: int, rec: dict, silent: float, wait: Wait) -> str:
+        self._frozen = rec
+        return (
+            f"rank {peer} stopped responding: no heartbeat for {silent:.1f} s (its last one: "
+            f"{_describe(rec)}); rank {self.rank} was waiting for it in {wait.what}"
+        )
 
     def _diagnose(self) -> str:
         """After a failed collective: which waited-for peer exited or went silent."""
