@@ -3,8 +3,10 @@ every rank naming the ranks and the first differing prompt (they printed wrong t
 a gloo SIGABRT); a frozen or stuck rank ends the whole run within the watchdog's timeout, with a
 message naming it and what its peer waited in (it hung for 300 s in silence)."""
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,8 +25,16 @@ def _torchrun(path: str, fault: str, limit: float = 80) -> tuple[int, str, float
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+    # Its own session: on a timeout every rank goes too (a stopped one would outlive torchrun).
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, time.monotonic() - start
 
 
 @pytest.mark.timeout(90)  # ~20 s each here; start-up is slow when the 2 cores are shared
