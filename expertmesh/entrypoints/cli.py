@@ -48,6 +48,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="KV cache size per rank (default: 10%% of free RAM on CPU, capped at what is useful)",
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
+    p.add_argument(
+        "--distributed-timeout-seconds",
+        type=float,
+        default=60.0,  # = distributed.watchdog.DEFAULT_TIMEOUT_S (not imported: --help stays fast)
+        help="how long a rank may stop answering before the watchdog ends every rank, naming it "
+        "(default %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +113,12 @@ def _add_serve_parser(sub) -> None:
         default=None,
         help="name(s) clients pass as `model` (default: MODEL, or expertmesh-default)",
     )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger request bodies are refused with 413 (default %(default)s)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
@@ -124,6 +137,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        distributed_timeout_seconds=args.distributed_timeout_seconds,
     )
 
 
@@ -162,7 +176,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
     kwargs = _engine_kwargs(args, args.model_tag or args.model)
-    serve(kwargs, args.host, args.port, args.served_model_name)
+    serve(kwargs, args.host, args.port, args.served_model_name, args.max_request_body_bytes)
     return 0
 
 

@@ -81,11 +81,17 @@ class ModelEnv:
         return backend
 
 
-def build_model(cfg: ModelConfig, env: ModelEnv, model_dir: str, device: str = "cpu") -> torch.nn.Module:
+def build_model(
+    cfg: ModelConfig,
+    env: ModelEnv,
+    model_dir: str,
+    device: str = "cpu",
+    allow_nonfinite_weights: bool = False,
+) -> torch.nn.Module:
     cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, env)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights)
     # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
     # routed experts (weights packed below, after loading), RMSNorm, rotary + KV store and decode
     # attention; model.cpu_kernels tells the runner to lay out decode metadata for them.
