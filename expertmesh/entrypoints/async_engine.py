@@ -242,7 +242,10 @@ class AsyncEngine:
             if self._error is None:
                 try:
                     if self._has_work():
-                        self._publish(self.client.step())
+                        result = self.client.step()
+                        # Metrics first: a client that has its answer must see its blocks freed.
+                        self._snapshot()
+                        self._publish(result)
                     else:
                         self.client.check_health()  # an mp worker may die while all is idle
                 except Exception as exc:  # every waiting caller must hear about it
