@@ -50,14 +50,14 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(compiler: str, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
+def _build(compiler: str, out: Path, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> None:
     """Compile into a temporary file, then rename: ranks building at once never see half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *extra_flags, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *extra_flags, str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -109,13 +109,13 @@ class CpuKernels:
         lib.gemm_lanes.restype = _i64
         lib.bf16_pairs.restype = _i64
         self.lanes = int(lib.gemm_lanes())
-        # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights go to oneDNN.
+        # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights are widened to
+        # float32 in registers (gemm_bf16, and moe_bf16 built on it).
         self.bf16_pairs = bool(lib.bf16_pairs())
-        variants = {kind: ("f32", "bf16") for kind in ("paged_decode", "gemm", "rms_norm", "rope_cache")}
-        variants["moe"] = ("f32",)
+        kinds = ("paged_decode", "gemm", "rms_norm", "rope_cache", "moe")
+        variants = {kind: ("f32", "bf16") for kind in kinds}
         if self.bf16_pairs:
             variants["gemm"] += ("bf16_pairs",)
-            variants["moe"] += ("bf16",)
         for kind, names in variants.items():
             for name in names:
                 fn = getattr(lib, f"{kind}_{name}")
@@ -178,8 +178,7 @@ class CpuKernels:
 
     # ---- routed experts --------------------------------------------------------------------------
     def moe_supports(self, dtype: torch.dtype, act: str) -> bool:
-        ok = dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16_pairs)
-        return ok and act in self.MOE_ACTIVATIONS
+        return self.supports(dtype) and act in self.MOE_ACTIVATIONS
 
     def moe(
         self,
@@ -369,10 +368,11 @@ def load() -> CpuKernels | None:
         return None
 
 
-def build(path: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
+def build(path: Path, compiler: str, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> CpuKernels:
     """Compile (unless `path` exists) and load. `extra_flags` lets tests build other variants,
-    e.g. `-mno-avx512f` for the generic 8-lane path other CPUs take."""
+    e.g. `-mno-avx512f` for the generic 8-lane path other CPUs take; `source` another copy of the
+    kernels (benchmarks' A/B runs)."""
     if not path.exists():
         log.info("compiling CPU kernels with %s into %s", compiler, path.parent)
-        _build(compiler, path, extra_flags)
+        _build(compiler, path, extra_flags, source)
     return CpuKernels(ctypes.CDLL(str(path)), path)
