@@ -191,11 +191,12 @@ def _call(engine: str, generate: Callable, workload: dict) -> list[list[int]]:
 
 def time_workload(engine: str, generate: Callable, workload: dict, repeats: int) -> dict:
     """Wall time of each generate call (load excluded); tokens counted are the requested ones."""
-    times, outs = [], []
+    times, cpu, outs = [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), _cpu_s()
         outs = _call(engine, generate, workload)
         times.append(time.perf_counter() - start)
+        cpu.append(_cpu_s() - cpu0)
     got = [len(o) for o in outs]
     wanted = workload["max_tokens"]
     # A prefill workload (one long prompt, one new token) is rated by the prompt tokens it read.
@@ -204,10 +205,19 @@ def time_workload(engine: str, generate: Callable, workload: dict, repeats: int)
         "name": workload["name"],
         "times_s": times,
         "median_s": statistics.median(times),
+        "cpu_s": cpu,
+        "median_cpu_s": statistics.median(cpu),
         "tokens": counted,
         "lengths_ok": got == wanted,
         "first_output": outs[0][:64],
     }
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, all threads: with one thread, the time it held a core (load on
+    a shared machine does not inflate it); with more, it also counts threads spinning at barriers."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def warm_up(engine: str, generate: Callable, workload: dict) -> None:

@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES), help="the model (make_small_moe.py)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the checkpoints are built")
     ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also print tokens per CPU second of each engine's process: with --threads 1 a "
+        "measure that other processes' load does not inflate (a shared machine's A/B)",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plot", default=None, help="PNG: tokens/s vs batch size per engine (needs matplotlib)")
@@ -203,19 +209,22 @@ def measure_roofline(args: argparse.Namespace, model: str, workloads: list[dict]
     return {"machine": detail, "per_step": roofline.decode_step_summary(shape, args.dtype), "bounds": bounds}
 
 
-def tokens_per_s(result: dict, name: str) -> float | None:
+def tokens_per_s(result: dict, name: str, clock: str = "median_s") -> float | None:
     for w in result.get("workloads", []):
         if w["name"] == name:
-            return w["tokens"] / w["median_s"]
+            return w["tokens"] / w[clock]
     return None
 
 
-def summarize(workloads: list[dict], results: dict[str, dict], roof: dict | None) -> list[dict]:
-    """One row per workload: tokens/s per engine, the ratios, the bound and achieved / bound."""
+def summarize(
+    workloads: list[dict], results: dict[str, dict], roof: dict | None, clock: str = "median_s"
+) -> list[dict]:
+    """One row per workload: tokens/s per engine, the ratios, the bound and achieved / bound.
+    clock "median_cpu_s": tokens per CPU second instead (see --cpu-time)."""
     rows = []
     for w in workloads:
         row = {"workload": w["name"], "kind": w["kind"], "batch_size": w["batch_size"]}
-        row.update({e: tokens_per_s(r, w["name"]) for e, r in results.items()})
+        row.update({e: tokens_per_s(r, w["name"], clock) for e, r in results.items()})
         em = row.get("expertmesh")
         for peer in PEERS:
             if em and row.get(peer):
@@ -335,8 +344,14 @@ def main(argv: list[str] | None = None) -> None:
     if roof:
         _print_roofline(roof)
     print_tables(rows, results, args)
+    if args.cpu_time:
+        cpu_rows = summarize(workloads, results, roof, "median_cpu_s")
+        print("\ntokens per CPU second of each engine's process (all its threads):")
+        print_tables(cpu_rows, results, args)
     if args.json:
         report = {"args": vars(args), "roofline": roof, "rows": rows, "results": results}
+        if args.cpu_time:
+            report["cpu_rows"] = cpu_rows
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
         shape = f"prompt {args.prompt_len}, {args.new_tokens} new tokens"
