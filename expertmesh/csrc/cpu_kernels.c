@@ -34,7 +34,9 @@ static inline float f32_id(float x) { return x; }
  * about 2e-7, within a float's rounding of expf), times 2^n built in the exponent bits. */
 static inline float exp_vec(float v) {
   v = v < -87.3f ? -87.3f : (v > 88.7f ? 88.7f : v);
-  const float n = __builtin_roundf(v * 1.44269504088896341f);
+  /* nearest integer by the 1.5 * 2^23 trick: roundf is a libm call unless vectorised (callgrind:
+   * 0.3 M instructions a batch-1 step in silu alone), this is two additions in any vector width */
+  const float n = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f; /* ln2 split in two */
   float p = 1.f / 720.f;
   p = p * r + 1.f / 120.f;
