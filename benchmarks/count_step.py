@@ -29,7 +29,9 @@ def child(args: argparse.Namespace) -> None:
     from profile_decode import prefilled_engine, time_steps
 
     torch.set_num_threads(1)
-    engine = prefilled_engine(make_small_moe(args.cache_dir, args.dtype), args.dtype, args.batch, 16, args.steps + 6)
+    engine = prefilled_engine(
+        make_small_moe(args.cache_dir, args.dtype), args.dtype, args.batch, 16, args.steps + 6
+    )
     time_steps(engine, 3)
     Path(args.sync, "ready").touch()
     while not Path(args.sync, "go").exists():
@@ -45,7 +47,16 @@ def parent(args: argparse.Namespace) -> None:
     out = Path(sync) / "callgrind.out"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     cmd += [sys.executable, __file__, "--child", "--sync", sync]
-    cmd += ["--batch", str(args.batch), "--dtype", args.dtype, "--steps", str(args.steps), "--cache-dir", args.cache_dir]
+    cmd += [
+        "--batch",
+        str(args.batch),
+        "--dtype",
+        args.dtype,
+        "--steps",
+        str(args.steps),
+        "--cache-dir",
+        args.cache_dir,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -70,7 +81,9 @@ def report(files: list[Path], args: argparse.Namespace) -> None:
     total = ours = 0
     for f in files:
         text = subprocess.run(
-            ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(f)], capture_output=True, text=True
+            ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(f)],
+            capture_output=True,
+            text=True,
         ).stdout
         for line in text.splitlines():
             parts = line.split()
@@ -82,8 +95,10 @@ def report(files: list[Path], args: argparse.Namespace) -> None:
             elif "libexpertmesh_cpu" in line:
                 ours += n
     s = args.steps
-    print(f"batch {args.batch} {args.dtype}: {total / s / 1e6:.1f} M instructions a step, "
-          f"{ours / s / 1e6:.1f} M in our kernels, {(total - ours) / s / 1e6:.1f} M elsewhere (host)")
+    print(
+        f"batch {args.batch} {args.dtype}: {total / s / 1e6:.1f} M instructions a step, "
+        f"{ours / s / 1e6:.1f} M in our kernels, {(total - ours) / s / 1e6:.1f} M elsewhere (host)"
+    )
 
 
 def main() -> None:
