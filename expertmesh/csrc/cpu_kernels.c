@@ -382,6 +382,8 @@ DEFINE_ROPE(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
  */
 typedef struct {
   int64_t m;             /* (token, expert) pairs held here */
+  int64_t na;            /* experts with at least one pair */
+  int64_t* active;       /* [na] those experts: work items skip the others (128 experts, 1 token) */
   int64_t* start;        /* [E + 1] first sorted row of each expert */
   int64_t* pair_of_row;  /* [m] sorted row -> pair index t * k + j */
   int64_t* row_of_pair;  /* [n * k] pair -> sorted row, or -1 */
@@ -406,10 +408,15 @@ static moe_plan moe_sort(const int32_t* slot, int64_t n, int64_t k, int64_t E) {
     }
   }
   free(fill);
+  p.active = (int64_t*)malloc(sizeof(int64_t) * (size_t)(E + 1));
+  p.na = 0;
+  for (int64_t e = 0; e < E; e++)
+    if (p.start[e + 1] > p.start[e]) p.active[p.na++] = e;
   return p;
 }
 
 static void moe_free(moe_plan* p) {
+  free(p->active);
   free(p->start);
   free(p->pair_of_row);
   free(p->row_of_pair);
@@ -459,14 +466,14 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G13; item++) {
-      const int64_t e = item / G13;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+      const int64_t e = p.active[item / G13];
       rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       gated_row(h + r * 2 * I, a + r * I, I, act);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G2; item++) {
-      const int64_t e = item / G2;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+      const int64_t e = p.active[item / G2];
       rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
@@ -577,8 +584,8 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       to_pairs(x + (p.pair_of_row[r] / k) * H, H, xs + r * H2);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G13; item++) {
-      const int64_t e = item / G13;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+      const int64_t e = p.active[item / G13];
       rows_pairs(xs, H2, w13 + e * P13 * H2 * 2 * LANES, h, 0, 2 * I, P13, item % G13, p.start[e],
                  p.start[e + 1], NULL);
     }
@@ -589,8 +596,8 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       gated_row(hr, af + r * I, I, act);
       for (int64_t i = 0; i < I; i++) ar[i] = f32_to_bf16(af[r * I + i]);
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G2; item++) {
-      const int64_t e = item / G2;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+      const int64_t e = p.active[item / G2];
       rows_pairs(a, I2, w2 + e * P2 * I2 * 2 * LANES, ys, 0, H, P2, item % G2, p.start[e],
                  p.start[e + 1], NULL);
     }
@@ -626,8 +633,8 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       const bf16_t* xr = x + (p.pair_of_row[r] / k) * H;
       for (int64_t c = 0; c < H; c++) xs[r * H + c] = bf16_to_f32(xr[c]);
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G13; item++) {
-      const int64_t e = item / G13;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+      const int64_t e = p.active[item / G13];
       rows_bf16w(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
@@ -637,8 +644,8 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       gated_row(hr, ar, I, act);
       for (int64_t i = 0; i < I; i++) ar[i] = bf16_to_f32(f32_to_bf16(ar[i]));
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G2; item++) {
-      const int64_t e = item / G2;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+      const int64_t e = p.active[item / G2];
       rows_bf16w(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++) {
