@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plot", default=None, help="PNG: tokens/s vs batch size per engine (needs matplotlib)")
+    ap.add_argument("--plot-from", default=None, help="only plot (--plot) a saved --json report")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     default = ["expertmesh", "transformers"]
@@ -279,7 +280,7 @@ def _agreement(result: dict, reference: dict | None) -> str:
     return f"{same}/{len(result['workloads'])}"
 
 
-def plot(rows: list[dict], engines: list[str], path: str, title: str) -> None:
+def plot(rows: list[dict], engines: list[str], path: str, title: str, ylabel: str = "generated tokens/s") -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display here
@@ -294,7 +295,7 @@ def plot(rows: list[dict], engines: list[str], path: str, title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["batch_size"] for r in fixed], [str(r["batch_size"]) for r in fixed])
     ax.set_xlabel("batch size")
-    ax.set_ylabel("generated tokens/s")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -316,8 +317,21 @@ def make_spec(args: argparse.Namespace, model: str, workloads: list[dict]) -> di
     }
 
 
+def replot(json_path: str, png: str, cpu_time: bool) -> None:
+    """A plot from a saved --json report (tokens per CPU second with --cpu-time)."""
+    report = json.loads(Path(json_path).read_text())
+    a = report["args"]
+    rows = report["cpu_rows"] if cpu_time else report["rows"]
+    clock = "tokens per CPU second" if cpu_time else "tokens/s"
+    title = f"{a['shape']} MoE, {a['dtype']}, {a['threads']} thread(s), {clock}"
+    plot(rows, list(report["results"]), png, title, f"generated {clock}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.plot_from:
+        replot(args.plot_from, args.plot, args.cpu_time)
+        return
     if os.getloadavg()[0] > BUSY_LOADAVG:
         print(
             f"warning: 1-minute load average is {os.getloadavg()[0]:.1f}: other processes share the cores, "
