@@ -280,7 +280,9 @@ def _agreement(result: dict, reference: dict | None) -> str:
     return f"{same}/{len(result['workloads'])}"
 
 
-def plot(rows: list[dict], engines: list[str], path: str, title: str, ylabel: str = "generated tokens/s") -> None:
+def plot(
+    rows: list[dict], engines: list[str], path: str, title: str, ylabel: str = "generated tokens/s"
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display here
