@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plot", default=None, help="PNG: tokens/s vs batch size per engine (needs matplotlib)")
-    ap.add_argument("--plot-from", default=None, help="only plot (--plot) a saved --json report")
+    ap.add_argument("--plot-from", default=None, help="only plot (--plot) saved --json reports (a,b,...)")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     default = ["expertmesh", "transformers"]
@@ -319,14 +319,22 @@ def make_spec(args: argparse.Namespace, model: str, workloads: list[dict]) -> di
     }
 
 
-def replot(json_path: str, png: str, cpu_time: bool) -> None:
-    """A plot from a saved --json report (tokens per CPU second with --cpu-time)."""
-    report = json.loads(Path(json_path).read_text())
-    a = report["args"]
-    rows = report["cpu_rows"] if cpu_time else report["rows"]
+def replot(json_paths: str, png: str, cpu_time: bool) -> None:
+    """A plot from saved --json reports (comma-separated: runs of other engines on the same
+    workloads are merged in), tokens per CPU second with --cpu-time."""
+    reports = [json.loads(Path(p).read_text()) for p in json_paths.split(",")]
+    key = "cpu_rows" if cpu_time else "rows"
+    rows = [dict(r) for r in reports[0][key]]
+    engines = list(reports[0]["results"])
+    for extra in reports[1:]:
+        engines += [e for e in extra["results"] if e not in engines]
+        by_name = {r["workload"]: r for r in extra[key]}
+        for row in rows:
+            row.update({e: by_name.get(row["workload"], {}).get(e) for e in extra["results"]})
+    a = reports[0]["args"]
     clock = "tokens per CPU second" if cpu_time else "tokens/s"
     title = f"{a['shape']} MoE, {a['dtype']}, {a['threads']} thread(s), {clock}"
-    plot(rows, list(report["results"]), png, title, f"generated {clock}")
+    plot(rows, engines, png, title, f"generated {clock}")
 
 
 def main(argv: list[str] | None = None) -> None:
