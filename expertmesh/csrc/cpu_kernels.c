@@ -188,10 +188,21 @@ int64_t gemm_lanes(void) { return LANES; }
 
 static inline vf load_panel_f32(const float* p) { return *(const vf_unaligned*)p; }
 
+#if LANES == 8 && defined(__AVX2__)
+#include <immintrin.h>
+/* One vpmovzxwd from memory and a shift: gcc compiles the generic form below, on 8 lanes, into a
+ * 16-byte load, two 4-lane widenings, a byte shift and an insert (measured, kernel_bench.py: bf16
+ * at 1 row 1.2-1.5x faster with this one, at 32 rows 51-57 -> 72-82 GFLOP/s a core). */
+static inline vf load_panel_bf16(const bf16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return (vf)_mm256_slli_epi32(wide, 16);
+}
+#else
 static inline vf load_panel_bf16(const bf16_t* p) {
   vu wide = __builtin_convertvector(*(const vh*)p, vu) << 16;
   return (vf)wide;
 }
+#endif
 
 static inline void store_row_f32(float* y, const vf v, int64_t n) {
   if (n == LANES) {
