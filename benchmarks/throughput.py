@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     if "llama.cpp" in args.engines:
         spec["gguf"] = gguf_for(args, model)
     roof = None if args.skip_roofline else measure_roofline(args, model, workloads)
-    workdir = Path(args.cache_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    # The pid too: two runs started in the same second must not share spec files.
+    workdir = Path(args.cache_dir) / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
     pythons = {
         "expertmesh": sys.executable,
