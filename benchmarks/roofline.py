@@ -46,9 +46,9 @@ class MoEShape:
         c = json.loads((Path(path) / "config.json").read_text())
         return cls(
             c["hidden_size"],
-            c["intermediate_size"],
+            c.get("moe_intermediate_size") or c["intermediate_size"],  # Qwen-MoE or Mixtral
             c["num_hidden_layers"],
-            c["num_local_experts"],
+            c.get("num_local_experts") or c["num_experts"],
             c["num_experts_per_tok"],
             c["num_attention_heads"],
             c["num_key_value_heads"],
@@ -97,9 +97,13 @@ def _best_time(fn: Callable[[], object], rounds: int = 10, min_s: float = 0.02) 
 
 
 def matmul_flops(rows: int, k: int, n: int, dtype: torch.dtype) -> float:
+    """torch's matmul rate. For bf16 the better of bf16 and float32: where oneDNN has no bf16
+    path (AVX2-only CPUs) torch's bf16 matmul is a slow fallback, and an engine can always widen
+    bf16 to float32 in registers, as ours does there, at float32's rate."""
     x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
     with torch.inference_mode():
-        return 2 * rows * k * n / _best_time(lambda: torch.nn.functional.linear(x, w))
+        rate = 2 * rows * k * n / _best_time(lambda: torch.nn.functional.linear(x, w))
+    return max(rate, matmul_flops(rows, k, n, torch.float32)) if dtype == torch.bfloat16 else rate
 
 
 def read_bandwidth(mib: int = BANDWIDTH_MIB) -> float:
@@ -162,9 +166,11 @@ def workload_bound(shape: MoEShape, requests: list[tuple[int, int]], machine: Ma
 
 
 def bound_tokens_per_s(
-    shape: MoEShape, requests: list[tuple[int, int]], machine: Machine, dtype: str
+    shape: MoEShape, requests: list[tuple[int, int]], machine: Machine, dtype: str, count_prompt: bool = False
 ) -> float:
-    return sum(o for _, o in requests) / workload_bound(shape, requests, machine, dtype)
+    """Output tokens (prompt tokens with `count_prompt`: the prefill workload) per bound second."""
+    tokens = sum(p if count_prompt else o for p, o in requests)
+    return tokens / workload_bound(shape, requests, machine, dtype)
 
 
 def decode_step_summary(shape: MoEShape, dtype: str) -> dict[str, float]:

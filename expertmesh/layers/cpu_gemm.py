@@ -12,15 +12,18 @@ one of two kernels, and the dense copy is dropped so every weight is held once:
 - bfloat16 on a CPU where oneDNN has no bf16 path either (AVX2-only CPUs, e.g. AMD Zen 3, lack
   avx512bw/avx_ne_convert): our widen-to-float32 kernel, else plain F.linear.
 
+On a CPU with AMX, our kernels still hold the weights, and products of many rows (prefill, experts
+that receive many tokens) are handed to oneDNN's matmul per call (cpu_features.onednn_bf16_rows,
+CpuKernels.linear / moe).
+
 Measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
+from expertmesh.layers.cpu_features import onednn_bf16
 from expertmesh.layers.cpu_kernels import CpuKernels, PanelWeight
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
@@ -46,14 +49,6 @@ def _onednn_ok(weight: torch.Tensor) -> bool:
     ):
         return False
     return weight.dtype != torch.bfloat16 or onednn_bf16()
-
-
-@cache
-def onednn_bf16() -> bool:
-    """Whether oneDNN has a bf16 matmul on this CPU (it refuses bf16 weights without avx512bw/vl/dq
-    or avx_ne_convert, as on AVX2-only CPUs)."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(probe()) if probe is not None else False
 
 
 def pack(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | None:

@@ -23,8 +23,12 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from expertmesh.layers import cpu_features, cpu_onednn
 
 log = logging.getLogger("expertmesh")
 
@@ -33,6 +37,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 _c = ctypes.c_void_p
 _i64 = ctypes.c_int64
+_threads = torch.get_num_threads  # every entry point follows torch's thread count
 
 
 def _cpu_flags() -> str:
@@ -50,14 +55,14 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(compiler: str, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
+def _build(compiler: str, out: Path, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> None:
     """Compile into a temporary file, then rename: ranks building at once never see half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *extra_flags, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *extra_flags, str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -77,6 +82,10 @@ class PanelWeight:
     data: torch.Tensor
     out_features: int
     in_features: int
+    # Resolved once at packing, not per call (a decode step makes ~30 of these calls a layer
+    # group, so Python work per call shows): the entry point for this dtype/layout, and data's address.
+    fn: Any = None
+    ptr: int = 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.linear(x, self, bias)
@@ -104,22 +113,26 @@ class CpuKernels:
     MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
     MOE_CHUNK = 512
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: Path, onednn_bf16_rows: int | None = None) -> None:
         self.lib, self.path = lib, path
+        # From this many rows bf16 products go to oneDNN's matmul (AMX), None: never; see
+        # cpu_features.onednn_bf16_rows, decided in load().
+        self.onednn_bf16_rows = onednn_bf16_rows
         lib.gemm_lanes.restype = _i64
         lib.bf16_pairs.restype = _i64
         self.lanes = int(lib.gemm_lanes())
-        # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights go to oneDNN.
+        # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights are widened to
+        # float32 in registers (gemm_bf16, and moe_bf16 built on it).
         self.bf16_pairs = bool(lib.bf16_pairs())
-        variants = {kind: ("f32", "bf16") for kind in ("paged_decode", "gemm", "rms_norm", "rope_cache")}
-        variants["moe"] = ("f32",)
+        kinds = ("paged_decode", "gemm", "rms_norm", "rope_cache", "moe")
+        variants = {kind: ("f32", "bf16") for kind in kinds}
         if self.bf16_pairs:
             variants["gemm"] += ("bf16_pairs",)
-            variants["moe"] += ("bf16",)
         for kind, names in variants.items():
             for name in names:
                 fn = getattr(lib, f"{kind}_{name}")
                 fn.restype, fn.argtypes = None, _SIGNATURES[kind]
+        self._rms_norm_f32, self._rms_norm_bf16 = lib.rms_norm_f32, lib.rms_norm_bf16
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16)
@@ -145,41 +158,37 @@ class CpuKernels:
             padded = torch.zeros(panels * self.lanes, in_features, dtype=weight.dtype)
             padded[:out_features] = weight
             data = padded.view(panels, self.lanes, in_features).transpose(1, 2).contiguous()
-        return PanelWeight(self, data, out_features, in_features)
+        name = "gemm_f32" if weight.dtype == torch.float32 else "gemm_bf16"
+        fn = getattr(self.lib, f"{name}_pairs" if data.dim() == 4 else name, None)  # None: layout faked
+        return PanelWeight(self, data, out_features, in_features, fn, data.data_ptr())
+
+    def _to_onednn(self, rows: int, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and self.onednn_bf16_rows is not None and rows >= self.onednn_bf16_rows
 
     def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] @ W.T (+ bias) -> [..., out], for a weight packed by `pack`."""
-        if x.shape[-1] != w.in_features or x.dtype != w.data.dtype:
+        shape, dtype = x.shape, x.dtype
+        if shape[-1] != w.in_features or dtype != w.data.dtype:
             raise ValueError(
-                f"linear: input {tuple(x.shape)} {x.dtype} does not fit weight "
+                f"linear: input {tuple(shape)} {dtype} does not fit weight "
                 f"[{w.out_features}, {w.in_features}] {w.data.dtype}"
             )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, w.in_features).contiguous()
-        y = torch.empty(x2.shape[0], w.out_features, dtype=x.dtype)
-        # The bias is added in float32 before the output is rounded (as oneDNN does).
-        b = None if bias is None else bias.to(torch.float32).contiguous()
-        if x2.shape[0]:
-            if x.dtype == torch.float32:
-                fn = self.lib.gemm_f32
-            else:
-                fn = self.lib.gemm_bf16_pairs if w.data.dim() == 4 else self.lib.gemm_bf16
-            fn(
-                x2.data_ptr(),
-                w.data.data_ptr(),
-                y.data_ptr(),
-                x2.shape[0],
-                w.out_features,
-                w.in_features,
-                None if b is None else b.data_ptr(),
-                torch.get_num_threads(),
-            )
-        return y.view(*lead, w.out_features)
+        x2 = x if len(shape) == 2 and x.is_contiguous() else x.reshape(-1, w.in_features).contiguous()
+        rows = x2.shape[0]
+        if self._to_onednn(rows, dtype):
+            y = F.linear(x2, cpu_onednn.unpack(w.data, w.out_features, w.in_features), bias)
+            return y if len(shape) == 2 else y.view(*shape[:-1], w.out_features)
+        y = torch.empty((rows, w.out_features), dtype=dtype)
+        if rows:
+            # The bias is added in float32 before the output is rounded (as oneDNN does).
+            b = None if bias is None else bias.to(torch.float32).contiguous()  # held through the call
+            bp = None if b is None else b.data_ptr()
+            w.fn(x2.data_ptr(), w.ptr, y.data_ptr(), rows, w.out_features, w.in_features, bp, _threads())
+        return y if len(shape) == 2 else y.view(*shape[:-1], w.out_features)
 
     # ---- routed experts --------------------------------------------------------------------------
     def moe_supports(self, dtype: torch.dtype, act: str) -> bool:
-        ok = dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16_pairs)
-        return ok and act in self.MOE_ACTIVATIONS
+        return self.supports(dtype) and act in self.MOE_ACTIVATIONS
 
     def moe(
         self,
@@ -207,50 +216,48 @@ class CpuKernels:
             )
         x, slot = x.contiguous(), slot.contiguous()
         weights = weights.to(torch.float32).contiguous()
+        if self._to_onednn(n * slot.shape[1] // max(e, 1), x.dtype):  # rows an expert gets on average
+            return cpu_onednn.moe(x, slot, weights, w13, w2, inter, act)
         out = torch.empty_like(x)
         fn = self.lib.moe_f32 if x.dtype == torch.float32 else self.lib.moe_bf16
+        k, row_bytes = slot.shape[1], hidden * x.element_size()
+        xp, sp, wp, op = x.data_ptr(), slot.data_ptr(), weights.data_ptr(), out.data_ptr()
         # Long prefills go MOE_CHUNK tokens a call, so the block's intermediates stay in cache
         # (measured: 8192 tokens of the small MoE 400 -> 310 ms); weights are re-read per chunk,
         # which costs little next to the products of 512 tokens.
         for i in range(0, n, self.MOE_CHUNK):
             rows = min(self.MOE_CHUNK, n - i)
             fn(
-                x[i].data_ptr(),
+                xp + i * row_bytes,
                 rows,
                 hidden,
-                slot[i].data_ptr(),
-                weights[i].data_ptr(),
-                slot.shape[1],
+                sp + i * k * 4,  # int32 slots
+                wp + i * k * 4,  # float32 weights
+                k,
                 w13.data_ptr(),
                 w2.data_ptr(),
                 e,
                 inter,
                 self.MOE_ACTIVATIONS[act],
-                out[i].data_ptr(),
-                torch.get_num_threads(),
+                op + i * row_bytes,
+                _threads(),
             )
         return out
 
     # ---- per-token ops ---------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, rounding as the float32-then-cast reference does."""
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        if x.dtype != weight.dtype or weight.numel() != x2.shape[1]:
+        shape, dtype = x.shape, x.dtype
+        x2 = x if len(shape) == 2 and x.is_contiguous() else x.reshape(-1, shape[-1]).contiguous()
+        rows, width = x2.shape
+        if dtype != weight.dtype or weight.shape[-1] != width or weight.dim() != 1:
             raise ValueError(
-                f"rms_norm: x {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)} {weight.dtype}"
+                f"rms_norm: x {tuple(shape)} {dtype} vs weight {tuple(weight.shape)} {weight.dtype}"
             )
-        out = torch.empty_like(x2)
-        fn = self.lib.rms_norm_f32 if x.dtype == torch.float32 else self.lib.rms_norm_bf16
-        fn(
-            x2.data_ptr(),
-            weight.data_ptr(),
-            out.data_ptr(),
-            x2.shape[0],
-            x2.shape[1],
-            eps,
-            torch.get_num_threads(),
-        )
-        return out.view(x.shape)
+        out = torch.empty((rows, width), dtype=dtype)
+        fn = self._rms_norm_f32 if dtype == torch.float32 else self._rms_norm_bf16
+        fn(x2.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps, _threads())
+        return out if len(shape) == 2 else out.view(shape)
 
     def rope_cache(
         self,
@@ -362,17 +369,23 @@ def load() -> CpuKernels | None:
     root = Path(os.environ.get("EXPERTMESH_CACHE", Path.home() / ".cache" / "expertmesh"))
     path = root / "kernels" / key.hexdigest()[:16] / "libexpertmesh_cpu.so"
     try:
-        return build(path, compiler)
+        kernels = build(path, compiler)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("CPU kernels could not be built or loaded (%s); using torch ops (slower)", detail.strip())
         return None
+    amx, onednn = cpu_features.amx_bf16(), cpu_features.onednn_bf16()
+    kernels.onednn_bf16_rows = cpu_features.onednn_bf16_rows(amx, onednn)
+    if kernels.onednn_bf16_rows is not None:
+        log.info("AMX: bf16 products of %d rows or more go to oneDNN's matmul", kernels.onednn_bf16_rows)
+    return kernels
 
 
-def build(path: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
+def build(path: Path, compiler: str, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> CpuKernels:
     """Compile (unless `path` exists) and load. `extra_flags` lets tests build other variants,
-    e.g. `-mno-avx512f` for the generic 8-lane path other CPUs take."""
+    e.g. `-mno-avx512f` for the generic 8-lane path other CPUs take; `source` another copy of the
+    kernels (benchmarks' A/B runs)."""
     if not path.exists():
         log.info("compiling CPU kernels with %s into %s", compiler, path.parent)
-        _build(compiler, path, extra_flags)
+        _build(compiler, path, extra_flags, source)
     return CpuKernels(ctypes.CDLL(str(path)), path)

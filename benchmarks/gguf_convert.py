@@ -1,0 +1,35 @@
+"""Convert a benchmark checkpoint to GGUF with llama.cpp's own converter (run under its venv).
+
+llama.cpp's `convert_hf_to_gguf.py` recognises a BPE tokenizer by hashing how it splits a test
+string, and refuses one it has not seen; the benchmarks' tokenizer is trained locally (byte-level
+BPE, GPT-2's pre-tokenizer), so it is declared GPT-2 style here. The engines are given token-id
+prompts, so the tokenizer only has to make the file valid.
+
+    /work/peers/llama-venv/bin/python benchmarks/gguf_convert.py \\
+        --converter /work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp \\
+        /tmp/expertmesh-bench/small-moe-bf16 --outtype bf16 --outfile /tmp/small.bf16.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--converter", required=True, help="llama.cpp's source dir (holds convert_hf_to_gguf.py)")
+    args, rest = ap.parse_known_args()
+    sys.path.insert(0, args.converter)
+    sys.path.insert(0, f"{args.converter}/gguf-py")
+    from conversion.base import TextModel
+
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    import convert_hf_to_gguf
+
+    sys.argv = ["convert_hf_to_gguf.py", *rest]
+    convert_hf_to_gguf.main()
+
+
+if __name__ == "__main__":
+    main()

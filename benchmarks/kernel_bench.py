@@ -1,0 +1,144 @@
+"""Micro-benchmark of expertmesh's CPU kernels at a model's shapes, against torch's own matmul.
+
+For each product (qkv, o_proj, expert gate+up, expert down, lm_head) and row count it prints
+ms per call, GFLOP/s and GB/s of weights streamed, for our panel GEMM and for torch (F.linear on
+the dense weight; oneDNN where it has a path for the dtype). `--moe` also times the routed
+experts of one layer in one call. Kernels can be A/B-compared by building another source
+(`--source`, e.g. a saved copy of csrc/cpu_kernels.c) in the same run.
+
+    .venv/bin/python benchmarks/kernel_bench.py --dtype bfloat16 --rows 1,32,512 --moe
+    .venv/bin/python benchmarks/kernel_bench.py --shape qwen3-30b-a3b --dtype bfloat16 --rows 1,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from expertmesh.layers import cpu_kernels
+
+# (name, out_features, in_features) per model shape; "moe" = (hidden, inter, experts, top_k).
+SHAPES = {
+    "small": {
+        "linears": [("qkv", 1024, 512), ("o_proj", 512, 512), ("w13", 2048, 512), ("w2", 512, 1024)],
+        "lm_head": (3072, 512),
+        "moe": (512, 1024, 8, 2),
+    },
+    "qwen3-30b-a3b": {
+        "linears": [("qkv", 5120, 2048), ("o_proj", 2048, 4096), ("w13", 1536, 2048), ("w2", 2048, 768)],
+        "lm_head": (16384, 2048),
+        "moe": (2048, 768, 128, 8),
+    },
+}
+
+
+# Wall time by default; --cpu-time takes this process's CPU time instead, which on a shared machine
+# does not count the time other processes hold the core (use it with --threads 1: with more
+# threads it also counts OpenMP's spin-waiting).
+CLOCK = time.perf_counter
+ONLY: set[str] | None = None
+
+
+def timed(fn, min_s: float = 0.3, repeats: int = 5) -> float:
+    """Median seconds per call over `repeats` rounds of enough calls to fill `min_s`."""
+    fn()
+    start, n = CLOCK(), 0
+    while CLOCK() - start < min_s / repeats or n < 2:
+        fn()
+        n += 1
+    rounds = []
+    for _ in range(repeats):
+        t0 = CLOCK()
+        for _ in range(n):
+            fn()
+        rounds.append((CLOCK() - t0) / n)
+    return statistics.median(rounds)
+
+
+def bench_linears(kernels_by_name: dict, shape: dict, dtype: torch.dtype, rows: list[int]) -> None:
+    size = 2 if dtype == torch.bfloat16 else 4
+    print(f"{'product':<10}{'rows':>6}{'engine':>12}{'ms':>10}{'GFLOP/s':>10}{'GB/s':>8}")
+    for name, out_f, in_f in [*shape["linears"], ("lm_head", *shape["lm_head"])]:
+        if ONLY is not None and name not in ONLY:
+            continue
+        w = (torch.randn(out_f, in_f) * in_f**-0.5).to(dtype)
+        packed = {k: kern.pack(w) for k, kern in kernels_by_name.items()}
+        for m in rows:
+            x = torch.randn(m, in_f).to(dtype)
+            calls = {k: partial(kernels_by_name[k].linear, x, p) for k, p in packed.items()}
+            calls["torch"] = partial(F.linear, x, w)
+            for engine, fn in calls.items():
+                s = timed(fn)
+                flops, nbytes = 2 * m * out_f * in_f, out_f * in_f * size
+                rates = f"{flops / s / 1e9:>10.1f}{nbytes / s / 1e9:>8.1f}"
+                print(f"{name:<10}{m:>6}{engine:>12}{s * 1e3:>10.3f}{rates}")
+
+
+def bench_moe(kernels_by_name: dict, shape: dict, dtype: torch.dtype, rows: list[int]) -> None:
+    hidden, inter, experts, top_k = shape["moe"]
+    size = 2 if dtype == torch.bfloat16 else 4
+    w13 = (torch.randn(experts, 2 * inter, hidden) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter) * inter**-0.5).to(dtype)
+    print(f"\nrouted experts, one layer: H={hidden}, {experts} experts of {inter}, top-{top_k}")
+    print(f"{'rows':>6}{'engine':>12}{'ms':>10}{'GB/s':>8}")
+    for name, kern in kernels_by_name.items():
+        if not kern.moe_supports(dtype, "silu"):
+            print(f"{'':>6}{name:>12}  no fused {dtype} experts in this build")
+            continue
+        p13 = torch.stack([kern.pack(w13[e]).data for e in range(experts)])
+        p2 = torch.stack([kern.pack(w2[e]).data for e in range(experts)])
+        for m in rows:
+            g = torch.Generator().manual_seed(m)
+            x = torch.randn(m, hidden, generator=g).to(dtype)
+            ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)])
+            ids = ids.to(torch.int32)
+            wts = torch.rand(m, top_k, generator=g)
+            s = timed(partial(kern.moe, x, ids, wts, p13, p2, inter, "silu"))
+            touched = len(set(ids.flatten().tolist()))
+            nbytes = touched * 3 * hidden * inter * size
+            print(f"{m:>6}{name:>12}{s * 1e3:>10.3f}{nbytes / s / 1e9:>8.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", default="1,8,32,512")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--moe", action="store_true", help="also time the routed experts of one layer")
+    ap.add_argument("--source", action="append", default=[], help="another kernel source to compare")
+    ap.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall time (see CLOCK)")
+    ap.add_argument("--only", default=None, help="comma-separated products to time (default: all)")
+    args = ap.parse_args()
+    global CLOCK, ONLY
+    CLOCK = time.process_time if args.cpu_time else time.perf_counter
+    ONLY = set(args.only.split(",")) if args.only else None
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    rows = [int(r) for r in args.rows.split(",")]
+    main_k = cpu_kernels.load()
+    if main_k is None:
+        raise SystemExit("the CPU kernels did not build (see the warning above)")
+    kernels_by_name = {"ours": main_k}
+    for i, src in enumerate(args.source):
+        kernels_by_name[f"src{i}"] = build_from(Path(src))
+    bench_linears(kernels_by_name, SHAPES[args.shape], dtype, rows)
+    if args.moe:
+        bench_moe(kernels_by_name, SHAPES[args.shape], dtype, rows)
+
+
+def build_from(source: Path) -> cpu_kernels.CpuKernels:
+    """Kernels compiled from another source file (A/B runs), cached beside it."""
+    compiler = cpu_kernels._compiler()
+    out = Path("/tmp/expertmesh-kernel-ab") / f"{source.stem}-{abs(hash(source.read_bytes()))}.so"
+    return cpu_kernels.build(out, compiler, source=source)
+
+
+if __name__ == "__main__":
+    main()
