@@ -78,8 +78,10 @@ class PanelWeight:
     out_features: int
     in_features: int
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.linear(x, self, bias)
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        return self.kernels.linear(x, self, bias, out_dtype)
 
 
 _F32, _INT = ctypes.c_float, ctypes.c_int
@@ -112,9 +114,10 @@ class CpuKernels:
         # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights go to oneDNN.
         self.bf16_pairs = bool(lib.bf16_pairs())
         variants = {kind: ("f32", "bf16") for kind in ("paged_decode", "gemm", "rms_norm", "rope_cache")}
+        variants["gemm"] += ("bf16_f32",)  # bf16 weights, float32 output (partial sums)
         variants["moe"] = ("f32",)
         if self.bf16_pairs:
-            variants["gemm"] += ("bf16_pairs",)
+            variants["gemm"] += ("bf16_pairs", "bf16_pairs_f32")
             variants["moe"] += ("bf16",)
         for kind, names in variants.items():
             for name in names:
@@ -147,23 +150,37 @@ class CpuKernels:
             data = padded.view(panels, self.lanes, in_features).transpose(1, 2).contiguous()
         return PanelWeight(self, data, out_features, in_features)
 
-    def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias) -> [..., out], for a weight packed by `pack`."""
+    def linear(
+        self,
+        x: torch.Tensor,
+        w: PanelWeight,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias) -> [..., out], for a weight packed by `pack`.
+
+        Products accumulate in float32 and are rounded to x's dtype once, at the end; with
+        ``out_dtype=torch.float32`` a bf16 product is returned unrounded (a partial sum that other
+        ranks add to, rounded once after that sum)."""
         if x.shape[-1] != w.in_features or x.dtype != w.data.dtype:
             raise ValueError(
                 f"linear: input {tuple(x.shape)} {x.dtype} does not fit weight "
                 f"[{w.out_features}, {w.in_features}] {w.data.dtype}"
             )
+        out_dtype = out_dtype or x.dtype
+        if out_dtype not in (x.dtype, torch.float32):
+            raise ValueError(f"linear: out_dtype {out_dtype} for {x.dtype} input; valid: {x.dtype}, float32")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, w.in_features).contiguous()
-        y = torch.empty(x2.shape[0], w.out_features, dtype=x.dtype)
+        y = torch.empty(x2.shape[0], w.out_features, dtype=out_dtype)
         # The bias is added in float32 before the output is rounded (as oneDNN does).
         b = None if bias is None else bias.to(torch.float32).contiguous()
         if x2.shape[0]:
             if x.dtype == torch.float32:
                 fn = self.lib.gemm_f32
             else:
-                fn = self.lib.gemm_bf16_pairs if w.data.dim() == 4 else self.lib.gemm_bf16
+                name = "gemm_bf16_pairs" if w.data.dim() == 4 else "gemm_bf16"
+                fn = getattr(self.lib, name + ("_f32" if out_dtype == torch.float32 else ""))
             fn(
                 x2.data_ptr(),
                 w.data.data_ptr(),
@@ -193,7 +210,8 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Routed experts in one call: x [n, H], slot [n, k] int32 (local expert or -1), weights
         [n, k]; w13 / w2 the experts' [gate | up] and down weights, each packed by `pack`, stacked
-        -> [n, H], this rank's partial sum."""
+        -> [n, H] float32, this rank's partial sum, not rounded to x's dtype (whoever sums the
+        partials over ranks rounds once, after that sum)."""
         n, hidden = x.shape
         if not self.moe_supports(x.dtype, act) or slot.dtype != torch.int32 or slot.shape[0] != n:
             raise ValueError(f"moe: unsupported input {x.dtype} / slot {slot.dtype} / activation {act!r}")
@@ -207,7 +225,7 @@ class CpuKernels:
             )
         x, slot = x.contiguous(), slot.contiguous()
         weights = weights.to(torch.float32).contiguous()
-        out = torch.empty_like(x)
+        out = torch.empty(n, hidden, dtype=torch.float32)
         fn = self.lib.moe_f32 if x.dtype == torch.float32 else self.lib.moe_bf16
         # Long prefills go MOE_CHUNK tokens a call, so the block's intermediates stay in cache
         # (measured: 8192 tokens of the small MoE 400 -> 310 ms); weights are re-read per chunk,
