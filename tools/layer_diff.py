@@ -58,7 +58,7 @@ def engine(args, world: int):
         data_parallel_size=args.dp if world > 1 else 1,
         pipeline_parallel_size=args.pp if world > 1 else 1,
         enable_expert_parallel=args.ep and world > 1,
-        all2all_backend=args.backend,
+        all2all_backend=args.backend if world > 1 else "allgather_reducescatter",
         distributed_executor_backend="external_launcher" if world > 1 else None,
         max_model_len=256,
         kv_cache_memory_bytes=1 << 26,

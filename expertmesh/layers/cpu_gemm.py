@@ -64,9 +64,7 @@ def onednn_bf16() -> bool:
     return bool(probe()) if probe is not None else False
 
 
-def pack(
-    weight: torch.Tensor, kernels: CpuKernels | None, float32_out: bool = False
-) -> PackedWeight | None:
+def pack(weight: torch.Tensor, kernels: CpuKernels | None, float32_out: bool = False) -> PackedWeight | None:
     """A packed copy of a CPU [out, in] weight for its best kernel, or None (keep F.linear).
 
     ``float32_out``: its callers ask for float32 products of bf16 inputs (``out_dtype``)."""
