@@ -92,12 +92,8 @@ BF16_GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
 
 def _bf16_run(llm) -> list[tuple[list[int], list[float], str]]:
     """Per checkable prompt: greedy token ids, each one's logprob, and the text."""
-    outs = llm.generate([c["prompt"] for c in CHECKS], BF16_GREEDY, use_tqdm=False)
-    return [
-        (o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
-         o.outputs[0].text)
-        for o in outs
-    ]  # fmt: skip
+    outs = [o.outputs[0] for o in llm.generate([c["prompt"] for c in CHECKS], BF16_GREEDY, use_tqdm=False)]
+    return [(o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)], o.text) for o in outs]
 
 
 def _dp2_tp2_bf16(rank, world):
