@@ -11,8 +11,11 @@ from other processes hits both alike), timing greedy generate calls at each batc
     .venv/bin/python benchmarks/layouts.py --layouts tp2,dp2tp2-naive --batch-sizes 1,32 --repeats 5
 
 Reported per layout, batch size and setting: bytes this rank sent per step through every group
-(the counters of distributed/group.py, control messages included), and ms per generated token
-(median wall time of a generate call / new tokens; prefill included, the same for both).
+(the counters of distributed/group.py, control messages included), ms per generated token
+(median and minimum of the generate calls' wall time / new tokens; prefill included, the same
+for both), and one all-reduce of a [batch, hidden] partial over the layout's widest group, timed
+alone (median of 10 blocks of 20, ABAB): a decode step has about two such sums a layer, so twice
+that difference per layer is the step's extra cost, which noise in the step times can hide.
 """
 
 from __future__ import annotations
@@ -67,6 +70,24 @@ def _sent(groups) -> int:
     return sum(g.traffic.bytes_sent for g in distinct.values())
 
 
+def _all_reduce_us(group, batch: int, hidden: int) -> dict[str, float]:
+    """Median µs of one all-reduce of a float32 [batch, hidden] partial, per reduce_dtype."""
+    import torch
+
+    x = torch.randn(batch, hidden)
+    times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    for _ in range(10):
+        for setting in SETTINGS:
+            group.reduce_dtype = getattr(torch, setting)
+            group.barrier()
+            start = time.perf_counter()
+            for _ in range(20):
+                group.all_reduce(x.clone())
+            times[setting].append((time.perf_counter() - start) / 20 * 1e6)
+    group.reduce_dtype = torch.float32
+    return {s: statistics.median(t) for s, t in times.items()}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -107,10 +128,19 @@ def worker(args: argparse.Namespace) -> None:
                 llm.generate(prompts, params, use_tqdm=False)
                 times[setting].append(time.perf_counter() - start)
                 sent[setting] = (_sent(groups) - before) // max(1, llm.llm_engine.num_steps - steps)
+        widest = max((groups.tp, groups.ep), key=lambda grp: grp.world_size)
+        us = _all_reduce_us(widest, batch, llm.llm_engine.config.model_config.hidden_size)
         for setting in SETTINGS:
-            ms = 1000 * statistics.median(times[setting]) / args.new_tokens
             results.append(
-                {"batch": batch, "reduce_dtype": setting, "bytes_per_step": sent[setting], "ms": ms}
+                {
+                    "batch": batch,
+                    "reduce_dtype": setting,
+                    "bytes_per_step": sent[setting],
+                    "ms": 1000 * statistics.median(times[setting]) / args.new_tokens,
+                    "ms_min": 1000 * min(times[setting]) / args.new_tokens,
+                    "all_reduce_us": us[setting],
+                    "group": f"{widest.name}{widest.world_size}",
+                }
             )
     if groups.global_rank == 0:
         Path(args.out).write_text(json.dumps(results))
@@ -139,17 +169,17 @@ def main() -> None:
     table = {name: run_layout(args, name) for name in args.layouts}
     print(f"\nmodel {args.model}, bf16, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"median of {args.repeats} (ABAB); rank 0's bytes sent per step, all groups")  # fmt: skip
-    print(f"{'layout':20} {'batch':>5} {'bytes/step fp32':>16} {'bf16':>10} {'ratio':>6} "
-          f"{'ms/token fp32':>14} {'bf16':>8} {'ratio':>6}")  # fmt: skip
+    print(f"{'layout':19} {'batch':>5} {'bytes/step fp32':>15} {'bf16':>10} {'ratio':>5} | "
+          f"{'ms/token fp32':>13} {'bf16':>6} {'ratio':>5} | {'min fp32':>8} {'bf16':>6} | "
+          f"{'all-reduce µs fp32':>18} {'bf16':>6} {'group':>6}")  # fmt: skip
     for name, rows in table.items():
         for batch in args.batch_sizes:
-            f32, b16 = (
-                next(r for r in rows if r["batch"] == batch and r["reduce_dtype"] == s) for s in SETTINGS
-            )
+            f, b = (next(r for r in rows if r["batch"] == batch and r["reduce_dtype"] == s) for s in SETTINGS)
             print(
-                f"{name:20} {batch:>5} {f32['bytes_per_step']:>16,} {b16['bytes_per_step']:>10,} "
-                f"{f32['bytes_per_step'] / max(1, b16['bytes_per_step']):>6.2f} {f32['ms']:>14.2f} "
-                f"{b16['ms']:>8.2f} {f32['ms'] / b16['ms']:>6.3f}"
+                f"{name:19} {batch:>5} {f['bytes_per_step']:>15,} {b['bytes_per_step']:>10,} "
+                f"{f['bytes_per_step'] / max(1, b['bytes_per_step']):>5.2f} | {f['ms']:>13.2f} "
+                f"{b['ms']:>6.2f} {f['ms'] / b['ms']:>5.2f} | {f['ms_min']:>8.2f} {b['ms_min']:>6.2f} | "
+                f"{f['all_reduce_us']:>18.0f} {b['all_reduce_us']:>6.0f} {f['group']:>6}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": table}, indent=2))

@@ -143,16 +143,18 @@ def differences(ref: list[dict[int, float]], got: dict[int, dict[int, float]]) -
     return out
 
 
-def check(real_width, world: int, layouts: list[tuple]) -> None:
+def check(
+    real_width, world: int, layouts: list[tuple], timeout: float = 170, bound: float = BOUND_FORCED
+) -> None:
     path, prompts, ref = real_width
-    results = run_distributed(_rank_main, world, path, prompts, layouts, timeout=170, gloo_timeout=120)
+    results = run_distributed(_rank_main, world, path, prompts, layouts, timeout=timeout, gloo_timeout=120)
     for rank, per_rank in enumerate(results):
         for layout, got in per_rank:
             diffs = differences(ref, got)
             where = f"rank {rank} (DP, PP, TP, EP, backend)={layout}"
             print(f"{where}: first token {diffs[0]:.4f}, max over {POSITIONS} positions {max(diffs):.4f}")
-            assert diffs[0] <= BOUND_FIRST, f"{where}: first-token top-{TOP} logprobs differ by {diffs[0]}"
-            assert sorted(diffs)[-2] <= BOUND_FORCED, f"{where}: teacher-forced differences {diffs}"
+            assert diffs[0] <= min(bound, BOUND_FIRST), f"{where}: first-token top-{TOP} logprobs: {diffs[0]}"
+            assert sorted(diffs)[-2] <= bound, f"{where}: teacher-forced differences {diffs}"
             assert max(diffs) <= BOUND_FLIP, f"{where}: teacher-forced differences {diffs}"
             if layout[2] == 1 and layout[0] == 1:  # PP alone: the same arithmetic, stage by stage
                 assert max(diffs) == 0.0, f"{where}: {diffs}"
@@ -171,3 +173,32 @@ def test_real_width_bf16_expert_parallel_on_two_ranks(real_width):
 @pytest.mark.timeout(200)
 def test_real_width_bf16_dp2_tp2_every_backend(real_width):
     check(real_width, 4, WORLD4)
+
+
+@pytest.mark.timeout(120)
+def test_shared_expert_bf16_dp2_tp2(checkpoint):
+    """Qwen2-MoE's shared expert (a TP-partial dense MLP added to the routed sum before the TP
+    all-reduce; under EP + sequence parallel, all-reduced apart and added after the gather), in
+    bf16 at a tiny width (hidden 64), where float32 order hardly ever tips a bf16 rounding:
+    measured identical to one process at all 16 positions (0.016 with partials rounded first)."""
+    path = checkpoint("qwen2_moe", num_hidden_layers=2)
+    check((path, *reference(path)), 4, [WORLD4[1], WORLD4[2]], bound=0.005)
+
+
+WORLD4_MORE = [
+    (1, 1, 4, False, "allgather_reducescatter"),  # TP4: four-way row-parallel sums
+    (1, 2, 2, False, "allgather_reducescatter"),  # PP2 x TP2
+    (4, 1, 1, True, "alltoall"),  # DP4 + EP: four experts a rank
+    (1, 4, 1, False, "allgather_reducescatter"),  # PP4: one layer a stage
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_real_width_bf16_four_layers(tmp_path_factory, tokenizer_dir):
+    """On demand (pytest -m slow): 4 of Phi-mini-MoE's layers, every world-4 layout above and
+    TP4, PP2 x TP2, DP4 + EP, PP4, the same bounds."""
+    path = build_checkpoint(str(tmp_path_factory.mktemp("phi_mini_moe_4layers")), tokenizer_dir, 4)
+    ref = (path, *reference(path))
+    check(ref, 4, WORLD4, timeout=500)
+    check(ref, 4, WORLD4_MORE, timeout=600)
