@@ -285,8 +285,9 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
 
 DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32)
 DEFINE_GEMM(bf16, bf16_t, bf16_t, load_panel_bf16, store_row_bf16)
-/* bf16 weights, float32 output: the routed experts' intermediates (moe_bf16 without pairs). */
-DEFINE_GEMM(bf16w, bf16_t, float, load_panel_bf16, store_row_f32)
+/* bf16 weights, float32 output: partial sums that other ranks add to (rounded after the sum),
+ * and the routed experts' intermediates (moe_bf16 without pairs). */
+DEFINE_GEMM(bf16_f32, bf16_t, float, load_panel_bf16, store_row_f32)
 
 /* Work items are (block of ROW_BLOCK rows, panel group): a thread's consecutive items share a
  * row block, which stays in cache while the panel groups stream past it (long prefills). */
@@ -303,9 +304,10 @@ void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, i
   }
 }
 
-/* x is widened to float32 once, so the tiles broadcast plain floats. */
-void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
-               const float* bias, int threads) {
+/* x is widened to float32 once, so the tiles broadcast plain floats. y: bf16, or float32 when
+ * y_f32 (gemm_bf16_f32: the same products, not rounded). */
+static void gemm_bf16_to(const bf16_t* x, const bf16_t* wp, void* y, int y_f32, int64_t M, int64_t O,
+                         int64_t I, const float* bias, int threads) {
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
   for (int64_t k = 0; k < M * I; k++) xf[k] = bf16_to_f32(x[k]);
@@ -313,9 +315,22 @@ void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t 
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
-    rows_bf16(xf, I, wp, y, O, P, item % groups, r0, r1, bias);
+    if (y_f32)
+      rows_bf16_f32(xf, I, wp, (float*)y, O, P, item % groups, r0, r1, bias);
+    else
+      rows_bf16(xf, I, wp, (bf16_t*)y, O, P, item % groups, r0, r1, bias);
   }
   free(xf);
+}
+
+void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
+               const float* bias, int threads) {
+  gemm_bf16_to(x, wp, y, 0, M, O, I, bias, threads);
+}
+
+void gemm_bf16_f32(const bf16_t* x, const bf16_t* wp, float* y, int64_t M, int64_t O, int64_t I,
+                   const float* bias, int threads) {
+  gemm_bf16_to(x, wp, y, 1, M, O, I, bias, threads);
 }
 
 /* ---- small per-token ops: fewer, larger calls than torch's chain of elementwise ops --------
@@ -434,8 +449,10 @@ static void moe_free(moe_plan* p) {
 }
 
 /* sum_j w[t, j] * ys[row of (t, j)] for token t (zero if none of its experts is held here). */
-static inline void moe_combine_row(const moe_plan* p, const float* ys, const float* w, int64_t t,
-                                   int64_t k, int64_t H, float* o) {
+/* No fused multiply-add here: each weighted product is rounded before it is added, so experts
+ * split over ranks (EP) sum to exactly what one process gets (a + b either way). */
+__attribute__((optimize("fp-contract=off"))) static void moe_combine_row(
+    const moe_plan* p, const float* ys, const float* w, int64_t t, int64_t k, int64_t H, float* o) {
   for (int64_t c = 0; c < H; c++) o[c] = 0.f;
   for (int64_t j = 0; j < k; j++) {
     const int64_t r = p->row_of_pair[t * k + j];
@@ -561,8 +578,8 @@ static inline void to_pairs(const bf16_t* x, int64_t I, uint32_t* out) {
   if (I % 2) out[I / 2] = (uint32_t)x[I - 1];
 }
 
-void gemm_bf16_pairs(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
-                     const float* bias, int threads) {
+static void gemm_pairs_to(const bf16_t* x, const bf16_t* wp, void* y, int y_bf16, int64_t M, int64_t O,
+                          int64_t I, const float* bias, int threads) {
   const int64_t I2 = (I + 1) / 2, P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   uint32_t* xp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(M * I2 + 1));
   for (int64_t r = 0; r < M; r++) to_pairs(x + r * I, I, xp + r * I2);
@@ -570,16 +587,28 @@ void gemm_bf16_pairs(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, in
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
-    rows_pairs(xp, I2, wp, y, 1, O, P, item % groups, r0, r1, bias);
+    rows_pairs(xp, I2, wp, y, y_bf16, O, P, item % groups, r0, r1, bias);
   }
   free(xp);
 }
 
-/* moe_f32's plan with bf16 weights, input and output: pair products; the gate and up outputs
- * rounded to bf16 and the activation's output rounded to bf16 (what a bf16 model's projections
- * return and its down projection receives); the weighted sum kept in float32, rounded once. */
+void gemm_bf16_pairs(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
+                     const float* bias, int threads) {
+  gemm_pairs_to(x, wp, y, 1, M, O, I, bias, threads);
+}
+
+/* float32 output, not rounded: for partial sums that are added across ranks first. */
+void gemm_bf16_pairs_f32(const bf16_t* x, const bf16_t* wp, float* y, int64_t M, int64_t O, int64_t I,
+                         const float* bias, int threads) {
+  gemm_pairs_to(x, wp, y, 0, M, O, I, bias, threads);
+}
+
+/* moe_f32's plan with bf16 weights and input: pair products; the gate and up outputs rounded to
+ * bf16 and the activation's output rounded to bf16 (what a bf16 model's projections return and
+ * its down projection receives); the weighted sum written in float32, not rounded: it is a
+ * partial sum other ranks may add to, rounded to bf16 once, by the caller, after that. */
 void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, bf16_t* out,
+              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float* out,
               int threads) {
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
@@ -591,7 +620,6 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
   float* af = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
   uint32_t* a = (uint32_t*)calloc((size_t)(m * I2 + 1), sizeof(uint32_t));
   float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
-  float* os = (float*)malloc(sizeof(float) * (size_t)(n * H + 1));
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       to_pairs(x + (p.pair_of_row[r] / k) * H, H, xs + r * H2);
@@ -612,23 +640,22 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       rows_pairs(a, I2, w2 + e * P2 * I2 * 2 * LANES, ys, 0, H, P2, item % G2, p.start[e],
                  p.start[e + 1], NULL);
     }
-    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++) {
-      moe_combine_row(&p, ys, w, t, k, H, os + t * H);
-      for (int64_t c = 0; c < H; c++) out[t * H + c] = f32_to_bf16(os[t * H + c]);
-    }
+    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
+      moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
-  free(xs); free(h); free(af); free(a); free(ys); free(os);
+  free(xs); free(h); free(af); free(a); free(ys);
   moe_free(&p);
 }
 #else
 int64_t bf16_pairs(void) { return 0; }
 
 /* moe_f32's plan with bf16 weights, input and output on CPUs without pair products (AVX2): the
- * weights are widened to float32 in registers (rows_bf16w), the inputs once when gathered. The
+ * weights are widened to float32 in registers (rows_bf16_f32), the inputs once when gathered. The
  * rounding is the pair version's: gate and up outputs and the activation's output rounded to
- * bf16, the weighted sum kept in float32 and rounded once. */
+ * bf16, the weighted sum kept in float32 and returned unrounded (a partial sum, as the pair
+ * version: whoever adds the partials of other ranks rounds once, after that sum). */
 void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, bf16_t* out,
+              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float* out,
               int threads) {
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
@@ -638,7 +665,6 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
   float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
-  float* os = (float*)malloc(sizeof(float) * (size_t)(n * H + 1));
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       const bf16_t* xr = x + (p.pair_of_row[r] / k) * H;
@@ -646,7 +672,7 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
       const int64_t e = p.active[item / G13];
-      rows_bf16w(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+      rows_bf16_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       float* hr = h + r * 2 * I;
@@ -657,14 +683,12 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
       const int64_t e = p.active[item / G2];
-      rows_bf16w(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+      rows_bf16_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
     }
-    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++) {
-      moe_combine_row(&p, ys, w, t, k, H, os + t * H);
-      for (int64_t c = 0; c < H; c++) out[t * H + c] = f32_to_bf16(os[t * H + c]);
-    }
+    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
+      moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
-  free(xs); free(h); free(a); free(ys); free(os);
+  free(xs); free(h); free(a); free(ys);
   moe_free(&p);
 }
 #endif

@@ -9,6 +9,9 @@ Contract, on the group the MoE plan names (``sizes[i]`` = tokens held by group r
       -> [sizes[me], hidden]: for each of this rank's tokens, the sum over the group's ranks of
          their partial results (each rank's weighted sum over its own experts)
 
+combine sums in y_recv's dtype (the MoE block hands float32 partials, rounded to the model's
+dtype once, after the sum), travelling in the group's ``reduce_dtype`` at the narrowest.
+
 Every call checks ``len(sizes) == group.world_size`` and that this rank's entry matches its
 tensor, so a backend handed the wrong group, or group indices from another group, fails loudly.
 
@@ -273,10 +276,10 @@ class AllToAllAll2All(All2AllBackend):
         route, self._route = self._pending(sizes), None
         # The reverse exchange: each partial returns to the rank, and the row, it came from.
         back = self.group.all_to_all_single(
-            y_all, route.send_splits, route.recv_splits, poison=self.poison_recv
+            self.group.for_sum(y_all), route.send_splits, route.recv_splits, poison=self.poison_recv
         )  # [m_sent, H] in send order
         out = y_all.new_zeros((sizes[self.group.rank_in_group], *y_all.shape[1:]))  # [n, H]
-        return out.index_add_(0, route.source_rows, back)
+        return out.index_add_(0, route.source_rows, back.to(y_all.dtype))
 
 
 ALL2ALL_BACKENDS: dict[str, type[All2AllBackend]] = {

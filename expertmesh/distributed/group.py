@@ -13,6 +13,13 @@ gloo lacks uneven all-gather, and reduce-scatter only came to it in recent torch
   reduce_scatter_v  NCCL: padded native reduce_scatter; gloo: all_reduce, then own slice
   all_to_all_single native on both (gloo has had alltoall_base for a long time)
 
+Partial sums cross ranks in float32: the layers hand float32 partials to ``all_reduce`` /
+``reduce_scatter_v`` / an all2all combine and round the sum to the model's dtype once, after
+it. ``Group.reduce_dtype`` (float32 by default) is the narrowest dtype a summed tensor travels
+in: set it to bfloat16 and each rank's float32 partial is rounded to bf16 before the sum (half
+the bytes, the rounding error of every rank's partial added up); ``benchmarks/layouts.py``
+measures both. Narrower tensors (a bf16 embedding row, int counts) go as they are.
+
 Each collective adds what this rank moves to ``Group.traffic`` (padding included), counted as if
 every byte went directly from the rank that has it to the rank that needs it; an all-reduce of N
 bytes counts 2 * (p - 1) / p * N each way (reduce-scatter + all-gather). Object collectives count
@@ -85,6 +92,7 @@ class Group:
         name: str = "tp",
         *,
         backend: str | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.ranks = tuple(int(r) for r in ranks)
         self.name = name
@@ -96,6 +104,7 @@ class Group:
         self.rank_in_group = self.ranks.index(global_rank)
         self.world_size = len(self.ranks)
         self.traffic = Traffic()
+        self.reduce_dtype = reduce_dtype  # see the module docstring
         self.pg = self._resolve_pg(pg) if self.world_size > 1 else None
         self.backend = (backend or dist.get_backend(self.pg)) if self.pg is not None else "none"
 
@@ -134,20 +143,27 @@ class Group:
             return watchdog.waiting(f"{self.name}.{op} (rank {peer})", (peer,))
         return watchdog.waiting(f"{self.name}.{op}", self.ranks, f"{self.name}{list(self.ranks)}")
 
+    def for_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x as it travels to be summed: cast down to ``reduce_dtype`` when that is narrower."""
+        if not x.is_floating_point() or torch.finfo(self.reduce_dtype).bits >= torch.finfo(x.dtype).bits:
+            return x
+        return x.to(self.reduce_dtype)
+
     # --- tensor collectives ------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Sum (max, min) over the group, in x's dtype (a sum: ``for_sum``'s, then back to x's)."""
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise ValueError(f"all_reduce op {op!r}; valid: {', '.join(ops)}")
         if self.world_size == 1:
             return x
-        x = x.contiguous()
+        wire = (self.for_sum(x) if op == "sum" else x).contiguous()
         with self._watch("all_reduce"):
-            dist.all_reduce(x, op=ops[op], group=self.pg)
-        moved = 2 * (self.world_size - 1) * _nbytes(x) // self.world_size
+            dist.all_reduce(wire, op=ops[op], group=self.pg)
+        moved = 2 * (self.world_size - 1) * _nbytes(wire) // self.world_size
         self._count(moved, moved)
-        return x
+        return wire.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Equal-shaped tensors from every rank, concatenated along ``dim`` in group order."""
@@ -195,10 +211,12 @@ class Group:
         stop = start + sizes[self.rank_in_group]
         if self.backend != "nccl":
             # gloo: no (uneven) reduce-scatter everywhere; reduce the whole buffer, keep our rows.
-            return self.all_reduce(x.clone())[start:stop]
+            wire = self.for_sum(x)
+            return self.all_reduce(wire.clone() if wire is x else wire)[start:stop].to(x.dtype)
         width = max(sizes)
         if width == 0:
             return x.new_empty((0, *x.shape[1:]))
+        dtype, x = x.dtype, self.for_sum(x)
         chunks = [x.new_zeros((width, *x.shape[1:])) for _ in sizes]  # one padded slot per rank
         offset = 0
         for chunk, n in zip(chunks, sizes, strict=True):
@@ -210,7 +228,7 @@ class Group:
         with self._watch("reduce_scatter_v"):
             dist.reduce_scatter(out, chunks, group=self.pg)
         self._count((self.world_size - 1) * _nbytes(out), (self.world_size - 1) * _nbytes(out))
-        return out[: sizes[self.rank_in_group]]
+        return out[: sizes[self.rank_in_group]].to(dtype)
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Rank ``src``'s x on every rank (received in place into x when contiguous)."""
@@ -316,6 +334,13 @@ class ParallelGroups:
     @property
     def global_rank(self) -> int:
         return self.world.global_rank
+
+    def set_reduce_dtype(self, dtype: torch.dtype) -> None:
+        """The narrowest dtype partial sums travel in, on every group (Group.reduce_dtype)."""
+        if not dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating dtype, not {dtype}")
+        for group in {id(g): g for g in (self.tp, self.pp, self.dp, self.ep, self.world)}.values():
+            group.reduce_dtype = dtype
 
     def get(self, name: str) -> Group:
         """Group by kind name ("tp", "pp", "dp", "ep", "world"); "dp_tp" is an alias of ep."""

@@ -16,6 +16,10 @@ On a CPU with AMX, our kernels still hold the weights, and products of many rows
 that receive many tokens) are handed to oneDNN's matmul per call (cpu_features.onednn_bf16_rows,
 CpuKernels.linear / moe).
 
+A bf16 weight whose products are partial sums across ranks (``float32_out``: row-parallel
+layers, the experts' down projection) needs them unrounded, in float32; oneDNN's packed linear
+returns the input's dtype, so such weights take our kernel (or stay dense for F.linear).
+
 Measurements: docs/benchmarks.md.
 """
 
@@ -34,7 +38,11 @@ class OneDnnWeight:
         # The 32 is oneDNN's batch-size hint for choosing the layout.
         self.data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        if out_dtype not in (None, x.dtype):  # pack() never hands out such a weight
+            raise ValueError(f"oneDNN linear returns {x.dtype}, not {out_dtype}")
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
 
@@ -51,15 +59,17 @@ def _onednn_ok(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or onednn_bf16()
 
 
-def pack(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | None:
-    """A packed copy of a CPU [out, in] weight for its best kernel, or None (keep F.linear)."""
+def pack(weight: torch.Tensor, kernels: CpuKernels | None, float32_out: bool = False) -> PackedWeight | None:
+    """A packed copy of a CPU [out, in] weight for its best kernel, or None (keep F.linear).
+
+    ``float32_out``: its callers ask for float32 products of bf16 inputs (``out_dtype``)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
         return None
     if kernels is not None and (
         weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and kernels.bf16_pairs)
     ):
         return kernels.pack(weight)
-    if _onednn_ok(weight):
+    if _onednn_ok(weight) and not (float32_out and weight.dtype != torch.float32):
         return OneDnnWeight(weight)
     if kernels is not None and weight.dtype == torch.bfloat16:
         return kernels.pack(weight)  # widens to float32 in registers

@@ -86,9 +86,12 @@ class PanelWeight:
     # group, so Python work per call shows): the entry point for this dtype/layout, and data's address.
     fn: Any = None
     ptr: int = 0
+    fn_f32: Any = None  # bf16 weights: the same product with a float32 (unrounded) output
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.linear(x, self, bias)
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        return self.kernels.linear(x, self, bias, out_dtype)
 
 
 _F32, _INT = ctypes.c_float, ctypes.c_int
@@ -126,8 +129,9 @@ class CpuKernels:
         self.bf16_pairs = bool(lib.bf16_pairs())
         kinds = ("paged_decode", "gemm", "rms_norm", "rope_cache", "moe")
         variants = {kind: ("f32", "bf16") for kind in kinds}
+        variants["gemm"] += ("bf16_f32",)  # bf16 weights, float32 output (partial sums)
         if self.bf16_pairs:
-            variants["gemm"] += ("bf16_pairs",)
+            variants["gemm"] += ("bf16_pairs", "bf16_pairs_f32")
         for kind, names in variants.items():
             for name in names:
                 fn = getattr(lib, f"{kind}_{name}")
@@ -159,31 +163,48 @@ class CpuKernels:
             padded[:out_features] = weight
             data = padded.view(panels, self.lanes, in_features).transpose(1, 2).contiguous()
         name = "gemm_f32" if weight.dtype == torch.float32 else "gemm_bf16"
-        fn = getattr(self.lib, f"{name}_pairs" if data.dim() == 4 else name, None)  # None: layout faked
-        return PanelWeight(self, data, out_features, in_features, fn, data.data_ptr())
+        name = f"{name}_pairs" if data.dim() == 4 else name
+        fn = getattr(self.lib, name, None)  # None: layout faked
+        fn_f32 = fn if weight.dtype == torch.float32 else getattr(self.lib, f"{name}_f32", None)
+        return PanelWeight(self, data, out_features, in_features, fn, data.data_ptr(), fn_f32)
 
     def _to_onednn(self, rows: int, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16 and self.onednn_bf16_rows is not None and rows >= self.onednn_bf16_rows
 
-    def linear(self, x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias) -> [..., out], for a weight packed by `pack`."""
+    def linear(
+        self,
+        x: torch.Tensor,
+        w: PanelWeight,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias) -> [..., out], for a weight packed by `pack`.
+
+        Products accumulate in float32 and are rounded to x's dtype once, at the end; with
+        ``out_dtype=torch.float32`` a bf16 product is returned unrounded (a partial sum that other
+        ranks add to, rounded once after that sum)."""
         shape, dtype = x.shape, x.dtype
         if shape[-1] != w.in_features or dtype != w.data.dtype:
             raise ValueError(
                 f"linear: input {tuple(shape)} {dtype} does not fit weight "
                 f"[{w.out_features}, {w.in_features}] {w.data.dtype}"
             )
+        out_dtype = out_dtype or dtype
+        if out_dtype not in (dtype, torch.float32):
+            raise ValueError(f"linear: out_dtype {out_dtype} for {dtype} input; valid: {dtype}, float32")
         x2 = x if len(shape) == 2 and x.is_contiguous() else x.reshape(-1, w.in_features).contiguous()
         rows = x2.shape[0]
-        if self._to_onednn(rows, dtype):
+        # oneDNN returns x's dtype, i.e. rounded: an unrounded partial sum stays on our kernel.
+        if out_dtype == dtype and self._to_onednn(rows, dtype):
             y = F.linear(x2, cpu_onednn.unpack(w.data, w.out_features, w.in_features), bias)
             return y if len(shape) == 2 else y.view(*shape[:-1], w.out_features)
-        y = torch.empty((rows, w.out_features), dtype=dtype)
+        y = torch.empty((rows, w.out_features), dtype=out_dtype)
         if rows:
             # The bias is added in float32 before the output is rounded (as oneDNN does).
             b = None if bias is None else bias.to(torch.float32).contiguous()  # held through the call
             bp = None if b is None else b.data_ptr()
-            w.fn(x2.data_ptr(), w.ptr, y.data_ptr(), rows, w.out_features, w.in_features, bp, _threads())
+            fn = w.fn if out_dtype == dtype else w.fn_f32
+            fn(x2.data_ptr(), w.ptr, y.data_ptr(), rows, w.out_features, w.in_features, bp, _threads())
         return y if len(shape) == 2 else y.view(*shape[:-1], w.out_features)
 
     # ---- routed experts --------------------------------------------------------------------------
@@ -202,7 +223,8 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Routed experts in one call: x [n, H], slot [n, k] int32 (local expert or -1), weights
         [n, k]; w13 / w2 the experts' [gate | up] and down weights, each packed by `pack`, stacked
-        -> [n, H], this rank's partial sum."""
+        -> [n, H] float32, this rank's partial sum, not rounded to x's dtype (whoever sums the
+        partials over ranks rounds once, after that sum)."""
         n, hidden = x.shape
         if not self.moe_supports(x.dtype, act) or slot.dtype != torch.int32 or slot.shape[0] != n:
             raise ValueError(f"moe: unsupported input {x.dtype} / slot {slot.dtype} / activation {act!r}")
@@ -218,7 +240,7 @@ class CpuKernels:
         weights = weights.to(torch.float32).contiguous()
         if self._to_onednn(n * slot.shape[1] // max(e, 1), x.dtype):  # rows an expert gets on average
             return cpu_onednn.moe(x, slot, weights, w13, w2, inter, act)
-        out = torch.empty_like(x)
+        out = torch.empty(n, hidden, dtype=torch.float32)
         fn = self.lib.moe_f32 if x.dtype == torch.float32 else self.lib.moe_bf16
         k, row_bytes = slot.shape[1], hidden * x.element_size()
         xp, sp, wp, op = x.data_ptr(), slot.data_ptr(), weights.data_ptr(), out.data_ptr()
@@ -239,7 +261,7 @@ class CpuKernels:
                 e,
                 inter,
                 self.MOE_ACTIVATIONS[act],
-                op + i * row_bytes,
+                op + i * hidden * 4,  # float32 out
                 _threads(),
             )
         return out

@@ -34,7 +34,8 @@ def moe(
 ) -> torch.Tensor:
     """CpuKernels.moe as torch matmuls per expert, for many tokens: the (token, expert) pairs
     sorted by expert, each expert's weights unpacked for its call, the weighted sum in float32 and
-    rounded once (as the kernel does). x [n, H], slot [n, k] int32 (-1: held elsewhere)."""
+    returned in float32 unrounded (as the kernel does: a partial sum other ranks may add to).
+    x [n, H], slot [n, k] int32 (-1: held elsewhere)."""
     n, hidden = x.shape
     k = slot.shape[1]
     flat = slot.flatten().long()  # [n*k]
@@ -51,4 +52,4 @@ def moe(
             ys[start : start + count] = F.linear(gated(h, fn), unpack(w2[e], hidden, inter))
             start += count
     ys *= weights.flatten()[order].unsqueeze(1)
-    return torch.zeros(n, hidden, dtype=torch.float32).index_add_(0, token, ys).to(x.dtype)
+    return torch.zeros(n, hidden, dtype=torch.float32).index_add_(0, token, ys)

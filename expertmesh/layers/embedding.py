@@ -1,4 +1,11 @@
-"""Vocab-parallel embedding and LM head: the vocabulary is split in contiguous blocks over TP."""
+"""Vocab-parallel embedding and LM head: the vocabulary is split in contiguous blocks over TP.
+
+Neither rounds differently under TP: the embedding's all-reduce adds to each element one row's
+value and zeros (exact in any dtype), and the LM head gathers whole logits, each computed on
+one rank as one process computes it. The logits are float32 (the product is not rounded to a
+bf16 model's dtype): a bf16 logit near 8 is only good to 1/32, coarser than the differences a
+layout's summation order leaves in the hidden state.
+"""
 
 from __future__ import annotations
 
@@ -50,15 +57,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: cpu_gemm.PackedWeight | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.packed = cpu_gemm.pack(self.weight, kernels)
+        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=True)
         if self.packed is not None:
             cpu_gemm.release(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, vocab] float32 logits on every TP rank."""
         if self.packed is not None:
-            logits = self.packed(hidden, self.bias)
+            logits = self.packed(hidden, self.bias, out_dtype=torch.float32)
         else:
-            logits = F.linear(hidden, self.weight, self.bias)
+            bias = None if self.bias is None else self.bias.float()
+            logits = F.linear(hidden.float(), self.weight.float(), bias)
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits

@@ -2,7 +2,8 @@
 
 Holds `expert_ids` (the global experts this rank owns) and, for each, the
 `[shard_rank]`-th of `shard_size` slices of the intermediate dimension. Returns this rank's
-partial sum over its experts and slices; who sums the partials is the MoE plan's business.
+partial sum over its experts and slices in float32, never rounded to the model's dtype: who sums
+the partials is the MoE plan's business, and the block rounds once, after the last sum.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class FusedExperts(nn.Module):
         copy_into(dst, read(src, 1, self.shard_rank * self.inter, self.inter), f"expert {expert} w2")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] partial sum over local experts."""
+        """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] float32 partial sum over local experts."""
         if self.fused is not None:
             kernels, w13, w2, act = self.fused
             if self.all_local:  # every expert here: its slot is its id
@@ -80,7 +81,7 @@ class FusedExperts(nn.Module):
             return kernels.moe(x, slot, topk_weights, w13, w2, self.inter, act)
         if x.shape[0] == 1:
             return self._one_token(x, topk_ids, topk_weights)
-        out = torch.zeros_like(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if x.shape[0] == 0:
             return out
         k = topk_ids.shape[1]
@@ -90,13 +91,13 @@ class FusedExperts(nn.Module):
         order = order[counts[0] :]  # drop (token, expert) pairs owned elsewhere
         token = order // k  # [m] source token of each sorted pair
         xs = x[token]  # [m, H]
-        ys = torch.empty_like(xs)
+        ys = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
         start = 0
         for e, count in enumerate(counts[1:]):
             if count:
                 ys[start : start + count] = self._expert(e, xs[start : start + count])
                 start += count
-        ys *= topk_weights.flatten()[order].to(ys.dtype).unsqueeze(1)
+        ys *= topk_weights.flatten()[order].float().unsqueeze(1)
         return out.index_add_(0, token, ys)
 
     packed: list[tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight]] | None = None  # per local expert
@@ -120,7 +121,7 @@ class FusedExperts(nn.Module):
             self.fused = (kernels, packed[0], packed[1], self.act_name)
             return
         pairs = [
-            (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels))
+            (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels, float32_out=True))
             for e in range(len(self.expert_ids))
         ]
         if pairs and all(a is not None and b is not None for a, b in pairs):
@@ -129,10 +130,11 @@ class FusedExperts(nn.Module):
             cpu_gemm.release(self.w2)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """[m, H] -> [m, H] float32: the down projection's product is not rounded."""
         if self.packed is not None:
             w13, w2 = self.packed[e]
-            return w2(gated(w13(x), self.act))
-        return gated(x @ self.w13[e].t(), self.act) @ self.w2[e].t()
+            return w2(gated(w13(x), self.act), out_dtype=torch.float32)
+        return gated(x @ self.w13[e].t(), self.act).float() @ self.w2[e].float().t()
 
     def _one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Decode at batch 1: no sort, gather or scatter, just the chosen local experts in expert order."""
@@ -140,6 +142,6 @@ class FusedExperts(nn.Module):
         picks = sorted((slot, j) for j, slot in enumerate(local) if slot >= 0)
         out = None
         for slot, j in picks:
-            y = self._expert(slot, x) * topk_weights[0, j].to(x.dtype)
+            y = self._expert(slot, x) * topk_weights[0, j].float()
             out = y if out is None else out + y
-        return torch.zeros_like(x) if out is None else out
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device) if out is None else out

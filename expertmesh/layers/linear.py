@@ -1,7 +1,9 @@
 """Linear layers that own their tensor-parallel sharding and their collective.
 
 Column-parallel splits the output dimension over the TP group, row-parallel the input
-dimension (its partial sums are all-reduced once, on the group it was given).
+dimension (its partial sums are all-reduced once, on the group it was given). A partial sum is
+computed in float32 and never rounded on its own: the rounding to the model's dtype happens
+once, after the sum over ranks, as one process rounds its whole product once.
 """
 
 from __future__ import annotations
@@ -32,16 +34,23 @@ class LinearBase(nn.Module):
         )
 
     packed: cpu_gemm.PackedWeight | None = None  # set by use_cpu_kernels(); the dense weight is then dropped
+    partial_output = False  # its products are partial sums over ranks: asked for in float32
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.packed = cpu_gemm.pack(self.weight, kernels)
+        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=self.partial_output)
         if self.packed is not None:
             cpu_gemm.release(self.weight)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x @ W.T (+ bias), accumulated in float32, rounded to ``out_dtype`` (default x's) once."""
         if self.packed is not None:
-            return self.packed(x, bias)
-        return F.linear(x, self.weight, bias)
+            return self.packed(x, bias, out_dtype)
+        if out_dtype in (None, x.dtype):
+            return F.linear(x, self.weight, bias)
+        bias = None if bias is None else bias.to(out_dtype)
+        return F.linear(x.to(out_dtype), self.weight.to(out_dtype), bias)  # exact widening, slow path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -136,7 +145,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """y = sum over TP of x[:, shard] @ W[:, shard].T; the bias is added once, after the sum."""
+    """y = sum over TP of x[:, shard] @ W[:, shard].T; the bias is added once, after the sum.
+
+    With TP > 1 each rank's product is a float32 partial; the all-reduce sums them in float32
+    (the group's ``reduce_dtype``) and the result is rounded to x's dtype once. Without the
+    reduce (``reduce=False``) the float32 partial is returned for the caller to sum and round.
+    """
 
     def __init__(
         self,
@@ -149,6 +163,7 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         self.group, self.reduce = group, reduce
         self.tp_rank, self.tp_size = group.rank_in_group, group.world_size
+        self.partial_output = self.tp_size > 1 or not reduce
         super().__init__(_divide(in_features, self.tp_size, "input size"), out_features, bias, dtype)
         set_loader(self.weight, self._load)
         if self.bias is not None:
@@ -159,11 +174,13 @@ class RowParallelLinear(LinearBase):
         copy_into(param.data, read(src, 1, self.tp_rank * cols, cols), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if not self.partial_output:  # one rank holds the whole sum: one rounding, in the GEMM
             return self.matmul(x, self.bias)
+        y = self.matmul(x, None, out_dtype=torch.float32)  # [n, out] this rank's partial, unrounded
         # Without the reduce, the caller sums the partials later: the bias joins on rank 0 only.
         bias = self.bias if (self.reduce or self.tp_rank == 0) else None
-        y = self.matmul(x, None)
         if self.reduce:
             y = self.group.all_reduce(y)
-        return y if bias is None else y + bias
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype) if self.reduce else y

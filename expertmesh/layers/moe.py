@@ -79,15 +79,23 @@ class MoE(nn.Module):
         return self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x: [n, H] replicated over TP -> [n, H] replicated over TP."""
+        """x: [n, H] replicated over TP -> [n, H] replicated over TP, in x's dtype.
+
+        The experts' and the shared expert's outputs are float32 partial sums; they are summed
+        in float32 (the combine, the TP all-reduce) and rounded to x's dtype once, after the
+        last sum, in every layout and in one process alike.
+        """
         shared = None
         if self.shared_expert is not None:
-            shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # TP-partial
+            gate = F.sigmoid(self.shared_expert_gate(x).float())
+            shared = gate * self.shared_expert(x)  # [n, H] float32, TP-partial
         if self.plan.sequence_parallel:
-            y = self.routed(x[self.plan.sp_slice(x.shape[0])], ctx)
-            y = self.tp.all_gather_v(y, self.plan.sp_sizes(x.shape[0]))
-            return y if shared is None else y + self.tp.all_reduce(shared)
-        y = self.routed(x, ctx)
+            sizes = self.plan.sp_sizes(x.shape[0])
+            y = self.routed(x[self.plan.sp_slice(x.shape[0])], ctx)  # float32, summed over EP
+            if shared is None:  # a gather sums nothing: round first, half the bytes
+                return self.tp.all_gather_v(y.to(x.dtype), sizes)
+            return (self.tp.all_gather_v(y, sizes) + self.tp.all_reduce(shared)).to(x.dtype)
+        y = self.routed(x, ctx)  # float32
         if shared is not None:
             y = y + shared
-        return self.tp.all_reduce(y) if self.tp.world_size > 1 else y
+        return self.tp.all_reduce(y).to(x.dtype)
