@@ -37,12 +37,96 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
     return _DTYPES[dtype]
 
 
-def _rope_parameters(hf: Any) -> dict:
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    params = dict(params)
-    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
+_ROPE_REQUIRED = {  # rope_type -> RopeConfig fields a published rope block must set
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("original_max_position_embeddings",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding of one checkpoint: its rope block, typed (layers/rotary.py)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    head_dim: int = 64
+    partial_rotary_factor: float = 1.0
+    interleaved: bool = False  # GPT-J pairs (Llama 4, DeepSeek) instead of NeoX halves
+    max_position_embeddings: int = 2048
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    short_mscale: float | None = None
+    long_mscale: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        from expertmesh.layers.rotary import ROPE_TYPES  # the registry lives with the code
+
+        if self.rope_type not in ROPE_TYPES:
+            known = sorted(ROPE_TYPES)
+            raise ValueError(f"rope_type={self.rope_type!r} is not supported; supported: {known}")
+        missing = [k for k in _ROPE_REQUIRED.get(self.rope_type, ()) if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"rope_type={self.rope_type!r} needs {missing} in the config's rope block")
+        for name in ("short_factor", "long_factor"):
+            values = getattr(self, name)
+            if values is not None and len(values) != self.rotary_dim // 2:
+                raise ValueError(
+                    f"rope {name} has {len(values)} entries; rotary_dim={self.rotary_dim} needs "
+                    f"{self.rotary_dim // 2}"
+                )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim={self.rotary_dim} "
+                f"for head_dim={self.head_dim}; it must be even and in [2, head_dim]"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims rotated per head; `proportional` rotates all of them (some at frequency 0)."""
+        if self.rope_type == "proportional":
+            return self.head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, hf: Any, head_dim: int) -> RopeConfig:
+        params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        original = params.get("original_max_position_embeddings") or getattr(
+            hf, "original_max_position_embeddings", None
+        )
+        partial = params.get("partial_rotary_factor") or getattr(hf, "partial_rotary_factor", None) or 1.0
+        lists = ("short_factor", "long_factor")
+        factors = {k: tuple(float(v) for v in params[k]) for k in lists if k in params}
+        floats = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+        floats += ("short_mscale", "long_mscale", "low_freq_factor", "high_freq_factor")
+        return cls(
+            rope_type=str(params.get("rope_type", params.get("type", "default"))),
+            theta=float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)),
+            head_dim=head_dim,
+            partial_rotary_factor=float(partial),
+            interleaved=bool(getattr(hf, "rope_interleave", False)),
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048)),
+            original_max_position_embeddings=int(original) if original else None,
+            truncate=bool(params.get("truncate", True)),
+            **{k: _opt_float(params.get(k)) for k in floats},
+            **factors,
+        )
 
 
 def _eos_ids(hf: Any) -> tuple[int, ...]:
@@ -68,9 +152,7 @@ class ModelConfig:
     norm_eps: float
     dtype: torch.dtype = torch.float32
     hidden_act: str = "silu"
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    rope_parameters: tuple = ()
+    rope: RopeConfig = field(default_factory=RopeConfig)
     qkv_bias: bool = False
     o_bias: bool = False
     lm_head_bias: bool = False
@@ -118,7 +200,6 @@ class ModelConfig:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        rope = _rope_parameters(hf)
         num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
         attention_bias = bool(getattr(hf, "attention_bias", False))
         sliding = getattr(hf, "sliding_window", None)
@@ -138,9 +219,7 @@ class ModelConfig:
             norm_eps=float(getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", 1e-5)),
             dtype=resolve_dtype(dtype, str(checkpoint_dtype) if checkpoint_dtype else None),
             hidden_act=getattr(hf, "hidden_act", "silu"),
-            rope_theta=float(rope["rope_theta"]),
-            rope_type=str(rope["rope_type"]),
-            rope_parameters=tuple(sorted((k, str(v)) for k, v in rope.items())),
+            rope=RopeConfig.from_hf(hf, head_dim),
             qkv_bias=bool(getattr(hf, "qkv_bias", attention_bias)),
             o_bias=attention_bias,
             lm_head_bias=bool(getattr(hf, "lm_head_bias", False)),

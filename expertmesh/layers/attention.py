@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.layers.cpu_kernels import CpuKernels
-from expertmesh.layers.rotary import RotaryEmbedding
+from expertmesh.layers.rotary import RotaryTables
 
 
 @dataclass
@@ -44,6 +44,14 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
 
+    def token_context_lens(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T]: the length of each token's sequence this step (a decode: its position + 1; a
+        prefill, whole sequences here: its length)."""
+        lens = positions + 1
+        for start, length in self.prefills:
+            lens[start : start + length] = length
+        return lens
+
 
 class Attention(nn.Module):
     def __init__(
@@ -66,15 +74,17 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: RotaryTables | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k and v: [T, Hk, D] (views allowed), rotated by `rope` (cos, sin) when
-        given -> [T, H*D]. The new k and v are stored in the cache first."""
+        """q: [T, H, D], k and v: [T, Hk, D] (views allowed), rotated by `rope` when given
+        -> [T, H*D]. The new k and v are stored in the cache first."""
         if self.kernels is not None and rope is not None:
-            q, k, v = self.kernels.rope_cache(q, k, v, *rope, meta.slot_mapping, self.k_cache, self.v_cache)
+            q, k, v = self.kernels.rope_cache(
+                q, k, v, rope.cos, rope.sin, meta.slot_mapping, self.k_cache, self.v_cache, rope.interleaved
+            )
         else:
             if rope is not None:
-                q, k = RotaryEmbedding.apply(rope, q, k)
+                q, k = rope.apply(q, k)
             v = v.contiguous()
             if self.k_cache.numel():
                 self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)

@@ -91,8 +91,9 @@ _SIGNATURES = {
     "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
     # x, weight, out, rows, H, eps, threads
     "rms_norm": [_c] * 3 + [_i64] * 2 + [_F32, _INT],
-    # q, k, v (each with its row stride), cos, sin, slots, k/v caches, q/k/v out, T, H, Hk, D, threads
-    "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 4 + [_INT],
+    # q, k, v (each with its row stride), cos, sin, slots, k/v caches, q/k/v out, T, H, Hk, D, R,
+    # interleaved, threads
+    "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 5 + [_INT, _INT],
     # x, n, H, slot, weights, k, w13, w2, E, I, act, out, threads
     "moe": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _c, _INT],
 }
@@ -262,18 +263,22 @@ class CpuKernels:
         slots: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        interleaved: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotary q and k (NeoX halves) and k, v stored at `slots` of the caches, in one pass.
+        """Rotary q and k and k, v stored at `slots` of the caches, in one pass.
 
         q [T, H, D], k and v [T, Hk, D] may be row-strided views (of the fused qkv output); cos and
-        sin [T, D] (or [T, 1, D]); caches [blocks, block_size, Hk, D] or empty (no store).
-        Returns contiguous rotated q, rotated k and v."""
+        sin [T, R] (or [T, 1, R]) for the first R <= D dims (partial rotary passes the rest through),
+        NeoX halves or, with `interleaved`, GPT-J pairs; caches [blocks, block_size, Hk, D] or empty
+        (no store). Returns contiguous rotated q, rotated k and v."""
         t, h, d = q.shape
-        hk = k.shape[1]
+        hk, r = k.shape[1], cos.shape[-1]
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.dtype != q.dtype or x.stride(2) != 1 or x.stride(1) != d or x.shape[0] != t:
                 raise ValueError(f"rope_cache: {name} must be [T, heads, {d}] with unit-stride heads")
-        cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+        if r > d or r % 2:
+            raise ValueError(f"rope_cache: {r} rotary dims do not fit head_dim {d}")
+        cos, sin = cos.reshape(t, r).contiguous(), sin.reshape(t, r).contiguous()
         if cos.dtype != q.dtype or slots.dtype != torch.int64:
             raise ValueError("rope_cache: cos/sin must have q's dtype and slots must be int64")
         q_out, k_out, v_out = (
@@ -301,6 +306,8 @@ class CpuKernels:
             h,
             hk,
             d,
+            r,
+            int(interleaved),
             torch.get_num_threads(),
         )
         return q_out, k_out, v_out

@@ -85,10 +85,7 @@ class DecoderModel(nn.Module):
         tp = env.groups.tp
         self.layer_range = env.layer_range
         self.first, self.last = env.is_first_stage, env.is_last_stage
-        params = dict(cfg.rope_parameters)
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_type, params
-        )
+        self.rotary = RotaryEmbedding(cfg.rope)
         self.embed_tokens = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype) if self.first else None
         )
@@ -100,7 +97,8 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None, ctx
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if self.first else hidden
-        ctx.rope = self.rotary.lookup(positions, x.dtype)
+        lens = ctx.attn.token_context_lens(positions) if self.rotary.length_dependent else None
+        ctx.rope = self.rotary.lookup(positions, x.dtype, lens)
         for layer in self.layers.values():
             x = layer(positions, x, ctx)
         return self.norm(x) if self.last else x
