@@ -58,15 +58,19 @@ static inline float exp_vec(float v) {
  *
  * A task is one sequence and a run of its KV heads [h0, h1): it reads each token's K and V
  * rows for those heads (contiguous in the cache) once, for all their query heads. Scores are
- * kept for the whole context (two-pass softmax); the window, if any, starts at len - window.
+ * kept for the whole context (two-pass softmax). The keys seen start at len - window (a sliding
+ * window, if > 0) and at the newest token's chunk start (chunked attention, if chunk > 0).
+ * sinks: [H] float32 or NULL, a per-head logit that joins each softmax's denominator only.
  */
 #define DEFINE_PAGED_DECODE(SUFFIX, T, LOAD, STORE)                                               \
   static inline __attribute__((always_inline)) void decode_task_##SUFFIX(                        \
       const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,         \
       T* out, int64_t H, int64_t Hk, int64_t h0, int64_t h1, const int64_t D, int64_t bs,        \
-      float scale, int64_t window, float* work) {                                                \
+      float scale, int64_t window, int64_t chunk, const float* sinks, float* work) {             \
     const int64_t G = H / Hk, nkv = h1 - h0, nh = nkv * G, row_stride = Hk * D;                  \
-    const int64_t first = (window > 0 && len > window) ? len - window : 0, n = len - first;      \
+    int64_t first = (window > 0 && len > window) ? len - window : 0;                             \
+    if (chunk > 0 && (len - 1) / chunk * chunk > first) first = (len - 1) / chunk * chunk;       \
+    const int64_t n = len - first;                                                               \
     float* qf = work;                   /* [nh, D] */                                            \
     float* acc = qf + nh * D;           /* [nh, D] */                                            \
     float* scores = acc + nh * D;       /* [nh, n] */                                            \
@@ -91,12 +95,14 @@ static inline float exp_vec(float v) {
     }                                                                                            \
     for (int64_t i = 0; i < nh; i++) {                                                           \
       float* si = scores + i * n;                                                                \
-      float m = -INFINITY, sum = 0.f;                                                            \
+      const float sink = sinks ? sinks[h0 * G + i] : -INFINITY;                                  \
+      float m = sink, sum = 0.f;                                                                 \
       for (int64_t t = 0; t < n; t++) m = si[t] > m ? si[t] : m;                                 \
       _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {                   \
         si[t] = exp_vec(si[t] - m);                                                              \
         sum += si[t];                                                                            \
       }                                                                                          \
+      if (sinks) sum += exp_vec(sink - m);                                                       \
       const float inv = 1.f / sum;                                                               \
       for (int64_t t = 0; t < n; t++) si[t] *= inv;                                              \
     }                                                                                            \
@@ -123,7 +129,8 @@ static inline float exp_vec(float v) {
   void paged_decode_##SUFFIX(const T* q, const T* k_cache, const T* v_cache,                    \
                              const int32_t* block_tables, const int32_t* context_lens, T* out,   \
                              int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t W, int64_t bs, \
-                             float scale, int64_t window, int threads) {                         \
+                             float scale, int64_t window, int64_t chunk, const float* sinks,     \
+                             int threads) {                                                      \
     /* Split heads only when there are too few sequences to keep every thread busy. */          \
     int64_t splits = (4 * threads + B - 1) / B;                                                  \
     if (splits > Hk) splits = Hk;                                                                \
@@ -139,11 +146,11 @@ static inline float exp_vec(float v) {
       T* ob = out + b * H * D;                                                                   \
       const int32_t* table = block_tables + b * W;                                               \
       if (D == 64)                                                                               \
-        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 64, bs, scale, window, work); \
+        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 64, bs, scale, window, chunk, sinks, work); \
       else if (D == 128)                                                                         \
-        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 128, bs, scale, window, work); \
+        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 128, bs, scale, window, chunk, sinks, work); \
       else                                                                                       \
-        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, D, bs, scale, window, work); \
+        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, D, bs, scale, window, chunk, sinks, work); \
       free(work);                                                                                \
     }                                                                                            \
   }

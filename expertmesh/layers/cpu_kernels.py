@@ -85,8 +85,9 @@ class PanelWeight:
 _F32, _INT = ctypes.c_float, ctypes.c_int
 # Argument types of each entry point (pointers are c_void_p); every one returns nothing.
 _SIGNATURES = {
-    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, W, block_size, scale, window, threads
-    "paged_decode": [_c] * 6 + [_i64] * 6 + [_F32, _i64, _INT],
+    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, W, block_size, scale, window, chunk,
+    # sinks or NULL, threads
+    "paged_decode": [_c] * 6 + [_i64] * 6 + [_F32, _i64, _i64, _c, _INT],
     # x, panels, y, M, O, I, bias or NULL, threads
     "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
     # x, weight, out, rows, H, eps, threads
@@ -322,8 +323,12 @@ class CpuKernels:
         context_lens: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        chunk: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, D]."""
+        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, D].
+        Keys seen: the last `sliding_window` tokens, within the newest token's `chunk`; `sinks` [H]
+        a per-head logit in each softmax's denominator."""
         b, h, d = q.shape
         _, bs, hk, _ = k_cache.shape
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -331,6 +336,10 @@ class CpuKernels:
                 raise ValueError(f"paged_decode: {name} must be contiguous {q.dtype}, got {t.dtype}")
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
             raise ValueError("paged_decode: block_tables and context_lens must be int32")
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+            if sinks.shape != (h,):
+                raise ValueError(f"paged_decode: sinks must be [{h}], got {tuple(sinks.shape)}")
         out = torch.empty_like(q)
         fn = self.lib.paged_decode_f32 if q.dtype == torch.float32 else self.lib.paged_decode_bf16
         fn(
@@ -348,6 +357,8 @@ class CpuKernels:
             bs,
             scale,
             sliding_window or 0,
+            chunk or 0,
+            None if sinks is None else sinks.data_ptr(),
             torch.get_num_threads(),
         )
         return out

@@ -8,13 +8,17 @@ naming it.
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections import Counter
 from typing import Any
 
 from safetensors import safe_open
 from tqdm import tqdm
 
 from expertmesh.models.checkpoint import checkpoint_targets, layer_index
+
+log = logging.getLogger("expertmesh")
 
 
 class WeightLoadError(ValueError):
@@ -48,22 +52,45 @@ def load_weights(model: Any, model_dir: str, show_progress: bool = False) -> Non
     local_layers = set(model.model.layer_range)
     experts, tie = _experts_lookup(model), model.cfg.tie_word_embeddings
     files = safetensors_files(model_dir)
+    skipped: Counter = Counter()
     for path in tqdm(files, desc="Loading safetensors", disable=not show_progress or len(files) < 2):
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
+                rule = skip_rule(key, model)
+                if rule is not None:
+                    skipped[rule] += 1
+                    continue
                 _load_key(f, key, params, loaded, local_layers, experts, model, tie)
+    for rule, count in sorted(skipped.items()):
+        log.info("skipped %d checkpoint tensors by rule %r", count, rule)
     _check_complete(params, loaded)
 
 
+def skip_rule(key: str, model: Any) -> str | None:
+    """The named rule that consumes `key` without loading it, if any: the family's own (e.g. a
+    multimodal checkpoint's vision tower), or the multi-token-prediction layers stored after the
+    last decoder layer (GLM-4.5, DeepSeek-V3), which only speculative decoding would use."""
+    names, cfg = model.family.names, model.cfg
+    rule = names.skip_rule(key)
+    if rule is not None:
+        return rule
+    layer = layer_index(names.canonical(key))
+    if layer is not None and cfg.num_layers <= layer < cfg.num_layers + cfg.num_nextn_predict_layers:
+        return "mtp layers (num_nextn_predict_layers; speculative decoding is not supported)"
+    return None
+
+
 def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, tie) -> None:
+    checkpoint_key, key = key, model.family.names.canonical(key)
     layer = layer_index(key)
     if layer is not None and not 0 <= layer < model.cfg.num_layers:
         raise WeightLoadError(
-            f"checkpoint key {key!r} names layer {layer}, but the model has {model.cfg.num_layers}"
+            f"checkpoint key {checkpoint_key!r} names layer {layer}, but the model has {model.cfg.num_layers}"
         )
     if layer is not None and layer not in local_layers:
         return  # another pipeline stage owns it
-    targets = checkpoint_targets(key, model.names, experts, tie)
+    targets = checkpoint_targets(key, model.family.names, experts, tie)
+    key = checkpoint_key  # errors name the tensor as the checkpoint spells it
     for name, shard, pick in targets:
         if name not in params:
             if _owned_elsewhere(name, model):
@@ -79,7 +106,7 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
         if shard in loaded[name]:
             raise WeightLoadError(f"parameter {name!r} shard {shard!r} is filled twice (last by {key!r})")
         try:
-            param.weight_loader(param, pick(f.get_slice(key)), shard)
+            param.weight_loader(param, pick(f.get_slice(checkpoint_key)), shard)
         except ValueError as exc:  # name the checkpoint key, not just the shapes
             raise WeightLoadError(f"checkpoint key {key!r} does not fit parameter {name!r}: {exc}") from exc
         loaded[name].add(shard)
