@@ -3,7 +3,7 @@ import os
 
 import pytest
 from checkpoints import FAMILIES, make_checkpoint, train_tokenizer
-from real_checkpoints import build, published, shrink
+from real_checkpoints import Sizes, build, published, shrink
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -34,13 +34,13 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def real_checkpoint(tmp_path_factory, tokenizer_dir):
-    """real_checkpoint(name or published dict, seed=0, **overrides) -> directory of a tiny random
-    checkpoint built from tests/real_configs/<name>.json (or the dict), shrunk
-    (real_checkpoints.shrink) with `overrides` applied last; made once per distinct request."""
+    """real_checkpoint(name or published dict, seed=0, sizes=Sizes(), **overrides) -> directory of a
+    tiny random checkpoint built from tests/real_configs/<name>.json (or the dict), shrunk to
+    `sizes` (real_checkpoints.shrink) with `overrides` applied last; made once per distinct request."""
     made: dict[str, str] = {}
 
-    def make(source: str | dict, seed: int = 0, **overrides) -> str:
-        config = shrink(published(source) if isinstance(source, str) else source, **overrides)
+    def make(source: str | dict, seed: int = 0, sizes: Sizes = Sizes(), **overrides) -> str:
+        config = shrink(published(source) if isinstance(source, str) else source, sizes, **overrides)
         key = json.dumps([config, seed], sort_keys=True)
         if key not in made:
             name = config["architectures"][0]

@@ -13,7 +13,7 @@ from expertmesh.models.family import Family
 
 LLAMA4 = Family(
     qk_norm="l2",
-    rope_interleaved=False,
+    rope_interleaved=True,
     router="topk_sigmoid",
     router_weights_input=True,
     shared_expert="plain",
