@@ -39,8 +39,10 @@ def real_checkpoint(tmp_path_factory, tokenizer_dir):
     `sizes` (real_checkpoints.shrink) with `overrides` applied last; made once per distinct request."""
     made: dict[str, str] = {}
 
-    def make(source: str | dict, seed: int = 0, sizes: Sizes = Sizes(), **overrides) -> str:
-        config = shrink(published(source) if isinstance(source, str) else source, sizes, **overrides)
+    def make(source: str | dict, seed: int = 0, sizes: Sizes | None = None, **overrides) -> str:
+        config = shrink(
+            published(source) if isinstance(source, str) else source, sizes or Sizes(), **overrides
+        )
         key = json.dumps([config, seed], sort_keys=True)
         if key not in made:
             name = config["architectures"][0]

@@ -11,7 +11,13 @@ from transformers.masking_utils import chunked_causal_mask_function, sliding_win
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 from expertmesh.layers import cpu_kernels
-from expertmesh.layers.attention import Attention, AttentionMetadata, DecodeGroup, decode_key_mask, prefill_mask
+from expertmesh.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    DecodeGroup,
+    decode_key_mask,
+    prefill_mask,
+)
 
 
 def _hf_mask(fn, n: int) -> torch.Tensor:
@@ -54,7 +60,7 @@ def _case(lens, heads, kv_heads, d, block_size=8, seed=0, dtype=torch.float32):
 def _eager_decode(q, k_cache, v_cache, tables, lens, scale, window, chunk, sinks):
     """Dense float64 attention of each newest token over its visible keys, sinks in the denominator."""
     out = torch.empty(q.shape, dtype=torch.float64)
-    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    hk = k_cache.shape[2]
     group = q.shape[1] // hk
     for b, n in enumerate(lens.tolist()):
         k = k_cache[tables[b].long()].reshape(-1, hk, q.shape[2])[:n].double()
@@ -118,7 +124,9 @@ def test_prefill_with_sinks_and_window_equals_gpt_oss_eager():
         num_key_value_groups, sinks, training = heads // kv_heads, attn.sinks, False
 
     pos = torch.arange(n)
-    mask = torch.zeros(1, 1, n, n).masked_fill(~prefill_mask(pos, pos, window, None), torch.finfo(torch.float32).min)
+    mask = torch.zeros(1, 1, n, n).masked_fill(
+        ~prefill_mask(pos, pos, window, None), torch.finfo(torch.float32).min
+    )
     ref, _ = eager_attention_forward(
         Module, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, d**-0.5
     )

@@ -173,5 +173,5 @@ def test_family_bf16_close_to_transformers(family, real_checkpoint):
         # here); a wrong kernel, a lost bias or head is off at most steps.
         worse = int((ours > theirs + 0.1).sum())
         assert worse <= len(tokens) // 10 and ours.max() < max(1.0, theirs.max() + 0.1), (
-            f"{family} bf16, prompt of {len(prompt)}: ours {ours.tolist()} vs transformers' bf16 {theirs.tolist()}"
+            f"{family} bf16, prompt of {len(prompt)}: ours {ours.tolist()} vs transformers' {theirs.tolist()}"
         )

@@ -54,8 +54,9 @@ def _rank_main(rank, world, path):
     for dp, pp, tp, ep, backend in LAYOUTS:
         llm = LLM(
             path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-            enable_expert_parallel=ep, all2all_backend=backend, distributed_executor_backend="external_launcher",
-            max_model_len=128, kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True,
+            enable_expert_parallel=ep, all2all_backend=backend,
+            distributed_executor_backend="external_launcher", max_model_len=128,
+            kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True,
         )  # fmt: skip
         idx = _mine(llm.llm_engine.vllm_config.parallel_config.data_parallel_rank, dp)
         outs = llm.generate(
@@ -81,4 +82,6 @@ def test_layout_matrix_equals_one_process(family, real_checkpoint):
     expected = [o.outputs[0].token_ids for o in outs]
     for rank, per_rank in enumerate(run_distributed(_rank_main, 4, path, timeout=230)):
         for layout, idx, tokens in per_rank:
-            assert tokens == [expected[i] for i in idx], f"{family}: rank {rank}, (DP,PP,TP,EP,backend)={layout}"
+            assert tokens == [expected[i] for i in idx], (
+                f"{family}: rank {rank}, (DP,PP,TP,EP,backend)={layout}"
+            )
