@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from expertmesh.rope_config import RopeConfig, opt_float
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -35,98 +37,6 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-_ROPE_REQUIRED = {  # rope_type -> RopeConfig fields a published rope block must set
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("original_max_position_embeddings",),
-    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary position embedding of one checkpoint: its rope block, typed (layers/rotary.py)."""
-
-    rope_type: str = "default"
-    theta: float = 10000.0
-    head_dim: int = 64
-    partial_rotary_factor: float = 1.0
-    interleaved: bool = False  # GPT-J pairs (Llama 4, DeepSeek) instead of NeoX halves
-    max_position_embeddings: int = 2048
-    factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    attention_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    short_factor: tuple[float, ...] | None = None
-    long_factor: tuple[float, ...] | None = None
-    short_mscale: float | None = None
-    long_mscale: float | None = None
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-
-    def __post_init__(self) -> None:
-        from expertmesh.layers.rotary import ROPE_TYPES  # the registry lives with the code
-
-        if self.rope_type not in ROPE_TYPES:
-            known = sorted(ROPE_TYPES)
-            raise ValueError(f"rope_type={self.rope_type!r} is not supported; supported: {known}")
-        missing = [k for k in _ROPE_REQUIRED.get(self.rope_type, ()) if getattr(self, k) is None]
-        if missing:
-            raise ValueError(f"rope_type={self.rope_type!r} needs {missing} in the config's rope block")
-        for name in ("short_factor", "long_factor"):
-            values = getattr(self, name)
-            if values is not None and len(values) != self.rotary_dim // 2:
-                raise ValueError(
-                    f"rope {name} has {len(values)} entries; rotary_dim={self.rotary_dim} needs "
-                    f"{self.rotary_dim // 2}"
-                )
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(
-                f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim={self.rotary_dim} "
-                f"for head_dim={self.head_dim}; it must be even and in [2, head_dim]"
-            )
-
-    @property
-    def rotary_dim(self) -> int:
-        """Dims rotated per head; `proportional` rotates all of them (some at frequency 0)."""
-        if self.rope_type == "proportional":
-            return self.head_dim
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @classmethod
-    def from_hf(cls, hf: Any, head_dim: int) -> RopeConfig:
-        params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-        original = params.get("original_max_position_embeddings") or getattr(
-            hf, "original_max_position_embeddings", None
-        )
-        partial = params.get("partial_rotary_factor") or getattr(hf, "partial_rotary_factor", None) or 1.0
-        lists = ("short_factor", "long_factor")
-        factors = {k: tuple(float(v) for v in params[k]) for k in lists if k in params}
-        floats = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-        floats += ("short_mscale", "long_mscale", "low_freq_factor", "high_freq_factor")
-        return cls(
-            rope_type=str(params.get("rope_type", params.get("type", "default"))),
-            theta=float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)),
-            head_dim=head_dim,
-            partial_rotary_factor=float(partial),
-            interleaved=bool(getattr(hf, "rope_interleave", False)),
-            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048)),
-            original_max_position_embeddings=int(original) if original else None,
-            truncate=bool(params.get("truncate", True)),
-            **{k: _opt_float(params.get(k)) for k in floats},
-            **factors,
-        )
 
 
 def _eos_ids(hf: Any) -> tuple[int, ...]:
@@ -261,6 +171,17 @@ class ModelConfig:
         archs = getattr(hf, "architectures", None) or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+        quant = getattr(hf, "quantization_config", None)
+        if quant:  # MXFP4 (gpt-oss), FP8 block-scaled (DeepSeek-V3), GPTQ/AWQ, ...
+            method = (
+                quant.get("quant_method")
+                if isinstance(quant, dict)
+                else getattr(quant, "quant_method", quant)
+            )
+            raise ValueError(
+                f"quantization_config quant_method={method!r} is not supported yet: expertmesh loads "
+                "unquantized float32/bfloat16/float16 weights (use a bf16 re-save of this checkpoint)"
+            )
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # Llama 4's text tower
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
@@ -306,7 +227,7 @@ def _attention_fields(hf: Any) -> dict:
         o_bias=attention_bias,
         lm_head_bias=bool(getattr(hf, "lm_head_bias", False)),
         use_qk_norm=bool(getattr(hf, "use_qk_norm", True)),
-        clip_qkv=_opt_float(getattr(hf, "clip_qkv", None)),
+        clip_qkv=opt_float(getattr(hf, "clip_qkv", None)),
         layer_types=layer_types,
         sliding_window=int(sliding) if sliding else None,
         attention_chunk_size=getattr(hf, "attention_chunk_size", None),
