@@ -182,11 +182,19 @@ class RotaryEmbedding(nn.Module):
         if not self.length_dependent:
             return self._tables(positions, self.inv_freq, self.scale, dtype)
         lens = positions + 1 if context_lens is None else context_lens
+        # Lengths that share frequencies share one computation: longrope has two regimes, dynamic
+        # one below max_position_embeddings and one per length above it.
+        limit = self.rope.original_max_position_embeddings or 0
+        if self.rope.rope_type == "dynamic":
+            limit = self.rope.max_position_embeddings
+        regimes = (
+            torch.where(lens > limit, lens, 0) if self.rope.rope_type == "dynamic" else (lens > limit).long()
+        )
         cos = torch.empty(positions.shape[0], 1, self.rope.rotary_dim, dtype=dtype)
         sin = torch.empty_like(cos)
-        for length in torch.unique(lens).tolist():  # a handful of distinct lengths per step
-            rows = (lens == length).nonzero().flatten()
-            inv, scale = self.frequencies(int(length))
+        for regime in torch.unique(regimes).tolist():
+            rows = (regimes == regime).nonzero().flatten()
+            inv, scale = self.frequencies(int(lens[rows[0]]))
             part = self._tables(positions[rows], inv, scale, dtype)
             cos[rows], sin[rows] = part.cos, part.sin
         return RotaryTables(cos, sin, self.rope.interleaved)
