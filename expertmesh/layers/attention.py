@@ -143,11 +143,11 @@ class Attention(nn.Module):
             self.chunk is not None and n > self.chunk
         )
         if self.sinks is not None:
-            pos = torch.arange(n)
+            pos = torch.arange(n, device=q.device)
             mask = prefill_mask(pos, pos, self.sliding_window, self.chunk)  # [L, L]
             y = self._sink_attention(q_, k_, v_, mask)
         elif limited:
-            pos = torch.arange(n)
+            pos = torch.arange(n, device=q.device)
             mask = prefill_mask(pos, pos, self.sliding_window, self.chunk)
             y = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale, enable_gqa=True)
         else:
@@ -164,7 +164,7 @@ class Attention(nn.Module):
         k32 = k.float().repeat_interleave(group, dim=1)
         v32 = v.float().repeat_interleave(group, dim=1)
         sink = self.sinks.float().view(1, -1, 1, 1)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for i in range(0, q.shape[2], QUERY_BLOCK):
             rows = slice(i, i + QUERY_BLOCK)
             scores = (q[:, :, rows].float() @ k32.transpose(-1, -2)) * self.scale  # [B, H, l, S]
@@ -217,7 +217,7 @@ def decode_key_mask(
     context_lens: torch.Tensor, max_len: int, sliding_window: int | None, chunk: int | None = None
 ) -> torch.Tensor:
     """[B, 1, 1, max_len] boolean: key j is visible to the newest token of a sequence."""
-    j = torch.arange(max_len)[None, :]
+    j = torch.arange(max_len, device=context_lens.device)[None, :]
     last = (context_lens - 1)[:, None]
     return prefill_mask(last, j, sliding_window, chunk)[:, None, None, :]
 

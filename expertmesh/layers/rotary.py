@@ -190,7 +190,7 @@ class RotaryEmbedding(nn.Module):
         regimes = (
             torch.where(lens > limit, lens, 0) if self.rope.rope_type == "dynamic" else (lens > limit).long()
         )
-        cos = torch.empty(positions.shape[0], 1, self.rope.rotary_dim, dtype=dtype)
+        cos = torch.empty(positions.shape[0], 1, self.rope.rotary_dim, dtype=dtype, device=positions.device)
         sin = torch.empty_like(cos)
         for regime in torch.unique(regimes).tolist():
             rows = (regimes == regime).nonzero().flatten()
@@ -200,7 +200,7 @@ class RotaryEmbedding(nn.Module):
         return RotaryTables(cos, sin, self.rope.interleaved)
 
     def _tables(self, positions: torch.Tensor, inv: torch.Tensor, scale: float, dtype) -> RotaryTables:
-        freqs = positions[:, None].float() * inv[None, :]  # [T, rotary_dim / 2], float32
+        freqs = positions[:, None].float() * inv.to(positions.device)[None, :]  # [T, rotary_dim / 2]
         if self.rope.interleaved:
             freqs = freqs.repeat_interleave(2, dim=-1)
         else:
