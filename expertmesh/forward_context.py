@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from expertmesh.layers.attention import AttentionMetadata
+from expertmesh.layers.rotary import RotaryTables
 
 
 @dataclass
@@ -15,4 +14,4 @@ class ForwardContext:
     # Tokens in this step on every DP rank (agreed each step); MoE dispatch sizes derive from it.
     dp_token_counts: list[int]
     # Rotary cos/sin of this step's positions, looked up once and shared by every layer.
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope: RotaryTables | None = None

@@ -1,7 +1,9 @@
+import json
 import os
 
 import pytest
 from checkpoints import FAMILIES, make_checkpoint, train_tokenizer
+from real_checkpoints import Sizes, build, published, shrink
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,6 +27,26 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
             assert family in FAMILIES, family
             path = str(tmp_path_factory.mktemp(family))
             made[key] = make_checkpoint(family, path, tokenizer_dir, seed, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(tmp_path_factory, tokenizer_dir):
+    """real_checkpoint(name or published dict, seed=0, sizes=Sizes(), **overrides) -> directory of a
+    tiny random checkpoint built from tests/real_configs/<name>.json (or the dict), shrunk to
+    `sizes` (real_checkpoints.shrink) with `overrides` applied last; made once per distinct request."""
+    made: dict[str, str] = {}
+
+    def make(source: str | dict, seed: int = 0, sizes: Sizes | None = None, **overrides) -> str:
+        config = shrink(
+            published(source) if isinstance(source, str) else source, sizes or Sizes(), **overrides
+        )
+        key = json.dumps([config, seed], sort_keys=True)
+        if key not in made:
+            name = config["architectures"][0]
+            made[key] = build(config, str(tmp_path_factory.mktemp(name)), tokenizer_dir, seed)
         return made[key]
 
     return make

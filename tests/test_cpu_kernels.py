@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.config import RopeConfig
 from expertmesh.layers import cpu_gemm, cpu_kernels
 from expertmesh.layers.attention import decode_key_mask
 from expertmesh.layers.fused_moe import FusedExperts
@@ -284,15 +285,16 @@ def test_rope_cache_matches_torch(kernels, dtype, tokens):
     """Rotated q, k and the cache contents equal torch's rotary + index_copy, from strided views."""
     g = torch.Generator().manual_seed(tokens)
     h, hk, d, bs, blocks = 4, 2, 16, 4, 12
-    rotary = RotaryEmbedding(d, 64, 10000.0, "default", {})
+    rotary = RotaryEmbedding(RopeConfig(head_dim=d, max_position_embeddings=64))
     positions = torch.randint(0, 64, (tokens,), generator=g)
-    cos, sin = rotary.lookup(positions, dtype)
+    tables = rotary.lookup(positions, dtype)
+    cos, sin = tables.cos, tables.sin
     qkv = torch.randn(tokens, (h + 2 * hk) * d, generator=g).to(dtype)
     q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
     q, k, v = q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     caches = [torch.zeros(blocks, bs, hk, d, dtype=dtype) for _ in range(4)]
-    q_ref, k_ref = RotaryEmbedding.apply((cos, sin), q, k)
+    q_ref, k_ref = tables.apply(q, k)
     caches[0].view(-1, hk, d).index_copy_(0, slots, k_ref)
     caches[1].view(-1, hk, d).index_copy_(0, slots, v.contiguous())
     q_got, k_got, v_got = kernels.rope_cache(q, k, v, cos, sin, slots, caches[2], caches[3])

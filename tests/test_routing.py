@@ -46,3 +46,100 @@ def test_softmax_topk_equals_mixtral_and_qwen(renormalize):
         ours_w, ours_ids = ROUTERS["softmax_topk"](logits, top_k=router.top_k, renormalize=renormalize)
     assert torch.equal(ours_ids, ref_ids)
     torch.testing.assert_close(ours_w, ref_w.float(), rtol=0, atol=0)
+
+
+def _hidden(n: int, h: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, h, generator=torch.Generator().manual_seed(seed))
+
+
+def _by_expert(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[n, E] dense weights: compares routings whose top-k order differs (sorted=False)."""
+    return torch.zeros(ids.shape[0], num_experts).scatter(1, ids, weights.float())
+
+
+def _router(rule: str, hf_module, num_experts: int, top_k: int, bias: bool = False, **params):
+    from expertmesh.layers.routing import Router
+
+    ours = Router(hf_module.weight.shape[1], num_experts, rule, top_k, params, bias, torch.float32)
+    with torch.no_grad():
+        ours.weight.copy_(hf_module.weight)
+        if bias:
+            ours.bias.copy_(hf_module.bias)
+        if ours.e_score_correction_bias is not None:
+            ours.e_score_correction_bias.copy_(hf_module.e_score_correction_bias)
+    return ours
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_sigmoid_grouped_equals_glm4_moe(groups):
+    """GLM-4.5 (one group) and the DeepSeek-V3 shape (groups, topk_group): the correction bias
+    picks experts and never weighs them; renormalised and scaled by routed_scaling_factor."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    n_group, topk_group = groups
+    cfg = Glm4MoeConfig(
+        hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+    )  # fmt: skip
+    hf = Glm4MoeTopkRouter(cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        hf.weight.normal_(generator=g)
+        hf.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.5)
+    ours = _router(
+        "sigmoid_grouped", hf, 16, 4, n_group=n_group, topk_group=topk_group, scaling=2.5, renormalize=True
+    )
+    x = _hidden(48, 16, 8)
+    with torch.no_grad():
+        _, ref_w, ref_ids = hf(x)
+        w, ids = ours(x)
+    torch.testing.assert_close(_by_expert(ids, w, 16), _by_expert(ref_ids, ref_w, 16), rtol=1e-6, atol=1e-6)
+    # The bias changed the choice somewhere, yet the weights are the unbiased scores.
+    plain, _ = torch.sigmoid(x @ hf.weight.t()).topk(4)
+    assert not torch.equal(torch.sort(ids).values, torch.sort(plain).values) or n_group > 1
+
+
+def test_topk_softmax_equals_gpt_oss_and_granite():
+    from transformers import GptOssConfig, GraniteMoeConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeTopKRouter
+
+    x = _hidden(40, 16, 9)
+    gpt = GptOssTopKRouter(GptOssConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=4))
+    granite_cfg = GraniteMoeConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=3)
+    granite = GraniteMoeTopKRouter(granite_cfg)
+    g = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for m in (gpt, granite):
+            m.weight.normal_(generator=g)
+        gpt.bias.normal_(generator=g)
+    for hf, bias, k in ((gpt, True, 4), (granite, False, 3)):
+        ours = _router("topk_softmax", hf, 8, k, bias)
+        with torch.no_grad():
+            ref = hf(x)
+            w, ids = ours(x)
+        ref_w, ref_ids = ref[1], ref[2]
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(w, ref_w.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_topk_sigmoid_equals_llama4():
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
+
+    hf = Llama4Router(Llama4TextConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=1))
+    torch.nn.init.normal_(hf.weight, generator=torch.Generator().manual_seed(11))
+    ours = _router("topk_sigmoid", hf, 8, 1)
+    x = _hidden(40, 16, 12)
+    with torch.no_grad():
+        scores, _ = hf(x)  # [n, E]: sigmoid of the chosen logit, 0 elsewhere
+        w, ids = ours(x)
+    torch.testing.assert_close(_by_expert(ids, w, 8), scores, rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_router_names_the_known_ones():
+    from expertmesh.layers.routing import Router
+
+    with pytest.raises(ValueError, match="router 'expert_choice' is not known; known: .*sigmoid_grouped"):
+        Router(16, 8, "expert_choice", 2, {}, dtype=torch.float32)

@@ -60,15 +60,19 @@ static inline float exp_vec(float v) {
  *
  * A task is one sequence and a run of its KV heads [h0, h1): it reads each token's K and V
  * rows for those heads (contiguous in the cache) once, for all their query heads. Scores are
- * kept for the whole context (two-pass softmax); the window, if any, starts at len - window.
+ * kept for the whole context (two-pass softmax). The keys seen start at len - window (a sliding
+ * window, if > 0) and at the newest token's chunk start (chunked attention, if chunk > 0).
+ * sinks: [H] float32 or NULL, a per-head logit that joins each softmax's denominator only.
  */
 #define DEFINE_PAGED_DECODE(SUFFIX, T, LOAD, STORE)                                               \
   static inline __attribute__((always_inline)) void decode_task_##SUFFIX(                        \
       const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,         \
       T* out, int64_t H, int64_t Hk, int64_t h0, int64_t h1, const int64_t D, int64_t bs,        \
-      float scale, int64_t window, float* work) {                                                \
+      float scale, int64_t window, int64_t chunk, const float* sinks, float* work) {             \
     const int64_t G = H / Hk, nkv = h1 - h0, nh = nkv * G, row_stride = Hk * D;                  \
-    const int64_t first = (window > 0 && len > window) ? len - window : 0, n = len - first;      \
+    int64_t first = (window > 0 && len > window) ? len - window : 0;                             \
+    if (chunk > 0 && (len - 1) / chunk * chunk > first) first = (len - 1) / chunk * chunk;       \
+    const int64_t n = len - first;                                                               \
     float* qf = work;                   /* [nh, D] */                                            \
     float* acc = qf + nh * D;           /* [nh, D] */                                            \
     float* scores = acc + nh * D;       /* [nh, n] */                                            \
@@ -93,12 +97,14 @@ static inline float exp_vec(float v) {
     }                                                                                            \
     for (int64_t i = 0; i < nh; i++) {                                                           \
       float* si = scores + i * n;                                                                \
-      float m = -INFINITY, sum = 0.f;                                                            \
+      const float sink = sinks ? sinks[h0 * G + i] : -INFINITY;                                  \
+      float m = sink, sum = 0.f;                                                                 \
       for (int64_t t = 0; t < n; t++) m = si[t] > m ? si[t] : m;                                 \
       _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {                   \
         si[t] = exp_vec(si[t] - m);                                                              \
         sum += si[t];                                                                            \
       }                                                                                          \
+      if (sinks) sum += exp_vec(sink - m);                                                       \
       const float inv = 1.f / sum;                                                               \
       for (int64_t t = 0; t < n; t++) si[t] *= inv;                                              \
     }                                                                                            \
@@ -125,7 +131,8 @@ static inline float exp_vec(float v) {
   void paged_decode_##SUFFIX(const T* q, const T* k_cache, const T* v_cache,                    \
                              const int32_t* block_tables, const int32_t* context_lens, T* out,   \
                              int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t W, int64_t bs, \
-                             float scale, int64_t window, int threads) {                         \
+                             float scale, int64_t window, int64_t chunk, const float* sinks,     \
+                             int threads) {                                                      \
     /* Split heads only when there are too few sequences to keep every thread busy. */          \
     int64_t splits = (4 * threads + B - 1) / B;                                                  \
     if (splits > Hk) splits = Hk;                                                                \
@@ -141,11 +148,11 @@ static inline float exp_vec(float v) {
       T* ob = out + b * H * D;                                                                   \
       const int32_t* table = block_tables + b * W;                                               \
       if (D == 64)                                                                               \
-        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 64, bs, scale, window, work); \
+        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 64, bs, scale, window, chunk, sinks, work); \
       else if (D == 128)                                                                         \
-        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 128, bs, scale, window, work); \
+        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, 128, bs, scale, window, chunk, sinks, work); \
       else                                                                                       \
-        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, D, bs, scale, window, work); \
+        decode_task_##SUFFIX(qb, k_cache, v_cache, table, len, ob, H, Hk, h0, h1, D, bs, scale, window, chunk, sinks, work); \
       free(work);                                                                                \
     }                                                                                            \
   }
@@ -356,32 +363,42 @@ void gemm_bf16_f32(const bf16_t* x, const bf16_t* wp, float* y, int64_t M, int64
 DEFINE_RMSNORM(f32, float, f32_id, f32_id)
 DEFINE_RMSNORM(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 
-/* Rotary embedding (NeoX halves) of q and k, and k, v written into the paged cache.
+/* Rotary embedding of q and k, and k, v written into the paged cache.
  * q, k, v: rows of T tokens with their own row strides (views into the fused qkv output);
- * cos, sin: [T, D] in the model dtype; slots: [T] cache slot of each token (cache rows of Hk*D).
+ * cos, sin: [T, R] in the model dtype, R <= D the rotated dims (partial rotary passes the rest
+ * through); interleaved: GPT-J pairs (2i, 2i+1) instead of NeoX halves (i, i + R/2);
+ * slots: [T] cache slot of each token (cache rows of Hk*D).
  * Outputs q_out [T, H, D], k_out / v_out [T, Hk, D]. Each product and the sum round to the model
- * dtype as torch's q * cos + rotate_half(q) * sin does (no fused multiply-add here). */
+ * dtype as torch's x * cos + rotate(x) * sin does (no fused multiply-add here). */
 #define DEFINE_ROPE(SUFFIX, T, LOAD, STORE)                                                      \
   __attribute__((optimize("fp-contract=off"))) static void rope_row_##SUFFIX(                    \
-      const T* x, const T* c, const T* s, T* out, int64_t D) {                                   \
-    const int64_t half = D / 2;                                                                  \
-    for (int64_t d = 0; d < D; d++) {                                                            \
-      const float rot = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                       \
+      const T* x, const T* c, const T* s, T* out, int64_t D, int64_t R, int interleaved) {       \
+    const int64_t half = R / 2;                                                                  \
+    for (int64_t d = 0; d < R; d++) {                                                            \
+      float rot;                                                                                 \
+      if (interleaved)                                                                           \
+        rot = (d & 1) ? LOAD(x[d - 1]) : -LOAD(x[d + 1]);                                        \
+      else                                                                                       \
+        rot = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                                 \
       const float a = LOAD(STORE(LOAD(x[d]) * LOAD(c[d])));                                      \
       const float b = LOAD(STORE(rot * LOAD(s[d])));                                             \
       out[d] = STORE(a + b);                                                                     \
     }                                                                                            \
+    for (int64_t d = R; d < D; d++) out[d] = x[d];                                               \
   }                                                                                              \
   __attribute__((optimize("fp-contract=off"))) void rope_cache_##SUFFIX(                         \
       const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,  \
       const T* cos, const T* sin, const int64_t* slots, T* k_cache, T* v_cache, T* q_out,        \
-      T* k_out, T* v_out, int64_t tokens, int64_t H, int64_t Hk, int64_t D, int threads) {       \
+      T* k_out, T* v_out, int64_t tokens, int64_t H, int64_t Hk, int64_t D, int64_t R,           \
+      int interleaved, int threads) {                                                            \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (tokens > 256)")          \
     for (int64_t t = 0; t < tokens; t++) {                                                       \
-      const T* c = cos + t * D;                                                                  \
-      const T* s = sin + t * D;                                                                  \
-      for (int64_t h = 0; h < H; h++) rope_row_##SUFFIX(q + t * q_stride + h * D, c, s, q_out + (t * H + h) * D, D); \
-      for (int64_t h = 0; h < Hk; h++) rope_row_##SUFFIX(k + t * k_stride + h * D, c, s, k_out + (t * Hk + h) * D, D); \
+      const T* c = cos + t * R;                                                                  \
+      const T* s = sin + t * R;                                                                  \
+      for (int64_t h = 0; h < H; h++)                                                            \
+        rope_row_##SUFFIX(q + t * q_stride + h * D, c, s, q_out + (t * H + h) * D, D, R, interleaved); \
+      for (int64_t h = 0; h < Hk; h++)                                                           \
+        rope_row_##SUFFIX(k + t * k_stride + h * D, c, s, k_out + (t * Hk + h) * D, D, R, interleaved); \
       memcpy(v_out + t * Hk * D, v + t * v_stride, sizeof(T) * (size_t)(Hk * D));                \
       if (k_cache) {                                                                             \
         memcpy(k_cache + slots[t] * Hk * D, k_out + t * Hk * D, sizeof(T) * (size_t)(Hk * D));   \

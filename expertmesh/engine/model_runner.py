@@ -16,7 +16,7 @@ from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sampler import Sampler, top_logprobs
 from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
-from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, decode_key_mask
+from expertmesh.layers.attention import AttentionMetadata, DecodeGroup
 
 
 class ModelRunner:
@@ -123,10 +123,8 @@ class ModelRunner:
             while end < len(decodes) and len(decodes[end].block_table) <= 2 * len(decodes[start].block_table):
                 end += 1
             tables, lens = self._tables_and_lengths(decodes[start:end], torch.long)
-            mask = decode_key_mask(
-                lens, tables.shape[1] * self.block_size, self.config.model_config.sliding_window
-            )
-            groups.append(DecodeGroup(start, end, tables, mask))
+            # Each layer takes its key mask (window, chunk) from the group, built once per kind.
+            groups.append(DecodeGroup(start, end, tables, lens, self.block_size))
             start = end
         return groups
 

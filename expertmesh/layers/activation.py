@@ -1,9 +1,13 @@
-"""Gated activations over a fused [gate | up] projection."""
+"""Gated activations over a fused [gate | up] projection, and the expert activations by name."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from expertmesh.registries import lookup
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -18,3 +22,45 @@ def gated(x: torch.Tensor, act) -> torch.Tensor:
     """act(gate) * up for x = [gate | up] along the last dim."""
     half = x.shape[-1] // 2
     return act(x[..., :half]) * x[..., half:]
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    """act(gate) * up with the config's hidden_act; our fused experts kernel computes it too."""
+
+    act: str
+
+    def __post_init__(self) -> None:
+        get_act(self.act)
+
+    @property
+    def kernel_name(self) -> str | None:
+        return self.act
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return gated(x, _ACTS[self.act])
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS: gate clamped above at `limit`, up to [-limit, limit];
+    (up + 1) * gate * sigmoid(alpha * gate). Not in the fused kernel: the torch expert path."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
+    kernel_name = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        gate = x[..., :half].clamp(max=self.limit)
+        up = x[..., half:].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+EXPERT_ACTIVATIONS = {"gated": GatedActivation, "swiglu_clamped": ClampedSwiGLU}
+
+
+def expert_activation(name: str, hidden_act: str, limit: float, alpha: float):
+    """The activation a family names, with the config's parameters."""
+    kind = lookup(EXPERT_ACTIVATIONS, name, "expert activation")
+    return kind(hidden_act) if kind is GatedActivation else kind(limit, alpha)

@@ -2,18 +2,27 @@
 
 A batch is laid out decodes first (one token each, batched over the cache through block
 tables), then prefills (each sequence's whole context is new, attended causally in place).
+
+A layer sees its keys as transformers masks them: all earlier tokens, or the last
+`sliding_window` of them (the token itself included), or those of its own `chunk` (chunked local
+attention: positions p // chunk equal); with `sinks`, a learned per-head logit joins every
+softmax's denominator (and its value is zero).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.layers.cpu_kernels import CpuKernels
-from expertmesh.layers.rotary import RotaryEmbedding
+from expertmesh.layers.rotary import RotaryTables
+from expertmesh.layers.weights import copy_into, read, set_loader
+
+QUERY_BLOCK = 256  # rows of queries per block in the sink attention, to bound its score matrix
 
 
 @dataclass
@@ -23,7 +32,16 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor  # [end - start, width]
-    key_mask: torch.Tensor  # [end - start, 1, 1, width * block_size], True = attend
+    context_lens: torch.Tensor  # [end - start]
+    block_size: int
+    masks: dict = field(default_factory=dict)  # (window, chunk) -> key mask, built once per step
+
+    def key_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
+        """[B, 1, 1, width * block_size] boolean, True = attend; shared by the layers alike."""
+        if (window, chunk) not in self.masks:
+            width = self.block_tables.shape[1] * self.block_size
+            self.masks[window, chunk] = decode_key_mask(self.context_lens, width, window, chunk)
+        return self.masks[window, chunk]
 
 
 @dataclass
@@ -44,17 +62,41 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
 
+    def token_context_lens(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T]: the length of each token's sequence this step (a decode: its position + 1; a
+        prefill, whole sequences here: its length)."""
+        lens = positions + 1
+        for start, length in self.prefills:
+            lens[start : start + length] = length
+        return lens
+
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None,
+        chunk: int | None = None,
+        sinks: bool = False,
+        group: Any = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale, self.sliding_window = scale, sliding_window
+        self.scale, self.sliding_window, self.chunk = scale, sliding_window, chunk
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by the runner
         self.v_cache = torch.empty(0)
         self.kernels: CpuKernels | None = None  # set by use_cpu_kernels()
+        self.sinks = None
+        if sinks:  # [this rank's heads], float32 like the reference's softmax
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+            self.head_start = (group.rank_in_group if group is not None else 0) * num_heads
+            set_loader(self.sinks, self._load_sinks)
+
+    def _load_sinks(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, read(src, 0, self.head_start, self.num_heads), "attention sinks")
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """Rotary + cache store in one call, and decode attention over the blocks in place."""
@@ -66,15 +108,17 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: RotaryTables | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k and v: [T, Hk, D] (views allowed), rotated by `rope` (cos, sin) when
-        given -> [T, H*D]. The new k and v are stored in the cache first."""
+        """q: [T, H, D], k and v: [T, Hk, D] (views allowed), rotated by `rope` when given
+        -> [T, H*D]. The new k and v are stored in the cache first."""
         if self.kernels is not None and rope is not None:
-            q, k, v = self.kernels.rope_cache(q, k, v, *rope, meta.slot_mapping, self.k_cache, self.v_cache)
+            q, k, v = self.kernels.rope_cache(
+                q, k, v, rope.cos, rope.sin, meta.slot_mapping, self.k_cache, self.v_cache, rope.interleaved
+            )
         else:
             if rope is not None:
-                q, k = RotaryEmbedding.apply(rope, q, k)
+                q, k = rope.apply(q, k)
             v = v.contiguous()
             if self.k_cache.numel():
                 self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -94,15 +138,42 @@ class Attention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
-        mask, causal = None, True
-        if self.sliding_window is not None and q.shape[0] > self.sliding_window:
-            pos = torch.arange(q.shape[0])
-            diff = pos[:, None] - pos[None, :]
-            mask, causal = (diff >= 0) & (diff < self.sliding_window), False
-        y = F.scaled_dot_product_attention(
-            q_, k_, v_, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+        n = q.shape[0]
+        limited = (self.sliding_window is not None and n > self.sliding_window) or (
+            self.chunk is not None and n > self.chunk
         )
+        if self.sinks is not None:
+            pos = torch.arange(n, device=q.device)
+            mask = prefill_mask(pos, pos, self.sliding_window, self.chunk)  # [L, L]
+            y = self._sink_attention(q_, k_, v_, mask)
+        elif limited:
+            pos = torch.arange(n, device=q.device)
+            mask = prefill_mask(pos, pos, self.sliding_window, self.chunk)
+            y = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale, enable_gqa=True)
         return y.squeeze(0).transpose(0, 1)
+
+    def _sink_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [B, H, L, D], k/v [B, Hk, S, D], mask broadcastable to [B, H, L, S] -> [B, H, L, D].
+        softmax over [scores, sink] with the sink column dropped: the sink takes probability mass
+        and gives nothing back. Float32, query rows in blocks."""
+        group = self.num_heads // self.num_kv_heads
+        k32 = k.float().repeat_interleave(group, dim=1)
+        v32 = v.float().repeat_interleave(group, dim=1)
+        sink = self.sinks.float().view(1, -1, 1, 1)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for i in range(0, q.shape[2], QUERY_BLOCK):
+            rows = slice(i, i + QUERY_BLOCK)
+            scores = (q[:, :, rows].float() @ k32.transpose(-1, -2)) * self.scale  # [B, H, l, S]
+            m = mask[..., rows, :] if mask.dim() == 2 else mask
+            scores = scores.masked_fill(~m, float("-inf"))
+            logits = torch.cat((scores, sink.expand(*scores.shape[:-1], 1)), dim=-1)
+            probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+            out[:, :, rows] = (probs @ v32).to(q.dtype)
+        return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.decode_block_tables is not None:
@@ -114,6 +185,8 @@ class Attention(nn.Module):
                 meta.decode_context_lens,
                 self.scale,
                 self.sliding_window,
+                self.chunk,
+                self.sinks,
             )
         if len(meta.decode_groups) == 1:
             return self._decode_group(q, meta.decode_groups[0], meta.decode_kv_buffers)
@@ -131,17 +204,33 @@ class Attention(nn.Module):
         )
         k = torch.index_select(self.k_cache, 0, blocks, out=k_buf).view(b, -1, hk, d).transpose(1, 2)
         v = torch.index_select(self.v_cache, 0, blocks, out=v_buf).view(b, -1, hk, d).transpose(1, 2)
+        mask = group.key_mask(self.sliding_window, self.chunk)
+        if self.sinks is not None:
+            return self._sink_attention(q.unsqueeze(2), k, v, mask).view(b, self.num_heads, self.head_dim)
         y = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=group.key_mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, D]
         return y.view(b, self.num_heads, self.head_dim)
 
 
-def decode_key_mask(context_lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
+def decode_key_mask(
+    context_lens: torch.Tensor, max_len: int, sliding_window: int | None, chunk: int | None = None
+) -> torch.Tensor:
     """[B, 1, 1, max_len] boolean: key j is visible to the newest token of a sequence."""
-    j = torch.arange(max_len)[None, :]
+    j = torch.arange(max_len, device=context_lens.device)[None, :]
     last = (context_lens - 1)[:, None]
-    mask = j <= last
+    return prefill_mask(last, j, sliding_window, chunk)[:, None, None, :]
+
+
+def prefill_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None, chunk: int | None
+) -> torch.Tensor:
+    """Boolean [.., Lq, Lk] (broadcast of q_pos [Lq, 1] or [Lq] and k_pos): key visible to query."""
+    q = q_pos[:, None] if q_pos.dim() == 1 else q_pos
+    k = k_pos[None, :] if k_pos.dim() == 1 else k_pos
+    mask = k <= q
     if sliding_window is not None:
-        mask &= last - j < sliding_window
-    return mask[:, None, None, :]
+        mask &= q - k < sliding_window
+    if chunk is not None:
+        mask &= q // chunk == k // chunk
+    return mask

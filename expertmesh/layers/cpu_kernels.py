@@ -97,14 +97,16 @@ class PanelWeight:
 _F32, _INT = ctypes.c_float, ctypes.c_int
 # Argument types of each entry point (pointers are c_void_p); every one returns nothing.
 _SIGNATURES = {
-    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, W, block_size, scale, window, threads
-    "paged_decode": [_c] * 6 + [_i64] * 6 + [_F32, _i64, _INT],
+    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, W, block_size, scale, window, chunk,
+    # sinks or NULL, threads
+    "paged_decode": [_c] * 6 + [_i64] * 6 + [_F32, _i64, _i64, _c, _INT],
     # x, panels, y, M, O, I, bias or NULL, threads
     "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
     # x, weight, out, rows, H, eps, threads
     "rms_norm": [_c] * 3 + [_i64] * 2 + [_F32, _INT],
-    # q, k, v (each with its row stride), cos, sin, slots, k/v caches, q/k/v out, T, H, Hk, D, threads
-    "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 4 + [_INT],
+    # q, k, v (each with its row stride), cos, sin, slots, k/v caches, q/k/v out, T, H, Hk, D, R,
+    # interleaved, threads
+    "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 5 + [_INT, _INT],
     # x, n, H, slot, weights, k, w13, w2, E, I, act, out, threads
     "moe": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _c, _INT],
 }
@@ -291,18 +293,22 @@ class CpuKernels:
         slots: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        interleaved: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotary q and k (NeoX halves) and k, v stored at `slots` of the caches, in one pass.
+        """Rotary q and k and k, v stored at `slots` of the caches, in one pass.
 
         q [T, H, D], k and v [T, Hk, D] may be row-strided views (of the fused qkv output); cos and
-        sin [T, D] (or [T, 1, D]); caches [blocks, block_size, Hk, D] or empty (no store).
-        Returns contiguous rotated q, rotated k and v."""
+        sin [T, R] (or [T, 1, R]) for the first R <= D dims (partial rotary passes the rest through),
+        NeoX halves or, with `interleaved`, GPT-J pairs; caches [blocks, block_size, Hk, D] or empty
+        (no store). Returns contiguous rotated q, rotated k and v."""
         t, h, d = q.shape
-        hk = k.shape[1]
+        hk, r = k.shape[1], cos.shape[-1]
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.dtype != q.dtype or x.stride(2) != 1 or x.stride(1) != d or x.shape[0] != t:
                 raise ValueError(f"rope_cache: {name} must be [T, heads, {d}] with unit-stride heads")
-        cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+        if r > d or r % 2:
+            raise ValueError(f"rope_cache: {r} rotary dims do not fit head_dim {d}")
+        cos, sin = cos.reshape(t, r).contiguous(), sin.reshape(t, r).contiguous()
         if cos.dtype != q.dtype or slots.dtype != torch.int64:
             raise ValueError("rope_cache: cos/sin must have q's dtype and slots must be int64")
         q_out, k_out, v_out = (
@@ -330,6 +336,8 @@ class CpuKernels:
             h,
             hk,
             d,
+            r,
+            int(interleaved),
             torch.get_num_threads(),
         )
         return q_out, k_out, v_out
@@ -344,8 +352,12 @@ class CpuKernels:
         context_lens: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        chunk: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, D]."""
+        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, D].
+        Keys seen: the last `sliding_window` tokens, within the newest token's `chunk`; `sinks` [H]
+        a per-head logit in each softmax's denominator."""
         b, h, d = q.shape
         _, bs, hk, _ = k_cache.shape
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -353,6 +365,10 @@ class CpuKernels:
                 raise ValueError(f"paged_decode: {name} must be contiguous {q.dtype}, got {t.dtype}")
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
             raise ValueError("paged_decode: block_tables and context_lens must be int32")
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+            if sinks.shape != (h,):
+                raise ValueError(f"paged_decode: sinks must be [{h}], got {tuple(sinks.shape)}")
         out = torch.empty_like(q)
         fn = self.lib.paged_decode_f32 if q.dtype == torch.float32 else self.lib.paged_decode_bf16
         fn(
@@ -370,6 +386,8 @@ class CpuKernels:
             bs,
             scale,
             sliding_window or 0,
+            chunk or 0,
+            None if sinks is None else sinks.data_ptr(),
             torch.get_num_threads(),
         )
         return out

@@ -4,6 +4,11 @@ Holds `expert_ids` (the global experts this rank owns) and, for each, the
 `[shard_rank]`-th of `shard_size` slices of the intermediate dimension. Returns this rank's
 partial sum over its experts and slices in float32, never rounded to the model's dtype: who sums
 the partials is the MoE plan's business, and the block rounds once, after the last sum.
+
+Variants: biases on gate/up and down (the down bias joins on shard 0 only, so the sum over
+shards adds it once), any activation of layers/activation.py, and the routing weight applied to
+the expert's input instead of its output. Our fused CPU kernel serves plain gated experts; the
+variants take the per-expert torch path (correct first; docs/architectures.md).
 """
 
 from __future__ import annotations
@@ -11,11 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm
-from expertmesh.layers.activation import gated, get_act
+from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.weights import copy_into, read, set_loader
 
@@ -29,8 +35,10 @@ class FusedExperts(nn.Module):
         intermediate: int,
         shard_rank: int,
         shard_size: int,
-        act: str,
+        act: str | object,
         dtype=torch.float32,
+        bias: bool = False,
+        weight_on_input: bool = False,
     ) -> None:
         super().__init__()
         if intermediate % shard_size:
@@ -40,7 +48,9 @@ class FusedExperts(nn.Module):
             )
         self.num_experts, self.expert_ids = num_experts, list(expert_ids)
         self.all_local = self.expert_ids == list(range(num_experts))
-        self.act_name, self.act = act, get_act(act)
+        self.act = GatedActivation(act) if isinstance(act, str) else act  # [.., 2I] -> [.., I]
+        self.act_name = self.act.kernel_name  # None: the fused kernel does not compute it
+        self.weight_on_input = weight_on_input
         self.shard_rank, self.inter = shard_rank, intermediate // shard_size
         self.full_inter = intermediate
         e = len(self.expert_ids)
@@ -54,18 +64,29 @@ class FusedExperts(nn.Module):
         self.register_buffer("local_index", local, persistent=False)  # global expert -> local slot or -1
         set_loader(self.w13, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})
         set_loader(self.w2, self._load_w2, {(x, None) for x in self.expert_ids})
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * self.inter, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
+            set_loader(self.w13_bias, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})
+            set_loader(self.w2_bias, self._load_w2, {(x, None) for x in self.expert_ids})
 
     def owns(self, expert: int) -> bool:
         return expert in self.expert_ids
 
     def _load_w13(self, param: nn.Parameter, src: Any, shard_id: tuple[int, int]) -> None:
+        """Weights [I, H] and biases [I]: this shard's rows of the gate (0) or up (1) part."""
         expert, half = shard_id
         dst = param.data[self.expert_ids.index(expert)].narrow(0, half * self.inter, self.inter)
         copy_into(dst, read(src, 0, self.shard_rank * self.inter, self.inter), f"expert {expert} w13[{half}]")
 
     def _load_w2(self, param: nn.Parameter, src: Any, shard_id: tuple[int, None]) -> None:
+        """Weights [H, I]: this shard's columns; biases [H]: whole."""
         expert = shard_id[0]
         dst = param.data[self.expert_ids.index(expert)]
+        if dst.dim() == 1:
+            copy_into(dst, read(src), f"expert {expert} down bias")
+            return
         copy_into(dst, read(src, 1, self.shard_rank * self.inter, self.inter), f"expert {expert} w2")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -91,13 +112,17 @@ class FusedExperts(nn.Module):
         order = order[counts[0] :]  # drop (token, expert) pairs owned elsewhere
         token = order // k  # [m] source token of each sorted pair
         xs = x[token]  # [m, H]
+        pair_weights = topk_weights.flatten()[order].unsqueeze(1)  # [m, 1]
+        if self.weight_on_input:
+            xs = xs * pair_weights.to(xs.dtype)
         ys = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
         start = 0
         for e, count in enumerate(counts[1:]):
             if count:
                 ys[start : start + count] = self._expert(e, xs[start : start + count])
                 start += count
-        ys *= topk_weights.flatten()[order].float().unsqueeze(1)
+        if not self.weight_on_input:
+            ys *= pair_weights.float()
         return out.index_add_(0, token, ys)
 
     packed: list[tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight]] | None = None  # per local expert
@@ -105,7 +130,13 @@ class FusedExperts(nn.Module):
     fused: tuple[CpuKernels, torch.Tensor, torch.Tensor, str] | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        if kernels is not None and kernels.moe_supports(self.w13.dtype, self.act_name) and self.expert_ids:
+        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        if (
+            kernels is not None
+            and plain
+            and kernels.moe_supports(self.w13.dtype, self.act_name)
+            and self.expert_ids
+        ):
             # One expert at a time into the stacked panels: the dense weights and the packed copy
             # coexist (2x) while loading, never a third list of per-expert copies.
             packed = []
@@ -131,10 +162,14 @@ class FusedExperts(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """[m, H] -> [m, H] float32: the down projection's product is not rounded."""
+        b13 = None if self.w13_bias is None else self.w13_bias[e]
+        # The down bias joins once across the shards of the intermediate dim: on shard 0.
+        b2 = None if self.w2_bias is None or self.shard_rank else self.w2_bias[e]
         if self.packed is not None:
             w13, w2 = self.packed[e]
-            return w2(gated(w13(x), self.act), out_dtype=torch.float32)
-        return gated(x @ self.w13[e].t(), self.act).float() @ self.w2[e].float().t()
+            return w2(self.act(w13(x, b13)), b2, out_dtype=torch.float32)
+        h = F.linear(x, self.w13[e], b13)
+        return F.linear(self.act(h).float(), self.w2[e].float(), None if b2 is None else b2.float())
 
     def _one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Decode at batch 1: no sort, gather or scatter, just the chosen local experts in expert order."""
@@ -142,6 +177,10 @@ class FusedExperts(nn.Module):
         picks = sorted((slot, j) for j, slot in enumerate(local) if slot >= 0)
         out = None
         for slot, j in picks:
-            y = self._expert(slot, x) * topk_weights[0, j].float()
+            w = topk_weights[0, j]
+            if self.weight_on_input:
+                y = self._expert(slot, x * w.to(x.dtype))
+            else:
+                y = self._expert(slot, x) * w.float()
             out = y if out is None else out + y
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device) if out is None else out

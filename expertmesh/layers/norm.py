@@ -1,13 +1,17 @@
-"""Normalisation layers (RMSNorm in float32 like the reference; LayerNorm with bias for PhiMoE)."""
+"""Normalisation layers by name: RMSNorm (float32 like the reference), LayerNorm with bias
+(PhiMoE); and the q/k norm kinds: per head, over the whole projection (TP-aware), weightless L2."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.layers.cpu_kernels import CpuKernels
-from expertmesh.layers.weights import default_loader, set_loader
+from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
 class RMSNorm(nn.Module):
@@ -41,3 +45,58 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class L2Norm(nn.Module):
+    """Weightless RMS normalisation over the last dim (Llama 4's q/k norm), in float32."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection (OLMoE), not per head. Under tensor parallelism each
+    rank holds `local` of the `width` columns: the squares are summed over the TP group."""
+
+    def __init__(
+        self, local: int, width: int, eps: float, group: Any, start: int, dtype=torch.float32
+    ) -> None:
+        super().__init__()
+        self.eps, self.group, self.width, self.start = eps, group, width, start
+        self.weight = nn.Parameter(torch.ones(local, dtype=dtype), requires_grad=False)
+        set_loader(self.weight, self._load)
+
+    def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, read(src, 0, self.start, param.shape[0]), "q/k norm shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (this rank's heads) -> the same shape."""
+        x32 = x.reshape(x.shape[0], -1).float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        if self.group.world_size > 1:
+            squares = self.group.all_reduce(squares)
+        y = x32 * torch.rsqrt(squares / self.width + self.eps)
+        return (self.weight * y.to(x.dtype)).view(x.shape)
+
+
+NORMS = {"rms": RMSNorm, "layer": LayerNorm}
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """A q/k norm kind: whether it runs after the rotation, and only on rotary layers."""
+
+    after_rope: bool
+    rope_layers_only: bool
+
+
+QK_NORMS = {
+    "per_head": QKNorm(after_rope=False, rope_layers_only=False),  # Qwen3-MoE, GLM-4.5 (RMSNorm(D))
+    "projection": QKNorm(after_rope=False, rope_layers_only=False),  # OLMoE (ProjectionRMSNorm)
+    "l2": QKNorm(after_rope=True, rope_layers_only=True),  # Llama 4 (L2Norm)
+}

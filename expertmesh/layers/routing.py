@@ -1,13 +1,21 @@
 """Routers: router logits [n, E] -> (topk_weights [n, k] float32, topk_ids [n, k] int64).
 
-One small function per family, registered by name; the model picks one at build time.
+One small function per routing rule, registered by name; a family picks one. `Router` is the
+layer: the router linear (its weight, optional bias and selection-only correction bias) and the
+rule, with the config's parameters (renormalise, groups, scaling factor, ...).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
+
+from expertmesh.layers.linear import ReplicatedLinear
+from expertmesh.layers.weights import default_loader, set_loader
+from expertmesh.registries import lookup
 
 
 def softmax_topk(
@@ -45,7 +53,87 @@ def sparsemixer(
     return torch.cat((w1, w2), dim=-1), torch.cat((e1, e2), dim=-1)
 
 
+def topk_softmax(logits: torch.Tensor, top_k: int, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the top-k logits (GPT-OSS, with its router bias; Granite-MoE)."""
+    values, ids = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.softmax(values, dim=-1), ids
+
+
+def topk_sigmoid(logits: torch.Tensor, top_k: int, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid of each selected logit (Llama 4, top-1; its weight scales the expert's input)."""
+    values, ids = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.sigmoid(values), ids
+
+
+def sigmoid_grouped(
+    logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores; experts chosen by score + correction bias (the bias picks, never weighs),
+    within the `topk_group` best of `n_group` groups (a group scores its two best); weights are
+    the chosen sigmoid scores, renormalised when asked, times routed_scaling_factor.
+    GLM-4.5 (one group) and DeepSeek-V3 (8 groups, 4 kept)."""
+    scores = torch.sigmoid(logits.float())  # [n, E]
+    choice = scores + correction_bias.float()
+    if n_group > 1:
+        n, e = choice.shape
+        grouped = choice.view(n, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [n, n_group]
+        keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 ROUTERS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "softmax_topk": softmax_topk,
     "sparsemixer": sparsemixer,
+    "topk_softmax": topk_softmax,
+    "topk_sigmoid": topk_sigmoid,
+    "sigmoid_grouped": sigmoid_grouped,
 }
+# Rules whose router carries a selection-only correction bias and runs in float32 whatever the
+# model dtype (its weight and bias are stored in float32 in bf16 checkpoints too).
+CORRECTED_FP32 = ("sigmoid_grouped",)
+
+
+class Router(ReplicatedLinear):
+    """The router linear [E, H] (+ bias) and its rule: x [n, H] -> (weights [n, k], ids [n, k])."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        rule: str,
+        top_k: int,
+        params: dict,
+        bias: bool = False,
+        dtype=None,
+    ) -> None:
+        self.fn = lookup(ROUTERS, rule, "router")
+        self.fp32 = rule in CORRECTED_FP32
+        super().__init__(hidden, num_experts, bias, torch.float32 if self.fp32 else dtype)
+        self.rule, self.top_k, self.params = rule, top_k, dict(params)
+        self.e_score_correction_bias = None
+        if self.fp32:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+            )
+            set_loader(self.e_score_correction_bias, default_loader)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = super().forward(x.float() if self.fp32 else x)  # [n, E]
+        extra = (
+            {} if self.e_score_correction_bias is None else {"correction_bias": self.e_score_correction_bias}
+        )
+        return self.fn(logits, top_k=self.top_k, **self.params, **extra)

@@ -1,11 +1,14 @@
 """The decoder-only transformer every registered family is built from.
 
-A family class sets a few class attributes (norm type, router, where the MLP lives in the
-checkpoint, how expert tensors are named); the parallel layers do the sharding.
+A family class declares its building blocks (models/family.py: norm kind, q/k norm, router,
+expert activation, shared expert, attention sinks, rotary layout, checkpoint names); the
+config decides sizes, per-layer attention (sliding, chunked, with or without RoPE), dense
+leading layers and scalar multipliers. The parallel layers do the sharding.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -17,90 +20,151 @@ from expertmesh.layers.attention import Attention
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
 from expertmesh.layers.mlp import GatedMLP
-from expertmesh.layers.moe import MoE
-from expertmesh.layers.norm import LayerNorm, RMSNorm
+from expertmesh.layers.moe import MoE, MoESpec
+from expertmesh.layers.norm import NORMS, QK_NORMS, L2Norm, ProjectionRMSNorm, RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding
-from expertmesh.models.checkpoint import CheckpointNames
+from expertmesh.models.family import Family
+from expertmesh.registries import lookup
+
+
+def _qk_norms(cfg: ModelConfig, family: Family, qkv: QKVParallelLinear, tp: Any, use_rope: bool):
+    """(q norm, k norm, after_rope) of one layer, or (None, None, False)."""
+    if family.qk_norm is None or not cfg.use_qk_norm:
+        return None, None, False
+    kind = lookup(QK_NORMS, family.qk_norm, "q/k norm")
+    if kind.rope_layers_only and not use_rope:
+        return None, None, False
+    d, eps = cfg.head_dim, cfg.norm_eps
+    if family.qk_norm == "l2":
+        norm = L2Norm(eps)
+        return norm, norm, kind.after_rope
+    if family.qk_norm == "per_head":
+        return RMSNorm(d, eps, cfg.dtype), RMSNorm(d, eps, cfg.dtype), kind.after_rope
+    if qkv.kv_head_start is not None:
+        raise ValueError(
+            f"a q/k norm over the whole projection needs num_key_value_heads={cfg.num_kv_heads} >= "
+            f"tensor_parallel_size={tp.world_size} (it cannot be computed on replicated KV heads)"
+        )
+    h, hk, r = qkv.num_heads, qkv.num_kv_heads, tp.rank_in_group
+    q = ProjectionRMSNorm(h * d, cfg.num_heads * d, eps, tp, r * h * d, cfg.dtype)
+    k = ProjectionRMSNorm(hk * d, cfg.num_kv_heads * d, eps, tp, r * hk * d, cfg.dtype)
+    return q, k, kind.after_rope
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Any, norm_cls: type) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, family: Family, tp: Any) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, cfg.dtype
         )
+        o_bias = cfg.o_bias if family.o_proj_bias is None else family.o_proj_bias
         self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype=cfg.dtype
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp, dtype=cfg.dtype
         )
         h, hk, d = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
-        self.sizes = (h * d, hk * d, hk * d)
-        self.heads = (h, hk, d)
-        self.q_norm = norm_cls(d, cfg.norm_eps, cfg.dtype) if cfg.qk_norm else None
-        self.k_norm = norm_cls(d, cfg.norm_eps, cfg.dtype) if cfg.qk_norm else None
-        self.attn = Attention(h, hk, d, d**-0.5, cfg.sliding_window)
+        self.sizes, self.heads = (h * d, hk * d, hk * d), (h, hk, d)
+        self.use_rope = cfg.uses_rope(index)
+        self.q_norm, self.k_norm, self.norm_after_rope = _qk_norms(
+            cfg, family, self.qkv_proj, tp, self.use_rope
+        )
+        self.clip = cfg.clip_qkv
+        # Attention temperature tuning (Llama 4) scales queries of the layers without RoPE.
+        self.temperature = cfg.attn_temperature if not self.use_rope else None
+        kind = cfg.layer_type(index)
+        window = cfg.sliding_window if kind == "sliding_attention" and family.sliding_window else None
+        chunk = cfg.attention_chunk_size if kind == "chunked_attention" else None
+        scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else d**-0.5
+        self.attn = Attention(h, hk, d, scale, window, chunk=chunk, sinks=family.attention_sinks, group=tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h, hk, d = self.heads
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q, k, v = q.view(-1, h, d), k.view(-1, hk, d), v.view(-1, hk, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, ctx.attn, rope=ctx.rope))
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        rope = ctx.rope if self.use_rope else None
+        if self.norm_after_rope or self.temperature is not None:
+            if rope is not None:
+                q, k = rope.apply(q, k)
+                rope = None
+            if self.norm_after_rope:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.temperature is not None:
+                floor_scale, attn_scale = self.temperature
+                scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+                q = (q * scales[:, None, None]).to(q.dtype)
+        return self.o_proj(self.attn(q, k, v, ctx.attn, rope=rope))
+
+
+def moe_spec(cfg: ModelConfig, family: Family) -> MoESpec:
+    width = (
+        cfg.moe_intermediate_size
+        if family.shared_expert_width == "routed"
+        else cfg.shared_expert_intermediate_size
+    )
+    return MoESpec(
+        router=family.router, router_bias=family.router_bias, activation=family.expert_activation,
+        expert_bias=family.expert_bias, weights_input=family.router_weights_input,
+        shared_expert=family.shared_expert, shared_width=width,
+    )  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, family: type, env: Any) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, family: Family, env: Any) -> None:
         super().__init__()
-        norm = family.norm_cls
+        norm = lookup(NORMS, family.norm, "norm")
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
-        self.self_attn = DecoderAttention(cfg, env.groups.tp, norm)
+        self.self_attn = DecoderAttention(cfg, index, family, env.groups.tp)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
-            mlp = MoE(
-                cfg,
-                family.router,
-                env.moe_plan,
-                env.groups,
-                env.make_dispatcher(cfg.num_experts),
-                env.expert_placement,
-            )
+            dispatcher = env.make_dispatcher(cfg.num_experts)
+            mlp = MoE(cfg, moe_spec(cfg, family), env.moe_plan, env.groups, dispatcher, env.expert_placement)
         else:
             mlp = GatedMLP(
-                cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, env.groups.tp, dtype=cfg.dtype
+                cfg.hidden_size, cfg.dense_intermediate_size, cfg.hidden_act, env.groups.tp, dtype=cfg.dtype
             )
         setattr(self, family.mlp_name, mlp)
         self.mlp_name = family.mlp_name
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        y = self.self_attn(positions, self.input_layernorm(x), ctx)
+        x = x + (y if self.residual_multiplier == 1.0 else y * self.residual_multiplier)
         mlp = getattr(self, self.mlp_name)
         h = self.post_attention_layernorm(x)
-        return x + (mlp(h, ctx) if self.is_moe else mlp(h))
+        y = mlp(h, ctx) if self.is_moe else mlp(h)
+        return x + (y if self.residual_multiplier == 1.0 else y * self.residual_multiplier)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, family: type, env: Any) -> None:
+    def __init__(self, cfg: ModelConfig, family: Family, env: Any) -> None:
         super().__init__()
         tp = env.groups.tp
         self.layer_range = env.layer_range
         self.first, self.last = env.is_first_stage, env.is_last_stage
-        params = dict(cfg.rope_parameters)
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_type, params
+            replace(cfg.rope, interleaved=cfg.rope.interleaved or family.rope_interleaved)
         )
         self.embed_tokens = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype) if self.first else None
         )
+        self.embedding_multiplier = cfg.embedding_multiplier
         # Layers of other pipeline stages are absent; a ModuleDict keeps checkpoint indices.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, family, env) for i in self.layer_range})
-        self.norm = family.norm_cls(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
+        norm = lookup(NORMS, family.norm, "norm")
+        self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None, ctx
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if self.first else hidden
-        ctx.rope = self.rotary.lookup(positions, x.dtype)
+        if self.first and self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        lens = ctx.attn.token_context_lens(positions) if self.rotary.length_dependent else None
+        ctx.rope = self.rotary.lookup(positions, x.dtype, lens)
         for layer in self.layers.values():
             x = layer(positions, x, ctx)
         return self.norm(x) if self.last else x
@@ -109,15 +173,12 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Base of every family: `model` (embed, layers, norm) and `lm_head`, HF parameter names."""
 
-    norm_cls: ClassVar[type] = RMSNorm
-    router: ClassVar[str] = "softmax_topk"
-    mlp_name: ClassVar[str] = "mlp"
-    names: ClassVar[CheckpointNames] = CheckpointNames()
+    family: ClassVar[Family] = Family()
 
     def __init__(self, cfg: ModelConfig, env: Any) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, type(self), env)
+        self.model = DecoderModel(cfg, self.family, env)
         self.lm_head = None
         if env.is_last_stage:
             self.lm_head = ParallelLMHead(
@@ -134,11 +195,8 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, hidden, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers.values()]
-
-
-class LayerNormCausalLM(CausalLM):
-    norm_cls = LayerNorm

@@ -12,7 +12,9 @@ a warning).
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections import Counter
 from typing import Any
 
 import torch
@@ -21,6 +23,8 @@ from tqdm import tqdm
 
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import checkpoint_targets, layer_index
+
+log = logging.getLogger("expertmesh")
 
 
 class WeightLoadError(ValueError):
@@ -64,14 +68,35 @@ def load_weights(
     experts, tie = _experts_lookup(model), model.cfg.tie_word_embeddings
     files = safetensors_files(model_dir)
     check_against_twin(model, files)
+    skipped: Counter = Counter()
     for path in tqdm(files, desc="Loading safetensors", disable=not show_progress or len(files) < 2):
         with _open(path) as f, nonfinite_allowed(allow_nonfinite):
             for key in f.keys():
+                rule = skip_rule(key, model)
+                if rule is not None:
+                    skipped[rule] += 1
+                    continue
                 try:
                     _load_key(f, key, params, loaded, local_layers, experts, model, tie)
                 except SafetensorError as exc:
                     raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
+    for rule, count in sorted(skipped.items()):
+        log.info("skipped %d checkpoint tensors by rule %r", count, rule)
     _check_complete(params, loaded)
+
+
+def skip_rule(key: str, model: Any) -> str | None:
+    """The named rule that consumes `key` without loading it, if any: the family's own (e.g. a
+    multimodal checkpoint's vision tower), or the multi-token-prediction layers stored after the
+    last decoder layer (GLM-4.5, DeepSeek-V3), which only speculative decoding would use."""
+    names, cfg = model.family.names, model.cfg
+    rule = names.skip_rule(key)
+    if rule is not None:
+        return rule
+    layer = layer_index(names.canonical(key))
+    if layer is not None and cfg.num_layers <= layer < cfg.num_layers + cfg.num_nextn_predict_layers:
+        return "mtp layers (num_nextn_predict_layers; speculative decoding is not supported)"
+    return None
 
 
 # ---- the one-rank twin: full shapes and dtypes, before any rank slices ------------------------------
@@ -93,12 +118,17 @@ def check_against_twin(model: Any, files: list[str]) -> None:
     for path in files:
         with _open(path) as f:
             for key in f.keys():
+                if skip_rule(key, model) is not None:
+                    continue
                 try:
                     src = f.get_slice(key)
                     shape, dtype = tuple(src.get_shape()), src.get_dtype()
                 except SafetensorError as exc:
                     raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
-                targets = checkpoint_targets(key, twin.names, experts, model.cfg.tie_word_embeddings)
+                names = twin.family.names
+                targets = checkpoint_targets(
+                    names.canonical(key), names, experts, model.cfg.tie_word_embeddings
+                )
                 _check_key(key, path, shape, dtype, targets or [], params)
 
 
@@ -133,14 +163,16 @@ def _check_key(key: str, path: str, shape: tuple[int, ...], dtype: str, targets:
 
 
 def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, tie) -> None:
+    checkpoint_key, key = key, model.family.names.canonical(key)
     layer = layer_index(key)
     if layer is not None and not 0 <= layer < model.cfg.num_layers:
         raise WeightLoadError(
-            f"checkpoint key {key!r} names layer {layer}, but the model has {model.cfg.num_layers}"
+            f"checkpoint key {checkpoint_key!r} names layer {layer}, but the model has {model.cfg.num_layers}"
         )
     if layer is not None and layer not in local_layers:
         return  # another pipeline stage owns it
-    targets = checkpoint_targets(key, model.names, experts, tie)
+    targets = checkpoint_targets(key, model.family.names, experts, tie)
+    key = checkpoint_key  # errors name the tensor as the checkpoint spells it
     for name, shard, pick in targets:
         if name not in params:
             if _owned_elsewhere(name, model):
@@ -156,7 +188,7 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
         if shard in loaded[name]:
             raise WeightLoadError(f"parameter {name!r} shard {shard!r} is filled twice (last by {key!r})")
         try:
-            param.weight_loader(param, pick(f.get_slice(key)), shard)
+            param.weight_loader(param, pick(f.get_slice(checkpoint_key)), shard)
         except NonFinite as exc:
             raise WeightLoadError(
                 f"checkpoint key {key!r} holds non-finite weights ({exc}); pass allow_nonfinite_weights=True "

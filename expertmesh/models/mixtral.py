@@ -2,9 +2,12 @@
 
 from expertmesh.models.checkpoint import CheckpointNames
 from expertmesh.models.decoder import CausalLM
+from expertmesh.models.family import Family
 
 
 class MixtralForCausalLM(CausalLM):
-    router = "softmax_topk"
-    mlp_name = "block_sparse_moe"
-    names = CheckpointNames(gate="w1", up="w3", down="w2")
+    family = Family(
+        router="softmax_topk",
+        mlp_name="block_sparse_moe",
+        names=CheckpointNames(gate="w1", up="w3", down="w2"),
+    )

@@ -1,15 +1,16 @@
-"""Qwen2-MoE (shared expert with a sigmoid gate, qkv bias) and Qwen3-MoE (q/k RMSNorm).
+"""Qwen2-MoE (shared expert with a sigmoid gate, qkv bias) and Qwen3-MoE (per-head q/k RMSNorm).
 
-Both route with softmax top-k, renormalised when the config's norm_topk_prob says so; the
-differences live in ModelConfig (shared expert size, qk_norm, biases).
+Both route with softmax top-k, renormalised when the config's norm_topk_prob says so; sizes,
+biases, sliding windows and rope scaling (Qwen3's YaRN) come from the config.
 """
 
 from expertmesh.models.decoder import CausalLM
+from expertmesh.models.family import Family
 
 
 class Qwen2MoeForCausalLM(CausalLM):
-    router = "softmax_topk"
+    family = Family(router="softmax_topk", shared_expert="sigmoid_gated")
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    router = "softmax_topk"
+    family = Family(router="softmax_topk", qk_norm="per_head")
