@@ -139,6 +139,64 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3; layers/mla.py): queries through a
+    low-rank `q_lora_rank` bottleneck or a plain projection; keys and values from one latent of
+    `kv_lora_rank` values plus a rotary key of `qk_rope_head_dim` shared by every head."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q_proj straight from the hidden state
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MLA {name}={getattr(self, name)} must be >= 1")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotated in pairs)")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank={self.q_lora_rank} must be >= 1 or null")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Values a token keeps in the latent cache: the latent and the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> MLAConfig | None:
+        if not getattr(hf, "kv_lora_rank", None):
+            return None
+        q_lora = getattr(hf, "q_lora_rank", None)
+        return cls(
+            kv_lora_rank=int(hf.kv_lora_rank),
+            qk_nope_head_dim=int(hf.qk_nope_head_dim),
+            qk_rope_head_dim=int(hf.qk_rope_head_dim),
+            v_head_dim=int(hf.v_head_dim),
+            q_lora_rank=int(q_lora) if q_lora else None,
+        )
+
+
+def check_unquantized(hf: Any) -> None:
+    """Quantized checkpoints (FP8 block-scaled DeepSeek-V3, MXFP4 gpt-oss, ...) are not loaded yet:
+    say so up front, naming the config's quantization_config, instead of failing on tensor names."""
+    quant = getattr(hf, "quantization_config", None)
+    if quant:
+        method = (
+            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        )
+        raise ValueError(
+            f"config.json has a quantization_config (quant_method={method!r}): quantized weight formats "
+            "are not supported yet; use an unquantized (e.g. bf16) copy of the checkpoint"
+        )
+
+
 def _first(hf: Any, *names: str, default: Any = None) -> Any:
     for name in names:
         value = getattr(hf, name, None)
@@ -176,6 +234,7 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: rotary or not (Llama 4's no_rope_layers); () = all
     attention_multiplier: float | None = None  # replaces head_dim ** -0.5 (Granite)
     attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale), NoPE layers
+    mla: MLAConfig | None = None  # multi-head latent attention's sizes (DeepSeek); None: not MLA
     # ---- MLP and experts
     num_experts: int = 0
     top_k: int = 0
@@ -183,6 +242,7 @@ class ModelConfig:
     dense_intermediate_size: int = 0  # dense layers' MLP (intermediate_size_mlp for Llama 4)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    topk_method: str | None = None  # DeepSeek's name of its selection rule ("greedy", ...)
     n_group: int = 1
     topk_group: int = 1
     router_jitter_noise: float = 0.0
@@ -262,6 +322,7 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # Llama 4's text tower
+        check_unquantized(hf)
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         checkpoint_dtype = _first(hf, "dtype", "torch_dtype")
@@ -313,6 +374,7 @@ def _attention_fields(hf: Any) -> dict:
         rope_layers=tuple(bool(x) for x in no_rope) if no_rope else (),
         attention_multiplier=None if multiplier is None else float(multiplier),
         attn_temperature=tuning,
+        mla=MLAConfig.from_hf(hf),
     )
 
 
@@ -330,6 +392,7 @@ def _mlp_fields(hf: Any) -> dict:
         dense_intermediate_size=int(_first(hf, "intermediate_size_mlp", default=inter)),
         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
         routed_scaling_factor=float(_first(hf, "routed_scaling_factor", default=1.0)),
+        topk_method=getattr(hf, "topk_method", None),
         n_group=int(_first(hf, "n_group", default=1)),
         topk_group=int(_first(hf, "topk_group", default=1)),
         router_jitter_noise=float(getattr(hf, "router_jitter_noise", 0.0) or 0.0),

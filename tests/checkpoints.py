@@ -87,13 +87,14 @@ def make_checkpoint(family: str, path: str, tokenizer_dir: str, seed: int = 0, *
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens, EOS generated and gone past like the engine's ignore_eos (a
+    min_new_tokens would instead forbid EOS, and pick the runner-up where EOS is the argmax)."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
-        y = model.generate(
-            x, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
-        )
+        y = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
         outs.append(y[0, len(ids) :].tolist())
     return outs
 

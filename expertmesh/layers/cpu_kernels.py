@@ -85,9 +85,9 @@ class PanelWeight:
 _F32, _INT = ctypes.c_float, ctypes.c_int
 # Argument types of each entry point (pointers are c_void_p); every one returns nothing.
 _SIGNATURES = {
-    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, W, block_size, scale, window, chunk,
+    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, Dv, W, block_size, scale, window, chunk,
     # sinks or NULL, threads
-    "paged_decode": [_c] * 6 + [_i64] * 6 + [_F32, _i64, _i64, _c, _INT],
+    "paged_decode": [_c] * 6 + [_i64] * 7 + [_F32, _i64, _i64, _c, _INT],
     # x, panels, y, M, O, I, bias or NULL, threads
     "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
     # x, weight, out, rows, H, eps, threads
@@ -325,22 +325,31 @@ class CpuKernels:
         sliding_window: int | None,
         chunk: int | None = None,
         sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
-        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, D].
+        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, Dv].
         Keys seen: the last `sliding_window` tokens, within the newest token's `chunk`; `sinks` [H]
-        a per-head logit in each softmax's denominator."""
+        a per-head logit in each softmax's denominator. Values are the first `value_dim` (Dv,
+        default D) entries of the v_cache rows: a latent cache passes itself as both caches, with
+        one shared head of kv_lora_rank + rope values whose first kv_lora_rank are the values."""
         b, h, d = q.shape
         _, bs, hk, _ = k_cache.shape
+        dv = d if value_dim is None else value_dim
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not t.is_contiguous() or t.dtype != q.dtype:
                 raise ValueError(f"paged_decode: {name} must be contiguous {q.dtype}, got {t.dtype}")
+        if k_cache.shape[-1] != d or v_cache.shape != k_cache.shape or h % hk or not 1 <= dv <= d:
+            raise ValueError(
+                f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+                f"and value_dim {dv} do not fit (same-shape caches of width D, H a multiple of Hk, Dv <= D)"
+            )
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
             raise ValueError("paged_decode: block_tables and context_lens must be int32")
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()
             if sinks.shape != (h,):
                 raise ValueError(f"paged_decode: sinks must be [{h}], got {tuple(sinks.shape)}")
-        out = torch.empty_like(q)
+        out = torch.empty(b, h, dv, dtype=q.dtype)
         fn = self.lib.paged_decode_f32 if q.dtype == torch.float32 else self.lib.paged_decode_bf16
         fn(
             q.data_ptr(),
@@ -353,6 +362,7 @@ class CpuKernels:
             h,
             hk,
             d,
+            dv,
             block_tables.shape[1],
             bs,
             scale,
