@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.config import ModelConfig
+from expertmesh.engine import kv_cache
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.mla import MLAAttention
 
@@ -178,6 +179,12 @@ def test_published_deepseek_v3_latent_row_is_576_values(tp):
         spec = MLAAttention(cfg, 0, None, group).attn.kv_spec
     assert (spec.kind, spec.values_per_token) == ("latent", 576)
     assert spec.expanded == 128 // tp * (192 + 128)
+    if tp == 1:  # the start-up line docs/deepseek.md shows
+        line = kv_cache.describe([spec] * cfg.num_layers, torch.bfloat16)
+        assert line == (
+            "KV cache: 70272 bytes per token (torch.bfloat16): latent (61 layers, 576 values a layer); "
+            "per-head K/V would need 4997120 bytes (40960 values a layer)"
+        )
 
 
 # ---- checkpoint details -----------------------------------------------------------------------

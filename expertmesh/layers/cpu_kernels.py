@@ -88,6 +88,8 @@ _SIGNATURES = {
     # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, Dv, W, block_size, scale, window, chunk,
     # sinks or NULL, threads
     "paged_decode": [_c] * 6 + [_i64] * 7 + [_F32, _i64, _i64, _c, _INT],
+    # x, its batch and head strides, w, out, B, H, K, N, trans, threads
+    "head_matmul": [_c, _i64, _i64, _c, _c] + [_i64] * 4 + [_INT, _INT],
     # x, panels, y, M, O, I, bias or NULL, threads
     "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
     # x, weight, out, rows, H, eps, threads
@@ -113,7 +115,8 @@ class CpuKernels:
         self.lanes = int(lib.gemm_lanes())
         # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights go to oneDNN.
         self.bf16_pairs = bool(lib.bf16_pairs())
-        variants = {kind: ("f32", "bf16") for kind in ("paged_decode", "gemm", "rms_norm", "rope_cache")}
+        kinds = ("paged_decode", "head_matmul", "gemm", "rms_norm", "rope_cache")
+        variants = {kind: ("f32", "bf16") for kind in kinds}
         variants["moe"] = ("f32",)
         if self.bf16_pairs:
             variants["gemm"] += ("bf16_pairs",)
@@ -312,6 +315,38 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return q_out, k_out, v_out
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """Per head: x [B, H, K] (rows may be strided, e.g. a split of the query) times w[h], w
+        [H, K, N] -> [B, H, N]; with `transposed`, w is [H, N, K] and x[b, h] @ w[h]^T is taken."""
+        b, h, k = x.shape
+        if w.dim() != 3 or w.shape[0] != h or w.shape[2 if transposed else 1] != k:
+            raise ValueError(
+                f"head_matmul: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (transposed={transposed})"
+            )
+        if x.stride(2) != 1 or not w.is_contiguous() or w.dtype != x.dtype or not self.supports(x.dtype):
+            raise ValueError(
+                f"head_matmul: x ({x.dtype}, strides {x.stride()}) and w ({w.dtype}) must share a "
+                "supported dtype, with unit-stride rows"
+            )
+        n = w.shape[1 if transposed else 2]
+        out = torch.empty(b, h, n, dtype=x.dtype)
+        if b:
+            fn = self.lib.head_matmul_f32 if x.dtype == torch.float32 else self.lib.head_matmul_bf16
+            fn(
+                x.data_ptr(),
+                x.stride(0),
+                x.stride(1),
+                w.data_ptr(),
+                out.data_ptr(),
+                b,
+                h,
+                k,
+                n,
+                int(transposed),
+                torch.get_num_threads(),
+            )
+        return out
 
     # ---- attention -------------------------------------------------------------------------------
     def paged_decode(

@@ -128,8 +128,7 @@ class LatentAttention(nn.Module):
         """-> [B, H, v]."""
         if not self.absorbed:
             return self._decode_expanded(q_nope, q_pe, meta)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, r]
-        q = torch.cat((q_latent, q_pe), dim=-1).contiguous()  # [B, H, r + rope]
+        q = torch.cat((self._per_head(q_nope, self.w_uk), q_pe), dim=-1)  # [B, H, r + rope]
         if meta.decode_block_tables is not None:
             o = self.kernels.paged_decode(
                 q, self.cache, self.cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -137,7 +136,15 @@ class LatentAttention(nn.Module):
             )  # fmt: skip
         else:
             o = torch.cat([self._latent_group(q[g.start : g.end], g, meta) for g in meta.decode_groups])
-        return torch.bmm(o.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
+        return self._per_head(o, self.w_uv, transposed=True)  # [B, H, v]
+
+    def _per_head(self, x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """x [B, H, K] times each head's w[h] ([K, N], or [N, K] transposed) -> [B, H, N]. torch's
+        CPU bmm takes ~15 ms for DeepSeek-V2-Lite's 16 heads at one token (measured here), 10x a
+        plain matmul of the same size: our kernel reads each weight row once instead."""
+        if self.kernels is not None:
+            return self.kernels.head_matmul(x, w, transposed)
+        return torch.matmul(x.transpose(0, 1), w.transpose(1, 2) if transposed else w).transpose(0, 1)
 
     def _latent_group(self, q: torch.Tensor, group, meta: AttentionMetadata) -> torch.Tensor:
         """q [b, H, width] against the group's cached rows (one head shared by all) -> [b, H, r]."""
