@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from checkpoints import hf_greedy, hf_last_logits, prompts_of_lengths
+from checkpoints import hf_greedy, hf_last_logits, one_thread, prompts_of_lengths
 from real_checkpoints import Sizes, deepseek_v2, published, randomize_small, shrink
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -19,7 +19,7 @@ from expertmesh import LLM, SamplingParams
 from expertmesh.config import ModelConfig
 from expertmesh.engine import kv_cache
 from expertmesh.layers import cpu_kernels
-from expertmesh.layers.mla import MLAAttention
+from expertmesh.layers.mla import MLAAttention, mla_softmax_scale
 
 MODELS = {
     # no q LoRA, 64 experts top-6 as published, 2 shared, 1 dense layer, softmax greedy
@@ -94,7 +94,7 @@ def test_bf16_logprobs_close_to_transformers(real_checkpoint, name):
     errors = []
     for prompt, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():
             logits = model(torch.tensor([prompt + tokens])).logits[0].float()
         ref = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)
         for step, lps in enumerate(out.outputs[0].logprobs):
@@ -106,10 +106,47 @@ def test_bf16_logprobs_close_to_transformers(real_checkpoint, name):
         assert max(errors) < 0.1, f"{name}: |logprob difference| per position {errors}"
     else:
         # V3 picks 8 of 32 experts within 4 of 8 groups by a hard threshold on biased sigmoid scores:
-        # one bf16 ulp in the hidden state can swap an expert (measured: 2 positions in 24 at 0.29
-        # and 0.13, where transformers' own bf16 and fp32 agree; at a third one transformers' bf16
-        # is 0.22 off its fp32 and ours is not).
-        assert sorted(errors)[-3] < 0.1 and max(errors) < 1.0, f"v3: per position {errors}"
+        # one bf16 ulp in the hidden state can swap an expert. Measured: the 3 positions of 24 above
+        # 0.1 (0.29, 0.22, 0.13) are exactly those where one expert choice differs from
+        # transformers' bf16 (at the 0.22 one, transformers' bf16 differs from its own fp32 routing
+        # and ours does not).
+        assert sum(e > 0.1 for e in errors) <= 3 and max(errors) < 1.0, f"v3: per position {errors}"
+
+
+@pytest.mark.timeout(90)
+def test_v3_with_rope_in_halves(real_checkpoint):
+    """rope_interleave false (NeoX halves on the rope dims, transformers' other V3 branch):
+    prefill logprobs and greedy tokens against transformers."""
+    source, sizes = MODELS["v3"]
+    path = real_checkpoint(source, sizes=sizes, rope_interleave=False)
+    prompts = prompts_of_lengths([5, 26], seed=8)
+    llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    assert not llm.llm_engine.runner.model.model.rotary.rope.interleaved
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
+    for out, logits in zip(outs, hf_last_logits(path, prompts)):
+        ours = torch.tensor([out.outputs[0].logprobs[0][t].logprob for t in range(vocab)])
+        torch.testing.assert_close(ours, logits.log_softmax(-1), atol=2e-4, rtol=1e-4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 12)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+def test_softmax_scale_has_yarns_mscale_all_dim_correction(name):
+    """qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2, as transformers' yarn_apply_mscale; none
+    without a scaled rope."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    config = {k: v for k, v in published(name).items() if k != "quantization_config"}
+    hf = AutoConfig.for_model(**config)
+    cfg = ModelConfig.from_hf(hf)
+    want = yarn_apply_mscale(hf.rope_parameters, cfg.mla.qk_head_dim**-0.5)
+    assert mla_softmax_scale(cfg.rope, cfg.mla.qk_head_dim) == want
+    assert want > 1.5 * 192**-0.5  # x1.59 (V2-Lite), x1.87 (V3)
+    plain = AutoConfig.for_model(**{**config, "rope_scaling": None})
+    assert mla_softmax_scale(ModelConfig.from_hf(plain).rope, 192) == 192**-0.5
 
 
 def _mla_layers(llm: LLM) -> list:
@@ -272,5 +309,6 @@ def test_moe_layer_freq_follows_deepseeks_rule(tokenizer_dir, tmp_path):
     )
     hf.generation_config.eos_token_id = None
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        with one_thread():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
