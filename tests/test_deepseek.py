@@ -33,6 +33,20 @@ LENGTHS = [1, 3, 7, 12, 20, 33, 5, 48]
 NEW_TOKENS = 32
 
 
+@pytest.fixture
+def engine_log(caplog):
+    """The expertmesh logger's records (it does not propagate to the root logger caplog watches)."""
+    log = logging.getLogger("expertmesh")
+    log.addHandler(caplog.handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+        log.setLevel(level)
+
+
 def deepseek(real_checkpoint, name: str, **kw) -> str:
     source, sizes = MODELS[name]
     return real_checkpoint(source, sizes=sizes, **kw)
@@ -185,18 +199,17 @@ def test_absorbed_and_expanded_decode_agree_with_and_without_kernels(real_checkp
 
 # ---- the latent KV cache ----------------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_latent_cache_bytes_per_token_reported_and_sizing_the_budget(real_checkpoint, caplog):
+def test_latent_cache_bytes_per_token_reported_and_sizing_the_budget(real_checkpoint, engine_log):
     path = deepseek(real_checkpoint, "v3")
     budget = 1 << 20
-    with caplog.at_level(logging.INFO, logger="expertmesh"):
-        llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=budget)
+    llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=budget)
     cfg = llm.llm_engine.config.model_config
     m, layers = cfg.mla, cfg.num_layers
     latent = (m.kv_lora_rank + m.qk_rope_head_dim) * layers * 4  # float32
     per_head = cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * layers * 4
     assert llm.llm_engine.runner.bytes_per_token() == latent
-    assert f"KV cache: {latent} bytes per token" in caplog.text
-    assert f"per-head K/V would need {per_head} bytes" in caplog.text
+    assert f"KV cache: {latent} bytes per token" in engine_log.text
+    assert f"per-head K/V would need {per_head} bytes" in engine_log.text
     assert llm.llm_engine.blocks.num_blocks == budget // (latent * 16)
     caches = llm.llm_engine.runner.kv
     assert len(caches) == layers and caches[0].shape == (1, budget // (latent * 16) + 1, 16, 1, 40)
@@ -226,15 +239,14 @@ def test_published_deepseek_v3_latent_row_is_576_values(tp):
 
 # ---- checkpoint details -----------------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_v3_mtp_layer_is_skipped_by_a_named_logged_rule(real_checkpoint, caplog):
+def test_v3_mtp_layer_is_skipped_by_a_named_logged_rule(real_checkpoint, engine_log):
     path = deepseek(real_checkpoint, "v3")
     n = _config("v3")["num_hidden_layers"]
     with open(f"{path}/model.safetensors.index.json") as f:
         mtp = [k for k in json.load(f)["weight_map"] if k.startswith(f"model.layers.{n}.")]
     assert any("eh_proj" in k for k in mtp) and any(".mlp.experts." in k for k in mtp)
-    with caplog.at_level(logging.INFO, logger="expertmesh"):
-        LLM(path, max_model_len=32, kv_cache_memory_bytes=1 << 20)
-    assert f"skipped {len(mtp)} checkpoint tensors by rule 'mtp layers" in caplog.text
+    LLM(path, max_model_len=32, kv_cache_memory_bytes=1 << 20)
+    assert f"skipped {len(mtp)} checkpoint tensors by rule 'mtp layers" in engine_log.text
 
 
 @pytest.mark.timeout(90)
