@@ -62,9 +62,11 @@ def make_model(cache_dir: str) -> str:
 
 def measure(model: str, dtype: str, context: int, batch: int, steps: int) -> dict[str, float]:
     """Median decode-step time of each path at `context` tokens -> tokens per second."""
+    length = context + 2 * steps + 4
+    # KV budget: 4 layers x 576 latent values x 4 bytes a token, twice over (bf16 needs half).
     llm = LLM(
-        model=model, dtype=dtype, max_model_len=context + 2 * steps + 4, max_num_seqs=batch,
-        max_num_batched_tokens=batch * (context + 2 * steps + 4), kv_cache_memory_bytes=1 << 31,
+        model=model, dtype=dtype, max_model_len=length, max_num_seqs=batch,
+        max_num_batched_tokens=batch * length, kv_cache_memory_bytes=batch * length * 4 * 576 * 4 * 2,
     )  # fmt: skip
     engine = llm.llm_engine
     rng = random.Random(0)
@@ -92,7 +94,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed decode steps of each path")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--cache-dir", default="/tmp/expertmesh-bench")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = make_model(args.cache_dir)
     threads = torch.get_num_threads()
     print(f"threads {threads}, batch {args.batch}, {args.dtype}, {args.steps} steps of each path")
