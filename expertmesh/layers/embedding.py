@@ -1,4 +1,8 @@
-"""Vocab-parallel embedding and LM head: the vocabulary is split in contiguous blocks over TP."""
+"""Vocab-parallel embedding and LM head: the vocabulary is split in contiguous blocks over TP.
+
+A vocabulary TP does not divide (Granite's 49155) is padded: every rank holds ceil(V / TP) rows,
+the last ones zero past V, and the gathered logits are cut back to V.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +21,15 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, group: Any, dtype=torch.float32) -> None:
         super().__init__()
         self.group, tp = group, group.world_size
-        if vocab_size % tp:
-            raise ValueError(f"vocab_size={vocab_size} is not divisible by tensor_parallel_size={tp}")
-        self.shard = vocab_size // tp
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // tp)
         self.start = group.rank_in_group * self.shard
-        self.weight = nn.Parameter(torch.empty(self.shard, hidden, dtype=dtype), requires_grad=False)
+        self.rows = max(0, min(self.shard, vocab_size - self.start))  # real rows here; the rest pad
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
         set_loader(self.weight, self._load)
 
     def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        copy_into(param.data, read(src, 0, self.start, self.shard), "vocab shard")
+        copy_into(param.data[: self.rows], read(src, 0, self.start, self.rows), "vocab shard")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
@@ -44,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden, group, dtype)
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.shard, dtype=dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(self.shard, dtype=dtype), requires_grad=False)
             set_loader(self.bias, self._load)
 
     packed: cpu_gemm.PackedWeight | None = None
@@ -61,4 +65,4 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = F.linear(hidden, self.weight, self.bias)
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
-        return logits
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
