@@ -129,7 +129,10 @@ def _mismatched_configs(rank, world, path):
 
 @pytest.mark.timeout(60)
 def test_ranks_with_different_configs_fail_naming_the_rank(checkpoint):
-    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] differ from rank 0"):
+    # The rank, and the setting that differs with both values (it used to name only the rank).
+    with pytest.raises(
+        RuntimeError, match=r"rank 1 differs from rank 0 in max_model_len \(rank 0: 128, rank 1: 64\)"
+    ):
         run_distributed(_mismatched_configs, 2, checkpoint("mixtral"), timeout=50)
 
 

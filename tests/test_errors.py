@@ -56,7 +56,10 @@ def test_strict_weight_loading(checkpoint, tmp_path, edit):
         match = "surprise.weight.*matches no parameter"
     else:
         weights[key] = weights[key][:, :-1].contiguous()
-        match = "key 'model.layers.1.block_sparse_moe.experts.3.w2.weight' does not fit.*shape \\(64, 95\\)"
+        match = (
+            "key 'model.layers.1.block_sparse_moe.experts.3.w2.weight' in .*model.safetensors has shape "
+            "\\(64, 95\\); parameter .*experts.w2' expects \\(64, 96\\)"
+        )
     save_file(weights, path / "model.safetensors")
     with pytest.raises((WeightLoadError, ValueError), match=match):
         LLM(str(path), kv_cache_memory_bytes=1 << 22)
@@ -105,5 +108,28 @@ def test_token_prompts_work_without_a_tokenizer(checkpoint, tmp_path):
     llm = LLM(str(path), kv_cache_memory_bytes=1 << 22)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
-    with pytest.raises(ValueError, match="no tokenizer"):
-        llm.generate("text needs a tokenizer", GREEDY, use_tqdm=False)
+    # A text prompt fails alone (the invariant: a finished request with its error), the next one works.
+    bad, good = llm.generate(
+        ["text needs a tokenizer", {"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False
+    )
+    assert "no tokenizer" in bad.error and bad.outputs == []
+    assert good.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.timeout(60)
+def test_tp_that_does_not_fit_the_heads_names_each_number_under_its_own_label(checkpoint, monkeypatch):
+    # 4 query heads, 2 KV heads: TP=3 fits neither. The message used to swap the two labels.
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    path = checkpoint("mixtral")
+    with pytest.raises(
+        ValueError, match=r"^num_attention_heads=4 is not divisible by tensor_parallel_size=3.*\[1, 2, 4\]"
+    ):
+        LLM(path, tensor_parallel_size=3)  # before any process group or torchrun check
+    path = checkpoint("mixtral", num_attention_heads=12, num_key_value_heads=4, head_dim=16)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=3 neither divides num_key_value_heads=4 nor is a multiple"
+    ):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="distributed_timeout_seconds=0 must be a number > 0"):
+        LLM(path, distributed_timeout_seconds=0)

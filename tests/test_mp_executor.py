@@ -101,3 +101,50 @@ def test_a_worker_that_raises_at_start_up_is_reported_with_its_traceback(referen
             kv_cache_memory_bytes=1,
         )
     _wait_no_workers()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_worker_is_named_and_every_worker_ended(reference):
+    path, _ = reference
+    llm = LLM(
+        path,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        distributed_timeout_seconds=3,
+        **ENGINE,
+    )
+    victim = next(p for p in _workers() if p.name == "expertmesh-rank1")
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    threading.Timer(0.5, os.kill, (victim.pid, signal.SIGSTOP)).start()
+    start = time.monotonic()
+    with pytest.raises(
+        WorkerError,
+        match=r"(?s)worker rank (1 of 2 .*stopped responding|0 of 2 .*ended the run:.*rank 1 stopped "
+        r"responding)",
+    ) as err:
+        while True:
+            llm.generate(PROMPTS * 4, long)
+    assert time.monotonic() - start < 3 + 12, err.value  # it hung in silence before
+    _wait_no_workers()
+
+
+@pytest.mark.timeout(60)
+def test_bad_requests_and_ctrl_c_leave_the_workers_serving(reference):
+    import _thread
+
+    path, expected = reference
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    # Bad requests fail alone: every worker stays up (they were all shut down before).
+    bad = SamplingParams(logprobs=5000, max_tokens=2)
+    outs = llm.generate([PROMPTS[0], {"prompt_token_ids": [5.0, 7.9]}, PROMPTS[1]], [bad, GREEDY, GREEDY])
+    assert "logprobs=5000 exceeds the vocabulary" in outs[0].error and "integers" in outs[1].error
+    assert outs[2].outputs[0].token_ids == expected[1] and len(_workers()) == 2
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS * 4, long)
+    start = time.monotonic()
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected  # the interrupted requests are gone
+    took = time.monotonic() - start
+    llm.shutdown()
+    assert took < 5, f"the next call took {took:.1f} s: it finished the interrupted requests first"

@@ -158,3 +158,26 @@ def test_dp2_spreads_concurrent_requests_over_both_replicas(tmp_path, refs):
         assert metrics["kv_blocks_used"] == 0 and metrics["num_requests_running"] == 0
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(90)  # like its neighbours: most of it is the server's start on a shared machine
+def test_a_stopped_worker_stops_the_server_naming_the_rank(tmp_path):
+    flags = ["--tensor-parallel-size", "2", "--distributed-timeout-seconds", "3"]
+    server = ServeProcess(flags, tmp_path / "serve.log")
+    try:
+        pids = server.wait_healthy().worker_pids()
+        body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=30)
+            time.sleep(0.5)
+            stopped_at = time.monotonic()
+            os.kill(pids[1], signal.SIGSTOP)  # frozen, not dead: it hung every request before
+            answer = pending.result()
+        # Named by the driver's heartbeat check or by rank 0's watchdog, whichever is first.
+        named = r"rank 1 (of 2 \(pid \d+\) )?stopped responding"
+        assert answer.status_code == 503 and re.search(named, answer.text), answer.text
+        code = server.proc.wait(20)
+        assert code != 0 and time.monotonic() - stopped_at < 3 + 15
+        assert re.search(r"(?s)expertmesh serve stopped: mp executor: worker .*" + named, server.output())
+    finally:
+        server.stop()

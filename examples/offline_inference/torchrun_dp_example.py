@@ -27,6 +27,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="random seed")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (vLLM's example uses 0.8)")
     p.add_argument("--max-tokens", type=int, default=24, help="new tokens per prompt")
+    p.add_argument(
+        "--print-all-ranks",
+        action="store_true",
+        help="every rank prints its outputs (prefixed by its global rank), not only replica leaders",
+    )
     return p.parse_args()
 
 
@@ -58,10 +63,14 @@ def main() -> None:
     dp_size = llm.llm_engine.vllm_config.parallel_config.data_parallel_size
     prompts = [p for i, p in enumerate(prompts) if i % dp_size == dp_rank]
     outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
-    if llm.is_replica_leader():  # TP/PP peers hold the same outputs; one of them prints
+    rank = llm.llm_engine.vllm_config.parallel_config.rank
+    if args.print_all_ranks or llm.is_replica_leader():  # TP/PP peers hold the same outputs
+        prefix = f"Rank: {rank} " if args.print_all_ranks else ""
         for output in outputs:
             print(
-                f"DP Rank: {dp_rank} Prompt: {output.prompt!r}\nGenerated text: {output.outputs[0].text!r}\n"
+                f"{prefix}DP Rank: {dp_rank} Prompt: {output.prompt!r}\n"
+                f"Generated text: {output.outputs[0].text!r}\n",
+                flush=True,
             )
 
 

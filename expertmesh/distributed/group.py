@@ -17,6 +17,9 @@ Each collective adds what this rank moves to ``Group.traffic`` (padding included
 every byte went directly from the rank that has it to the rank that needs it; an all-reduce of N
 bytes counts 2 * (p - 1) / p * N each way (reduce-scatter + all-gather). Object collectives count
 calls only.
+
+Every collective of a multi-rank group tells the watchdog (distributed/watchdog.py) what this
+rank is waiting in and for whom, so a peer that stops answering is named, never waited on forever.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from expertmesh.distributed import watchdog
 from expertmesh.distributed.layout import ParallelLayout, check_world_size
 
 ReduceOp = Literal["sum", "max", "min"]
@@ -124,6 +128,12 @@ class Group:
             raise ValueError(f"group {self.name!r}: {what}={index} outside [0, {self.world_size})")
         return self.ranks[index]
 
+    def _watch(self, op: str, peer: int | None = None):
+        """The watchdog's view of this call: a collective on the group, or a send/recv with one peer."""
+        if peer is not None:
+            return watchdog.waiting(f"{self.name}.{op} (rank {peer})", (peer,))
+        return watchdog.waiting(f"{self.name}.{op}", self.ranks, f"{self.name}{list(self.ranks)}")
+
     # --- tensor collectives ------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -133,7 +143,8 @@ class Group:
         if self.world_size == 1:
             return x
         x = x.contiguous()
-        dist.all_reduce(x, op=ops[op], group=self.pg)
+        with self._watch("all_reduce"):
+            dist.all_reduce(x, op=ops[op], group=self.pg)
         moved = 2 * (self.world_size - 1) * _nbytes(x) // self.world_size
         self._count(moved, moved)
         return x
@@ -144,7 +155,8 @@ class Group:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.pg)
+        with self._watch("all_gather"):
+            dist.all_gather(parts, x, group=self.pg)
         self._count((self.world_size - 1) * _nbytes(x), (self.world_size - 1) * _nbytes(x))
         return torch.cat(parts, dim=dim)
 
@@ -167,7 +179,8 @@ class Group:
         if poison:
             for p in parts:
                 poison_(p)
-        dist.all_gather(parts, padded, group=self.pg)
+        with self._watch("all_gather_v"):
+            dist.all_gather(parts, padded, group=self.pg)
         self._count((self.world_size - 1) * _nbytes(padded), (self.world_size - 1) * _nbytes(padded))
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
@@ -194,7 +207,8 @@ class Group:
         out = x.new_empty((width, *x.shape[1:]))
         if poison:
             poison_(out)
-        dist.reduce_scatter(out, chunks, group=self.pg)
+        with self._watch("reduce_scatter_v"):
+            dist.reduce_scatter(out, chunks, group=self.pg)
         self._count((self.world_size - 1) * _nbytes(out), (self.world_size - 1) * _nbytes(out))
         return out[: sizes[self.rank_in_group]]
 
@@ -204,7 +218,8 @@ class Group:
         if self.world_size == 1:
             return x
         x = x.contiguous()
-        dist.broadcast(x, src_global, group=self.pg)
+        with self._watch("broadcast"):
+            dist.broadcast(x, src_global, group=self.pg)
         if src == self.rank_in_group:
             self._count((self.world_size - 1) * _nbytes(x), 0)
         else:
@@ -216,7 +231,8 @@ class Group:
         if dst == self.rank_in_group:
             raise ValueError(f"group {self.name!r}: send to itself (dst={dst})")
         x = x.contiguous()
-        dist.send(x, dst_global, group=self.pg)
+        with self._watch("send", dst_global):
+            dist.send(x, dst_global, group=self.pg)
         self._count(_nbytes(x), 0)
 
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
@@ -226,7 +242,8 @@ class Group:
             raise ValueError(f"group {self.name!r}: recv from itself (src={src})")
         if not x.is_contiguous():
             raise ValueError(f"group {self.name!r}: recv buffer must be contiguous")
-        dist.recv(x, src_global, group=self.pg)
+        with self._watch("recv", src_global):
+            dist.recv(x, src_global, group=self.pg)
         self._count(0, _nbytes(x))
         return x
 
@@ -246,7 +263,8 @@ class Group:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         if poison:
             poison_(out)
-        dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=self.pg)
+        with self._watch("all_to_all_single"):
+            dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=self.pg)
         row = _nbytes(x[:1]) if x.shape[0] else _nbytes(out[:1])
         me = self.rank_in_group
         self._count(row * (sum(in_splits) - in_splits[me]), row * (sum(out_splits) - out_splits[me]))
@@ -258,7 +276,8 @@ class Group:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
+        with self._watch("all_gather_object"):
+            dist.all_gather_object(out, obj, group=self.pg)
         self._count(0, 0)
         return out
 
@@ -267,13 +286,15 @@ class Group:
         if self.world_size == 1:
             return obj
         box = [obj if src == self.rank_in_group else None]
-        dist.broadcast_object_list(box, src=src_global, group=self.pg)
+        with self._watch("broadcast_object"):
+            dist.broadcast_object_list(box, src=src_global, group=self.pg)
         self._count(0, 0)
         return box[0]
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.pg)
+            with self._watch("barrier"):
+                dist.barrier(group=self.pg)
 
 
 @dataclass(frozen=True)

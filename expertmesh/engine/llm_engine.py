@@ -3,13 +3,19 @@
 With DP > 1 every step follows the lockstep contract: the DP ranks agree on token counts,
 a rank with nothing to run while a peer has work runs a one-token dummy forward, and they
 continue while any of them has unfinished work.
+
+The request-failure invariant lives here, in `fail`: a request that cannot run (validation) or
+whose step raised is finished with its error, its KV blocks are freed, and the other requests
+go on. `check_invariants` verifies the block accounting that promise rests on.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Any
 
 import torch
 
@@ -49,6 +55,30 @@ def validate_prompt(ids: list[int], max_model_len: int, capacity: int, vocab_siz
     return None
 
 
+def as_token_ids(ids: Any) -> tuple[list[int], str | None]:
+    """`ids` as a list of Python ints, or why it is not one (floats, bools, strings, not a list)."""
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+        return [], f"prompt_token_ids must be a list of integers, got {type(ids).__name__}"
+    ids = list(ids)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
+    if bad:
+        return [], f"prompt_token_ids must be integers; got {bad[:3]!r} ({type(bad[0]).__name__})"
+    return [int(t) for t in ids], None
+
+
+def validate_request(ids: Any, params: Any, max_model_len: int, capacity: int, vocab_size: int) -> str | None:
+    """Why a request cannot run, checked before it reaches the scheduler (the one rule every
+    entry point applies: offline, the server, the mp driver), or None."""
+    if not isinstance(params, SamplingParams):
+        return f"sampling params must be a SamplingParams, got {type(params).__name__}"
+    ids, error = as_token_ids(ids)
+    if error:
+        return error
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        return f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}"
+    return validate_prompt(ids, max_model_len, capacity, vocab_size)
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, runner: ModelRunner, groups: ParallelGroups, tokenizer, dispatchers=()
@@ -67,6 +97,9 @@ class LLMEngine:
             config.scheduler_config.max_model_len, num_blocks * config.cache_config.block_size
         )
         self.num_steps = self.num_dummy_steps = 0
+        # Asked before each step of step_until_none_left; True ends the call (an mp worker's
+        # driver was interrupted). Every rank must give the same answer at the same step.
+        self.interrupt: Callable[[], bool] | None = None
         self.last_step_traffic = {"bytes_sent": 0, "bytes_received": 0}
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, self.blocks.block_size, self.capacity
@@ -85,13 +118,15 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: Any, params: SamplingParams, prompt: str | None = None
     ) -> Request:
-        req = Request(request_id, prompt, list(prompt_token_ids))
+        """Queue a request; one that cannot run comes back (and out of the next step) with `.error`."""
+        error = validate_request(prompt_token_ids, params, **self.prompt_limits())
+        ids = as_token_ids(prompt_token_ids)[0]
+        req = Request(request_id, prompt, ids)
         self.requests[request_id] = req
-        req.error = self._validate(req.prompt_token_ids)
-        if req.error:
-            log.warning("request %s rejected: %s", request_id, req.error)
+        if error:
+            self.fail(req, error)
             return req
         for i in range(params.n):
             seq = Sequence(request_id, i, req.prompt_token_ids, params, self.capacity)
@@ -99,11 +134,24 @@ class LLMEngine:
             self.scheduler.add(seq)
         return req
 
-    def _validate(self, ids: list[int]) -> str | None:
-        return validate_prompt(ids, **self.prompt_limits())
+    def add_failed_request(self, request_id: str, prompt: str | None, error: str) -> Request:
+        """A request that failed before it had token ids (tokenization): finished with its error."""
+        req = Request(request_id, prompt, [])
+        self.requests[request_id] = req
+        self.fail(req, error)
+        return req
+
+    def fail(self, req: Request, error: str) -> None:
+        """The one place a request fails: finished with its error, its KV blocks freed at once."""
+        log.warning("request %s failed: %s", req.request_id, error)
+        req.error = error
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish("error")
+            self.scheduler.finish(seq)
 
     def prompt_limits(self) -> dict[str, int]:
-        """What `validate_prompt` checks against (an mp driver checks prompts with these)."""
+        """What `validate_request` checks against (an mp driver checks requests with these)."""
         return {
             "max_model_len": self.config.scheduler_config.max_model_len,
             "capacity": self.capacity,
@@ -132,6 +180,8 @@ class LLMEngine:
         """Step until no DP rank has work; yields each request as it finishes (rejected ones first)."""
         yield from self._collect()
         while self.any_rank_unfinished():
+            if self.interrupt is not None and self.interrupt():
+                raise KeyboardInterrupt("the call was interrupted by its driver")
             yield from self.step()
 
     def step(self) -> list[RequestOutput]:
@@ -142,12 +192,19 @@ class LLMEngine:
             if any(counts):
                 self._dummy_step(counts)
             return self._collect()
-        ids, pos, ctx, last = self.runner.prepare(batch, self.blocks)
-        ctx.dp_token_counts = counts
-        logits = self._forward_counting(ids, pos, ctx, last)
-        seqs = batch.seqs
-        tokens, logprobs = self.runner.sample(logits, seqs)
-        for seq, token, lp in zip(seqs, tokens, logprobs):
+        try:
+            ids, pos, ctx, last = self.runner.prepare(batch, self.blocks)
+            ctx.dp_token_counts = counts
+            logits = self._forward_counting(ids, pos, ctx, last)
+            tokens, logprobs = self.runner.sample(logits, batch.seqs)
+        except Exception as exc:
+            if self.groups.world.world_size > 1:
+                raise  # peers are inside the same collectives: no rank can go on alone
+            log.exception("an engine step failed; failing the %d requests it ran", len(batch.seqs))
+            for rid in dict.fromkeys(s.request_id for s in batch.seqs):
+                self.fail(self.requests[rid], f"the engine step failed: {exc!r}")
+            return self._collect()
+        for seq, token, lp in zip(batch.seqs, tokens, logprobs):
             seq.num_cached_tokens = seq.num_tokens
             self._append(seq, token, lp)
         self.num_steps += 1
@@ -211,6 +268,29 @@ class LLMEngine:
             for s in req.seqs
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the KV accounting holds: every block is either free or held
+        by exactly one queued sequence, and nothing finished is still queued or held."""
+        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        held = [b for seq in queued for b in seq.block_table]
+        free = list(self.blocks.free_blocks)
+        problems = []
+        if len(set(held)) != len(held):
+            problems.append("a block is held by two sequences (or twice by one)")
+        if len(set(free)) != len(free):
+            problems.append("a block is on the free list twice")
+        if set(held) & set(free):
+            problems.append(f"blocks {sorted(set(held) & set(free))[:5]} are both free and held")
+        if len(held) + len(free) != self.blocks.num_blocks:
+            problems.append(f"{len(held)} held + {len(free)} free != {self.blocks.num_blocks} blocks")
+        if any(seq.is_finished for seq in queued):
+            problems.append("a finished sequence is still queued")
+        for req in self.requests.values():
+            if any(s.is_finished and s.block_table for s in req.seqs):
+                problems.append(f"request {req.request_id} has a finished sequence that holds blocks")
+        if problems:
+            raise AssertionError("KV block accounting is broken: " + "; ".join(problems))
 
     def stats(self) -> dict:
         return {

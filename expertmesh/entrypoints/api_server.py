@@ -2,7 +2,9 @@
 
 Endpoints: /health, /v1/models, /v1/completions, /v1/chat/completions (both with `stream`),
 /metrics (Prometheus text). Every error has OpenAI's body, {"error": {message, type, param,
-code}}, and touches only the request that caused it.
+code}}, and touches only the request that caused it. A request body larger than
+`max_request_body_bytes` (default 4 MiB) is refused with 413 before it is read whole; chat
+templates and tokenization run off the event loop (async_engine.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,6 +40,7 @@ from expertmesh.sampling_params import SamplingParams
 
 log = logging.getLogger("expertmesh")
 DEFAULT_SERVED_NAME = "expertmesh-default"
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 class APIError(Exception):
@@ -58,12 +61,62 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def build_app(engine: AsyncEngine, served_model_names: list[str]) -> FastAPI:
+# What the routes answer, for the OpenAPI schema (the API is fuzzed from it: tests/test_fuzz_api.py).
+_ERROR = {"model": ErrorResponse}
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine is running", "content": {}},
+    503: {"description": "The engine has stopped", "content": {}},
+}
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "A completion (JSON), or server-sent events with `stream`",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    400: {**_ERROR, "description": "Invalid request (the error names the parameter)"},
+    413: {**_ERROR, "description": "Request body larger than max_request_body_bytes"},
+    499: {"description": "The client disconnected first", "content": {}},
+    503: {**_ERROR, "description": "The engine has stopped"},
+}  # fmt: skip
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over `limit` bytes, by its Content-Length or as it streams in."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            status = 413 if declared.isdigit() else 400
+            return await error_response(status, self._message(declared.decode(errors="replace")))(
+                scope, receive, send
+            )
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # a chunked body without a length: stop reading it here
+                raise HTTPException(413, self._message(f"more than {self.limit}"))
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self, size: str) -> str:
+        return f"the request body ({size} bytes) exceeds max_request_body_bytes={self.limit}"
+
+
+def build_app(
+    engine: AsyncEngine, served_model_names: list[str], max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None)
     app.state.engine, app.state.names = engine, list(served_model_names)
+    app.add_middleware(BodyLimit, limit=max_request_body_bytes)
     _add_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
@@ -72,11 +125,11 @@ def build_app(engine: AsyncEngine, served_model_names: list[str]) -> FastAPI:
         cards = [ModelCard(id=name, max_model_len=engine.max_model_len) for name in app.state.names]
         return ModelList(data=cards).model_dump()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(engine.metrics), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _model_name(app, body)
         params = _sampling_params(body, body.max_tokens, body.logprobs)
@@ -84,12 +137,12 @@ def build_app(engine: AsyncEngine, served_model_names: list[str]) -> FastAPI:
         renderer = CompletionRenderer(name, params.n, body.logprobs is not None)
         return await _serve(request, engine, body, prompts, params, renderer, add_special_tokens=True)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _model_name(app, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
-        prompt = _chat_prompt(engine, body)
+        prompt = await engine.in_pool(_chat_prompt, engine, body)  # a template can be slow: off the loop
         renderer = ChatRenderer(name, params.n, top)
         # The template already holds the special tokens (BOS): do not add them twice.
         return await _serve(request, engine, body, [prompt], params, renderer, add_special_tokens=False)
@@ -121,7 +174,7 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int
             logprobs=logprobs,
             ignore_eos=body.ignore_eos,
         )
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         field = re.match(r"SamplingParams\.(\w+)=", str(exc))
         raise APIError(str(exc), field.group(1) if field else None, "invalid_value") from exc
 
@@ -137,7 +190,7 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> str:
-    tok = engine.tokenizer
+    tok = engine.thread_tokenizer()
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(
             "the model's tokenizer has no chat template, so /v1/chat/completions cannot build a prompt; "
@@ -366,6 +419,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     served_model_names: list[str] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Load the model (one process, or mp workers for several ranks) and serve it until
     interrupted; exits non-zero, naming the rank, when an mp worker dies."""
@@ -379,7 +433,11 @@ def serve(
     engine = AsyncEngine(llm)
     names = served_model_names or [llm_kwargs.get("model") or DEFAULT_SERVED_NAME]
     config = uvicorn.Config(
-        build_app(engine, names), host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+        build_app(engine, names, max_request_body_bytes),
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
     if llm.worker_pids:

@@ -2,24 +2,32 @@
 or the mp executor's workers) and steps it while any request is active, so requests from many
 clients join the running batch (continuous batching).
 
-asyncio callers never touch the engine (nor the tokenizer, whose Rust object is not safe to share
-across threads): they send closures to the engine thread, which runs them between steps, and
-get per-step `Update`s back on their own asyncio queue. A caller that stops listening (client
-disconnected, task cancelled) aborts its request, which frees its KV blocks.
+asyncio callers never touch the engine: they send closures to the engine thread, which runs them
+between steps, and get per-step `Update`s back on their own asyncio queue. A caller that stops
+listening (client disconnected, task cancelled) aborts its request, which frees its KV blocks.
+
+Tokenization, chat templates and the token-id checks run in a small thread pool, each thread with
+its own copy of the tokenizer (its Rust object is not safe to share across threads, and
+truncation changes its state), so a huge prompt delays neither the event loop nor the engine
+thread, hence no other request. Text is tokenized only up to `max_model_len + 1` tokens: enough
+to know a prompt is too long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from expertmesh.engine.client import EngineClient, SeqProgress, StepResult
+from expertmesh.engine.llm_engine import as_token_ids
 from expertmesh.outputs import Logprob, RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
@@ -28,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("expertmesh")
 HEALTH_POLL_S = 1.0  # while idle, how often the engine thread checks the engine (mp workers) is alive
+TOKENIZER_THREADS = 4  # prompts tokenized at once; one huge prompt holds only one of them
 
 
 class PromptRejected(ValueError):
@@ -130,6 +139,8 @@ class AsyncEngine:
         self._tokens_total = 0
         self._error: BaseException | None = None
         self.metrics: dict[str, Any] = {}
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="expertmesh-tokenizer")
+        self._local = threading.local()  # each pool thread's own tokenizer
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="expertmesh-engine", daemon=True)
         self._thread.start()
@@ -158,9 +169,12 @@ class AsyncEngine:
         """
         rid = f"req-{next(self._ids)}"
         channel = _Channel(asyncio.get_running_loop())
-        self._submit(lambda: self._add(rid, prompt, add_special_tokens, params, stream, channel))
-        finished = False
+        finished = added = False
         try:
+            ids = await self.in_pool(self._prepare, prompt, add_special_tokens)
+            text = prompt if isinstance(prompt, str) else None
+            self._submit(lambda: self._add(rid, ids, text, params, stream, channel))
+            added = True
             await channel.accepted
             while not finished:
                 item = await channel.updates.get()
@@ -169,8 +183,41 @@ class AsyncEngine:
                 finished = item.final is not None
                 yield item
         finally:
-            if not finished:
+            if added and not finished:
                 self.abort(rid)
+
+    async def in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on a tokenizer thread (see the module doc); its exceptions come back."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def thread_tokenizer(self) -> Any:
+        """This pool thread's own tokenizer (None without one)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None and self.tokenizer is not None:
+            tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tok
+
+    def _prepare(self, prompt: str | list[int], add_special: bool) -> list[int]:
+        """Token ids of a prompt, checked for type and length, on a tokenizer thread."""
+        limit = self.max_model_len
+        if isinstance(prompt, str):
+            tok = self.thread_tokenizer()
+            if tok is None:
+                raise PromptRejected("this model has no tokenizer; send the prompt as token ids")
+            ids = tok(prompt, add_special_tokens=add_special, truncation=True, max_length=limit + 1)[
+                "input_ids"
+            ]
+            if len(ids) > limit:
+                raise PromptRejected(
+                    f"the prompt has more than {limit} tokens, longer than max_model_len={limit}"
+                )
+            return ids
+        ids, error = as_token_ids(prompt)
+        if error:
+            raise PromptRejected(error)
+        if len(ids) > limit:
+            raise PromptRejected(f"the prompt has {len(ids)} tokens, longer than max_model_len={limit}")
+        return ids
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id), quiet=True)
@@ -178,6 +225,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(None)
         self._thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
     def _submit(self, command: Callable[[], None], quiet: bool = False) -> None:
@@ -230,8 +278,8 @@ class AsyncEngine:
     def _add(
         self,
         rid: str,
-        prompt: str | list[int],
-        add_special: bool,
+        ids: list[int],
+        text: str | None,
         params: SamplingParams,
         stream: bool,
         channel: _Channel,
@@ -240,9 +288,8 @@ class AsyncEngine:
             channel.on_added(EngineDead(f"the engine failed: {self._error!r}"))
             return
         try:
-            ids = self._encode(prompt, add_special)
-            error = self.client.add_request(rid, ids, params, prompt if isinstance(prompt, str) else None)
-        except Exception as exc:  # a bad prompt must not stop the engine
+            error = self.client.add_request(rid, ids, params, text)
+        except Exception as exc:  # a bad request must not stop the engine
             channel.on_added(PromptRejected(str(exc)))
             return
         if error:
@@ -254,13 +301,6 @@ class AsyncEngine:
             channel, stream, params, [[] for _ in range(n)], [IncrementalText(hold) for _ in range(n)]
         )
         channel.on_added(None)
-
-    def _encode(self, prompt: str | list[int], add_special: bool) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; send the prompt as token ids")
-        return self.tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
 
     def _abort(self, rid: str) -> None:
         if self._active.pop(rid, None) is not None:

@@ -48,6 +48,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="KV cache size per rank (default: 10%% of free RAM on CPU, capped at what is useful)",
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
+    p.add_argument(
+        "--distributed-timeout-seconds",
+        type=float,
+        default=60.0,  # = distributed.watchdog.DEFAULT_TIMEOUT_S (not imported: --help stays fast)
+        help="how long a rank may stop answering before the watchdog ends every rank, naming it "
+        "(default %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +72,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     _add_serve_parser(sub)
+    _add_verify_parser(sub)
     return parser
+
+
+def _add_verify_parser(sub) -> None:
+    verify = sub.add_parser(
+        "verify",
+        help="run every layout that fits the model and the world and compare every rank with one process",
+        description="Runs every (DP, PP, TP, EP, all2all backend) layout with DP x PP x TP = the world "
+        "size that the model's sizes allow, compares every rank's greedy tokens with one process, "
+        "prints a table, and exits 1 if any rank of any layout differs. The world is torchrun's "
+        "(torchrun --nproc-per-node=N -m expertmesh.entrypoints.cli verify ...) or --world N "
+        "self-spawned ranks on this machine.",
+    )
+    verify.add_argument(
+        "--model", default=None, help="local HF directory or hub id (default: the embedded tiny PhiMoE)"
+    )
+    verify.add_argument("--world", type=int, default=None, help="ranks to spawn here (not under torchrun)")
+    verify.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16")
+    verify.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
+    verify.add_argument("--max-model-len", type=int, default=128, help="engine max_model_len per layout")
+    verify.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=1 << 23, help="KV cache per rank and layout"
+    )
+    verify.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 def _add_serve_parser(sub) -> None:
@@ -81,6 +112,12 @@ def _add_serve_parser(sub) -> None:
         nargs="+",
         default=None,
         help="name(s) clients pass as `model` (default: MODEL, or expertmesh-default)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger request bodies are refused with 413 (default %(default)s)",
     )
 
 
@@ -100,6 +137,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        distributed_timeout_seconds=args.distributed_timeout_seconds,
     )
 
 
@@ -108,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(parser, args)
+    if args.command == "verify":
+        return _verify(parser, args)
     from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
 
     llm = LLM(**_engine_kwargs(args, args.model))
@@ -136,8 +176,28 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
     kwargs = _engine_kwargs(args, args.model_tag or args.model)
-    serve(kwargs, args.host, args.port, args.served_model_name)
+    serve(kwargs, args.host, args.port, args.served_model_name, args.max_request_body_bytes)
     return 0
+
+
+def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from expertmesh.entrypoints import verify
+    from expertmesh.entrypoints.launcher import torchrun_env
+
+    kw = dict(
+        max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        dtype=args.dtype,
+    )
+    if torchrun_env() is not None:
+        if args.world is not None:
+            parser.error("--world is for self-spawned ranks; under torchrun the world is WORLD_SIZE")
+        result = verify.verify_under_torchrun(args.model, **kw)
+        return 0 if result is None else verify.report(*result, args.json)
+    if args.world is None or args.world < 1:
+        parser.error("give --world N (ranks to spawn here), or run under torchrun")
+    return verify.report(*verify.verify(args.model, args.world, **kw), args.json)
 
 
 def _print(outs, args, pc, elapsed: float, llm) -> None:

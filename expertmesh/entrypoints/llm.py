@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -13,12 +13,19 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from expertmesh.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from expertmesh.distributed import watchdog
 from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
 from expertmesh.engine.client import EngineClient, EngineStepper
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.model_runner import ModelRunner
 from expertmesh.entrypoints.all2all_choice import choose_all2all_backend
-from expertmesh.entrypoints.launcher import check_same_config, place_process
+from expertmesh.entrypoints.launcher import (
+    check_model_fits,
+    check_same_config,
+    check_same_inputs,
+    place_process,
+)
 from expertmesh.logger import setup_logging
 from expertmesh.model_source import resolve_model
 from expertmesh.models.build import ModelEnv, build_model, stage_layers
@@ -56,8 +63,14 @@ class LLM:
         device: str | None = None,
         pipeline_split: list[int] | None = None,
         debug_nan_recv_buffers: bool = False,
+        distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S,
+        allow_nonfinite_weights: bool = False,
     ) -> None:
         self._executor = None
+        if not isinstance(distributed_timeout_seconds, (int, float)) or not distributed_timeout_seconds > 0:
+            raise ValueError(
+                f"distributed_timeout_seconds={distributed_timeout_seconds!r} must be a number > 0"
+            )
         if distributed_executor_backend == "mp":
             # Every rank runs in a spawned worker; this process only hands out prompts.
             kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -74,26 +87,34 @@ class LLM:
             distributed_executor_backend,
             expert_placement,
         )
-        placement = place_process(parallel, device)
+        model_dir = resolve_model(model, revision)
+        model_config = ModelConfig.from_hf(
+            AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code), dtype
+        )
+        check_model_fits(model_config, parallel)  # before any process group or weight
+        placement = place_process(parallel, device, distributed_timeout_seconds)
         setup_logging(placement.rank if parallel.world_size > 1 else None)
+        watchdog.set_doing("loading the model")
         dp_rank = placement.groups.layout.coords(placement.rank)[0]
         parallel = _with_rank(parallel, placement.rank, dp_rank)
-        model_dir = resolve_model(model, revision)
         config = _engine_config(
-            model_dir, parallel, placement.device, dtype, trust_remote_code, max_model_len,
+            model_dir, model_config, parallel, placement.device, max_model_len,
             CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory_bytes),
             max_num_seqs, max_num_batched_tokens, tokenizer, seed,
         )  # fmt: skip
-        check_same_config(placement.groups, _describe(config))
+        check_same_config(placement.groups, _describe(config, distributed_timeout_seconds))
         torch.manual_seed(seed)
         env = _model_env(config, placement, pipeline_split, debug_nan_recv_buffers)
         self.model_env = env
         model_config = config.model_config
-        net = build_model(model_config, env, model_dir, placement.device)
+        net = build_model(model_config, env, model_dir, placement.device, allow_nonfinite_weights)
         runner = ModelRunner(config, net, placement.groups)
         tok = _load_tokenizer(config.tokenizer, trust_remote_code)
+        if placement.groups.world.world_size > 1:  # ranks load at their own pace: wait while they beat
+            watchdog.current().barrier("model loaded")
         self.llm_engine = LLMEngine(config, runner, placement.groups, tok, env.dispatchers)
         self._ids = itertools.count()
+        watchdog.set_doing("outside generate (in the user's script)")
         log.info(
             "Loaded %s (%s) on rank %d of %d",
             model_config.architecture,
@@ -140,28 +161,43 @@ class LLM:
         params = _per_prompt_params(sampling_params, len(prompts))
         if self._executor is not None:
             return self._executor.generate(prompts, params)
-        engine = self.llm_engine
-        order = []
-        for prompt, sp in zip(prompts, params):
-            text, ids = self._tokenize(prompt)
-            rid = str(next(self._ids))
-            engine.add_request(rid, ids, sp, text)
-            order.append(rid)
+        engine, order = self.llm_engine, []
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        for out in engine.step_until_none_left():
-            done[out.request_id] = out
-            bar.update(1)
-        bar.close()
+        watchdog.set_doing("in generate")
+        try:  # whatever stops this call (an error, Ctrl-C) takes its requests out of the engine
+            for prompt, sp in zip(prompts, params):
+                order.append(self._add(str(next(self._ids)), prompt, sp))
+            check_same_inputs(engine.groups, [engine.requests[r] for r in order], params)
+            bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+            for out in engine.step_until_none_left():
+                done[out.request_id] = out
+                bar.update(1)
+            bar.close()
+        except BaseException:
+            for rid in order:
+                engine.abort_request(rid)
+            raise
+        finally:
+            watchdog.set_doing("outside generate (in the user's script)")
         return [done[r] for r in order]
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _add(self, rid: str, prompt: Any, params: SamplingParams) -> str:
+        """Tokenize and queue one prompt; one that cannot be tokenized fails alone, with its error."""
+        try:
+            text, ids = self._tokenize(prompt)
+        except Exception as exc:  # a bad prompt (or one the tokenizer chokes on) fails alone
+            self.llm_engine.add_failed_request(rid, prompt if isinstance(prompt, str) else None, str(exc))
+            return rid
+        self.llm_engine.add_request(rid, ids, params, text)
+        return rid
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, Any]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), prompt["prompt_token_ids"]  # checked by the engine
             if "prompt" not in prompt:
                 raise ValueError(
-                    f"a dict prompt needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}"
+                    f"a dict prompt needs 'prompt' or 'prompt_token_ids'; got keys {sorted(map(str, prompt))}"
                 )
             prompt = prompt["prompt"]
         if not isinstance(prompt, str):
@@ -188,7 +224,7 @@ def _start_mp_executor(kwargs: dict[str, Any]):
     from expertmesh.executor.mp_executor import MPExecutor  # only this backend needs it
 
     # Check the parallel request here, before any process is spawned.
-    ParallelConfig(
+    parallel = ParallelConfig(
         kwargs["tensor_parallel_size"],
         kwargs["data_parallel_size"],
         kwargs["pipeline_parallel_size"],
@@ -197,17 +233,17 @@ def _start_mp_executor(kwargs: dict[str, Any]):
         "mp",
         kwargs["expert_placement"],
     )
+    hf = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs["trust_remote_code"])
+    check_model_fits(ModelConfig.from_hf(hf, kwargs["dtype"]), parallel)
     return MPExecutor(kwargs)
 
 
 def _engine_config(
-    model_dir: str, parallel: ParallelConfig, device: str, dtype, trust_remote_code: bool,
+    model_dir: str, model_config: ModelConfig, parallel: ParallelConfig, device: str,
     max_model_len: int | None, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int | None,
     tokenizer: str | None, seed: int,
 ) -> EngineConfig:  # fmt: skip
     """The frozen config of one rank's engine, from the checkpoint's config and the user's arguments."""
-    hf = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    model_config = ModelConfig.from_hf(hf, dtype)
     max_len = _max_model_len(max_model_len, model_config)
     return EngineConfig(
         model=model_dir,
@@ -270,19 +306,20 @@ def _load_tokenizer(path: str, trust_remote_code: bool):
         return None
 
 
-def _describe(config: EngineConfig) -> str:
+def _describe(config: EngineConfig, timeout_s: float) -> dict[str, str]:
+    """Every setting all ranks must share, by name (so a mismatch can say which one differs)."""
     pc = config.parallel_config
-    return repr(
-        (
-            config.model_config,
-            pc.tensor_parallel_size,
-            pc.data_parallel_size,
-            pc.pipeline_parallel_size,
-            pc.enable_expert_parallel,
-            pc.all2all_backend,
-            pc.expert_placement,
-            config.cache_config,
-            config.scheduler_config,
-            config.seed,
-        )
-    )
+    settings = {
+        f"model_config.{f.name}": repr(getattr(config.model_config, f.name))
+        for f in fields(config.model_config)
+    }
+    for name in ("cache_config", "scheduler_config"):
+        part = getattr(config, name)
+        settings.update({f.name: repr(getattr(part, f.name)) for f in fields(part)})
+    for name in (
+        "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+        "all2all_backend", "expert_placement",
+    ):  # fmt: skip
+        settings[name] = repr(getattr(pc, name))
+    settings.update(seed=repr(config.seed), distributed_timeout_seconds=repr(timeout_s))
+    return settings

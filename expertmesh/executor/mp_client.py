@@ -13,7 +13,7 @@ from typing import Any
 
 from expertmesh.engine.client import StepResult
 from expertmesh.engine.detokenizer import Detokenizer
-from expertmesh.engine.llm_engine import validate_prompt
+from expertmesh.engine.llm_engine import as_token_ids, validate_request
 from expertmesh.executor.mp_executor import MPExecutor
 from expertmesh.sampling_params import SamplingParams
 
@@ -36,9 +36,10 @@ class MPEngineClient:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> str | None:
-        error = validate_prompt(prompt_token_ids, **self._limits)  # the rule every worker applies
+        error = validate_request(prompt_token_ids, params, **self._limits)  # the rule every worker applies
         if error:
             return error
+        prompt_token_ids = as_token_ids(prompt_token_ids)[0]
         replica = min(range(len(self._load)), key=self._load.__getitem__)
         self._load[replica] += params.n
         self._placed[request_id] = (replica, params.n)

@@ -7,7 +7,11 @@ with one of two protocols. Whole calls: each `generate` call is split over the D
 answered from each replica's leader, in input order. Steps (the server, see mp_client.py): each
 `step` sends every worker the requests to add and abort, and every worker runs one engine step.
 While waiting it watches every worker's process sentinel: a worker that dies or raises is
-reported with its rank within a second and the others are shut down, never waited on.
+reported with its rank within a second and the others are shut down, never waited on. This
+process hosts the workers' rendezvous store (as torchrun's agent does), so it also reads their
+watchdog heartbeats: a worker that stops beating for `distributed_timeout_seconds` (frozen) is
+named and every worker is ended. Ctrl-C during `generate` asks the workers to abort that call's
+requests (they agree on the step, see worker.py) before it is re-raised.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ import logging
 import socket
 import time
 import weakref
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from expertmesh.distributed.layout import ParallelLayout
+from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S, HeartbeatMonitor
 from expertmesh.executor.worker import recv, send, worker_main
 from expertmesh.outputs import RequestOutput
 from expertmesh.sampling_params import SamplingParams
@@ -49,6 +56,14 @@ class MPExecutor:
         self.layout = ParallelLayout(dp, pp, tp, bool(llm_kwargs.get("enable_expert_parallel")))
         self.world_size, self.dp_size = dp * pp * tp, dp
         ctx, port = torch_mp.get_context("spawn"), _free_port()
+        timeout_s = float(llm_kwargs.get("distributed_timeout_seconds") or DEFAULT_TIMEOUT_S)
+        # The store outlives any worker: a dead rank 0 takes no rendezvous down with it.
+        self._store = dist.TCPStore(
+            "127.0.0.1", port, None, True, timedelta(seconds=2 * timeout_s + 10), wait_for_workers=False
+        )
+        self._monitor = HeartbeatMonitor(
+            dist.PrefixStore("attempt0/", self._store), self.world_size, timeout_s
+        )
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
@@ -85,7 +100,11 @@ class MPExecutor:
         for rank in range(self.world_size):
             mine = split[self.layout.coords(rank)[0]]
             self._send(rank, ("generate", [prompts[i] for i in mine], [params[i] for i in mine]))
-        replies = self._wait_for("done")
+        try:
+            replies = self._wait_for("done")
+        except KeyboardInterrupt:
+            self._abort_call()
+            raise
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         for d, indices in enumerate(split):
             leader = self.layout.rank_of(d, 0, 0)  # first pipeline stage, TP rank 0
@@ -109,9 +128,22 @@ class MPExecutor:
         self._check_open()
         if any(p.exitcode is not None for p in self._procs):
             self._blame({}, [])
+        self._check_heartbeats()
+
+    def _check_heartbeats(self) -> None:
+        stalled = self._monitor.stalled()
+        if stalled is not None:
+            self._fail(stalled[0], f"stopped responding ({stalled[1]})")
 
     def shutdown(self) -> None:
         self._finalizer()
+
+    def _abort_call(self) -> None:
+        """Ctrl-C during a call: the workers drop its requests at one agreed step and answer."""
+        log.warning("interrupted: asking the workers to abort this call's requests")
+        for rank in range(self.world_size):
+            self._send(rank, ("abort",))
+        self._wait_for("done")  # what they answer (the aborted call) is dropped
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
@@ -144,6 +176,8 @@ class MPExecutor:
                 replies[rank] = payload
             if errors or closed or any(p.exitcode is not None for p in self._procs):
                 self._blame(errors, closed)
+            if pending:
+                self._check_heartbeats()
         return replies
 
     def _blame(self, errors: dict[int, str], closed: list[int]) -> None:
@@ -163,6 +197,9 @@ class MPExecutor:
                 errors.setdefault(rank, words)
         dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None or r in closed]
         silent = [r for r in dead if r not in errors]
+        named = [r for r, e in errors.items() if "expertmesh watchdog" in e]
+        if named:  # a watchdog names the rank that stopped answering (and may have ended it)
+            self._fail(min(named), f"ended the run:\n{errors[min(named)]}")
         if silent or not errors:
             rank = (silent or dead)[0]
             self._fail(rank, f"died (exit code {self._procs[rank].exitcode})", self._death_hint)

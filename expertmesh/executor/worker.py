@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,10 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the parent hosts the store, as torchrun's agent does
+        TORCHELASTIC_RESTART_COUNT="0",  # the parent reads the heartbeats of attempt 0
     )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which tells us
     import torch
     import torch.distributed as dist
 
@@ -45,6 +49,10 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         llm = LLM(**{**llm_kwargs, "distributed_executor_backend": "external_launcher"})
+        from expertmesh.distributed import watchdog
+
+        # A watchdog that ends this rank tells the parent why first.
+        watchdog.current().on_fire.append(lambda message: send(conn, ("error", message)))
         stepper = EngineStepper(llm.llm_engine)
         send(conn, ("ready", {"limits": llm.llm_engine.prompt_limits(), "stats": stepper.stats()}))
         _serve_calls(llm, stepper, conn)
@@ -61,9 +69,17 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
 
 
 def _serve_calls(llm: Any, stepper: EngineStepper, conn: Connection) -> None:
+    import torch
+
     from expertmesh.engine.client import StepResult
 
     leader = llm.is_replica_leader()
+    world = llm.llm_engine.groups.world
+
+    def interrupted() -> bool:  # an "abort" waiting on this rank's pipe; all ranks must agree
+        return bool(world.all_reduce(torch.tensor([int(conn.poll())]), op="max"))
+
+    llm.llm_engine.interrupt = interrupted
     dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
     while True:
         message = recv(conn)
@@ -74,8 +90,13 @@ def _serve_calls(llm: Any, stepper: EngineStepper, conn: Connection) -> None:
             # Every rank of a replica has the same progress; only its leader sends it back.
             send(conn, ("stepped", result if leader else StepResult(stats=result.stats)))
             continue
+        if message[0] == "abort":
+            continue  # it came after its call had finished anyway
         _, prompts, params = message
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        except KeyboardInterrupt:  # the driver was interrupted: the requests are aborted
+            outputs = None
         # Every rank of a replica has the same outputs; only the replica leader sends them back.
         send(conn, ("done", outputs if leader else None))
 

@@ -111,7 +111,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_kv_heads >= tp:
             self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
         else:
-            _divide(tp, num_kv_heads, "tensor_parallel_size (as a multiple of num_key_value_heads)")
+            if tp % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={num_kv_heads}"
+                )
             self.num_kv_heads = 1
         # Which KV head this rank holds: several ranks share one when KV heads are replicated.
         self.kv_head_start = group.rank_in_group * num_kv_heads // tp if num_kv_heads < tp else None

@@ -2,13 +2,55 @@
 
 A safetensors `get_slice` object reads only the rows a rank asks for, so each rank touches
 only its own shard of the file.
+
+Strictness (models/loader.py): before any rank slices, every checkpoint tensor is loaded into a
+one-rank twin of the model on the meta device with `whole_tensors()` on, where `read` hands over
+its source whole, so `copy_into` compares the tensor's full shape with the parameter's. Real
+loads then check each shard for non-finite values.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+_whole = False  # inside whole_tensors(): read() ignores the shard bounds
+_allow_nonfinite = False
+
+
+class ShapeMismatch(ValueError):
+    def __init__(self, what: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        super().__init__(f"{what}: checkpoint tensor has shape {found}, expected {expected}")
+        self.found, self.expected = found, expected
+
+
+class NonFinite(ValueError):
+    pass
+
+
+@contextlib.contextmanager
+def whole_tensors() -> Iterator[None]:
+    """Loaders read their sources whole: a one-rank twin's shape check (see the module doc)."""
+    global _whole
+    _whole = True
+    try:
+        yield
+    finally:
+        _whole = False
+
+
+@contextlib.contextmanager
+def nonfinite_allowed(allowed: bool) -> Iterator[None]:
+    """NaN/inf in a weight is a warning, not an error, while this is on (a flag of LLM)."""
+    global _allow_nonfinite
+    before, _allow_nonfinite = _allow_nonfinite, allowed
+    try:
+        yield
+    finally:
+        _allow_nonfinite = before
 
 
 def shape_of(src: Any) -> tuple[int, ...]:
@@ -18,7 +60,7 @@ def shape_of(src: Any) -> tuple[int, ...]:
 def read(src: Any, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
     """Materialise `src[..., start:start+length, ...]` along `dim` (all of it when dim is None)."""
     shape = shape_of(src)
-    if dim is None:
+    if dim is None or _whole:
         return src if isinstance(src, torch.Tensor) else src[:]
     length = shape[dim] - start if length is None else length
     if start < 0 or start + length > shape[dim]:
@@ -33,9 +75,18 @@ def read(src: Any, dim: int | None = None, start: int = 0, length: int | None = 
 
 def copy_into(dst: torch.Tensor, value: torch.Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(value.shape):
-        raise ValueError(
-            f"{what}: checkpoint shard has shape {tuple(value.shape)}, expected {tuple(dst.shape)}"
-        )
+        raise ShapeMismatch(what, tuple(value.shape), tuple(dst.shape))
+    if dst.is_floating_point() and not value.is_floating_point():
+        raise ValueError(f"{what}: checkpoint tensor has dtype {value.dtype}, not a floating-point type")
+    if dst.is_meta or value.is_meta:
+        return  # the twin's shape check: nothing to copy
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        if not _allow_nonfinite:
+            raise NonFinite(f"{what}: {bad} of {value.numel()} values are NaN or infinite")
+        import logging
+
+        logging.getLogger("expertmesh").warning("%s: %d values are NaN or infinite (allowed)", what, bad)
     dst.copy_(value.to(dst.dtype))
 
 

@@ -81,11 +81,17 @@ class ModelEnv:
         return backend
 
 
-def build_model(cfg: ModelConfig, env: ModelEnv, model_dir: str, device: str = "cpu") -> torch.nn.Module:
+def build_model(
+    cfg: ModelConfig,
+    env: ModelEnv,
+    model_dir: str,
+    device: str = "cpu",
+    allow_nonfinite_weights: bool = False,
+) -> torch.nn.Module:
     cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, env)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights)
     # Modules that lay out loaded weights another way (MLA splits kv_b_proj per head) do it once,
     # before any weight is packed for a kernel.
     for module in model.modules():

@@ -2,7 +2,11 @@
 
 Each rank opens the files with `safe_open` and reads only its own slices (`get_slice`).
 A checkpoint key nobody recognises, a parameter left unfilled or filled twice is an error
-naming it.
+naming it. Before any rank slices, every tensor's full shape and dtype are checked against a
+one-rank twin of the model built on the meta device (`check_against_twin`): a tensor larger than
+its parameter, or an integer tensor for a float parameter, is an error naming the key, the file
+and both shapes. A NaN or infinite weight is an error naming its key (`allow_nonfinite` makes it
+a warning).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import os
 from collections import Counter
 from typing import Any
 
-from safetensors import safe_open
+import torch
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import checkpoint_targets, layer_index
 
 log = logging.getLogger("expertmesh")
@@ -46,21 +52,34 @@ def _experts_lookup(model: Any):
     return find
 
 
-def load_weights(model: Any, model_dir: str, show_progress: bool = False) -> None:
+def _open(path: str):
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as exc:  # truncated, not safetensors at all, unreadable
+        raise WeightLoadError(f"cannot read the weights file {path}: {exc}") from exc
+
+
+def load_weights(
+    model: Any, model_dir: str, show_progress: bool = False, allow_nonfinite: bool = False
+) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     local_layers = set(model.model.layer_range)
     experts, tie = _experts_lookup(model), model.cfg.tie_word_embeddings
     files = safetensors_files(model_dir)
+    check_against_twin(model, files)
     skipped: Counter = Counter()
     for path in tqdm(files, desc="Loading safetensors", disable=not show_progress or len(files) < 2):
-        with safe_open(path, framework="pt") as f:
+        with _open(path) as f, nonfinite_allowed(allow_nonfinite):
             for key in f.keys():
                 rule = skip_rule(key, model)
                 if rule is not None:
                     skipped[rule] += 1
                     continue
-                _load_key(f, key, params, loaded, local_layers, experts, model, tie)
+                try:
+                    _load_key(f, key, params, loaded, local_layers, experts, model, tie)
+                except SafetensorError as exc:
+                    raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
     for rule, count in sorted(skipped.items()):
         log.info("skipped %d checkpoint tensors by rule %r", count, rule)
     _check_complete(params, loaded)
@@ -78,6 +97,69 @@ def skip_rule(key: str, model: Any) -> str | None:
     if layer is not None and cfg.num_layers <= layer < cfg.num_layers + cfg.num_nextn_predict_layers:
         return "mtp layers (num_nextn_predict_layers; speculative decoding is not supported)"
     return None
+
+
+# ---- the one-rank twin: full shapes and dtypes, before any rank slices ------------------------------
+def _twin(model: Any) -> Any:
+    """The same model class and config at one rank (every layer, expert and head), on meta."""
+    from expertmesh.distributed.group import ParallelGroups
+    from expertmesh.distributed.moe_plan import MoEPlan
+    from expertmesh.models.build import ModelEnv
+
+    groups = ParallelGroups.single()
+    env = ModelEnv(groups, MoEPlan.decide(groups.layout, 0), "naive", range(model.cfg.num_layers))
+    with torch.device("meta"):
+        return type(model)(model.cfg, env)
+
+
+def check_against_twin(model: Any, files: list[str]) -> None:
+    twin = _twin(model)
+    params, experts = dict(twin.named_parameters()), _experts_lookup(twin)
+    for path in files:
+        with _open(path) as f:
+            for key in f.keys():
+                if skip_rule(key, model) is not None:
+                    continue
+                try:
+                    src = f.get_slice(key)
+                    shape, dtype = tuple(src.get_shape()), src.get_dtype()
+                except SafetensorError as exc:
+                    raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
+                names = twin.family.names
+                targets = checkpoint_targets(
+                    names.canonical(key), names, experts, model.cfg.tie_word_embeddings
+                )
+                _check_key(key, path, shape, dtype, targets or [], params)
+
+
+def _check_key(key: str, path: str, shape: tuple[int, ...], dtype: str, targets: list, params: dict) -> None:
+    where = f"checkpoint key {key!r} in {path}"
+    meta = torch.empty(shape, device="meta")
+    covered, partial = 0, False
+    for name, shard, pick in targets:
+        param = params.get(name)
+        if param is None or shard not in param.expected_shards:
+            continue  # an unknown key: the loading pass names it
+        if param.is_floating_point() and not dtype.startswith(("F", "BF")):
+            raise WeightLoadError(f"{where} has dtype {dtype}; parameter {name!r} needs floating point")
+        try:
+            part = pick(meta)
+            with whole_tensors():
+                param.weight_loader(param, part, shard)
+        except ShapeMismatch as exc:
+            raise WeightLoadError(
+                f"{where} has shape {shape}; parameter {name!r} expects {exc.expected}"
+                + ("" if exc.found == shape else f" for each of its slices (this one is {exc.found})")
+            ) from exc
+        except (ValueError, IndexError, RuntimeError) as exc:
+            raise WeightLoadError(f"{where} (shape {shape}) does not fit parameter {name!r}: {exc}") from exc
+        if tuple(part.shape) != shape:  # a slice of a fused tensor (one expert, one half)
+            partial, covered = True, covered + part.numel()
+    if partial and covered != meta.numel():
+        raise WeightLoadError(
+            f"{where} has shape {shape}, but the model reads {covered} of its {meta.numel()} values "
+            "(a tensor larger than its parameters)"
+        )
 
 
 def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, tie) -> None:
@@ -107,6 +189,11 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
             raise WeightLoadError(f"parameter {name!r} shard {shard!r} is filled twice (last by {key!r})")
         try:
             param.weight_loader(param, pick(f.get_slice(checkpoint_key)), shard)
+        except NonFinite as exc:
+            raise WeightLoadError(
+                f"checkpoint key {key!r} holds non-finite weights ({exc}); pass allow_nonfinite_weights=True "
+                "to load it anyway"
+            ) from exc
         except ValueError as exc:  # name the checkpoint key, not just the shapes
             raise WeightLoadError(f"checkpoint key {key!r} does not fit parameter {name!r}: {exc}") from exc
         loaded[name].add(shard)
