@@ -50,8 +50,9 @@ def torchrun_hint(pc: ParallelConfig) -> str:
 
 
 def check_model_fits(mc: Any, pc: ParallelConfig) -> None:
-    """The model's head and vocabulary counts against tensor_parallel_size, with each number under
-    its own name, before any process group is made or weight read."""
+    """The model's head counts against tensor_parallel_size, with each number under its own name,
+    before any process group is made or weight read. (A vocabulary TP does not divide is padded:
+    layers/embedding.py.)"""
     tp = pc.tensor_parallel_size
     valid = [t for t in range(1, mc.num_heads + 1) if _tp_fits(mc, t)]
     hint = f"; tensor_parallel_size values that fit this model: {valid}"
@@ -65,13 +66,11 @@ def check_model_fits(mc: Any, pc: ParallelConfig) -> None:
             f"multiple of it (then each KV head is replicated over tensor_parallel_size / "
             f"num_key_value_heads ranks){hint}"
         )
-    if mc.vocab_size % tp:
-        raise ValueError(f"vocab_size={mc.vocab_size} is not divisible by tensor_parallel_size={tp}{hint}")
 
 
 def _tp_fits(mc: Any, tp: int) -> bool:
     kv_ok = mc.num_kv_heads % tp == 0 or tp % mc.num_kv_heads == 0
-    return mc.num_heads % tp == 0 and kv_ok and mc.vocab_size % tp == 0
+    return mc.num_heads % tp == 0 and kv_ok
 
 
 def collective_timeout(watchdog_s: float) -> timedelta:
