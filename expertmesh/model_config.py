@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from expertmesh.mla_config import MLAConfig
 from expertmesh.rope_config import RopeConfig, opt_float
 
 _DTYPES = {
@@ -47,6 +48,21 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def check_unquantized(hf: Any) -> None:
+    """Quantized checkpoints (FP8 block-scaled DeepSeek-V3, MXFP4 gpt-oss, ...) are not loaded yet:
+    say so up front, naming the config's quantization_config, instead of failing on tensor names."""
+    quant = getattr(hf, "quantization_config", None)
+    if quant:
+        method = (
+            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        )
+        raise ValueError(
+            f"config.json has a quantization_config (quant_method={method!r}) that is not supported yet: "
+            "expertmesh loads unquantized float32/bfloat16/float16 weights; use an unquantized (e.g. bf16) "
+            "copy of the checkpoint"
+        )
 
 
 def _first(hf: Any, *names: str, default: Any = None) -> Any:
@@ -86,6 +102,7 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: rotary or not (Llama 4's no_rope_layers); () = all
     attention_multiplier: float | None = None  # replaces head_dim ** -0.5 (Granite)
     attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale), NoPE layers
+    mla: MLAConfig | None = None  # multi-head latent attention's sizes (DeepSeek); None: not MLA
     # ---- MLP and experts
     num_experts: int = 0
     top_k: int = 0
@@ -93,6 +110,7 @@ class ModelConfig:
     dense_intermediate_size: int = 0  # dense layers' MLP (intermediate_size_mlp for Llama 4)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    topk_method: str | None = None  # DeepSeek's name of its selection rule ("greedy", ...)
     n_group: int = 1
     topk_group: int = 1
     router_jitter_noise: float = 0.0
@@ -171,18 +189,8 @@ class ModelConfig:
         archs = getattr(hf, "architectures", None) or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
-        quant = getattr(hf, "quantization_config", None)
-        if quant:  # MXFP4 (gpt-oss), FP8 block-scaled (DeepSeek-V3), GPTQ/AWQ, ...
-            method = (
-                quant.get("quant_method")
-                if isinstance(quant, dict)
-                else getattr(quant, "quant_method", quant)
-            )
-            raise ValueError(
-                f"quantization_config quant_method={method!r} is not supported yet: expertmesh loads "
-                "unquantized float32/bfloat16/float16 weights (use a bf16 re-save of this checkpoint)"
-            )
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # Llama 4's text tower
+        check_unquantized(hf)
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         checkpoint_dtype = _first(hf, "dtype", "torch_dtype")
@@ -234,6 +242,7 @@ def _attention_fields(hf: Any) -> dict:
         rope_layers=tuple(bool(x) for x in no_rope) if no_rope else (),
         attention_multiplier=None if multiplier is None else float(multiplier),
         attn_temperature=tuning,
+        mla=MLAConfig.from_hf(hf),
     )
 
 
@@ -251,6 +260,7 @@ def _mlp_fields(hf: Any) -> dict:
         dense_intermediate_size=int(_first(hf, "intermediate_size_mlp", default=inter)),
         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
         routed_scaling_factor=float(_first(hf, "routed_scaling_factor", default=1.0)),
+        topk_method=getattr(hf, "topk_method", None),
         n_group=int(_first(hf, "n_group", default=1)),
         topk_group=int(_first(hf, "topk_group", default=1)),
         router_jitter_noise=float(getattr(hf, "router_jitter_noise", 0.0) or 0.0),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -86,21 +88,36 @@ def make_checkpoint(family: str, path: str, tokenizer_dir: str, seed: int = 0, *
     return path
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """transformers' reference on one thread: its many tiny matmuls ran 13x slower on two threads
+    than on one when the two cores were shared with other jobs (measured: a 32-token generate of a
+    tiny DeepSeek-V2, 6.1 s against 0.47 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens, EOS generated and gone past like the engine's ignore_eos (a
+    min_new_tokens would instead forbid EOS, and pick the runner-up where EOS is the argmax)."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None
     outs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        y = model.generate(
-            x, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
-        )
-        outs.append(y[0, len(ids) :].tolist())
+    with one_thread():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
 def hf_last_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         return [model(torch.tensor([ids])).logits[0, -1].float() for ids in prompts]
 
 

@@ -34,19 +34,27 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def real_checkpoint(tmp_path_factory, tokenizer_dir):
-    """real_checkpoint(name or published dict, seed=0, sizes=Sizes(), **overrides) -> directory of a
-    tiny random checkpoint built from tests/real_configs/<name>.json (or the dict), shrunk to
-    `sizes` (real_checkpoints.shrink) with `overrides` applied last; made once per distinct request."""
+    """real_checkpoint(name or published dict, seed=0, sizes=Sizes(), original_format=True,
+    **overrides) -> directory of a tiny random checkpoint built from tests/real_configs/<name>.json
+    (or the dict), shrunk to `sizes` (real_checkpoints.shrink) with `overrides` applied last, saved
+    with the hub's tensor names (or transformers' in-memory ones); made once per distinct request."""
     made: dict[str, str] = {}
 
-    def make(source: str | dict, seed: int = 0, sizes: Sizes | None = None, **overrides) -> str:
+    def make(
+        source: str | dict,
+        seed: int = 0,
+        sizes: Sizes | None = None,
+        original_format: bool = True,
+        **overrides,
+    ) -> str:
         config = shrink(
             published(source) if isinstance(source, str) else source, sizes or Sizes(), **overrides
         )
-        key = json.dumps([config, seed], sort_keys=True)
+        key = json.dumps([config, seed, original_format], sort_keys=True)
         if key not in made:
             name = config["architectures"][0]
-            made[key] = build(config, str(tmp_path_factory.mktemp(name)), tokenizer_dir, seed)
+            path = str(tmp_path_factory.mktemp(name))
+            made[key] = build(config, path, tokenizer_dir, seed, original_format)
         return made[key]
 
     return make

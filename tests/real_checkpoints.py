@@ -38,6 +38,22 @@ def published(name: str) -> dict:
     return json.loads((CONFIG_DIR / f"{name}.json").read_text())
 
 
+# DeepSeek-V2 (236B) differs from V2-Lite's file in these values only (as published; its file is
+# not among the twelve, see real_configs/README.md): q LoRA, 160 experts in 8 groups of which
+# group_limited_greedy keeps 3, routed_scaling_factor 16.
+DEEPSEEK_V2 = {
+    "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536, "n_group": 8,
+    "n_routed_experts": 160, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "num_hidden_layers": 60, "q_lora_rank": 1536, "routed_scaling_factor": 16.0, "topk_group": 3,
+    "topk_method": "group_limited_greedy", "transformers_version": "4.39.3",
+}  # fmt: skip
+
+
+def deepseek_v2() -> dict:
+    """DeepSeek-V2's config: V2-Lite's keys with DeepSeek-V2's published values."""
+    return {**published("deepseek-v2-lite"), **DEEPSEEK_V2}
+
+
 @dataclass(frozen=True)
 class Sizes:
     layers: int = 4
@@ -52,6 +68,13 @@ class Sizes:
     positions: int = 512  # max_position_embeddings
     original_positions: int = 128  # original_max_position_embeddings (rope scaling, LongRoPE switch)
     window: int = 32  # sliding windows, attention chunks, Llama 4's floor_scale
+    # Multi-head latent attention (DeepSeek): the latent, the q LoRA bottleneck and per-head
+    # dims without / with position and of values (the published 512 / 1536 / 128 / 64 / 128).
+    kv_lora_rank: int = 32
+    q_lora_rank: int = 48
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
 
 
 def shrink(config: dict, sizes: Sizes = Sizes(), **overrides) -> dict:
@@ -122,6 +145,9 @@ def _shrink_widths(c: dict, s: Sizes) -> None:
         # Without moe_intermediate_size, an MoE's intermediate_size is its expert width.
         expert_width = is_moe and "moe_intermediate_size" not in c
         c["intermediate_size"] = s.expert_inter if expert_width else s.dense_inter
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if c.get(key):  # a null q_lora_rank (no q LoRA, V2-Lite) stays null
+            c[key] = getattr(s, key)
     for key, size in (
         ("moe_intermediate_size", s.expert_inter),
         ("shared_expert_intermediate_size", s.shared_inter),
@@ -210,8 +236,9 @@ def _shrink_vision(v: dict) -> dict:
 
 
 # ---- building a checkpoint --------------------------------------------------------------------
-def build(config: dict, path: str, tokenizer_dir: str, seed: int = 0) -> str:
-    """A tiny random checkpoint of `config` at `path` (see the module docstring)."""
+def build(config: dict, path: str, tokenizer_dir: str, seed: int = 0, original_format: bool = True) -> str:
+    """A tiny random checkpoint of `config` at `path` (see the module docstring). `original_format`
+    False saves transformers' in-memory tensor names (fused 3-D experts) instead of the hub's."""
     os.makedirs(path, exist_ok=True)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
     torch.manual_seed(seed)
@@ -221,7 +248,7 @@ def build(config: dict, path: str, tokenizer_dir: str, seed: int = 0) -> str:
     model = cls.from_config(hf) if cls is transformers.AutoModelForCausalLM else cls._from_config(hf)
     model = model.float().eval()
     randomize_small(model, seed)
-    model.save_pretrained(path)
+    model.save_pretrained(path, save_original_format=original_format)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))  # the published style
     text = config.get("text_config", config)
     if text.get("num_nextn_predict_layers"):

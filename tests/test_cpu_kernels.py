@@ -136,12 +136,41 @@ def test_paged_decode_matches_sdpa(kernels, dtype, lens, heads, kv_heads, head_d
     torch.testing.assert_close(got, want, **_tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lens,heads,rank,rope",
+    [
+        ([1, 17, 16, 100, 3], 16, 512, 64),  # DeepSeek's 576-wide row (the specialised path)
+        ([40], 8, 32, 8),  # batch 1: query heads split over threads, one shared row
+        ([33, 5, 64], 3, 24, 6),  # odd head count and widths
+    ],
+)
+def test_paged_decode_latent_row_matches_sdpa(kernels, dtype, lens, heads, rank, rope):
+    """The multi-head latent attention path: one cache row per token shared by every query head
+    (Hk = 1, v_cache = k_cache); keys are the whole row, values its first `rank` entries."""
+    q, cache, _, tables, lt = _paged_case(dtype, lens, heads, 1, rank + rope, seed=3)
+    scale = 0.1
+    got = kernels.paged_decode(q, cache, cache, tables, lt, scale, None, value_dim=rank)
+    assert got.shape == (len(lens), heads, rank)
+    blocks = tables.long().flatten()
+    rows = cache[blocks].view(len(lens), 1, -1, rank + rope).float()
+    mask = decode_key_mask(lt.long(), tables.shape[1] * 16, None)
+    want = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), rows, rows[..., :rank], attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    torch.testing.assert_close(got, want.squeeze(2).to(dtype), **_tolerance(dtype))
+
+
 def test_paged_decode_rejects_bad_inputs(kernels):
     q, kc, vc, tables, lt = _paged_case(torch.float32, [5], 2, 2, 8)
     with pytest.raises(ValueError, match="int32"):
         kernels.paged_decode(q, kc, vc, tables.long(), lt, 1.0, None)
     with pytest.raises(ValueError, match="v_cache must be contiguous"):
         kernels.paged_decode(q, kc, vc.to(torch.bfloat16), tables, lt, 1.0, None)
+    with pytest.raises(ValueError, match="value_dim 9 do not fit"):
+        kernels.paged_decode(q, kc, vc, tables, lt, 1.0, None, value_dim=9)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.paged_decode(q, kc, vc[..., :4].contiguous(), tables, lt, 1.0, None)
 
 
 # ---- the engine with and without kernels ------------------------------------------------------
@@ -341,3 +370,27 @@ def test_generic_path_without_avx512(tmp_path):
         torch.testing.assert_close(
             got, _reference_decode(q, kc, vc, tables, lt, 0.125, None), **_tolerance(dtype)
         )
+
+
+# ---- per-head products (multi-head latent attention's absorbed projections) -----------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 37])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_matmul_matches_torch(kernels, dtype, tokens, transposed):
+    """x [B, H, K] (a strided view, as the query's nope part is) times w[h] or w[h]^T."""
+    g = torch.Generator().manual_seed(tokens)
+    h, k, n = 3, 24, 40
+    q = torch.randn(tokens, h, k + 8, generator=g).to(dtype)
+    x = q[..., :k]  # row strides of the wider query
+    w = (
+        torch.randn(h, n, k, generator=g).to(dtype)
+        if transposed
+        else torch.randn(h, k, n, generator=g).to(dtype)
+    )
+    wk = w.transpose(1, 2) if transposed else w
+    want = torch.einsum("bhk,hkn->bhn", x.float(), wk.float()).to(dtype)
+    got = kernels.head_matmul(x, w, transposed)
+    assert got.shape == (tokens, h, n)
+    torch.testing.assert_close(got, want, **_tolerance(dtype))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.head_matmul(x, w[:2], transposed)

@@ -18,6 +18,7 @@ SIZE_KEYS = {
     "attention_chunk_size", "floor_scale", "layer_types", "no_rope_layers", "moe_layers",
     "max_window_layers", "first_k_dense_replace", "bos_token_id", "eos_token_id", "pad_token_id",
     "rope_scaling", "initializer_range", "torch_dtype", "attn_temperature_tuning",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
 }  # fmt: skip
 
 

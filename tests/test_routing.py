@@ -143,3 +143,96 @@ def test_unknown_router_names_the_known_ones():
 
     with pytest.raises(ValueError, match="router 'expert_choice' is not known; known: .*sigmoid_grouped"):
         Router(16, 8, "expert_choice", 2, {}, dtype=torch.float32)
+
+
+# ---- DeepSeek ---------------------------------------------------------------------------------
+def _tied_hidden(n: int, h: int, seed: int) -> torch.Tensor:
+    """Hidden states whose router logits tie: repeated rows, and every fourth row all zeros (every
+    expert scores alike, so each group ties too)."""
+    x = _hidden(n, h, seed)
+    x[1::5] = x[0::5][: x[1::5].shape[0]]
+    x[::4] = 0.0
+    return x
+
+
+def _deepseek_v2_router(method: str, experts: int, top_k: int, n_group=None, topk_group=None, scaling=1.0):
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = DeepseekV2Config(
+        hidden_size=16, num_attention_heads=4, n_routed_experts=experts, num_experts_per_tok=top_k,
+        topk_method=method,
+        n_group=n_group, topk_group=topk_group, routed_scaling_factor=scaling,
+    )  # fmt: skip
+    hf = DeepseekV2TopkRouter(cfg)
+    torch.nn.init.normal_(hf.weight, generator=torch.Generator().manual_seed(13))
+    return hf
+
+
+@pytest.mark.parametrize("scaling", [1.0, 16.0])
+@pytest.mark.parametrize(
+    "method,rule,groups",
+    [("greedy", "softmax_greedy", (1, 1)), ("group_limited_greedy", "softmax_group_limited", (8, 3))],
+)
+def test_deepseek_v2_routing_equals_transformers(method, rule, groups, scaling):
+    """DeepSeek-V2's greedy and group_limited_greedy against transformers' router, on random and
+    tied logits: the same experts (tie-breaks included) and weights, times routed_scaling_factor."""
+    n_group, topk_group = groups
+    hf = _deepseek_v2_router(method, 32, 6, n_group, topk_group, scaling)
+    params = dict(n_group=n_group, topk_group=topk_group, scaling=scaling, renormalize=False)
+    ours = _router(rule, hf, 32, 6, **params)
+    for x in (_hidden(48, 16, 14), _tied_hidden(40, 16, 15)):
+        with torch.no_grad():
+            _, ref_w, ref_ids = hf(x)
+            w, ids = ours(x)
+        assert torch.equal(ids, ref_ids)  # same ops in the same order: the same tie-breaks
+        torch.testing.assert_close(w, ref_w, rtol=0, atol=0)
+    if n_group > 1:  # the groups mattered: plain top-6 picks experts outside the kept groups
+        scores = torch.softmax(_hidden(48, 16, 14) @ hf.weight.t(), dim=-1)
+        assert not torch.equal(
+            scores.topk(6).indices.sort().values, ours(_hidden(48, 16, 14))[1].sort().values
+        )
+
+
+def test_deepseek_v2_norm_topk_prob_renormalises_instead_of_scaling():
+    """With norm_topk_prob DeepSeek's own code renormalises the chosen weights and skips
+    routed_scaling_factor; transformers' port always scales (no published V2 config sets it)."""
+    hf = _deepseek_v2_router("greedy", 16, 4, scaling=2.0)
+    ours = _router("softmax_greedy", hf, 16, 4, renormalize=True, scaling=2.0)
+    x = _hidden(24, 16, 16)
+    with torch.no_grad():
+        _, ref_w, ref_ids = hf(x)
+        w, ids = ours(x)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-6, atol=1e-7)
+    one = _router(
+        "softmax_greedy", _deepseek_v2_router("greedy", 16, 1, scaling=2.0), 16, 1, renormalize=True
+    )
+    assert torch.all(one(x)[0] < 1.0)  # top-1 is never renormalised to 1
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_deepseek_v3_routing_equals_transformers(norm):
+    """DeepSeek-V3 (8 groups keep 4, top-8 of 64): sigmoid scores, the correction bias for the
+    choice only, groups ranked by the sum of their two best; random and tied logits."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(
+        hidden_size=16, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=norm,
+    )  # fmt: skip
+    hf = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        hf.weight.normal_(generator=g)
+        hf.e_score_correction_bias.copy_(torch.randn(64, generator=g) * 0.3)
+        hf.e_score_correction_bias[8:16] = hf.e_score_correction_bias[0:8]  # two groups tie exactly
+    params = dict(n_group=8, topk_group=4, scaling=2.5, renormalize=norm)
+    ours = _router("sigmoid_grouped", hf, 64, 8, **params)
+    for x in (_hidden(48, 16, 18), _tied_hidden(40, 16, 19)):
+        with torch.no_grad():
+            _, ref_w, ref_ids = hf(x)
+            w, ids = ours(x)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(w, ref_w, rtol=0, atol=0)

@@ -1,4 +1,11 @@
-"""How many KV blocks a rank gets, and the cache tensors themselves.
+"""KV-cache kinds, how many blocks a rank gets, and the cache tensors themselves.
+
+Each attention layer declares what it caches per token (`KVCacheSpec`, one of KV_CACHE_KINDS):
+- "per_head": a K and a V row of `heads` x `width` (GQA/MHA layers: KV heads x head_dim);
+- "latent": one row of `width` values shared by every query head (multi-head latent attention:
+  the latent kv_lora_rank values and the rotary key, qk_rope_head_dim; layers/latent_attention.py).
+The kind decides the bytes per token (and so the block budget) and the layout allocated:
+[planes, num_blocks + 1, block_size, heads, width] per layer, planes = K and V, or the latent.
 
 The budget is `kv_cache_memory_bytes` when given. Otherwise, on CUDA, `gpu_memory_utilization`
 of the device minus what is in use after loading; on CPU, 10% of the RAM available at start,
@@ -9,8 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
+
+from expertmesh.registries import lookup
 
 log = logging.getLogger("expertmesh")
 
@@ -28,10 +38,73 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def bytes_per_block(
-    num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+@dataclass(frozen=True)
+class CacheKind:
+    planes: int  # tensors per layer: K and V, or one latent row both are read from
+    what: str
+
+
+KV_CACHE_KINDS = {
+    "per_head": CacheKind(2, "per-head K and V"),
+    "latent": CacheKind(1, "one latent row shared by all heads (MLA)"),
+}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer caches per token: `planes` rows of `heads` x `width` values.
+    `expanded` is what per-head K and V of this layer's query heads would take instead (a latent
+    kind reports it next to its own size)."""
+
+    kind: str
+    heads: int
+    width: int
+    expanded: int = 0
+
+    def __post_init__(self) -> None:
+        lookup(KV_CACHE_KINDS, self.kind, "KV-cache kind")
+        if self.heads < 1 or self.width < 1:
+            raise ValueError(f"KV-cache spec {self}: heads and width must be >= 1")
+
+    @property
+    def planes(self) -> int:
+        return KV_CACHE_KINDS[self.kind].planes
+
+    @property
+    def values_per_token(self) -> int:
+        return self.planes * self.heads * self.width
+
+    def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.planes, num_blocks, block_size, self.heads, self.width)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def bytes_per_token(specs: list[KVCacheSpec], dtype: torch.dtype) -> int:
+    """Cache bytes one token takes over all of a rank's layers."""
+    return sum(s.values_per_token for s in specs) * element_size(dtype)
+
+
+def bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    return block_size * bytes_per_token(specs, dtype)
+
+
+def describe(specs: list[KVCacheSpec], dtype: torch.dtype) -> str:
+    """The start-up line: bytes per token, by kind, and what per-head K/V would need instead."""
+    size = element_size(dtype)
+    parts = []
+    for kind in sorted({s.kind for s in specs}):
+        mine = [s for s in specs if s.kind == kind]
+        s0 = mine[0]
+        shape = f"{s0.planes} x {s0.heads} x {s0.width}" if s0.planes > 1 else f"{s0.width}"
+        part = f"{kind} ({len(mine)} layers, {shape} values a layer)"
+        if kind != "per_head" and s0.expanded:
+            per_head = sum(s.expanded for s in mine) * size
+            part += f"; per-head K/V would need {per_head} bytes ({s0.expanded} values a layer)"
+        parts.append(part)
+    return f"KV cache: {bytes_per_token(specs, dtype)} bytes per token ({dtype}): " + "; ".join(parts)
 
 
 def kv_budget_bytes(explicit: int | None, device: str, utilization: float, useful: int) -> int:
@@ -44,10 +117,16 @@ def kv_budget_bytes(explicit: int | None, device: str, utilization: float, usefu
 
 
 def allocate(
-    num_blocks: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype, device: str
-) -> torch.Tensor:
-    """[2, layers, num_blocks + 1, block_size, kv_heads, head_dim]; the extra last block is a scratch
-    slot that dummy forwards write to, so they never touch a real sequence's cache."""
-    return torch.zeros(
-        2, num_layers, num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype, device=device
-    )
+    specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype, device: str
+) -> list[torch.Tensor]:
+    """One [planes, num_blocks + 1, block_size, heads, width] tensor per layer (views of one
+    allocation per distinct spec). The extra last block is a scratch slot that dummy forwards write
+    to, so they never touch a real sequence's cache."""
+    out: list[torch.Tensor | None] = [None] * len(specs)
+    for spec in dict.fromkeys(specs):
+        layers = [i for i, s in enumerate(specs) if s == spec]
+        shape = spec.layer_shape(num_blocks + 1, block_size)
+        whole = torch.zeros(len(layers), *shape, dtype=dtype, device=device)
+        for j, i in enumerate(layers):
+            out[i] = whole[j]
+    return out

@@ -86,6 +86,7 @@ class LLMEngine:
         self.config = self.vllm_config = config
         self.dispatchers = list(dispatchers)  # the MoE layers' all2all backends, for traffic stats
         self.groups, self.runner, self.tokenizer = groups, runner, tokenizer
+        log.info("%s", runner.describe_kv())
         num_blocks = self._agree_on_blocks(runner.local_block_budget())
         runner.allocate_kv(num_blocks)
         self.blocks = BlockManager(num_blocks, config.cache_config.block_size)

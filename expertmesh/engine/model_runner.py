@@ -25,23 +25,26 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.sampler = Sampler(config.seed)
         self.attn_layers = model.attention_layers()
-        self.kv: torch.Tensor | None = None
-        self._workspace: torch.Tensor | None = None  # decode K/V gather buffers, see _gather_buffers
+        self.kv: list[torch.Tensor] = []  # one cache tensor per attention layer (engine/kv_cache.py)
+        self._workspace: dict | None = None  # decode gather buffers per KV-cache spec, see _gather_buffers
         self.num_blocks = 0
         # Our compiled CPU kernels, if the model builder chose them (models/build.py): decode
         # steps then carry int32 block tables for the in-place paged attention.
         self.kernels = getattr(model, "cpu_kernels", None)
 
     # ---- KV cache -------------------------------------------------------------------------
+    def kv_specs(self) -> list[kv_cache.KVCacheSpec]:
+        """What each of this rank's attention layers caches per token (its KV-cache kind)."""
+        return [layer.kv_spec for layer in self.attn_layers]
+
+    def bytes_per_token(self) -> int:
+        return kv_cache.bytes_per_token(self.kv_specs(), self.config.model_config.dtype)
+
     def block_bytes(self) -> int:
-        first = self.attn_layers[0]
-        return kv_cache.bytes_per_block(
-            len(self.attn_layers),
-            self.block_size,
-            first.num_kv_heads,
-            first.head_dim,
-            self.config.model_config.dtype,
-        )
+        return kv_cache.bytes_per_block(self.kv_specs(), self.block_size, self.config.model_config.dtype)
+
+    def describe_kv(self) -> str:
+        return kv_cache.describe(self.kv_specs(), self.config.model_config.dtype)
 
     def local_block_budget(self) -> int:
         sc, cc = self.config.scheduler_config, self.config.cache_config
@@ -53,19 +56,12 @@ class ModelRunner:
         return budget // per_block
 
     def allocate_kv(self, num_blocks: int) -> None:
-        first = self.attn_layers[0]
         self.num_blocks = num_blocks
-        self.kv = kv_cache.allocate(
-            num_blocks,
-            len(self.attn_layers),
-            self.block_size,
-            first.num_kv_heads,
-            first.head_dim,
-            self.config.model_config.dtype,
-            self.config.device,
-        )
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
+        specs = self.kv_specs()
+        mc = self.config.model_config
+        self.kv = kv_cache.allocate(specs, num_blocks, self.block_size, mc.dtype, self.config.device)
+        for layer, tensor in zip(self.attn_layers, self.kv):
+            layer.bind_kv_cache(tensor)
 
     # ---- inputs ---------------------------------------------------------------------------
     def prepare(
@@ -128,15 +124,23 @@ class ModelRunner:
             start = end
         return groups
 
-    def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V gather buffers for `num_blocks` blocks, grown (doubling) and then reused."""
-        ws = self._workspace
-        if ws is None or ws.shape[1] < num_blocks:
-            rows = max(num_blocks, 2 * (0 if ws is None else ws.shape[1]))
-            ws = self._workspace = torch.empty(
-                (2, rows, *self.kv.shape[3:]), dtype=self.kv.dtype, device=self.kv.device
-            )
-        return ws[0, :num_blocks], ws[1, :num_blocks]
+    def _gather_buffers(self, num_blocks: int) -> dict:
+        """Per KV-cache spec, its planes' gather buffers for `num_blocks` blocks, grown (doubling)
+        and then reused: {spec: (K buffer, V buffer) or (latent buffer,)}."""
+        ws = self._workspace or {}
+        out = {}
+        for spec, cache in zip(self.kv_specs(), self.kv):
+            if spec in out:
+                continue
+            buf = ws.get(spec)
+            if buf is None or buf.shape[1] < num_blocks:
+                rows = max(num_blocks, 2 * (0 if buf is None else buf.shape[1]))
+                buf = ws[spec] = torch.empty(
+                    spec.layer_shape(rows, self.block_size), dtype=cache.dtype, device=cache.device
+                )
+            out[spec] = tuple(plane[:num_blocks] for plane in buf)
+        self._workspace = ws
+        return out
 
     def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """One token written to the scratch block: keeps a rank with no work in lockstep."""

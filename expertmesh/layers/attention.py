@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.engine.kv_cache import KVCacheSpec
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.rotary import RotaryTables
 from expertmesh.layers.weights import copy_into, read, set_loader
@@ -54,9 +55,10 @@ class AttentionMetadata:
     # longest one (the gather and attention cost grow with the padded width).
     decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int]]  # (first token index, length) for each prefill sequence
-    # Reused buffers the decode gathers K and V blocks into ([blocks, block_size, Hk, D] each):
-    # a fresh multi-MB tensor per layer costs more in page faults than the copy itself.
-    decode_kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Reused buffers the decode gathers cache blocks into, per KV-cache spec: its planes, each
+    # [blocks, block_size, heads, width] (K and V, or the latent). A fresh multi-MB tensor per layer
+    # costs more in page faults than the copy itself.
+    decode_kv_buffers: dict[KVCacheSpec, tuple[torch.Tensor, ...]] | None = None
     # For the CPU paged-decode kernel, which reads blocks in place instead of grouping and
     # gathering: every decode's block table (int32 [num_decodes, W], zero-padded) and length.
     decode_block_tables: torch.Tensor | None = None
@@ -94,6 +96,14 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
             self.head_start = (group.rank_in_group if group is not None else 0) * num_heads
             set_loader(self.sinks, self._load_sinks)
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return KVCacheSpec("per_head", self.num_kv_heads, self.head_dim)
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        """cache: [2, blocks, block_size, kv_heads, head_dim] (engine/kv_cache.py)."""
+        self.k_cache, self.v_cache = cache[0], cache[1]
 
     def _load_sinks(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
         copy_into(param.data, read(src, 0, self.head_start, self.num_heads), "attention sinks")
@@ -188,11 +198,10 @@ class Attention(nn.Module):
                 self.chunk,
                 self.sinks,
             )
+        buffers = meta.decode_kv_buffers.get(self.kv_spec) if meta.decode_kv_buffers else None
         if len(meta.decode_groups) == 1:
-            return self._decode_group(q, meta.decode_groups[0], meta.decode_kv_buffers)
-        return torch.cat(
-            [self._decode_group(q[g.start : g.end], g, meta.decode_kv_buffers) for g in meta.decode_groups]
-        )
+            return self._decode_group(q, meta.decode_groups[0], buffers)
+        return torch.cat([self._decode_group(q[g.start : g.end], g, buffers) for g in meta.decode_groups])
 
     def _decode_group(self, q: torch.Tensor, group: DecodeGroup, buffers) -> torch.Tensor:
         """q: [B, H, D] for the group's sequences -> [B, H, D]."""

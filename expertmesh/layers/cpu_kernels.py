@@ -97,9 +97,11 @@ class PanelWeight:
 _F32, _INT = ctypes.c_float, ctypes.c_int
 # Argument types of each entry point (pointers are c_void_p); every one returns nothing.
 _SIGNATURES = {
-    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, W, block_size, scale, window, chunk,
+    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, Dv, W, block_size, scale, window, chunk,
     # sinks or NULL, threads
-    "paged_decode": [_c] * 6 + [_i64] * 6 + [_F32, _i64, _i64, _c, _INT],
+    "paged_decode": [_c] * 6 + [_i64] * 7 + [_F32, _i64, _i64, _c, _INT],
+    # x, its batch and head strides, w, out, B, H, K, N, trans, threads
+    "head_matmul": [_c, _i64, _i64, _c, _c] + [_i64] * 4 + [_INT, _INT],
     # x, panels, y, M, O, I, bias or NULL, threads
     "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
     # x, weight, out, rows, H, eps, threads
@@ -129,7 +131,7 @@ class CpuKernels:
         # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights are widened to
         # float32 in registers (gemm_bf16, and moe_bf16 built on it).
         self.bf16_pairs = bool(lib.bf16_pairs())
-        kinds = ("paged_decode", "gemm", "rms_norm", "rope_cache", "moe")
+        kinds = ("paged_decode", "head_matmul", "gemm", "rms_norm", "rope_cache", "moe")
         variants = {kind: ("f32", "bf16") for kind in kinds}
         variants["gemm"] += ("bf16_f32",)  # bf16 weights, float32 output (partial sums)
         if self.bf16_pairs:
@@ -342,6 +344,38 @@ class CpuKernels:
         )
         return q_out, k_out, v_out
 
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """Per head: x [B, H, K] (rows may be strided, e.g. a split of the query) times w[h], w
+        [H, K, N] -> [B, H, N]; with `transposed`, w is [H, N, K] and x[b, h] @ w[h]^T is taken."""
+        b, h, k = x.shape
+        if w.dim() != 3 or w.shape[0] != h or w.shape[2 if transposed else 1] != k:
+            raise ValueError(
+                f"head_matmul: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (transposed={transposed})"
+            )
+        if x.stride(2) != 1 or not w.is_contiguous() or w.dtype != x.dtype or not self.supports(x.dtype):
+            raise ValueError(
+                f"head_matmul: x ({x.dtype}, strides {x.stride()}) and w ({w.dtype}) must share a "
+                "supported dtype, with unit-stride rows"
+            )
+        n = w.shape[1 if transposed else 2]
+        out = torch.empty(b, h, n, dtype=x.dtype)
+        if b:
+            fn = self.lib.head_matmul_f32 if x.dtype == torch.float32 else self.lib.head_matmul_bf16
+            fn(
+                x.data_ptr(),
+                x.stride(0),
+                x.stride(1),
+                w.data_ptr(),
+                out.data_ptr(),
+                b,
+                h,
+                k,
+                n,
+                int(transposed),
+                torch.get_num_threads(),
+            )
+        return out
+
     # ---- attention -------------------------------------------------------------------------------
     def paged_decode(
         self,
@@ -354,22 +388,31 @@ class CpuKernels:
         sliding_window: int | None,
         chunk: int | None = None,
         sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
-        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, D].
+        """q [B, H, D], caches [blocks, block_size, Hk, D], int32 tables [B, W], lengths [B] -> [B, H, Dv].
         Keys seen: the last `sliding_window` tokens, within the newest token's `chunk`; `sinks` [H]
-        a per-head logit in each softmax's denominator."""
+        a per-head logit in each softmax's denominator. Values are the first `value_dim` (Dv,
+        default D) entries of the v_cache rows: a latent cache passes itself as both caches, with
+        one shared head of kv_lora_rank + rope values whose first kv_lora_rank are the values."""
         b, h, d = q.shape
         _, bs, hk, _ = k_cache.shape
+        dv = d if value_dim is None else value_dim
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not t.is_contiguous() or t.dtype != q.dtype:
                 raise ValueError(f"paged_decode: {name} must be contiguous {q.dtype}, got {t.dtype}")
+        if k_cache.shape[-1] != d or v_cache.shape != k_cache.shape or h % hk or not 1 <= dv <= d:
+            raise ValueError(
+                f"paged_decode: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+                f"and value_dim {dv} do not fit (same-shape caches of width D, H a multiple of Hk, Dv <= D)"
+            )
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
             raise ValueError("paged_decode: block_tables and context_lens must be int32")
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()
             if sinks.shape != (h,):
                 raise ValueError(f"paged_decode: sinks must be [{h}], got {tuple(sinks.shape)}")
-        out = torch.empty_like(q)
+        out = torch.empty(b, h, dv, dtype=q.dtype)
         fn = self.lib.paged_decode_f32 if q.dtype == torch.float32 else self.lib.paged_decode_bf16
         fn(
             q.data_ptr(),
@@ -382,6 +425,7 @@ class CpuKernels:
             h,
             hk,
             d,
+            dv,
             block_tables.shape[1],
             bs,
             scale,

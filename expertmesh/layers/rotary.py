@@ -56,7 +56,7 @@ def _dynamic(rope: RopeConfig, seq_len: int | None = None) -> Frequencies:
     return 1.0 / (base ** _exponents(rope)), 1.0
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -68,9 +68,9 @@ def _yarn(rope: RopeConfig, seq_len: int | None = None) -> Frequencies:
     scale = rope.attention_factor
     if scale is None:
         if rope.mscale and rope.mscale_all_dim:
-            scale = float(_yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim))
+            scale = float(yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim))
         else:
-            scale = _yarn_mscale(factor)
+            scale = yarn_mscale(factor)
 
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times in `original`
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))

@@ -65,6 +65,16 @@ def topk_sigmoid(logits: torch.Tensor, top_k: int, **_: Any) -> tuple[torch.Tens
     return torch.sigmoid(values), ids
 
 
+def _keep_groups(
+    choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float
+) -> torch.Tensor:
+    """`choice` [n, E] with the experts outside the `topk_group` best groups set to `fill`."""
+    n, e = choice.shape
+    keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices  # [n, topk_group]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    return choice.masked_fill(~mask.repeat_interleave(e // group_scores.shape[1], dim=1), fill)
+
+
 def sigmoid_grouped(
     logits: torch.Tensor,
     top_k: int,
@@ -85,14 +95,53 @@ def sigmoid_grouped(
         n, e = choice.shape
         grouped = choice.view(n, n_group, e // n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [n, n_group]
-        keep = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+        choice = _keep_groups(choice, group_scores, topk_group, float("-inf"))
     ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def _deepseek_v2_weights(
+    weights: torch.Tensor, top_k: int, renormalize: bool, scaling: float
+) -> torch.Tensor:
+    """DeepSeek-V2's rule: renormalised when norm_topk_prob (and k > 1), else times
+    routed_scaling_factor. transformers' port always scales and ignores norm_topk_prob; every
+    published V2 config has norm_topk_prob false, where the two agree (docs/deepseek.md)."""
+    if top_k > 1 and renormalize:
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling
+
+
+def softmax_greedy(
+    logits: torch.Tensor, top_k: int, renormalize: bool = False, scaling: float = 1.0, **_: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 `greedy`: softmax over every expert, the top k taken (unsorted, as the reference
+    does, so ties resolve alike)."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(scores, top_k, dim=-1, sorted=False)
+    return _deepseek_v2_weights(weights, top_k, renormalize, scaling), ids
+
+
+def softmax_group_limited(
+    logits: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = False,
+    scaling: float = 1.0,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 `group_limited_greedy`: softmax scores; a group (n_group of them) scores its best
+    expert; the top k are taken within the topk_group best groups (the others scored 0, as the
+    reference masks them)."""
+    scores = torch.softmax(logits.float(), dim=-1)  # [n, E]
+    n, e = scores.shape
+    group_scores = scores.view(n, n_group, e // n_group).max(dim=-1).values  # [n, n_group]
+    masked = _keep_groups(scores, group_scores, topk_group, 0.0)
+    weights, ids = torch.topk(masked, top_k, dim=-1, sorted=False)
+    return _deepseek_v2_weights(weights, top_k, renormalize, scaling), ids
 
 
 ROUTERS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
@@ -101,10 +150,14 @@ ROUTERS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "topk_softmax": topk_softmax,
     "topk_sigmoid": topk_sigmoid,
     "sigmoid_grouped": sigmoid_grouped,
+    "softmax_greedy": softmax_greedy,
+    "softmax_group_limited": softmax_group_limited,
 }
-# Rules whose router carries a selection-only correction bias and runs in float32 whatever the
-# model dtype (its weight and bias are stored in float32 in bf16 checkpoints too).
-CORRECTED_FP32 = ("sigmoid_grouped",)
+# Rules whose router linear runs in float32 whatever the model dtype, as the references do (their
+# weight, and correction bias, are kept in float32 in bf16 checkpoints too).
+FLOAT32_RULES = ("sigmoid_grouped", "softmax_greedy", "softmax_group_limited")
+# Rules that take a selection-only correction bias (`e_score_correction_bias`).
+CORRECTED_RULES = ("sigmoid_grouped",)
 
 
 class Router(ReplicatedLinear):
@@ -121,11 +174,11 @@ class Router(ReplicatedLinear):
         dtype=None,
     ) -> None:
         self.fn = lookup(ROUTERS, rule, "router")
-        self.fp32 = rule in CORRECTED_FP32
+        self.fp32 = rule in FLOAT32_RULES
         super().__init__(hidden, num_experts, bias, torch.float32 if self.fp32 else dtype)
         self.rule, self.top_k, self.params = rule, top_k, dict(params)
         self.e_score_correction_bias = None
-        if self.fp32:
+        if rule in CORRECTED_RULES:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
             )

@@ -92,6 +92,11 @@ def build_model(
     with torch.device(device):
         model = cls(cfg, env)
     load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights)
+    # Modules that lay out loaded weights another way (MLA splits kv_b_proj per head) do it once,
+    # before any weight is packed for a kernel.
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
     # routed experts (weights packed below, after loading), RMSNorm, rotary + KV store and decode
     # attention; model.cpu_kernels tells the runner to lay out decode metadata for them.

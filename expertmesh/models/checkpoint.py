@@ -15,13 +15,9 @@ from typing import Any
 import torch
 
 # (checkpoint piece, fused parameter piece, shard id) for dense projections.
-STACKED = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
+GATE_UP = ((".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1))
+STACKED = ((".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"))
+STACKED += GATE_UP
 # Renames every family shares: the attention sinks live on the attention layer.
 COMMON_RENAMES = ((".self_attn.sinks", ".self_attn.attn.sinks"),)
 IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -44,6 +40,9 @@ class CheckpointNames:
     renames: tuple[tuple[str, str], ...] = ()
     prefix: str = ""  # e.g. "language_model." for the text tower of a multimodal checkpoint
     skip: tuple[tuple[str, str], ...] = ()  # (rule name, regex on the original key)
+    # Projections fused into one parameter: q/k/v and gate/up; GATE_UP where attention keeps its
+    # own projections (multi-head latent attention has a q_proj of its own).
+    stacked: tuple[tuple[str, str, Any], ...] = STACKED
 
     def __post_init__(self) -> None:
         if self.fused_experts not in FUSED_LAYOUTS:
@@ -108,7 +107,7 @@ def checkpoint_targets(key: str, names: CheckpointNames, experts: Any, tie: bool
         return []
     if key.endswith(".gate_up_proj.weight") and ".experts." not in key:  # a fused [gate; up] weight
         return [(key, h, _fused_half(h)) for h in (0, 1)]
-    for piece, fused, shard in STACKED:
+    for piece, fused, shard in names.stacked:
         if piece in key and ".experts." not in key:
             return [(key.replace(piece, fused), shard, _identity)]
     return [(key, None, _identity)]

@@ -19,6 +19,7 @@ from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import Attention
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
+from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
 from expertmesh.layers.norm import NORMS, QK_NORMS, L2Norm, ProjectionRMSNorm, RMSNorm
@@ -98,6 +99,11 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx.attn, rope=rope))
 
 
+# Attention kinds a family picks by name; each owns its projections and its KV-cache kind
+# (`.attn.kv_spec`): per-head K/V for GQA/MHA, one latent row per token for MLA.
+ATTENTION_KINDS = {"gqa": DecoderAttention, "mla": MLAAttention}
+
+
 def moe_spec(cfg: ModelConfig, family: Family) -> MoESpec:
     width = (
         cfg.moe_intermediate_size
@@ -105,8 +111,9 @@ def moe_spec(cfg: ModelConfig, family: Family) -> MoESpec:
         else cfg.shared_expert_intermediate_size
     )
     return MoESpec(
-        router=family.router, router_bias=family.router_bias, activation=family.expert_activation,
-        expert_bias=family.expert_bias, weights_input=family.router_weights_input,
+        router=family.router_for(cfg.topk_method), router_bias=family.router_bias,
+        activation=family.expert_activation, expert_bias=family.expert_bias,
+        weights_input=family.router_weights_input,
         shared_expert=family.shared_expert, shared_width=width,
     )  # fmt: skip
 
@@ -116,7 +123,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lookup(NORMS, family.norm, "norm")
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
-        self.self_attn = DecoderAttention(cfg, index, family, env.groups.tp)
+        self.self_attn = lookup(ATTENTION_KINDS, family.attention, "attention kind")(
+            cfg, index, family, env.groups.tp
+        )
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
@@ -198,5 +207,6 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[Any]:
+        """The modules that own a KV cache (`kv_spec`, `bind_kv_cache`), one per layer."""
         return [layer.self_attn.attn for layer in self.model.layers.values()]

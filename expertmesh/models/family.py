@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from expertmesh.models.checkpoint import CheckpointNames
+from expertmesh.registries import lookup
 
 
 @dataclass(frozen=True)
 class Family:
+    attention: str = "gqa"  # models/decoder.py ATTENTION_KINDS: "gqa" (per-head KV), "mla" (latent KV)
     norm: str = "rms"  # layers/norm.py NORMS: "rms", "layer" (with bias)
     qk_norm: str | None = None  # layers/norm.py QK_NORMS: "per_head", "projection", "l2"
     rope_interleaved: bool = False  # GPT-J pairs instead of NeoX halves
@@ -21,6 +23,9 @@ class Family:
     o_proj_bias: bool | None = None  # None: the config's attention_bias (GLM: never)
     sliding_window: bool = True  # False where transformers ignores the config's window
     router: str = "softmax_topk"  # layers/routing.py ROUTERS
+    # The config's `topk_method` -> router, where a family's config picks its rule (DeepSeek-V2:
+    # greedy or group_limited_greedy); () means `router` whatever the config says.
+    router_by_method: tuple[tuple[str, str], ...] = ()
     router_bias: bool = False  # the router linear has a bias (GPT-OSS)
     expert_activation: str = "gated"  # layers/activation.py EXPERT_ACTIVATIONS
     expert_bias: bool = False  # gate/up and down biases on every expert (GPT-OSS)
@@ -29,3 +34,8 @@ class Family:
     shared_expert_width: str = "config"  # "config", or "routed": as wide as a routed expert
     mlp_name: str = "mlp"  # where the MLP / MoE block lives in the checkpoint
     names: CheckpointNames = field(default_factory=CheckpointNames)
+
+    def router_for(self, topk_method: str | None) -> str:
+        if not self.router_by_method:
+            return self.router
+        return lookup(dict(self.router_by_method), topk_method, "topk_method")

@@ -18,6 +18,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeSharedForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),  # its text tower
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
 }
 
 
