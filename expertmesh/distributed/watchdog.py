@@ -113,6 +113,11 @@ class Watchdog:
         self._stop.set()
         with contextlib.suppress(Exception):
             self._publish()
+        if threading.current_thread() is not self._thread:
+            # Let the thread finish its store call: a daemon thread still inside one when the
+            # interpreter finalizes is ended by a forced unwind through C++ frames, which aborts
+            # the process ("terminate called without an active exception") after a clean run.
+            self._thread.join(timeout=5.0)
 
     # ---- watchdog thread ----------------------------------------------------------------------
     def _run(self) -> None:
