@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 from distributed_utils import free_port
+from prom import scrape, total
 from test_server import CHATS, PROMPTS, _chat_ids, _stream_text
 
 from expertmesh import LLM, SamplingParams
@@ -93,11 +94,6 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^expertmesh_(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
-
-
 @pytest.mark.timeout(90)
 def test_tp2_completions_and_chat_equal_one_process(tp2, refs):
     client = _client(tp2.url)
@@ -115,8 +111,10 @@ def test_tp2_completions_and_chat_equal_one_process(tp2, refs):
         kw = dict(model=DEFAULT_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         assert client.chat.completions.create(**kw).choices[0].message.content == expected.text
         assert _stream_text(client.chat.completions.create(**kw, stream=True))[0] == expected.text
-    metrics = _metrics(tp2.url)
-    assert metrics["kv_blocks_used"] == 0 and metrics['dp_replica_requests_total{dp_rank="0"}'] >= 14
+    metrics = scrape(tp2.url)
+    assert total(metrics, "expertmesh:kv_blocks_used") == 0
+    assert metrics['expertmesh:requests_added_total{engine="0"}'] >= 14
+    assert total(metrics, "expertmesh:all2all_bytes_sent_total") == 0  # TP only: no token exchange
 
 
 @pytest.mark.timeout(90)
@@ -152,10 +150,13 @@ def test_dp2_spreads_concurrent_requests_over_both_replicas(tmp_path, refs):
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(ask, range(len(PROMPTS))))
         assert answers == [(r.text, r.finish_reason) for r in refs["completions"]]
-        metrics = _metrics(server.url)
-        per_replica = [metrics[f'dp_replica_requests_total{{dp_rank="{d}"}}'] for d in (0, 1)]
+        metrics = scrape(server.url)
+        per_replica = [metrics[f'expertmesh:requests_added_total{{engine="{d}"}}'] for d in (0, 1)]
         assert sum(per_replica) == len(PROMPTS) and min(per_replica) >= 1, per_replica
-        assert metrics["kv_blocks_used"] == 0 and metrics["num_requests_running"] == 0
+        assert total(metrics, "expertmesh:kv_blocks_used") == 0
+        assert total(metrics, "vllm:num_requests_running") == 0
+        assert metrics["vllm:time_to_first_token_seconds_count"] == len(PROMPTS)
+        assert total(metrics, "expertmesh:all2all_bytes_sent_total") > 0  # DP: MoE tokens cross replicas
     finally:
         server.stop()
 

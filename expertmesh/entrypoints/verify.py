@@ -255,7 +255,7 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from expertmesh.entrypoints.launcher import torchrun_env
+    from expertmesh.distributed.launcher import torchrun_env
     from expertmesh.model_source import resolve_model
 
     env = torchrun_env()
