@@ -73,8 +73,13 @@ def _run(engine: AsyncEngine, names: list[str], host: str, port: int, max_body: 
     )
     server = uvicorn.Server(config)
     if stop_on_failure:
-        # A dead rank takes its peers down with it: nothing is left to serve, so stop.
-        engine.on_failure = lambda _: setattr(server, "should_exit", True)
+        # A dead rank takes its peers down with it: nothing is left to serve, so stop (and say why
+        # now: under torchrun the launcher may end this process before it returns).
+        def stop(exc: BaseException) -> None:
+            log.error("expertmesh serve stopping: %s", exc)
+            server.should_exit = True
+
+        engine.on_failure = stop
     log.info("serving %s on http://%s:%d", names, host, port)
     try:
         server.run()

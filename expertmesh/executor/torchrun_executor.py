@@ -19,6 +19,7 @@ that message, and torchrun ends the other ranks.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from expertmesh.distributed import watchdog
@@ -46,6 +47,8 @@ class TorchrunExecutor:
         self._open = True
         info = {"limits": engine.prompt_limits(), "stats": self.stepper.rank_stats()}
         self.ready_info: dict[int, Any] = dict(enumerate(self.world.all_gather_object(info)))
+        role = "answers HTTP and drives" if self.rank == DRIVER else "follows rank 0"
+        log.info("serve under torchrun: rank %d pid %d %s", self.rank, os.getpid(), role)
 
     # ---- rank 0 ------------------------------------------------------------------------------
     def step(self, adds: list[tuple], aborts: list[str]) -> dict[int, StepResult]:
