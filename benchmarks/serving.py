@@ -258,7 +258,7 @@ def bench_server(args: argparse.Namespace, server: str, model_dir: str, vocab: i
         rows = []
         for rate in args.rates:
             report = asyncio.run(run_rate(url, "bench", make_jobs(args, rate, vocab), server, rate))
-            rows.append(report.summary())
+            rows.append({**report.summary(), "shared_prefix": args.shared_prefix})
             print(json.dumps(rows[-1]), flush=True)
         return rows
     finally:
@@ -276,8 +276,8 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for server in sorted({r["server"] for r in rows}):
-        mine = [r for r in rows if r["server"] == server]
+    for server in sorted({_series(r) for r in rows}):
+        mine = [r for r in rows if _series(r) == server]
         rates = [r["rate_rps"] for r in mine]
         for ax, key, label in zip(
             axes,
@@ -297,6 +297,29 @@ def plot(rows: list[dict], path: str) -> None:
     fig.suptitle("Open-loop Poisson arrivals, ShareGPT-like lengths")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ["server", "shared_prefix", "rate_rps", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms"]
+    header += ["tpot_p50_ms", "tpot_p99_ms", "failed"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(h, 0)) for h in header) + " |")
+
+
+def _series(row: dict) -> str:
+    prefix = row.get("shared_prefix", 0)
+    return row["server"] + (f" (+{prefix}-token shared prefix)" if prefix else "")
+
+
+def rows_from_json(paths: list[str]) -> list[dict]:
+    """The rows of earlier runs' --json files (for one plot of several runs)."""
+    rows = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        rows += [{"shared_prefix": data["args"].get("shared_prefix", 0), **r} for r in data["rows"]]
+    return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -325,6 +348,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-dir", default=".", help="where each server's log is written")
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument("--plot", default=None, help="PNG of TTFT / TPOT / throughput per rate (matplotlib)")
+    ap.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        help="run nothing: print and plot the rows of these --json files",
+    )
     args = ap.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     if any(r <= 0 for r in args.rates):
@@ -344,6 +373,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        rows = rows_from_json(args.from_json)
+        print_table(rows)
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     if args.model is None:
         from make_small_moe import DEFAULT_CACHE, make_small_moe
 
@@ -358,12 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for server in args.servers:
         rows += bench_server(args, server, args.model, vocab)
-    header = ["server", "rate_rps", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"]
-    header += ["tpot_p99_ms", "failed"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for r in rows:
-        print("| " + " | ".join(str(r[h]) for h in header) + " |")
+    print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     if args.plot:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any
 
 from expertmesh.distributed import watchdog
@@ -70,6 +71,9 @@ class TorchrunExecutor:
     # ---- every rank ----------------------------------------------------------------------------
     def follow(self) -> None:
         """Ranks other than 0: take part in rounds until rank 0 says stop."""
+        # Ctrl-C reaches every process of the terminal: rank 0 shuts the server down and then
+        # tells the others to stop, which they must be there to hear.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         watchdog.set_doing("serving: following rank 0's rounds")
         while self._round(None) is not None:
             pass
