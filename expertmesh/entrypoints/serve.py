@@ -83,6 +83,8 @@ def _run(engine: AsyncEngine, names: list[str], host: str, port: int, max_body: 
     log.info("serving %s on http://%s:%d", names, host, port)
     try:
         server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully and re-raised it
+        log.info("interrupted: server stopped")
     finally:
         engine.shutdown()
     if engine.error is not None and stop_on_failure:
