@@ -5,11 +5,14 @@ server is doing, so queueing shows up in the latencies, as with real users. Each
 (`stream: true`), and its time to first token (TTFT), time per output token after the first (TPOT)
 and end-to-end latency are measured at the client. Prompt and output lengths follow a
 ShareGPT-like mix made locally (log-normal, long-tailed prompts, shorter outputs; no download),
-the same for every server and rate (one seed). Prompts are token ids (both expertmesh and vLLM
-take them) and `ignore_eos` holds each output to its drawn length.
+the same for every server and rate (one seed); `--shared-prefix N` puts the same N-token
+"system prompt" in front of every prompt (what automatic prefix caching saves). Prompts are
+token ids (both expertmesh and vLLM take them) and `ignore_eos` holds each output to its drawn
+length.
 
     .venv/bin/python benchmarks/serving.py --rates 1,2,4 --requests 48 \\
-        --json serving.json --plot docs/serving.png
+        --json serving.json --plot docs/serving.png    # --plot needs the `bench` extra (matplotlib)
+    .venv/bin/python benchmarks/serving.py --model embedded --shared-prefix 128 --rates 1,2,4
     # with vLLM's CPU build on the same model and cores:
     .venv/bin/python benchmarks/serving.py --rates 1,2,4 --vllm-python /work/peers/vllm-venv/bin/python
 
@@ -108,9 +111,12 @@ def make_jobs(args: argparse.Namespace, rate: float, vocab: int) -> list[Job]:
     rng = random.Random(args.seed)  # the same prompts at every rate and for every server
     lengths = sharegpt_like_lengths(args.requests, args.seed, args.max_prompt, args.max_output)
     arrivals = random.Random(args.seed + 1)
+    # --shared-prefix: one "system prompt" that every request starts with (what prefix caching saves).
+    system = random.Random(args.seed + 2)
+    prefix = [system.randrange(FIRST_TOKEN_ID, vocab) for _ in range(args.shared_prefix)]
     t, jobs = 0.0, []
     for p_len, o_len in lengths:
-        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(p_len)]
+        prompt = prefix + [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(p_len)]
         jobs.append(Job(t, prompt, o_len))
         t += arrivals.expovariate(rate)
     return jobs
@@ -252,7 +258,7 @@ def bench_server(args: argparse.Namespace, server: str, model_dir: str, vocab: i
         rows = []
         for rate in args.rates:
             report = asyncio.run(run_rate(url, "bench", make_jobs(args, rate, vocab), server, rate))
-            rows.append(report.summary())
+            rows.append({**report.summary(), "shared_prefix": args.shared_prefix})
             print(json.dumps(rows[-1]), flush=True)
         return rows
     finally:
@@ -270,8 +276,8 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for server in sorted({r["server"] for r in rows}):
-        mine = [r for r in rows if r["server"] == server]
+    for server in sorted({_series(r) for r in rows}):
+        mine = [r for r in rows if _series(r) == server]
         rates = [r["rate_rps"] for r in mine]
         for ax, key, label in zip(
             axes,
@@ -293,16 +299,45 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def print_table(rows: list[dict]) -> None:
+    header = ["server", "shared_prefix", "rate_rps", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms"]
+    header += ["tpot_p50_ms", "tpot_p99_ms", "failed"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(h, 0)) for h in header) + " |")
+
+
+def _series(row: dict) -> str:
+    prefix = row.get("shared_prefix", 0)
+    return row["server"] + (f" (+{prefix}-token shared prefix)" if prefix else "")
+
+
+def rows_from_json(paths: list[str]) -> list[dict]:
+    """The rows of earlier runs' --json files (for one plot of several runs)."""
+    rows = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        rows += [{"shared_prefix": data["args"].get("shared_prefix", 0), **r} for r in data["rows"]]
+    return rows
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--model", default=None, help="model directory (default: the small MoE of make_small_moe)"
+        "--model",
+        default=None,
+        help="model directory, or 'embedded' for the embedded default model "
+        "(default: the small MoE of make_small_moe)",
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rates", default="1,2,4", help="comma-separated request rates (requests/s)")
     ap.add_argument("--requests", type=int, default=48, help="requests per rate")
     ap.add_argument("--max-prompt", type=int, default=512, help="longest prompt (tokens)")
     ap.add_argument("--max-output", type=int, default=256, help="longest output (tokens)")
+    ap.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens of a system prompt every request starts with"
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--threads", type=int, default=2)
@@ -313,12 +348,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-dir", default=".", help="where each server's log is written")
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument("--plot", default=None, help="PNG of TTFT / TPOT / throughput per rate (matplotlib)")
+    ap.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        help="run nothing: print and plot the rows of these --json files",
+    )
     args = ap.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     if any(r <= 0 for r in args.rates):
         ap.error(f"--rates must be positive, got {args.rates}")
-    if args.max_prompt + args.max_output > args.max_model_len:
-        ap.error(f"--max-prompt + --max-output must fit --max-model-len={args.max_model_len}")
+    if args.shared_prefix < 0:
+        ap.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+    if args.shared_prefix + args.max_prompt + args.max_output > args.max_model_len:
+        ap.error(
+            f"--shared-prefix + --max-prompt + --max-output must fit --max-model-len={args.max_model_len}"
+        )
     default = ["expertmesh"] + (["vllm"] if args.vllm_python else [])
     args.servers = args.servers.split(",") if args.servers else default
     if "vllm" in args.servers and not args.vllm_python:
@@ -328,22 +373,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        rows = rows_from_json(args.from_json)
+        print_table(rows)
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     if args.model is None:
         from make_small_moe import DEFAULT_CACHE, make_small_moe
 
         args.model = make_small_moe(DEFAULT_CACHE, args.dtype)
+    elif args.model == "embedded":
+        from expertmesh.model_source import DEFAULT_MODEL_DIR
+
+        args.model = str(DEFAULT_MODEL_DIR)
     with open(Path(args.model) / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     args.model = with_tokenizer(args.model, vocab)
     rows = []
     for server in args.servers:
         rows += bench_server(args, server, args.model, vocab)
-    header = ["server", "rate_rps", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"]
-    header += ["tpot_p99_ms", "failed"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for r in rows:
-        print("| " + " | ".join(str(r[h]) for h in header) + " |")
+    print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     if args.plot:

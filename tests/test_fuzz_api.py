@@ -55,4 +55,4 @@ def test_after_the_fuzzing_the_engine_is_whole(fuzzed_server):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
-    assert engine.is_alive and engine.metrics["kv_blocks_used"] == 0
+    assert engine.is_alive and sum(engine.metrics["kv_blocks_used"]) == 0

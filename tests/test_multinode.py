@@ -1,20 +1,26 @@
 """Two nodes (network namespaces joined by a veth pair), torchrun's static rendezvous across them:
-the seed script at DP2 x TP2 and at TP4 gives, on every rank, what one process gives."""
+the seed script at DP2 x TP2 and at TP4 gives, on every rank, what one process gives; and
+`expertmesh serve` at DP2 x TP2 across them (rank 0 on node 0 answers HTTP) answers the `openai`
+client, run inside node 0, as one process does."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 
 import pytest
 from netns import skip_reason, torchrun_on, two_nodes
+from serve_utils import CLI, ENGINE_FLAGS, one_process_refs
 
 from expertmesh import LLM, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "offline_inference", "torchrun_dp_example.py")
+CLIENT = os.path.join(ROOT, "tests", "serve_client.py")
 # The example's own prompts and sampling (greedy: temperature 0), so one process can replay them.
 PROMPTS = [
     "Hello, my name is",
@@ -95,3 +101,59 @@ def test_tp4_across_two_nodes(one_process):
     """One replica whose TP all-reduces cross the link (KV heads replicated: 2 KV heads, TP 4)."""
     outs = _run_two_nodes(["--dp-size=1", "--tp-size=4", "--print-all-ranks"], ENV)
     _check(outs, 4, 1, one_process)
+
+
+@pytest.mark.timeout(240)
+def test_server_dp2_tp2_across_two_nodes_equals_one_process():
+    """`serve -tp 2 -dp 2` over both nodes: one DP replica a node; the openai client, inside node 0
+    (the test's own namespace cannot reach the nodes), gets one process's answers."""
+    refs = one_process_refs()
+    port = 8123
+    with two_nodes() as (n0, n1):
+        serve = [*CLI, "-tp", "2", "-dp", "2", "--host", n0.address, "--port", str(port), *ENGINE_FLAGS]
+        procs = [
+            subprocess.Popen(
+                torchrun_on(node, k, n0, 29556, 2, serve, ENV),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            for k, node in enumerate((n0, n1))
+        ]
+        try:
+            asked = subprocess.run(
+                n0.command([sys.executable, CLIENT, f"http://{n0.address}:{port}"], ENV),
+                capture_output=True, text=True, timeout=200, cwd=os.path.join(ROOT, "tests"),
+            )  # fmt: skip
+            assert asked.returncode == 0, f"client: {asked.stderr[-3000:]}\nnode 0: {_drain(procs[0])}"
+            got = json.loads(asked.stdout.strip().splitlines()[-1])
+        finally:
+            logs = [_stop(p) for p in procs]
+    want = [[o.text, o.finish_reason] for o in refs["completions"]]
+    assert got["completions"] == want[:4] and got["streamed"] == want[:4], logs[0][-3000:]
+    assert got["chat"] == [o.text for o in refs["chat"]]
+    assert got["concurrent"] == want
+    per_replica = sorted(got["metrics"]["requests_added"].values())
+    assert len(per_replica) == 2 and min(per_replica) >= 1, got["metrics"]
+    assert got["metrics"]["kv_blocks_used"] == 0
+    assert "rank 2 pid" in logs[1] and "rank 0 pid" in logs[0]  # a replica on each node
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """Interrupt a node's torchrun (and kill what is left of it); its output."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.communicate()[0]
+
+
+def _drain(proc: subprocess.Popen) -> str:
+    return "(still running)" if proc.poll() is None else proc.communicate()[0][-3000:]

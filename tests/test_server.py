@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ import openai
 import pytest
 import uvicorn
 from distributed_utils import free_port
+from prom import scrape, total
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.entrypoints.api_server import DEFAULT_SERVED_NAME, build_app
@@ -87,8 +87,18 @@ def _client(server: ServerThread) -> openai.OpenAI:
 
 
 def _metrics(server: ServerThread) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^expertmesh_(\w+) (\S+)$", text, re.M)}
+    """Each metric's value summed over DP replicas, by short name (`kv_blocks_used`, ...)."""
+    samples = scrape(server.url)
+    return {name: total(samples, full) for name, full in METRIC_NAMES.items()}
+
+
+METRIC_NAMES = {
+    "num_requests_running": "vllm:num_requests_running",
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "generation_tokens_total": "vllm:generation_tokens_total",
+    "kv_blocks_used": "expertmesh:kv_blocks_used",
+    "kv_blocks_free": "expertmesh:kv_blocks_free",
+}
 
 
 def _stream_text(stream) -> tuple[str, str | None]:
@@ -105,10 +115,45 @@ def test_health_models_metrics(served):
     server, _ = served
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert [m.id for m in _client(server).models.list()] == [DEFAULT_SERVED_NAME]
-    metrics = _metrics(server)
-    for name in ("num_requests_running", "num_requests_waiting", "generation_tokens_total", "kv_blocks_used"):
-        assert name in metrics
-    assert {"kv_blocks_free", "num_preemptions_total", "all2all_bytes_sent_total"} <= set(metrics)
+    samples = scrape(server.url)
+    names = {k.split("{")[0] for k in samples}
+    for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_sum", "vllm:request_queue_time_seconds_count",
+        "expertmesh:kv_blocks_free", "expertmesh:all2all_bytes_sent_total",
+    ):  # fmt: skip
+        assert name in names, name
+    assert 'vllm:num_requests_running{engine="0"}' in samples  # one sample per DP replica
+
+
+@pytest.mark.timeout(60)
+def test_request_metrics_count_what_was_served(served):
+    """Sequential requests: every counter and histogram count moves by exactly what they did."""
+    server, _ = served
+    client = _client(server)
+    before = scrape(server.url)
+    tokens = prompt_tokens = 0
+    for prompt in PROMPTS[:3]:
+        out = client.completions.create(model=DEFAULT_SERVED_NAME, prompt=prompt, max_tokens=5, temperature=0)
+        tokens += out.usage.completion_tokens
+        prompt_tokens += out.usage.prompt_tokens
+    after = scrape(server.url)
+
+    def moved(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert moved("vllm:prompt_tokens_total") == prompt_tokens
+    assert moved("vllm:generation_tokens_total") == tokens
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert moved(f"vllm:{hist}_seconds_count") == 3, hist
+    # One token per step per request: every token after the first is one inter-token gap.
+    assert moved("vllm:inter_token_latency_seconds_count") == tokens - 3
+    assert moved("vllm:request_success_total") == 3
+    assert after["vllm:e2e_request_latency_seconds_sum"] >= after["vllm:time_to_first_token_seconds_sum"]
+    assert total(after, "expertmesh:kv_blocks_used") == 0
+    assert after['vllm:kv_cache_usage_perc{engine="0"}'] == 0.0
 
 
 @pytest.mark.timeout(60)

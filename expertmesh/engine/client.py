@@ -3,7 +3,8 @@
 The server's engine thread (entrypoints/async_engine.py) drives an `EngineClient`: add and abort
 requests, step, and read what each request gained in that step. `EngineStepper` is the client
 for an `LLMEngine` in this process (one rank); it is also what each mp worker runs, and the mp
-driver (executor/mp_client.py) merges the workers' step results into the same shape.
+driver (executor/driver_client.py, over the mp workers or torchrun's ranks) merges the ranks'
+step results into the same shape (`merge_stats`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from expertmesh.engine.llm_engine import LLMEngine
-from expertmesh.engine.sequence import Sequence
+from expertmesh.engine.sequence import Sequence, SequenceStatus
 from expertmesh.outputs import Logprob, RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
@@ -31,7 +32,8 @@ class SeqProgress:
 class StepResult:
     progress: dict[str, list[SeqProgress]] = field(default_factory=dict)  # only requests that gained
     finished: list[RequestOutput] = field(default_factory=list)
-    stats: dict[str, Any] = field(default_factory=dict)  # metric name -> value, see EngineStepper.stats
+    stats: dict[str, Any] = field(default_factory=dict)  # this rank's numbers: EngineStepper.rank_stats
+    started: list[str] = field(default_factory=list)  # requests scheduled for the first time this step
 
 
 class EngineClient(Protocol):
@@ -69,6 +71,7 @@ class EngineStepper:
         self._seqs: dict[str, list[Sequence]] = {}
         self._seen: dict[str, list[int]] = {}  # output tokens already reported, per sequence
         self._num_added = 0
+        self._unstarted: set[str] = set()  # added, never scheduled yet
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
@@ -79,12 +82,14 @@ class EngineStepper:
             return req.error
         self._seqs[request_id], self._seen[request_id] = req.seqs, [0] * len(req.seqs)
         self._num_added += 1
+        self._unstarted.add(request_id)
         return None
 
     def abort_request(self, request_id: str) -> None:
         # Only requests this engine holds: an mp worker hears of every replica's aborts.
         if self._seqs.pop(request_id, None) is not None:
             del self._seen[request_id]
+            self._unstarted.discard(request_id)
             self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -92,11 +97,18 @@ class EngineStepper:
 
     def step(self) -> StepResult:
         finished = self.engine.step()
+        started = [rid for rid in self._unstarted if self._was_scheduled(rid)]
+        self._unstarted.difference_update(started)
         progress = {rid: p for rid in self._seqs if (p := self._progress(rid))}
         for out in finished:
             self._seqs.pop(out.request_id, None)
             self._seen.pop(out.request_id, None)
-        return StepResult(progress, finished, self.stats())
+            self._unstarted.discard(out.request_id)
+        return StepResult(progress, finished, self.rank_stats(), started)
+
+    def _was_scheduled(self, request_id: str) -> bool:
+        """Has any sequence of this request left the waiting queue (run, or finished)?"""
+        return any(s.status != SequenceStatus.WAITING for s in self._seqs.get(request_id, ()))
 
     def _progress(self, request_id: str) -> list[SeqProgress]:
         seen, out = self._seen[request_id], []
@@ -116,8 +128,8 @@ class EngineStepper:
     def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.engine.detok.decode(token_ids, skip_special_tokens)
 
-    def stats(self) -> dict[str, Any]:
-        """The /metrics numbers of this rank (counters since start, gauges now)."""
+    def rank_stats(self) -> dict[str, Any]:
+        """This rank's numbers (counters since start, gauges now); `merge_stats` combines ranks."""
         stats, sched, traffic = self.engine.stats(), self.engine.scheduler, self.engine.traffic()
         return {
             "num_requests_running": len(sched.running),
@@ -125,10 +137,41 @@ class EngineStepper:
             "kv_blocks_total": stats["kv_blocks_total"],
             "kv_blocks_free": stats["kv_blocks_free"],
             "num_preemptions_total": stats["preemptions"],
+            # Filled in by an engine with prefix caching (tokens); 0 without one.
+            "prefix_cache_hits_total": stats.get("prefix_cache_hits", 0),
+            "prefix_cache_queries_total": stats.get("prefix_cache_queries", 0),
+            "requests_added_total": self._num_added,
             "all2all_bytes_sent_total": traffic["bytes_sent"],
             "all2all_bytes_received_total": traffic["bytes_received"],
-            "dp_replica_requests_total": [self._num_added],  # one entry per DP replica
         }
+
+    def stats(self) -> dict[str, Any]:
+        """The /metrics numbers of this engine, in `merge_stats`'s shape (one DP replica)."""
+        return merge_stats({0: self.rank_stats()}, [0])
 
     def close(self) -> None:
         pass
+
+
+# Numbers of a DP replica (read from its leader): one list entry per replica once merged.
+REPLICA_STATS = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "num_preemptions_total",
+    "prefix_cache_hits_total",
+    "prefix_cache_queries_total",
+    "requests_added_total",
+)
+# Every rank moves its own MoE traffic: summed over all ranks.
+RANK_STATS = ("all2all_bytes_sent_total", "all2all_bytes_received_total")
+
+
+def merge_stats(per_rank: dict[int, dict[str, Any]], leaders: list[int]) -> dict[str, Any]:
+    """Ranks' `rank_stats` as one dict: REPLICA_STATS as a list by DP replica (from `leaders`,
+    replica order), RANK_STATS summed over every rank; a key a rank lacks counts as 0."""
+    merged: dict[str, Any] = {k: [per_rank[r].get(k, 0) for r in leaders] for k in REPLICA_STATS}
+    for key in RANK_STATS:
+        merged[key] = sum(s.get(key, 0) for s in per_rank.values())
+    return merged

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server: `expertmesh serve [MODEL]` (FastAPI + uvicorn).
 
 Endpoints: /health, /v1/models, /v1/completions, /v1/chat/completions (both with `stream`),
-/metrics (Prometheus text). Every error has OpenAI's body, {"error": {message, type, param,
-code}}, and touches only the request that caused it. A request body larger than
+/metrics (Prometheus, entrypoints/metrics.py). Every error has OpenAI's body, {"error": {message,
+type, param, code}}, and touches only the request that caused it. A request body larger than
 `max_request_body_bytes` (default 4 MiB) is refused with 413 before it is read whole; chat
 templates and tokenization run off the event loop (async_engine.py).
 """
@@ -125,9 +125,13 @@ def build_app(
         cards = [ModelCard(id=name, max_model_len=engine.max_model_len) for name in app.state.names]
         return ModelList(data=cards).model_dump()
 
+    if engine is not None:  # (None: only the OpenAPI schema is wanted)
+        engine.request_metrics.set_model_name(app.state.names[0])
+
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(engine.metrics), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        body, content_type = engine.request_metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -355,7 +359,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-# ---- errors and metrics --------------------------------------------------------------------------
+# ---- errors --------------------------------------------------------------------------
 def _add_error_handlers(app: FastAPI) -> None:
     def handler(
         status: int, param: str | None = None, code: str | None = None
@@ -385,86 +389,3 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     where = ".".join(loc) or "body"
     return error_response(400, f"{where}: {err.get('msg')}", loc[0] if loc else None, "invalid_value")
-
-
-METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
-    "num_requests_running": ("gauge", "Sequences in the running batch."),
-    "num_requests_waiting": ("gauge", "Sequences waiting to be scheduled."),
-    "generation_tokens_total": ("counter", "Tokens generated since start."),
-    "kv_blocks_used": ("gauge", "KV cache blocks in use."),
-    "kv_blocks_free": ("gauge", "KV cache blocks free."),
-    "num_preemptions_total": ("counter", "Sequences preempted (blocks freed, recomputed later)."),
-    "all2all_bytes_sent_total": ("counter", "Bytes the MoE token exchange sent (all ranks)."),
-    "all2all_bytes_received_total": ("counter", "Bytes the MoE token exchange received (all ranks)."),
-    "dp_replica_requests_total": ("counter", "Requests each data-parallel replica was given."),
-}
-
-
-def prometheus_text(values: dict[str, Any]) -> str:
-    """One sample per metric; a list value is one sample per DP replica (label dp_rank)."""
-    lines = []
-    for name, (kind, help_text) in METRICS.items():
-        full, value = f"expertmesh_{name}", values.get(name, 0)
-        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
-        if isinstance(value, list):
-            lines += [f'{full}{{dp_rank="{i}"}} {v}' for i, v in enumerate(value)]
-        else:
-            lines.append(f"{full} {value}")
-    return "\n".join(lines) + "\n"
-
-
-# ---- start-up -----------------------------------------------------------------------------------
-def serve(
-    llm_kwargs: dict[str, Any],
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    served_model_names: list[str] | None = None,
-    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-) -> None:
-    """Load the model (one process, or mp workers for several ranks) and serve it until
-    interrupted; exits non-zero, naming the rank, when an mp worker dies."""
-    import uvicorn
-
-    from expertmesh import LLM
-    from expertmesh.logger import setup_logging
-
-    setup_logging()  # the mp path logs here (worker pids, a dead worker) before any rank does
-    llm = LLM(**_with_executor(llm_kwargs))
-    engine = AsyncEngine(llm)
-    names = served_model_names or [llm_kwargs.get("model") or DEFAULT_SERVED_NAME]
-    config = uvicorn.Config(
-        build_app(engine, names, max_request_body_bytes),
-        host=host,
-        port=port,
-        log_level="info",
-        timeout_graceful_shutdown=5,
-    )
-    server = uvicorn.Server(config)
-    if llm.worker_pids:
-        # A dead worker takes its peers down with it: nothing is left to serve, so stop.
-        engine.on_failure = lambda _: setattr(server, "should_exit", True)
-    log.info("serving %s on http://%s:%d", names, host, port)
-    try:
-        server.run()
-    finally:
-        engine.shutdown()
-        llm.shutdown()
-    if engine.error is not None and llm.worker_pids:
-        raise SystemExit(f"expertmesh serve stopped: {engine.error}")
-
-
-def _with_executor(llm_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Several ranks are served through the mp executor: this process drives spawned workers."""
-    from expertmesh.entrypoints.launcher import torchrun_env
-
-    sizes = [llm_kwargs.get(f"{k}_parallel_size", 1) for k in ("tensor", "data", "pipeline")]
-    backend = llm_kwargs.get("distributed_executor_backend")
-    if sizes == [1, 1, 1] or backend == "mp":
-        return llm_kwargs
-    if backend == "external_launcher" or torchrun_env() is not None:
-        # Every torchrun process would start its own server on the same port.
-        raise SystemExit(
-            "expertmesh serve starts its ranks itself (distributed_executor_backend='mp'); "
-            "run it as one plain process, not under torchrun or with external_launcher"
-        )
-    return {**llm_kwargs, "distributed_executor_backend": "mp"}

@@ -21,6 +21,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from expertmesh.engine.client import EngineClient, SeqProgress, StepResult
 from expertmesh.engine.llm_engine import as_token_ids
+from expertmesh.entrypoints.metrics import RequestMetrics
 from expertmesh.outputs import Logprob, RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
@@ -138,7 +140,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._tokens_total = 0
         self._error: BaseException | None = None
-        self.metrics: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {}  # the engine's numbers after the last step (see _snapshot)
+        self.request_metrics = RequestMetrics(lambda: self.metrics)  # what /metrics exports
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="expertmesh-tokenizer")
         self._local = threading.local()  # each pool thread's own tokenizer
         self._snapshot()
@@ -168,12 +171,13 @@ class AsyncEngine:
         Leaving early (break, cancellation) aborts the request.
         """
         rid = f"req-{next(self._ids)}"
+        arrival = time.monotonic()
         channel = _Channel(asyncio.get_running_loop())
         finished = added = False
         try:
             ids = await self.in_pool(self._prepare, prompt, add_special_tokens)
             text = prompt if isinstance(prompt, str) else None
-            self._submit(lambda: self._add(rid, ids, text, params, stream, channel))
+            self._submit(lambda: self._add(rid, ids, text, params, stream, channel, arrival))
             added = True
             await channel.accepted
             while not finished:
@@ -242,9 +246,12 @@ class AsyncEngine:
             if self._error is None:
                 try:
                     if self._has_work():
+                        start = time.monotonic()
                         result = self.client.step()
                         # Metrics first: a client that has its answer must see its blocks freed.
                         self._snapshot()
+                        for rid in result.started:
+                            self.request_metrics.scheduled(rid, start)
                         self._publish(result)
                     else:
                         self.client.check_health()  # an mp worker may die while all is idle
@@ -286,6 +293,7 @@ class AsyncEngine:
         params: SamplingParams,
         stream: bool,
         channel: _Channel,
+        arrival: float,
     ) -> None:
         if self._error is not None:
             channel.on_added(EngineDead(f"the engine failed: {self._error!r}"))
@@ -298,6 +306,7 @@ class AsyncEngine:
         if error:
             channel.on_added(PromptRejected(error))
             return
+        self.request_metrics.arrived(rid, arrival, len(ids))
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         n = params.n
         self._active[rid] = _Tracked(
@@ -308,15 +317,19 @@ class AsyncEngine:
     def _abort(self, rid: str) -> None:
         if self._active.pop(rid, None) is not None:
             self.client.abort_request(rid)
+            self.request_metrics.aborted(rid)
 
     def _publish(self, result: StepResult) -> None:
         done = {out.request_id: out for out in result.finished}
         for rid, tracked in list(self._active.items()):
             final, progress = done.get(rid), result.progress.get(rid, [])
-            self._tokens_total += sum(len(p.token_ids) for p in progress)
+            gained = sum(len(p.token_ids) for p in progress)
+            self._tokens_total += gained
+            self.request_metrics.gained(rid, gained)
             deltas = self._deltas(tracked, progress, final) if tracked.stream else []
             if final is not None:
                 del self._active[rid]
+                self.request_metrics.finished(rid, final)
                 if final.error:  # refused where it ran (the driver's checks let it through)
                     tracked.channel.push(PromptRejected(final.error))
                     continue
@@ -361,10 +374,6 @@ class AsyncEngine:
 
     def _snapshot(self) -> None:
         """Numbers for /metrics, read by the server thread: one dict swap, no locking."""
-        stats = dict(self.client.stats())
-        total = stats.pop("kv_blocks_total")
-        self.metrics = {
-            **stats,
-            "generation_tokens_total": self._tokens_total,
-            "kv_blocks_used": total - stats["kv_blocks_free"],
-        }
+        stats = dict(self.client.stats())  # engine/client.py's merge_stats shape: lists by DP replica
+        used = [total - free for total, free in zip(stats["kv_blocks_total"], stats["kv_blocks_free"])]
+        self.metrics = {**stats, "generation_tokens_total": self._tokens_total, "kv_blocks_used": used}

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from expertmesh.entrypoints.api_server import serve
+    from expertmesh.entrypoints.serve import serve
 
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
@@ -181,8 +181,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from expertmesh.distributed.launcher import torchrun_env
     from expertmesh.entrypoints import verify
-    from expertmesh.entrypoints.launcher import torchrun_env
 
     kw = dict(
         max_tokens=args.max_tokens,

@@ -253,7 +253,7 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     """Every rank of torchrun's world runs the layouts; rank 0 gets the rows (others None)."""
     import torch.distributed as dist
 
-    from expertmesh.entrypoints.launcher import torchrun_env
+    from expertmesh.distributed.launcher import torchrun_env
     from expertmesh.model_source import resolve_model
 
     env = torchrun_env()

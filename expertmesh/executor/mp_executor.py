@@ -4,7 +4,7 @@ The engine is SPMD, so this executor spawns one worker process per rank, each bu
 engine exactly as under torchrun (see worker.py), and drives them from the caller's process
 with one of two protocols. Whole calls: each `generate` call is split over the DP replicas
 (round robin; every rank of a replica gets the same prompts), sent to every worker, and
-answered from each replica's leader, in input order. Steps (the server, see mp_client.py): each
+answered from each replica's leader, in input order. Steps (the server, see driver_client.py): each
 `step` sends every worker the requests to add and abort, and every worker runs one engine step.
 While waiting it watches every worker's process sentinel: a worker that dies or raises is
 reported with its rank within a second and the others are shut down, never waited on. This

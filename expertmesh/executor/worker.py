@@ -1,6 +1,6 @@
 """One rank of an `mp` executor: a spawned process that builds the engine SPMD-style, exactly
-as under torchrun (external_launcher), and runs the `generate` calls or engine steps its parent
-sends it.
+as under torchrun (external_launcher), through the engine layer (engine/builder.py), and runs
+the `generate` calls or engine steps its parent sends it.
 
 Messages are pickled bytes over a pipe (plain pickle: torch's reducers would route tensors
 through shared memory that dies with the sender). The loop ends on "stop", or when the parent
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported in worker_main, after the rank's environment is set
     from expertmesh.engine.client import EngineStepper, StepResult
+    from expertmesh.engine.llm_engine import LLMEngine
 
 
 def send(conn: Connection, message: Any) -> None:
@@ -42,20 +43,21 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
     import torch
     import torch.distributed as dist
 
+    from expertmesh.engine.builder import EngineArgs, build_engine
     from expertmesh.engine.client import EngineStepper
-    from expertmesh.entrypoints.llm import LLM
 
     # The ranks share this machine's cores: one rank must not take them all.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        llm = LLM(**{**llm_kwargs, "distributed_executor_backend": "external_launcher"})
+        args = EngineArgs.from_kwargs({**llm_kwargs, "distributed_executor_backend": "external_launcher"})
+        engine = build_engine(args).engine
         from expertmesh.distributed import watchdog
 
         # A watchdog that ends this rank tells the parent why first.
         watchdog.current().on_fire.append(lambda message: send(conn, ("error", message)))
-        stepper = EngineStepper(llm.llm_engine)
-        send(conn, ("ready", {"limits": llm.llm_engine.prompt_limits(), "stats": stepper.stats()}))
-        _serve_calls(llm, stepper, conn)
+        stepper = EngineStepper(engine)
+        send(conn, ("ready", {"limits": engine.prompt_limits(), "stats": stepper.rank_stats()}))
+        _serve_calls(engine, stepper, conn)
     except (EOFError, OSError):
         pass  # the parent is gone: nothing to report to
     except BaseException:
@@ -68,25 +70,29 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
             dist.destroy_process_group()
 
 
-def _serve_calls(llm: Any, stepper: EngineStepper, conn: Connection) -> None:
+def _serve_calls(engine: LLMEngine, stepper: EngineStepper, conn: Connection) -> None:
+    import itertools
+
     import torch
 
+    from expertmesh.engine import offline
     from expertmesh.engine.client import StepResult
 
-    leader = llm.is_replica_leader()
-    world = llm.llm_engine.groups.world
+    leader = offline.is_replica_leader(engine)
+    world = engine.groups.world
+    ids = itertools.count()
 
     def interrupted() -> bool:  # an "abort" waiting on this rank's pipe; all ranks must agree
         return bool(world.all_reduce(torch.tensor([int(conn.poll())]), op="max"))
 
-    llm.llm_engine.interrupt = interrupted
-    dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+    engine.interrupt = interrupted
+    dp_rank = engine.vllm_config.parallel_config.data_parallel_rank
     while True:
         message = recv(conn)
         if message[0] == "stop":
             return
         if message[0] == "step":
-            result = _step(stepper, dp_rank, *message[1:])
+            result = step_round(stepper, dp_rank, *message[1:])
             # Every rank of a replica has the same progress; only its leader sends it back.
             send(conn, ("stepped", result if leader else StepResult(stats=result.stats)))
             continue
@@ -94,14 +100,14 @@ def _serve_calls(llm: Any, stepper: EngineStepper, conn: Connection) -> None:
             continue  # it came after its call had finished anyway
         _, prompts, params = message
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = offline.generate(engine, prompts, params, ids)
         except KeyboardInterrupt:  # the driver was interrupted: the requests are aborted
             outputs = None
         # Every rank of a replica has the same outputs; only the replica leader sends them back.
         send(conn, ("done", outputs if leader else None))
 
 
-def _step(stepper: EngineStepper, dp_rank: int, adds: list[tuple], aborts: list[str]) -> StepResult:
+def step_round(stepper: EngineStepper, dp_rank: int, adds: list[tuple], aborts: list[str]) -> StepResult:
     """Apply this replica's adds and every abort, then step (every rank steps, for lockstep)."""
     from expertmesh.outputs import RequestOutput
 

@@ -1,0 +1,215 @@
+"""One rank's engine from the user's arguments: what `LLM`, the mp workers and `serve` under
+torchrun all build (the engine layer; nothing here knows the user-facing `LLM`).
+
+`EngineArgs` holds vLLM's engine keywords; `build_engine` places this process (one process, or
+one torchrun / mp-worker rank), loads the model and returns the rank's `LLMEngine` with the
+`ModelEnv` its layers received.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, NamedTuple
+
+import torch
+from transformers import AutoTokenizer
+
+from expertmesh.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from expertmesh.distributed import watchdog
+from expertmesh.distributed.all2all_choice import choose_all2all_backend
+from expertmesh.distributed.launcher import check_model_fits, check_same_config, place_process
+from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
+from expertmesh.engine.llm_engine import LLMEngine
+from expertmesh.engine.model_runner import ModelRunner
+from expertmesh.hf_config import load_hf_config
+from expertmesh.logger import setup_logging
+from expertmesh.model_source import resolve_model
+from expertmesh.models.build import ModelEnv, build_model, stage_layers
+
+log = logging.getLogger("expertmesh")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """vLLM's engine keywords (`LLM(...)` takes the same ones; see its docs in README.md)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str | None = None
+    expert_placement: str = "contiguous"
+    distributed_executor_backend: str | None = None
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    revision: str | None = None
+    device: str | None = None
+    pipeline_split: list[int] | None = None
+    debug_nan_recv_buffers: bool = False
+    distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S
+    allow_nonfinite_weights: bool = False
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
+        """From a keyword dict; an unknown keyword is a TypeError naming it and the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel request (checked: sizes, backend names), before any process is placed."""
+        return ParallelConfig(
+            self.tensor_parallel_size,
+            self.data_parallel_size,
+            self.pipeline_parallel_size,
+            self.enable_expert_parallel,
+            choose_all2all_backend(self.all2all_backend),
+            self.distributed_executor_backend,
+            self.expert_placement,
+        )
+
+
+class BuiltEngine(NamedTuple):
+    engine: LLMEngine
+    model_env: ModelEnv
+
+
+def check_timeout(timeout_s: Any) -> None:
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"distributed_timeout_seconds={timeout_s!r} must be a number > 0")
+
+
+def check_request(args: EngineArgs, model_dir: str) -> None:
+    """The checks that need no process group: sizes, names, heads against TP (before any spawn)."""
+    parallel = args.parallel_config()
+    hf = load_hf_config(model_dir, args.trust_remote_code)
+    check_model_fits(ModelConfig.from_hf(hf, args.dtype), parallel)
+
+
+def build_engine(args: EngineArgs) -> BuiltEngine:
+    """Place this process, load its part of the model, and build its engine (every rank calls this)."""
+    check_timeout(args.distributed_timeout_seconds)
+    parallel = args.parallel_config()
+    model_dir = resolve_model(args.model, args.revision)
+    model_config = ModelConfig.from_hf(load_hf_config(model_dir, args.trust_remote_code), args.dtype)
+    check_model_fits(model_config, parallel)  # before any process group or weight
+    placement = place_process(parallel, args.device, args.distributed_timeout_seconds)
+    setup_logging(placement.rank if parallel.world_size > 1 else None)
+    watchdog.set_doing("loading the model")
+    dp_rank = placement.groups.layout.coords(placement.rank)[0]
+    parallel = replace(parallel, rank=placement.rank, data_parallel_rank=dp_rank)
+    cache = CacheConfig(args.block_size, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
+    config = _engine_config(
+        model_dir, model_config, parallel, placement.device, args.max_model_len, cache,
+        args.max_num_seqs, args.max_num_batched_tokens, args.tokenizer, args.seed,
+    )  # fmt: skip
+    check_same_config(placement.groups, _describe(config, args.distributed_timeout_seconds))
+    torch.manual_seed(args.seed)
+    env = _model_env(config, placement, args.pipeline_split, args.debug_nan_recv_buffers)
+    net = build_model(config.model_config, env, model_dir, placement.device, args.allow_nonfinite_weights)
+    runner = ModelRunner(config, net, placement.groups)
+    tok = load_tokenizer(config.tokenizer, args.trust_remote_code)
+    if placement.groups.world.world_size > 1:  # ranks load at their own pace: wait while they beat
+        watchdog.current().barrier("model loaded")
+    engine = LLMEngine(config, runner, placement.groups, tok, env.dispatchers)
+    log.info(
+        "Loaded %s (%s) on rank %d of %d",
+        config.model_config.architecture,
+        model_dir,
+        placement.rank,
+        parallel.world_size,
+    )
+    return BuiltEngine(engine, env)
+
+
+def _engine_config(
+    model_dir: str, model_config: ModelConfig, parallel: ParallelConfig, device: str,
+    max_model_len: int | None, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int | None,
+    tokenizer: str | None, seed: int,
+) -> EngineConfig:  # fmt: skip
+    """The frozen config of one rank's engine, from the checkpoint's config and the user's arguments."""
+    max_len = _max_model_len(max_model_len, model_config)
+    return EngineConfig(
+        model=model_dir,
+        model_config=model_config,
+        parallel_config=parallel,
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(max_len, max_num_seqs, max_num_batched_tokens or max(8192, max_len)),
+        tokenizer=tokenizer or model_dir,
+        seed=seed,
+        device=device,
+    )
+
+
+def _model_env(config: EngineConfig, placement, pipeline_split: list[int] | None, poison: bool) -> ModelEnv:
+    """What this rank's layers receive: groups, the MoE plan, its pipeline stage, the backend."""
+    pc, groups = config.parallel_config, placement.groups
+    return ModelEnv(
+        groups,
+        MoEPlan.decide(groups.layout, placement.rank),
+        pc.all2all_backend,
+        stage_layers(
+            config.model_config.num_layers, pc.pipeline_parallel_size, groups.pp.rank_in_group, pipeline_split
+        ),
+        pc.expert_placement,
+        poison_recv=poison,  # a wrong source shows at once as NaN
+    )
+
+
+def _max_model_len(requested: int | None, mc: ModelConfig) -> int:
+    if requested is None:
+        return mc.max_position_embeddings
+    if requested > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's "
+            f"max_position_embeddings={mc.max_position_embeddings}"
+        )
+    return requested
+
+
+def load_tokenizer(path: str, trust_remote_code: bool):
+    kwargs = {}
+    if os.path.isfile(os.path.join(path, "config.json")):
+        try:  # AutoTokenizer reads config.json too: hand it the fixed one (hf_config.py)
+            kwargs["config"] = load_hf_config(path, trust_remote_code)
+        except (OSError, ValueError):  # a tokenizer_config.json may name its class without it
+            pass
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, exc)
+        return None
+
+
+def _describe(config: EngineConfig, timeout_s: float) -> dict[str, str]:
+    """Every setting all ranks must share, by name (so a mismatch can say which one differs)."""
+    pc = config.parallel_config
+    settings = {
+        f"model_config.{f.name}": repr(getattr(config.model_config, f.name))
+        for f in fields(config.model_config)
+    }
+    for name in ("cache_config", "scheduler_config"):
+        part = getattr(config, name)
+        settings.update({f.name: repr(getattr(part, f.name)) for f in fields(part)})
+    for name in (
+        "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+        "all2all_backend", "expert_placement",
+    ):  # fmt: skip
+        settings[name] = repr(getattr(pc, name))
+    settings.update(seed=repr(config.seed), distributed_timeout_seconds=repr(timeout_s))
+    return settings
