@@ -125,6 +125,8 @@ class EngineStepper:
             "kv_blocks_total": stats["kv_blocks_total"],
             "kv_blocks_free": stats["kv_blocks_free"],
             "num_preemptions_total": stats["preemptions"],
+            "prefix_cache_queries_total": stats["prefix_cache_queries"],  # tokens
+            "prefix_cache_hits_total": stats["prefix_cache_hits"],
             "all2all_bytes_sent_total": traffic["bytes_sent"],
             "all2all_bytes_received_total": traffic["bytes_received"],
             "dp_replica_requests_total": [self._num_added],  # one entry per DP replica

@@ -58,6 +58,8 @@ class LLM:
         block_size: int = 16,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
         enforce_eager: bool = True,
         revision: str | None = None,
         device: str | None = None,
@@ -99,8 +101,8 @@ class LLM:
         parallel = _with_rank(parallel, placement.rank, dp_rank)
         config = _engine_config(
             model_dir, model_config, parallel, placement.device, max_model_len,
-            CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory_bytes),
-            max_num_seqs, max_num_batched_tokens, tokenizer, seed,
+            CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory_bytes, enable_prefix_caching),
+            (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), tokenizer, seed,
         )  # fmt: skip
         check_same_config(placement.groups, _describe(config, distributed_timeout_seconds))
         torch.manual_seed(seed)
@@ -240,17 +242,20 @@ def _start_mp_executor(kwargs: dict[str, Any]):
 
 def _engine_config(
     model_dir: str, model_config: ModelConfig, parallel: ParallelConfig, device: str,
-    max_model_len: int | None, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int | None,
+    max_model_len: int | None, cache: CacheConfig, batching: tuple[int, int | None, bool],
     tokenizer: str | None, seed: int,
 ) -> EngineConfig:  # fmt: skip
     """The frozen config of one rank's engine, from the checkpoint's config and the user's arguments."""
     max_len = _max_model_len(max_model_len, model_config)
+    max_num_seqs, max_num_batched_tokens, chunked = batching
+    # vLLM's default budget; without chunked prefill it must also hold a full-length prompt.
+    budget = max_num_batched_tokens or (8192 if chunked else max(8192, max_len))
     return EngineConfig(
         model=model_dir,
         model_config=model_config,
         parallel_config=parallel,
         cache_config=cache,
-        scheduler_config=SchedulerConfig(max_len, max_num_seqs, max_num_batched_tokens or max(8192, max_len)),
+        scheduler_config=SchedulerConfig(max_len, max_num_seqs, budget, chunked),
         tokenizer=tokenizer or model_dir,
         seed=seed,
         device=device,
