@@ -139,3 +139,20 @@ def test_budget_rules_name_the_values():
     with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
         SchedulerConfig(4096, 8, 64, enable_chunked_prefill=False)
     assert SchedulerConfig(4096, 8, 64).max_num_batched_tokens == 64  # chunked: a budget below the length
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_cli_flags_reach_the_llm_keywords(command):
+    from expertmesh.entrypoints.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(
+        [*command, "--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
+    )
+    kw = _engine_kwargs(args, None)
+    assert (kw["max_num_batched_tokens"], kw["enable_chunked_prefill"], kw["enable_prefix_caching"]) == (
+        512,
+        True,
+        False,
+    )
+    args = build_parser().parse_args([*command, "--no-enable-chunked-prefill"])
+    assert _engine_kwargs(args, None)["enable_chunked_prefill"] is False
