@@ -65,6 +65,8 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    # Full blocks keyed by their prefix and reused across requests (engine/block_manager.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -79,17 +81,27 @@ class CacheConfig:
 class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 256
+    # Tokens one step computes, over all its sequences (engine/scheduler.py).
     max_num_batched_tokens: int = 8192
+    # Split prompts longer than what is left of a step's budget over several steps.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
-                f"max_model_len={self.max_model_len}: a full-length prompt could never be scheduled "
-                "(prefill is not chunked); raise it or lower max_model_len"
+                f"max_num_seqs={self.max_num_seqs}: a step could not hold one decode of every "
+                "running sequence; raise it or lower max_num_seqs"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len} with enable_chunked_prefill=False: a "
+                "full-length prompt could never be scheduled; raise it, lower max_model_len or "
+                "enable chunked prefill"
             )
 
 

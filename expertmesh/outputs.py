@@ -35,3 +35,5 @@ class RequestOutput:
     finished: bool = True
     # Set when the request could not run (e.g. its prompt exceeds max_model_len); outputs are empty.
     error: str | None = None
+    # Prompt tokens whose K/V came from the prefix cache (vLLM's field; None when it never ran).
+    num_cached_tokens: int | None = None

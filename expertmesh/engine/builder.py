@@ -54,6 +54,8 @@ class EngineArgs:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     enforce_eager: bool = True
     revision: str | None = None
     device: str | None = None
@@ -113,10 +115,13 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     watchdog.set_doing("loading the model")
     dp_rank = placement.groups.layout.coords(placement.rank)[0]
     parallel = replace(parallel, rank=placement.rank, data_parallel_rank=dp_rank)
-    cache = CacheConfig(args.block_size, args.gpu_memory_utilization, args.kv_cache_memory_bytes)
+    cache = CacheConfig(
+        args.block_size, args.gpu_memory_utilization, args.kv_cache_memory_bytes, args.enable_prefix_caching
+    )
+    batching = (args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill)
     config = _engine_config(
-        model_dir, model_config, parallel, placement.device, args.max_model_len, cache,
-        args.max_num_seqs, args.max_num_batched_tokens, args.tokenizer, args.seed,
+        model_dir, model_config, parallel, placement.device, args.max_model_len, cache, batching,
+        args.tokenizer, args.seed,
     )  # fmt: skip
     check_same_config(placement.groups, _describe(config, args.distributed_timeout_seconds))
     torch.manual_seed(args.seed)
@@ -139,17 +144,20 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
 
 def _engine_config(
     model_dir: str, model_config: ModelConfig, parallel: ParallelConfig, device: str,
-    max_model_len: int | None, cache: CacheConfig, max_num_seqs: int, max_num_batched_tokens: int | None,
+    max_model_len: int | None, cache: CacheConfig, batching: tuple[int, int | None, bool],
     tokenizer: str | None, seed: int,
 ) -> EngineConfig:  # fmt: skip
     """The frozen config of one rank's engine, from the checkpoint's config and the user's arguments."""
     max_len = _max_model_len(max_model_len, model_config)
+    max_num_seqs, max_num_batched_tokens, chunked = batching
+    # vLLM's default budget; without chunked prefill it must also hold a full-length prompt.
+    budget = max_num_batched_tokens or (8192 if chunked else max(8192, max_len))
     return EngineConfig(
         model=model_dir,
         model_config=model_config,
         parallel_config=parallel,
         cache_config=cache,
-        scheduler_config=SchedulerConfig(max_len, max_num_seqs, max_num_batched_tokens or max(8192, max_len)),
+        scheduler_config=SchedulerConfig(max_len, max_num_seqs, budget, chunked),
         tokenizer=tokenizer or model_dir,
         seed=seed,
         device=device,

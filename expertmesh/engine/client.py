@@ -137,9 +137,8 @@ class EngineStepper:
             "kv_blocks_total": stats["kv_blocks_total"],
             "kv_blocks_free": stats["kv_blocks_free"],
             "num_preemptions_total": stats["preemptions"],
-            # Filled in by an engine with prefix caching (tokens); 0 without one.
-            "prefix_cache_hits_total": stats.get("prefix_cache_hits", 0),
-            "prefix_cache_queries_total": stats.get("prefix_cache_queries", 0),
+            "prefix_cache_hits_total": stats["prefix_cache_hits"],  # tokens
+            "prefix_cache_queries_total": stats["prefix_cache_queries"],
             "requests_added_total": self._num_added,
             "all2all_bytes_sent_total": traffic["bytes_sent"],
             "all2all_bytes_received_total": traffic["bytes_received"],

@@ -41,6 +41,24 @@ class Request:
     error: str | None = None
 
 
+def prefix_caching_allowed(config: EngineConfig) -> bool:
+    """enable_prefix_caching, unless a cached block could differ from a recomputed one: with RoPE
+    that depends on the sequence's length (longrope, dynamic) once max_model_len passes its
+    switch, a token's rotated key depends on the whole prompt's length, not only its prefix."""
+    if not config.cache_config.enable_prefix_caching:
+        return False
+    rope, max_len = config.model_config.rope, config.scheduler_config.max_model_len
+    switch = {"longrope": rope.original_max_position_embeddings, "dynamic": rope.max_position_embeddings}
+    if rope.rope_type in switch and switch[rope.rope_type] and max_len > switch[rope.rope_type]:
+        log.info(
+            "prefix caching is off: rope_type=%r rotates keys by the whole sequence's length past %d "
+            "tokens (max_model_len=%d), so a cached block would not equal a recomputed one",
+            rope.rope_type, switch[rope.rope_type], max_len,
+        )  # fmt: skip
+        return False
+    return True
+
+
 def validate_prompt(ids: list[int], max_model_len: int, capacity: int, vocab_size: int) -> str | None:
     """Why a prompt cannot run (too long, empty, ids outside the vocabulary), or None."""
     if not ids:
@@ -89,7 +107,7 @@ class LLMEngine:
         log.info("%s", runner.describe_kv())
         num_blocks = self._agree_on_blocks(runner.local_block_budget())
         runner.allocate_kv(num_blocks)
-        self.blocks = BlockManager(num_blocks, config.cache_config.block_size)
+        self.blocks = BlockManager(num_blocks, config.cache_config.block_size, prefix_caching_allowed(config))
         self.scheduler = Scheduler(config.scheduler_config, self.blocks)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -195,8 +213,9 @@ class LLMEngine:
         try:
             ids, pos, ctx, last = self.runner.prepare(batch, self.blocks)
             ctx.dp_token_counts = counts
+            sampled = batch.sampled  # after prepare: it orders the decodes
             logits = self._forward_counting(ids, pos, ctx, last)
-            tokens, logprobs = self.runner.sample(logits, batch.seqs)
+            tokens, logprobs = self.runner.sample(logits, sampled)
         except Exception as exc:
             if self.groups.world.world_size > 1:
                 raise  # peers are inside the same collectives: no rank can go on alone
@@ -204,8 +223,10 @@ class LLMEngine:
             for rid in dict.fromkeys(s.request_id for s in batch.seqs):
                 self.fail(self.requests[rid], f"the engine step failed: {exc!r}")
             return self._collect()
-        for seq, token, lp in zip(batch.seqs, tokens, logprobs):
-            seq.num_cached_tokens = seq.num_tokens
+        for seq in batch.seqs:
+            seq.num_computed_tokens += batch.num_new[seq.seq_id]
+            self.blocks.cache_full_blocks(seq)
+        for seq, token, lp in zip(sampled, tokens, logprobs):
             self._append(seq, token, lp)
         self.num_steps += 1
         return self._collect()
@@ -267,25 +288,21 @@ class LLMEngine:
             )
             for s in req.seqs
         ]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error)
+        cached = req.seqs[0].num_cached_tokens if req.seqs else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error, cached)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless the KV accounting holds: every block is either free or held
-        by exactly one queued sequence, and nothing finished is still queued or held."""
+        """Raise AssertionError unless the KV accounting holds: every block's reference count is the
+        number of queued sequences that hold it, free blocks are exactly the unreferenced ones, the
+        prefix cache and the blocks' keys agree, and nothing finished is still queued or held."""
         queued = [*self.scheduler.running, *self.scheduler.waiting]
-        held = [b for seq in queued for b in seq.block_table]
-        free = list(self.blocks.free_blocks)
-        problems = []
-        if len(set(held)) != len(held):
-            problems.append("a block is held by two sequences (or twice by one)")
-        if len(set(free)) != len(free):
-            problems.append("a block is on the free list twice")
-        if set(held) & set(free):
-            problems.append(f"blocks {sorted(set(held) & set(free))[:5]} are both free and held")
-        if len(held) + len(free) != self.blocks.num_blocks:
-            problems.append(f"{len(held)} held + {len(free)} free != {self.blocks.num_blocks} blocks")
+        problems = self.blocks.problems([seq.block_table for seq in queued])
+        if len({id(s) for s in queued}) != len(queued):
+            problems.append("a sequence is queued twice")
         if any(seq.is_finished for seq in queued):
             problems.append("a finished sequence is still queued")
+        if any(seq.block_table for seq in self.scheduler.waiting):
+            problems.append("a waiting sequence holds blocks")
         for req in self.requests.values():
             if any(s.is_finished and s.block_table for s in req.seqs):
                 problems.append(f"request {req.request_id} has a finished sequence that holds blocks")
@@ -299,4 +316,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_free": self.blocks.num_free,
+            # In tokens, as vLLM counts them: prompt tokens looked up, and found, in the prefix cache.
+            "prefix_cache_queries": self.blocks.prefix_cache_queries,
+            "prefix_cache_hits": self.blocks.prefix_cache_hits,
         }

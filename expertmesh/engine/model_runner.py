@@ -16,7 +16,7 @@ from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sampler import Sampler, top_logprobs
 from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
-from expertmesh.layers.attention import AttentionMetadata, DecodeGroup
+from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
 class ModelRunner:
@@ -67,29 +67,39 @@ class ModelRunner:
     def prepare(
         self, batch: ScheduledBatch, blocks: BlockManager
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
-        ids, pos, slots, last = [], [], [], []
+        """Inputs of one step: each sequence's tokens from its `num_computed_tokens` on, and the
+        rows whose logits are sampled (`last`: only sequences whose last token is computed, in
+        `batch.sampled`'s order)."""
+        ids, pos, slots, lens, last = [], [], [], [], []
         # Shortest context first, so decode attention can group similar lengths (see _decode_groups);
         # batch.seqs follows, keeping sampled rows aligned. Deterministic: every rank sorts alike.
         batch.decodes.sort(key=lambda s: len(s.block_table))
         for seq in batch.decodes:
-            p = seq.num_tokens - 1
-            ids.append(seq.last_token)
+            p = seq.num_computed_tokens
+            ids.extend(seq.tokens(p, p + 1))
             pos.append(p)
             slots.append(blocks.slot(seq, p))
-            last.append(len(ids) - 1)
+            lens.append(seq.num_tokens)
+            if batch.completes(seq):
+                last.append(len(ids) - 1)
         prefills = []
         for seq in batch.prefills:
-            n = seq.num_tokens
-            prefills.append((len(ids), n))
-            ids.extend(seq.token_ids)
-            pos.extend(range(n))
-            slots.extend(blocks.slot(seq, p) for p in range(n))
-            last.append(len(ids) - 1)
+            c, n = seq.num_computed_tokens, batch.num_new[seq.seq_id]
+            table = torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)]) if c else None
+            prefills.append(PrefillChunk(len(ids), n, c, table))
+            ids.extend(seq.tokens(c, c + n))
+            pos.extend(range(c, c + n))
+            slots.extend(blocks.slot(seq, p) for p in range(c, c + n))
+            # Every chunk rotates by the length the whole prefill reaches, as one unchunked prefill does.
+            lens.extend([seq.num_tokens] * n)
+            if batch.completes(seq):
+                last.append(len(ids) - 1)
         meta = self._attention_metadata(batch, slots, prefills)
+        meta.seq_lens = torch.tensor(lens)
         return torch.tensor(ids), torch.tensor(pos), ForwardContext(meta, [len(ids)]), last
 
     def _attention_metadata(
-        self, batch: ScheduledBatch, slots: list[int], prefills: list
+        self, batch: ScheduledBatch, slots: list[int], prefills: list[PrefillChunk]
     ) -> AttentionMetadata:
         slots_t = torch.tensor(slots, dtype=torch.long)
         if self.kernels is not None:
@@ -102,10 +112,11 @@ class ModelRunner:
 
     @staticmethod
     def _tables_and_lengths(seqs: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables [B, widest] (zero-padded) and context lengths [B] of `seqs`."""
+        """Block tables [B, widest] (zero-padded) and context lengths [B] of decodes `seqs` (their
+        computed tokens and the new one)."""
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=dtype)
-        return tables, torch.tensor([s.num_tokens for s in seqs], dtype=dtype)
+        return tables, torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=dtype)
 
     def _decode_tables(self, decodes: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """int32 tables and lengths of every decode, for the paged-decode kernel."""
@@ -145,7 +156,7 @@ class ModelRunner:
     def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """One token written to the scratch block: keeps a rank with no work in lockstep."""
         scratch = self.num_blocks * self.block_size
-        meta = AttentionMetadata(torch.tensor([scratch]), 0, [], [(0, 1)])
+        meta = AttentionMetadata(torch.tensor([scratch]), 0, [], [PrefillChunk(0, 1)])
         return torch.tensor([0]), torch.tensor([0]), ForwardContext(meta, [1]), [0]
 
     # ---- forward --------------------------------------------------------------------------
@@ -167,10 +178,14 @@ class ModelRunner:
         if pp.rank_in_group < pp.world_size - 1:
             pp.send(hidden, pp.rank_in_group + 1)
             return None
+        if not last:  # only partial prefill chunks: nothing to sample (alike on every rank)
+            return None
         return self.model.compute_logits(hidden[last]).float()
 
     def sample(self, logits: torch.Tensor | None, seqs: list) -> tuple[list[int], list]:
         """Tokens (and logprobs) chosen on the last stage's TP rank 0, known to every rank of the replica."""
+        if not seqs:  # every rank of the replica scheduled the same batch: all return here
+            return [], []
         payload = None
         if logits is not None:
             tokens = self.sampler(logits, seqs)

@@ -1,7 +1,13 @@
-"""Continuous batching: every step runs the running decodes plus as many new prefills as fit.
+"""Continuous batching with chunked prefill: each step spends a budget of
+`max_num_batched_tokens` tokens, decodes first, then prompts part way through their prefill, then
+new sequences; a prompt longer than what is left of the budget is split over steps (chunked
+prefill; without it a prompt waits until it fits whole).
 
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks are freed and it returns to the front of the queue, to be recomputed.
+A sequence's next chunk starts at its `num_computed_tokens`; a new one starts after its prefix
+cache hits (block_manager.py). Only a step that computes a sequence's last token samples for it.
+When a running sequence needs a block and none is free, the newest running sequence not yet in
+the step is preempted: its blocks are freed and it returns to the front of the queue, to be
+recomputed (from whatever of it the prefix cache still holds).
 """
 
 from __future__ import annotations
@@ -16,8 +22,13 @@ from expertmesh.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)
-    prefills: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)  # one new token each
+    prefills: list[Sequence] = field(default_factory=list)  # several: a whole prompt or a chunk of it
+    num_new: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens computed this step
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        (self.decodes if num_tokens == 1 else self.prefills).append(seq)
+        self.num_new[seq.seq_id] = num_tokens
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -25,10 +36,19 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
+        return sum(self.num_new.values())
+
+    def completes(self, seq: Sequence) -> bool:
+        """Whether this step computes `seq`'s last token (and so samples its next one)."""
+        return seq.num_computed_tokens + self.num_new[seq.seq_id] == seq.num_tokens
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences a token is sampled for, in batch order (partial chunks are left out)."""
+        return [s for s in self.seqs if self.completes(s)]
 
     def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills)
+        return bool(self.num_new)
 
 
 class Scheduler:
@@ -46,41 +66,59 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self._schedule_decodes(batch)
-        self._schedule_prefills(batch)
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        self._schedule_waiting(batch, budget)
         return batch
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
-        kept: deque[Sequence] = deque()
-        while self.running:
-            seq = self.running.popleft()
-            while not self.blocks.can_grow(seq, seq.num_tokens):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    break
-            if not self.blocks.can_grow(seq, seq.num_tokens):
-                self._preempt(seq)
-                continue
-            self.blocks.grow(seq, seq.num_tokens)
-            batch.decodes.append(seq)
-            kept.append(seq)
-        self.running = kept
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute now of `remaining`: all, or a chunk, or none (it waits)."""
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
 
-    def _schedule_prefills(self, batch: ScheduledBatch) -> None:
-        budget = self.config.max_num_batched_tokens - len(batch.decodes)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        # Decodes first (stable sort), so a long prompt's chunks never delay them.
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one in this loop
+            n = self._chunk(seq.num_uncomputed, budget)
+            if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
+                continue
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            batch.add(seq, n)
+            budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Preempt the newest running sequences not in the step until `seq` can hold `num_tokens`;
+        False (and `seq` preempted) when even that is not enough."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victims = [s for s in self.running if s is not seq and s.seq_id not in batch.num_new]
+            if not victims:
+                self._preempt(seq)
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_tokens > budget or not self.blocks.can_grow(seq, seq.num_tokens):
+            hits = self.blocks.cached_prefix(seq)
+            start = len(hits) * self.blocks.block_size
+            n = self._chunk(seq.num_tokens - start, budget)
+            if n == 0 or not self.blocks.can_allocate(seq, hits, start + n):
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq, seq.num_tokens)
+            self.blocks.allocate(seq, hits, start + n)
+            if not seq.scheduled_once:
+                seq.num_cached_tokens, seq.scheduled_once = start, True
             seq.status = SequenceStatus.RUNNING
-            budget -= seq.num_tokens
-            batch.prefills.append(seq)
+            batch.add(seq, n)
+            budget -= n
             self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

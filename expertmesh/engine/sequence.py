@@ -29,7 +29,13 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.num_cached_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # leading tokens whose K/V are in the cache
+        # Prompt tokens found in the prefix cache when the sequence was first scheduled (vLLM's
+        # RequestOutput.num_cached_tokens), and the prefix-cache keys of its full blocks so far.
+        self.num_cached_tokens = 0
+        self.block_keys: list[bytes] = []
+        self.num_keyed_blocks = 0  # leading blocks of block_table already offered to the cache
+        self.scheduled_once = False
         self.max_len = max_len  # prompt + output never exceeds this (max_model_len, KV capacity)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -54,14 +60,23 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
     @property
-    def is_prefill(self) -> bool:
-        """Whether the next step must compute K/V for the whole sequence (first run or recompute)."""
-        return self.num_cached_tokens == 0
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V the next steps must still compute (1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
 
     def max_output_tokens(self) -> int:
         limit = self.max_len - len(self.prompt_token_ids)

@@ -42,6 +42,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens one step computes (default 8192)"
+    )
+    switches = (
+        ("chunked-prefill", "split long prompts over steps"),
+        ("prefix-caching", "reuse shared prefixes' KV"),
+    )
+    for name, what in switches:
+        p.add_argument(f"--enable-{name}", action=argparse.BooleanOptionalAction, default=True, help=what)
+    p.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
@@ -136,6 +145,9 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         distributed_executor_backend=args.distributed_executor_backend,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
     )

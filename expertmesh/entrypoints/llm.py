@@ -44,6 +44,8 @@ class LLM:
         block_size: int = 16,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
         enforce_eager: bool = True,
         revision: str | None = None,
         device: str | None = None,

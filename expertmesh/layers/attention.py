@@ -1,7 +1,9 @@
 """Attention over a paged KV cache.
 
 A batch is laid out decodes first (one token each, batched over the cache through block
-tables), then prefills (each sequence's whole context is new, attended causally in place).
+tables), then prefills: a whole prompt (attended causally in place), or a chunk of one whose
+earlier tokens are in the cache already (chunked prefill, prefix cache hits): the chunk's
+queries attend to the sequence's cached keys and its own, read back from the cache.
 
 A layer sees its keys as transformers masks them: all earlier tokens, or the last
 `sliding_window` of them (the token itself included), or those of its own `chunk` (chunked local
@@ -46,6 +48,31 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillChunk:
+    """Tokens [start, start + length) of a step: positions [context, context + length) of one
+    sequence, whose first `context` tokens' K/V are in the cache (blocks `block_table`)."""
+
+    start: int
+    length: int
+    context: int = 0
+    block_table: torch.Tensor | None = None  # long [blocks covering context + length], if context
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+    def positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's query positions and the positions of every key it sees."""
+        end = self.context + self.length
+        return torch.arange(self.context, end, device=device), torch.arange(end, device=device)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """cache [blocks, block_size, ...] -> this sequence's rows [context + length, ...]."""
+        rows = torch.index_select(cache, 0, self.block_table)
+        return rows.flatten(0, 1)[: self.context + self.length]
+
+
+@dataclass
 class AttentionMetadata:
     """One step's attention layout, built once by the model runner and shared by every layer."""
 
@@ -54,7 +81,7 @@ class AttentionMetadata:
     # Decodes sorted by context length and grouped so that short contexts are not padded to the
     # longest one (the gather and attention cost grow with the padded width).
     decode_groups: list[DecodeGroup]
-    prefills: list[tuple[int, int]]  # (first token index, length) for each prefill sequence
+    prefills: list[PrefillChunk]  # each prefilled sequence's tokens this step
     # Reused buffers the decode gathers cache blocks into, per KV-cache spec: its planes, each
     # [blocks, block_size, heads, width] (K and V, or the latent). A fresh multi-MB tensor per layer
     # costs more in page faults than the copy itself.
@@ -63,13 +90,16 @@ class AttentionMetadata:
     # gathering: every decode's block table (int32 [num_decodes, W], zero-padded) and length.
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
+    # [T]: the length of each token's sequence this step (a decode: its position + 1; a prefill,
+    # every chunk of it: the length the whole prefill reaches), for length-dependent RoPE.
+    seq_lens: torch.Tensor | None = None
 
     def token_context_lens(self, positions: torch.Tensor) -> torch.Tensor:
-        """[T]: the length of each token's sequence this step (a decode: its position + 1; a
-        prefill, whole sequences here: its length)."""
+        if self.seq_lens is not None:
+            return self.seq_lens
         lens = positions + 1
-        for start, length in self.prefills:
-            lens[start : start + length] = length
+        for chunk in self.prefills:
+            lens[chunk.rows] = chunk.context + chunk.length
         return lens
 
 
@@ -135,30 +165,39 @@ class Attention(nn.Module):
                 self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         if not meta.prefills:  # decode-only step: no copy into a fresh buffer
             return self._decode(q, meta).view(q.shape[0], -1)
-        if not meta.num_decodes and len(meta.prefills) == 1:
+        if not meta.num_decodes and len(meta.prefills) == 1 and not meta.prefills[0].context:
             return self._prefill(q, k, v).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
-        for start, length in meta.prefills:
-            out[start : start + length] = self._prefill(
-                q[start : start + length], k[start : start + length], v[start : start + length]
-            )
+        for chunk in meta.prefills:
+            rows = chunk.rows
+            if chunk.context:
+                k_all, v_all = chunk.gather(self.k_cache), chunk.gather(self.v_cache)
+                out[rows] = self._prefill(q[rows], k_all, v_all, chunk)
+            else:
+                out[rows] = self._prefill(q[rows], k[rows], v[rows])
         return out.view(q.shape[0], -1)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
-        n = q.shape[0]
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk | None = None
+    ) -> torch.Tensor:
+        """q [L, H, D] of new tokens, k/v [S, Hk, D] of every key they see (S = L without a cached
+        context, else the context too, read from the cache) -> [L, H, D]."""
+        q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L or S, D]
+        n = k.shape[0]
         limited = (self.sliding_window is not None and n > self.sliding_window) or (
             self.chunk is not None and n > self.chunk
         )
+        if chunk is not None and chunk.context:
+            q_pos, k_pos = chunk.positions(q.device)
+        else:
+            q_pos = k_pos = torch.arange(n, device=q.device)
         if self.sinks is not None:
-            pos = torch.arange(n, device=q.device)
-            mask = prefill_mask(pos, pos, self.sliding_window, self.chunk)  # [L, L]
+            mask = prefill_mask(q_pos, k_pos, self.sliding_window, self.chunk)  # [L, S]
             y = self._sink_attention(q_, k_, v_, mask)
-        elif limited:
-            pos = torch.arange(n, device=q.device)
-            mask = prefill_mask(pos, pos, self.sliding_window, self.chunk)
+        elif limited or (chunk is not None and chunk.context):
+            mask = prefill_mask(q_pos, k_pos, self.sliding_window, self.chunk)
             y = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale, enable_gqa=True)
         else:
             y = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale, enable_gqa=True)

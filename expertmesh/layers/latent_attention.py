@@ -11,8 +11,10 @@ Decode attends in the latent space with these absorbed projections: per head one
 kv_lora_rank + qk_rope_head_dim values against the cached rows themselves (in the CPU kernel,
 one shared K/V "head" whose values are the first kv_lora_rank entries of the row), then W_UV.
 Prefill expands the new tokens' latents into per-head K and V and attends causally, as the
-reference does. Both are exact: the same sums in another order. `absorbed = False` makes decode
-expand the whole cached context instead (the reference's way; benchmarks/mla_decode.py compares).
+reference does; a chunk whose sequence has cached tokens (chunked prefill, prefix cache hits)
+expands the cached rows of the context with them. Both are exact: the same sums in another
+order. `absorbed = False` makes decode expand the whole cached context instead (the reference's
+way; benchmarks/mla_decode.py compares).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.engine.kv_cache import KVCacheSpec
-from expertmesh.layers.attention import AttentionMetadata
+from expertmesh.layers.attention import AttentionMetadata, PrefillChunk, prefill_mask
 from expertmesh.layers.cpu_kernels import CpuKernels
 
 
@@ -80,9 +82,9 @@ class LatentAttention(nn.Module):
         n = meta.num_decodes
         if n:
             out[:n] = self._decode(q_nope[:n], q_pe[:n], meta)
-        for start, length in meta.prefills:
-            rows = slice(start, start + length)
-            out[rows] = self._prefill(q_nope[rows], q_pe[rows], c[rows], k_pe[rows])
+        for chunk in meta.prefills:
+            rows = chunk.rows
+            out[rows] = self._prefill(q_nope[rows], q_pe[rows], c[rows], k_pe[rows], chunk)
         return out.view(t, -1)
 
     # ---- expanded: per-head K and V from latents ---------------------------------------------------
@@ -93,15 +95,23 @@ class LatentAttention(nn.Module):
         v = F.linear(c, self.w_uv.view(-1, self.rank)).view(s, h, self.v_dim)
         return torch.cat((k_nope, k_pe[:, None, :].expand(s, h, self.rope_dim)), dim=-1), v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=None
+    ) -> torch.Tensor:
         """q [L, H, qk], k [S, H, qk], v [S, H, v] -> [L, H, v]."""
         q_, k_, v_ = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        y = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=self.scale)
+        y = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=causal, scale=self.scale)
         return y.squeeze(0).transpose(0, 1)
 
-    def _prefill(self, q_nope, q_pe, c, k_pe) -> torch.Tensor:
-        k, v = self.expand(c, k_pe)
-        return self._attend(torch.cat((q_nope, q_pe), dim=-1), k, v, causal=True)
+    def _prefill(self, q_nope, q_pe, c, k_pe, chunk: PrefillChunk | None = None) -> torch.Tensor:
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        if chunk is None or not chunk.context:
+            k, v = self.expand(c, k_pe)
+            return self._attend(q, k, v, causal=True)
+        rows = chunk.gather(self.cache).view(-1, self.width)  # the context's rows and the chunk's
+        k, v = self.expand(rows[:, : self.rank], rows[:, self.rank :])
+        mask = prefill_mask(*chunk.positions(q.device), None, None)
+        return self._attend(q, k, v, causal=False, mask=mask)
 
     def _decode_expanded(self, q_nope, q_pe, meta: AttentionMetadata) -> torch.Tensor:
         q = torch.cat((q_nope, q_pe), dim=-1)  # [B, H, qk]
