@@ -12,11 +12,19 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from expertmesh.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from expertmesh.config import (
+    CacheConfig,
+    EngineConfig,
+    EPLBConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.moe_plan import MoEPlan
 from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
 from expertmesh.engine.client import EngineClient, EngineStepper
+from expertmesh.engine.expert_load import ExpertLoad, read_initial_load
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.model_runner import ModelRunner
 from expertmesh.entrypoints.all2all_choice import choose_all2all_backend
@@ -49,6 +57,9 @@ class LLM:
         enable_expert_parallel: bool = False,
         all2all_backend: str | None = None,
         expert_placement: str = "contiguous",
+        enable_eplb: bool = False,
+        num_redundant_experts: int | None = None,
+        eplb_config: dict | EPLBConfig | None = None,
         distributed_executor_backend: str | None = None,
         dtype: str | torch.dtype = "auto",
         seed: int = 0,
@@ -86,6 +97,8 @@ class LLM:
             choose_all2all_backend(all2all_backend),
             distributed_executor_backend,
             expert_placement,
+            enable_eplb,
+            EPLBConfig.of(eplb_config, num_redundant_experts),
         )
         model_dir = resolve_model(model, revision)
         model_config = ModelConfig.from_hf(
@@ -105,6 +118,9 @@ class LLM:
         check_same_config(placement.groups, _describe(config, distributed_timeout_seconds))
         torch.manual_seed(seed)
         env = _model_env(config, placement, pipeline_split, debug_nan_recv_buffers)
+        if parallel.enable_eplb:
+            env.num_redundant_experts = parallel.eplb_config.num_redundant_experts
+            env.initial_load = read_initial_load(parallel.eplb_config.load_path)
         self.model_env = env
         model_config = config.model_config
         net = build_model(model_config, env, model_dir, placement.device, allow_nonfinite_weights)
@@ -113,6 +129,12 @@ class LLM:
         if placement.groups.world.world_size > 1:  # ranks load at their own pace: wait while they beat
             watchdog.current().barrier("model loaded")
         self.llm_engine = LLMEngine(config, runner, placement.groups, tok, env.dispatchers)
+        if model_config.is_moe:
+            load = ExpertLoad(
+                net, env.moe_plan, placement.groups, model_config.top_k, model_config.num_experts
+            )
+            load.step_interval = parallel.eplb_config.step_interval if parallel.enable_eplb else 0
+            self.llm_engine.expert_load = load.to(placement.device)
         self._ids = itertools.count()
         watchdog.set_doing("outside generate (in the user's script)")
         log.info(
@@ -207,6 +229,16 @@ class LLM:
             raise ValueError("this model has no tokenizer; pass prompts as {'prompt_token_ids': [...]}")
         return prompt, tok(prompt)["input_ids"]
 
+    def expert_load(self) -> dict[str, Any]:
+        """Expert load statistics (engine/expert_load.py documents the dict): pairs routed to each
+        expert per MoE layer (cumulative and last step), pairs each EP rank computed, imbalance
+        (max / mean over EP ranks). The same on every rank; under torchrun every rank must call it."""
+        if self._executor is not None:
+            return self._executor.expert_load()
+        if self.llm_engine.expert_load is None:
+            raise ValueError(f"{self.llm_engine.config.model_config.architecture} has no MoE layers to count")
+        return self.llm_engine.expert_load.snapshot()
+
     def all2all_stats(self, per_layer: bool = False) -> dict[str, Any]:
         """Bytes the MoE token exchange sent and received on this rank: totals over all MoE
         layers, the last engine step's totals, and (per_layer=True) one entry per MoE layer."""
@@ -232,6 +264,8 @@ def _start_mp_executor(kwargs: dict[str, Any]):
         choose_all2all_backend(kwargs["all2all_backend"]),
         "mp",
         kwargs["expert_placement"],
+        kwargs["enable_eplb"],
+        EPLBConfig.of(kwargs["eplb_config"], kwargs["num_redundant_experts"]),
     )
     hf = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs["trust_remote_code"])
     check_model_fits(ModelConfig.from_hf(hf, kwargs["dtype"]), parallel)
@@ -318,7 +352,7 @@ def _describe(config: EngineConfig, timeout_s: float) -> dict[str, str]:
         settings.update({f.name: repr(getattr(part, f.name)) for f in fields(part)})
     for name in (
         "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
-        "all2all_backend", "expert_placement",
+        "all2all_backend", "expert_placement", "enable_eplb", "eplb_config",
     ):  # fmt: skip
         settings[name] = repr(getattr(pc, name))
     settings.update(seed=repr(config.seed), distributed_timeout_seconds=repr(timeout_s))
