@@ -5,6 +5,9 @@ without changing a token, and an online rebalance in the middle of a generate.""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -221,3 +224,76 @@ def test_eplb_evens_the_ep_ranks_and_keeps_every_token(checkpoint, tmp_path, ske
         online, start = per_rank[0][i]["online"][1], per_rank[0][i]["online"][2]
         assert online["rebalances"] >= 2 and online["placement"] != start, where
         assert online["layers"] == static["layers"], where
+
+
+# ---- CLI, JSON, plot, server gauges -------------------------------------------------------------
+def _cli(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    exe = os.path.join(os.path.dirname(sys.executable), "expertmesh")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_mp_workers_report_the_load_with_eplb(checkpoint):
+    llm = LLM(
+        checkpoint("mixtral"), data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+        num_redundant_experts=2, distributed_executor_backend="mp", **KW,
+    )  # fmt: skip
+    try:
+        out = greedy(llm, PROMPTS, 3)
+        stats = llm.expert_load()
+    finally:
+        llm.shutdown()
+    n = sum(len(p) + len(o) - 1 for p, o in zip(PROMPTS, out))
+    assert stats["tokens"] == {0: n, 1: n} and stats["num_slots"] == 10
+    assert all(sum(r) == 2 * n for r in stats["ep_rank_tokens"].values())
+    assert [len(r) for r in stats["placement"][0]] == [5, 5]
+
+
+@pytest.mark.timeout(100)
+def test_cli_prints_and_writes_the_stats_and_plots_them(checkpoint, tmp_path):
+    path, out, png = checkpoint("mixtral"), tmp_path / "load.json", tmp_path / "heat.png"
+    res = _cli(
+        ["generate", "--model", path, "--prompt", "the cat", "--prompt", "a dog sat", "--max-tokens", "3",
+         "--max-model-len", "64", "--kv-cache-memory-bytes", "2000000", "--expert-stats", str(out)]
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "expert load: 2 MoE layers, 8 experts (top-2), 8 slots over 1 EP rank(s), 3 steps" in res.stdout
+    stats = json.loads(out.read_text())
+    tokens = stats["tokens"]["0"]
+    assert tokens > 0 and all(sum(c) == 2 * tokens for c in stats["layers"].values())
+    show = _cli(["stats", "show", str(out)], timeout=60)
+    assert show.returncode == 0 and f"layer 1: {tokens} tokens" in show.stdout
+    drawn = _cli(["stats", "plot", str(out), "-o", str(png)], timeout=60)
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = _cli(["stats", "plot", str(png), "-o", str(png)], timeout=60)
+    assert bad.returncode != 0 and "is not an --expert-stats file" in bad.stderr
+
+
+def test_server_gauges(checkpoint):
+    from expertmesh.entrypoints.api_server import prometheus_text
+
+    llm = LLM(checkpoint("mixtral"), **KW)
+    greedy(llm, PROMPTS, 2)
+    client = llm.engine_client()
+    text = prometheus_text(client.stats())
+    stats = llm.expert_load()
+    for e, c in enumerate(stats["layers"][1]):
+        assert f'expertmesh_expert_load_pairs{{layer="1",expert="{e}"}} {c}\n' in text
+    assert 'expertmesh_expert_load_imbalance{layer="0"} 1.0\n' in text
+    assert f'expertmesh_expert_ep_rank_pairs{{layer="0",ep_rank="0"}} {sum(stats["layers"][0])}\n' in text
+
+
+def test_expert_load_of_a_dense_model_is_a_clear_error(checkpoint):
+    llm = LLM(checkpoint("llama"), **KW)
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no MoE layers"):
+        llm.expert_load()
+
+
+def test_a_bad_eplb_load_file_is_a_clear_error(checkpoint, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="is not an expert stats file"):
+        LLM(checkpoint("mixtral"), enable_expert_parallel=True, enable_eplb=True,
+            eplb_config={"load_path": str(bad)}, **KW)  # fmt: skip

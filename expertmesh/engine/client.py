@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from expertmesh.engine.expert_load import GAUGE_EVERY, gauges
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.sequence import Sequence
 from expertmesh.outputs import Logprob, RequestOutput
@@ -69,6 +70,8 @@ class EngineStepper:
         self._seqs: dict[str, list[Sequence]] = {}
         self._seen: dict[str, list[int]] = {}  # output tokens already reported, per sequence
         self._num_added = 0
+        self._load: dict[str, Any] | None = None  # the last expert load snapshot, and its step
+        self._load_step = -1
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
@@ -128,7 +131,16 @@ class EngineStepper:
             "all2all_bytes_sent_total": traffic["bytes_sent"],
             "all2all_bytes_received_total": traffic["bytes_received"],
             "dp_replica_requests_total": [self._num_added],  # one entry per DP replica
+            **gauges(self._expert_load()),
         }
+
+    def _expert_load(self) -> dict[str, Any] | None:
+        """A fresh snapshot every GAUGE_EVERY forwards: a collective, taken at the same step on
+        every rank (they all call stats() after every step)."""
+        load = self.engine.expert_load
+        if load is not None and (self._load is None or load.steps - self._load_step >= GAUGE_EVERY):
+            self._load, self._load_step = load.snapshot(), load.steps
+        return self._load
 
     def close(self) -> None:
         pass

@@ -189,3 +189,25 @@ def read_initial_load(path: str | None) -> dict[int, list[int]] | None:
         return {int(layer): [int(c) for c in counts] for layer, counts in data["layers"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"eplb load_path {path!r} is not an expert stats file ({exc!r})") from exc
+
+
+GAUGE_EVERY = 32  # counted forwards between two server snapshots (a collective when ranks > 1)
+
+
+def gauges(snapshot: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """The server's /metrics gauges of a snapshot: metric -> {Prometheus labels: value}."""
+    if snapshot is None:
+        return {"expert_load_pairs": {}, "expert_ep_rank_pairs": {}, "expert_load_imbalance": {}}
+    return {
+        "expert_load_pairs": {
+            f'layer="{layer}",expert="{e}"': c
+            for layer, cs in snapshot["layers"].items()
+            for e, c in enumerate(cs)
+        },
+        "expert_ep_rank_pairs": {
+            f'layer="{layer}",ep_rank="{r}"': c
+            for layer, cs in snapshot["ep_rank_tokens"].items()
+            for r, c in enumerate(cs)
+        },
+        "expert_load_imbalance": {f'layer="{layer}"': v for layer, v in snapshot["imbalance"].items()},
+    }

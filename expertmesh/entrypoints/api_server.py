@@ -397,6 +397,10 @@ METRICS: dict[str, tuple[str, str]] = {  # name -> (type, help)
     "all2all_bytes_sent_total": ("counter", "Bytes the MoE token exchange sent (all ranks)."),
     "all2all_bytes_received_total": ("counter", "Bytes the MoE token exchange received (all ranks)."),
     "dp_replica_requests_total": ("counter", "Requests each data-parallel replica was given."),
+    # Expert load (engine/expert_load.py), refreshed every 32 forwards; labelled samples.
+    "expert_load_pairs": ("gauge", "(token, expert) pairs routed to each expert since start."),
+    "expert_ep_rank_pairs": ("gauge", "(token, expert) pairs each EP rank computed since start."),
+    "expert_load_imbalance": ("gauge", "Max over mean of the EP ranks' pairs, per MoE layer."),
 }
 
 
@@ -408,6 +412,8 @@ def prometheus_text(values: dict[str, Any]) -> str:
         lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
         if isinstance(value, list):
             lines += [f'{full}{{dp_rank="{i}"}} {v}' for i, v in enumerate(value)]
+        elif isinstance(value, dict):  # {labels: value}
+            lines += [f"{full}{{{labels}}} {v}" for labels, v in value.items()]
         else:
             lines.append(f"{full} {value}")
     return "\n".join(lines) + "\n"

@@ -229,6 +229,12 @@ class LLM:
             raise ValueError("this model has no tokenizer; pass prompts as {'prompt_token_ids': [...]}")
         return prompt, tok(prompt)["input_ids"]
 
+    @property
+    def is_moe(self) -> bool:
+        if self._executor is not None:
+            return self._executor.is_moe
+        return self.llm_engine.expert_load is not None
+
     def expert_load(self) -> dict[str, Any]:
         """Expert load statistics (engine/expert_load.py documents the dict): pairs routed to each
         expert per MoE layer (cumulative and last step), pairs each EP rank computed, imbalance

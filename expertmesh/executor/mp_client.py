@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from expertmesh.engine.client import StepResult
+from expertmesh.engine.expert_load import gauges
 from expertmesh.engine.detokenizer import Detokenizer
 from expertmesh.engine.llm_engine import as_token_ids, validate_request
 from expertmesh.executor.mp_executor import MPExecutor
@@ -19,6 +20,7 @@ from expertmesh.sampling_params import SamplingParams
 
 # Every rank moves its own MoE traffic: these are summed over all ranks, the rest over leaders.
 PER_RANK_STATS = ("all2all_bytes_sent_total", "all2all_bytes_received_total")
+EXPERT_GAUGES = tuple(gauges(None))
 
 
 class MPEngineClient:
@@ -79,7 +81,10 @@ class MPEngineClient:
     def _merge_stats(self, per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
         leaders = [per_rank[r] for r in self.executor.leaders]
         by_replica = "dp_replica_requests_total"
-        merged: dict[str, Any] = {k: sum(s[k] for s in leaders) for k in leaders[0] if k != by_replica}
+        merged: dict[str, Any] = {
+            k: sum(s[k] for s in leaders) for k in leaders[0] if k != by_replica and k not in EXPERT_GAUGES
+        }
+        merged.update({k: per_rank[0][k] for k in EXPERT_GAUGES})  # the same on every rank
         for key in PER_RANK_STATS:
             merged[key] = sum(s[key] for s in per_rank.values())
         merged[by_replica] = [s[by_replica][0] for s in leaders]

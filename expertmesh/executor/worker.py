@@ -54,7 +54,8 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
         # A watchdog that ends this rank tells the parent why first.
         watchdog.current().on_fire.append(lambda message: send(conn, ("error", message)))
         stepper = EngineStepper(llm.llm_engine)
-        send(conn, ("ready", {"limits": llm.llm_engine.prompt_limits(), "stats": stepper.stats()}))
+        limits, stats = llm.llm_engine.prompt_limits(), stepper.stats()
+        send(conn, ("ready", {"limits": limits, "stats": stats, "moe": llm.is_moe}))
         _serve_calls(llm, stepper, conn)
     except (EOFError, OSError):
         pass  # the parent is gone: nothing to report to
@@ -92,6 +93,9 @@ def _serve_calls(llm: Any, stepper: EngineStepper, conn: Connection) -> None:
             continue
         if message[0] == "abort":
             continue  # it came after its call had finished anyway
+        if message[0] == "expert_load":  # a collective: every rank got the message
+            send(conn, ("expert_load", llm.expert_load()))
+            continue
         _, prompts, params = message
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
