@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from expertmesh.engine.client import StepResult
-from expertmesh.engine.expert_load import gauges
 from expertmesh.engine.detokenizer import Detokenizer
+from expertmesh.engine.expert_load import gauges
 from expertmesh.engine.llm_engine import as_token_ids, validate_request
 from expertmesh.executor.mp_executor import MPExecutor
 from expertmesh.sampling_params import SamplingParams
