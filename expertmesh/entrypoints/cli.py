@@ -113,6 +113,11 @@ def _add_verify_parser(sub) -> None:
         "--kv-cache-memory-bytes", type=int, default=1 << 23, help="KV cache per rank and layout"
     )
     verify.add_argument("--json", action="store_true", help="print the rows as JSON")
+    verify.add_argument(
+        "--eplb",
+        action="store_true",
+        help="also run each EP layout with EPLB (2 redundant experts, a rebalance every 2 forwards)",
+    )
 
 
 def _add_serve_parser(sub) -> None:
@@ -216,6 +221,7 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         dtype=args.dtype,
+        eplb=args.eplb,
     )
     if torchrun_env() is not None:
         if args.world is not None:
