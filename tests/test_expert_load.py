@@ -223,6 +223,7 @@ def test_eplb_evens_the_ep_ranks_and_keeps_every_token(checkpoint, tmp_path, ske
             assert redundant["imbalance"][layer] < 1.2 and static["imbalance"][layer] > 3.5, where
         online, start = per_rank[0][i]["online"][1], per_rank[0][i]["online"][2]
         assert online["rebalances"] >= 2 and online["placement"] != start, where
+        assert online["eplb_bytes_sent"] > 0 and static["eplb_bytes_sent"] == 0, where
         assert online["layers"] == static["layers"], where
 
 

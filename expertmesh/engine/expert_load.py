@@ -19,6 +19,7 @@ The dict (``LLM.expert_load()``; JSON with string layer keys):
   mean_imbalance  mean over layers
   placement       {layer: [[logical expert of each slot] per EP rank]}, now
   rebalances      online EPLB rebalances so far
+  eplb_bytes_sent expert weight bytes the rebalances sent to other ranks, summed over all ranks
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ExpertLoad:
         self.folded_ranks = torch.zeros(len(self.moes), plan.ep_size, dtype=torch.int64)
         for i, moe in enumerate(self.moes):
             moe.load = self.counts[i, : moe.placement.num_slots]
-        self.steps = self.rebalances = 0
+        self.steps = self.rebalances = self.bytes_moved = 0
         self.step_interval = 0  # EPLB online: rebalance every N counted forwards (0 = never)
 
     def to(self, device: str | torch.device) -> ExpertLoad:
@@ -115,13 +116,17 @@ class ExpertLoad:
             ranks[moe.layer_index] = [a + int(b) for a, b in zip(now, f_ranks[i])]
             placement[moe.layer_index] = [p.local_experts(r) for r in range(p.ep_size)]
         part = {"layers": layers, "last_step": last, "ep_rank_tokens": ranks, "placement": placement}
+        moved = self.bytes_moved
+        if self.groups.world.world_size > 1:
+            moved = int(self.groups.world.all_reduce(torch.tensor([moved]))[0])
         if self.groups.pp.world_size > 1:  # every stage's layers, on every rank
             merged: dict[str, dict] = {k: {} for k in part}
             for other in self.groups.pp.all_gather_object(part):
                 for k in part:
                     merged[k].update(other[k])
             part = {k: dict(sorted(v.items())) for k, v in merged.items()}
-        return summarize(part, self.num_experts, self.top_k, self.plan.ep_size, self.steps, self.rebalances)
+        out = summarize(part, self.num_experts, self.top_k, self.plan.ep_size, self.steps, self.rebalances)
+        return {**out, "eplb_bytes_sent": moved}
 
     # ---- EPLB -----------------------------------------------------------------------------
     def rebalance(self) -> int:
@@ -138,6 +143,7 @@ class ExpertLoad:
             if new != p:
                 sent += moe.apply_placement(new)
         self.rebalances += 1
+        self.bytes_moved += sent
         log.info("EPLB rebalance %d after %d steps: %d bytes sent", self.rebalances, self.steps, sent)
         return sent
 

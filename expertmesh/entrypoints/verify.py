@@ -212,7 +212,7 @@ def compare(cases: list[Case], per_rank: list[list[tuple]], expected: list[list[
     return rows
 
 
-COLUMNS = (("layout", 16), ("backend", 24), ("ranks agreeing", 15), ("first difference", 40))
+COLUMNS = (("layout", 20), ("backend", 24), ("ranks agreeing", 15), ("first difference", 40))
 
 
 def table(rows: list[dict], skipped: list[tuple[Case, str]]) -> str:
