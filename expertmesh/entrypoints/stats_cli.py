@@ -69,17 +69,14 @@ def plot(stats: dict[str, Any], out: str, title: str | None = None) -> None:
     )
     image = ax.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xlabel("expert")
-    ax.set_ylabel("MoE layer")
+    ax.set_ylabel("MoE layer (EP imbalance)")
     ax.set_yticks(range(len(layers)), [f"{i} ({stats['imbalance'][i]:.2f})" for i in layers])
     if stats["num_experts"] <= 64:
         ax.set_xticks(range(stats["num_experts"]))
-    fig.colorbar(image, ax=ax, label="share of the layer's routed pairs")
-    ax.set_title(
-        title
-        or f"{stats['tokens'][layers[0]] if layers else 0} tokens, top-{stats['top_k']}; "
-        f"layer (EP imbalance over {stats['ep_size']} ranks)",
-        fontsize=9,
-    )
+    fig.colorbar(image, ax=ax, label="share of pairs")
+    tokens = stats["tokens"][layers[0]] if layers else 0
+    default = f"{tokens} tokens, top-{stats['top_k']}, {stats['ep_size']} EP rank(s)"
+    ax.set_title(title or default, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
