@@ -57,7 +57,8 @@ def main() -> None:
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     k, slots = load.top_k, load.counts.shape[1]
     print(
-        f"{len(load.moes)} MoE layers, batch {args.batch}, {args.max_tokens} tokens, {args.rounds} rounds a side"
+        f"{len(load.moes)} MoE layers, batch {args.batch}, {args.max_tokens} tokens, "
+        f"{args.rounds} rounds a side"
     )
     print(f"median CPU seconds: counting {on:.4f}, not counting {off:.4f}, ratio {on / off:.3f}")
     for n in (1, 32, 512):
