@@ -19,13 +19,13 @@ class EPLBConfig:
     """Expert-parallel load balancing, vLLM's `eplb_config` (docs/expert_parallel.md).
 
     num_redundant_experts: physical expert slots beyond the logical experts (replicas of the
-    hottest). step_interval: rebalance online every this many forward passes (0 = never; vLLM's
-    default is 3000), from the load counted since the previous rebalance. load_path: an
+    hottest). step_interval: rebalance online every this many forward passes (vLLM's default,
+    3000; 0 = never, ours), from the load counted since the previous rebalance. load_path: an
     `--expert-stats` JSON file whose per-layer counts place the experts at start-up.
     """
 
     num_redundant_experts: int = 0
-    step_interval: int = 0
+    step_interval: int = 3000
     load_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -88,7 +88,7 @@ class ParallelConfig:
         eplb = self.eplb_config
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb=True needs enable_expert_parallel=True (EPLB places whole experts)")
-        if not self.enable_eplb and (eplb.num_redundant_experts or eplb.step_interval or eplb.load_path):
+        if not self.enable_eplb and eplb != EPLBConfig():
             raise ValueError(f"eplb_config {eplb} is set but enable_eplb=False; pass enable_eplb=True")
 
     @property

@@ -96,6 +96,7 @@ def test_eplb_config_errors():
     with pytest.raises(ValueError, match="unknown eplb_config keys \\['window'\\]"):
         EPLBConfig.of({"window": 3})
     assert EPLBConfig.of({"step_interval": 5}, 2) == EPLBConfig(2, 5)
+    assert EPLBConfig.of(None).step_interval == 3000  # vLLM's default
 
 
 # ---- counts in one process ----------------------------------------------------------------------
@@ -176,7 +177,10 @@ def _ep_runs(rank, world, path, stats_file, layouts):
             ("static", {}),
             (
                 "redundant",
-                dict(enable_eplb=True, eplb_config={"num_redundant_experts": 2, "load_path": stats_file}),
+                dict(
+                    enable_eplb=True,
+                    eplb_config={"num_redundant_experts": 2, "load_path": stats_file, "step_interval": 0},
+                ),
             ),
             ("online", dict(enable_eplb=True, eplb_config={"num_redundant_experts": 2, "step_interval": 2})),
         ):

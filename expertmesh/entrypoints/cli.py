@@ -56,7 +56,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--eplb-config",
         type=json.loads,
         default=None,
-        help='EPLB as JSON: {"num_redundant_experts": R, "step_interval": N (0 = never online), '
+        help='EPLB as JSON: {"num_redundant_experts": R, "step_interval": N (default 3000; 0 = never), '
         '"load_path": "an --expert-stats file to place experts at start-up"}',
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
