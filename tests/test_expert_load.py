@@ -302,3 +302,77 @@ def test_a_bad_eplb_load_file_is_a_clear_error(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="is not an expert stats file"):
         LLM(checkpoint("mixtral"), enable_expert_parallel=True, enable_eplb=True,
             eplb_config={"load_path": str(bad)}, **KW)  # fmt: skip
+
+
+# ---- moving expert weights ----------------------------------------------------------------------
+MOVE_E, MOVE_H, MOVE_I = 5, 8, 6
+
+
+def _experts_for(placement: ExpertPlacement, rank: int, packed: bool):
+    """FusedExperts holding `rank`'s slots of `placement`, expert e's weights drawn from seed e."""
+    from expertmesh.layers import cpu_kernels
+    from expertmesh.layers.fused_moe import FusedExperts
+
+    mine = placement.local_experts(rank)
+    fe = FusedExperts(MOVE_E, mine, MOVE_H, MOVE_I, 0, 1, "silu", slot_map=placement.slot_map(rank))
+    for i, e in enumerate(mine):
+        g = torch.Generator().manual_seed(100 + e)
+        fe.w13.data[i] = torch.randn(2 * MOVE_I, MOVE_H, generator=g)
+        fe.w2.data[i] = torch.randn(MOVE_H, MOVE_I, generator=g)
+    if packed:
+        fe.use_cpu_kernels(cpu_kernels.load())
+    return fe
+
+
+def _move_rank(rank, world, packed):
+    from expertmesh.distributed.eplb import move_expert_weights
+    from expertmesh.distributed.group import Group
+
+    group = Group(tuple(range(world)), rank, name="ep")
+    old = balanced_placement([9, 1, 1, 1, 8], world, 8)
+    new = balanced_placement([1, 1, 9, 8, 1], world, 8)
+    fe = _experts_for(old, rank, packed)
+    sent = move_expert_weights(fe, old, new, group, rank)
+    fe.set_slots(new.local_experts(rank), new.slot_map(rank))
+    want = _experts_for(new, rank, packed)
+    same = all(torch.equal(a, b) for i in range(4) for a, b in zip(fe.slot_tensors(i), want.slot_tensors(i)))
+    x = torch.randn(3, MOVE_H, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([[s, (s + 1) % 8] for s in new.local_slots(rank)[:3]])
+    w = torch.full((3, 2), 0.5)
+    return (
+        old.local_experts(rank),
+        new.local_experts(rank),
+        same,
+        sent,
+        torch.equal(fe(x, slots, w), want(x, slots, w)),
+    )
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_moving_expert_weights_fills_every_slot_with_its_expert(packed):
+    per_rank = run_distributed(_move_rank, 2, packed)
+    assert [r[0] for r in per_rank] != [r[1] for r in per_rank]  # the placement changed
+    assert all(r[2] and r[4] for r in per_rank)  # each slot holds its new expert's weights
+    assert all(r[3] > 0 for r in per_rank)  # both ranks sent experts the other now holds
+
+
+def _round_robin_rank(rank, world, path):
+    out = {}
+    for backend in ("allgather_reducescatter", "alltoall"):
+        llm = LLM(path, data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend,
+                  expert_placement="round_robin", **KW)  # fmt: skip
+        out[backend] = (greedy(llm, PROMPTS[rank::2], 4), llm.expert_load()["placement"])
+        del llm
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_round_robin_placement_routes_through_slots(checkpoint):
+    """Round robin puts expert e in slot != e: routing maps experts to slots, tokens unchanged."""
+    path = checkpoint("mixtral")
+    per_rank = run_distributed(_round_robin_rank, 2, path, timeout=110)
+    reference = greedy(LLM(path, **KW), PROMPTS, 4)
+    for rank, out in enumerate(per_rank):
+        for backend, (tokens, placement) in out.items():
+            assert tokens == reference[rank::2], (backend, rank)
+            assert placement[0] == [[0, 2, 4, 6], [1, 3, 5, 7]]
