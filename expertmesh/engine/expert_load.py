@@ -84,7 +84,8 @@ class ExpertLoad:
         local = self._local()
         if self.count_group is None or self.count_group.world_size == 1:
             return local
-        return self.count_group.all_reduce(local)
+        # On the counters' device: NCCL reduces only CUDA tensors.
+        return self.count_group.all_reduce(local.to(self.counts.device)).cpu()
 
     def _split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         L, P = self.counts.shape
@@ -118,7 +119,7 @@ class ExpertLoad:
         part = {"layers": layers, "last_step": last, "ep_rank_tokens": ranks, "placement": placement}
         moved = self.bytes_moved
         if self.groups.world.world_size > 1:
-            moved = int(self.groups.world.all_reduce(torch.tensor([moved]))[0])
+            moved = int(self.groups.world.all_reduce(torch.tensor([moved], device=self.counts.device))[0])
         if self.groups.pp.world_size > 1:  # every stage's layers, on every rank
             merged: dict[str, dict] = {k: {} for k in part}
             for other in self.groups.pp.all_gather_object(part):
