@@ -5,13 +5,52 @@ Layers never see a raw HF config or an environment variable: everything they nee
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from expertmesh.distributed.layout import ParallelLayout
 from expertmesh.model_config import ModelConfig, RopeConfig, resolve_dtype  # noqa: F401 -- re-exported
 
 ALL2ALL_BACKEND_NAMES = ("allgather_reducescatter", "naive", "alltoall")
 EXECUTOR_BACKENDS = (None, "external_launcher", "mp", "uni")
+
+
+@dataclass(frozen=True)
+class EPLBConfig:
+    """Expert-parallel load balancing, vLLM's `eplb_config` (docs/expert_parallel.md).
+
+    num_redundant_experts: physical expert slots beyond the logical experts (replicas of the
+    hottest). step_interval: rebalance online every this many forward passes (vLLM's default,
+    3000; 0 = never, ours), from the load counted since the previous rebalance. load_path: an
+    `--expert-stats` JSON file whose per-layer counts place the experts at start-up.
+    """
+
+    num_redundant_experts: int = 0
+    step_interval: int = 3000
+    load_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts={self.num_redundant_experts!r} must be an int >= 0")
+        if not isinstance(self.step_interval, int) or self.step_interval < 0:
+            raise ValueError(f"eplb step_interval={self.step_interval!r} must be an int >= 0 (0 = never)")
+
+    @staticmethod
+    def of(value: EPLBConfig | dict | None, num_redundant_experts: int | None = None) -> EPLBConfig:
+        """From vLLM's `eplb_config` dict (or one of these); `num_redundant_experts` (vLLM's older
+        top-level argument) overrides the dict's."""
+        if value is None:
+            value = {}
+        if isinstance(value, dict):
+            known = {f.name for f in fields(EPLBConfig)}
+            bad = sorted(set(value) - known)
+            if bad:
+                raise ValueError(f"unknown eplb_config keys {bad}; valid: {sorted(known)}")
+            value = EPLBConfig(**value)
+        if not isinstance(value, EPLBConfig):
+            raise TypeError(f"eplb_config must be a dict or an EPLBConfig, got {type(value).__name__}")
+        if num_redundant_experts is not None:
+            value = replace(value, num_redundant_experts=num_redundant_experts)
+        return value
 
 
 @dataclass(frozen=True)
@@ -25,6 +64,8 @@ class ParallelConfig:
     all2all_backend: str = "allgather_reducescatter"
     distributed_executor_backend: str | None = None
     expert_placement: str = "contiguous"
+    enable_eplb: bool = False
+    eplb_config: EPLBConfig = field(default_factory=EPLBConfig)
     # Filled in by the launcher once the process knows where it sits.
     rank: int = 0
     data_parallel_rank: int = 0
@@ -44,6 +85,11 @@ class ParallelConfig:
             raise ValueError(
                 f"expert_placement={self.expert_placement!r} is unknown; valid: ['contiguous', 'round_robin']"
             )
+        eplb = self.eplb_config
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb=True needs enable_expert_parallel=True (EPLB places whole experts)")
+        if not self.enable_eplb and eplb != EPLBConfig():
+            raise ValueError(f"eplb_config {eplb} is set but enable_eplb=False; pass enable_eplb=True")
 
     @property
     def layout(self) -> ParallelLayout:

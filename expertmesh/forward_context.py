@@ -15,3 +15,5 @@ class ForwardContext:
     dp_token_counts: list[int]
     # Rotary cos/sin of this step's positions, looked up once and shared by every layer.
     rope: RotaryTables | None = None
+    # False for a lockstep dummy forward: its token is not counted in the expert load.
+    count_load: bool = True

@@ -82,6 +82,21 @@ def test_verify_exits_1_on_a_broken_layout(checkpoint):
     assert verify.report(rows, skipped, as_json=False) == 1
 
 
+@pytest.mark.timeout(170)
+def test_verify_with_eplb_moves_experts_and_keeps_every_token(checkpoint):
+    path = checkpoint("mixtral", num_hidden_layers=2)
+    rows, skipped = verify.verify(path, 2, eplb=True)
+    balanced = [r for r in rows if r["eplb"]]
+    ag = "allgather_reducescatter"
+    assert {(r["dp"], r["tp"], r["backend"]) for r in balanced} == {
+        (2, 1, "naive"), (2, 1, ag), (2, 1, "alltoall"), (1, 2, ag),
+    }  # fmt: skip
+    assert all(r["ranks_agreeing"] == r["ranks"] == 2 for r in rows)
+    assert [why for c, why in skipped if c.eplb] == ["EPLB over a single EP rank"]  # PP2 EP: EP size 1
+    assert "DP2 PP1 TP1 EP EPLB" in verify.table(rows, skipped)
+    assert verify.report(rows, skipped, as_json=True) == 0
+
+
 @pytest.mark.timeout(150)
 def test_verify_under_torchrun(checkpoint):
     path = checkpoint("mixtral", num_hidden_layers=2)

@@ -55,6 +55,10 @@ class All2AllBackend:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self.group!r}, poison_recv={self.poison_recv})"
 
+    def set_expert_owner(self, owner: torch.Tensor) -> None:
+        """[P] group rank of each physical expert slot (the MoE layer's placement); only the
+        alltoall backend routes by it."""
+
     def reset_stats(self) -> dict[str, int]:
         """Return the counters so far and start again from zero (e.g. once per engine step)."""
         old, self.stats = self.stats, {"bytes_sent": 0, "bytes_received": 0, "calls": 0}
@@ -213,7 +217,12 @@ class AllToAllAll2All(All2AllBackend):
                 "to the EP ranks owning its experts (expert_owner); without expert parallelism use "
                 "'allgather_reducescatter' or 'naive'"
             )
-        owner = torch.as_tensor(expert_owner, dtype=torch.int64).cpu()  # [E]
+        self.set_expert_owner(expert_owner)
+        self._route: _Route | None = None
+
+    def set_expert_owner(self, expert_owner: torch.Tensor) -> None:
+        group = self.group
+        owner = torch.as_tensor(expert_owner, dtype=torch.int64).cpu()  # [E] or [P] slots
         if (
             owner.dim() != 1
             or owner.numel() == 0
@@ -224,7 +233,6 @@ class AllToAllAll2All(All2AllBackend):
                 f"[0, {group.world_size}) of group {group.name!r}; got {owner.tolist()}"
             )
         self.expert_owner = owner
-        self._route: _Route | None = None
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, num_experts={self.expert_owner.numel()})"

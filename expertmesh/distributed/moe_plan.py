@@ -16,6 +16,11 @@ In every row the shard rank is dp * TP + tp over DP * TP ranks (the index in the
 with DP=1 it is tp, with TP=1 it is dp. In ep_sp each TP rank runs the MoE on its
 ``sp_slice(n)`` (ceil(n / TP) tokens, trailing ranks shorter), and the TP all-gather of
 ``sp_sizes(n)`` rebuilds the n rows. Shared experts are dense: plain TP on the full batch.
+
+Where each expert lives is an ``ExpertPlacement`` per MoE layer: physical slots (the E logical
+experts plus ``num_redundant_experts`` replicas, vLLM's EPLB terms), each on one EP rank, every
+rank a fixed number of them. The plan makes the start-up placement (``expert_placement``); EPLB
+(distributed/eplb.py) only ever hands a layer a new ``ExpertPlacement`` with the same slots.
 """
 
 from __future__ import annotations
@@ -53,6 +58,83 @@ def expert_owners(num_experts: int, ep_size: int, placement: Placement = "contig
     for rank in range(ep_size):
         owners += [rank] * (base + (1 if rank < extra else 0))
     return owners
+
+
+def slots_per_rank(num_slots: int, ep_size: int) -> list[int]:
+    """Physical expert slots of each EP rank: P // ep, the first P % ep ranks one more."""
+    base, extra = divmod(num_slots, ep_size)
+    return [base + (1 if r < extra else 0) for r in range(ep_size)]
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """One MoE layer's physical expert slots: which logical expert each holds, on which EP rank.
+
+    Slots are numbered rank by rank (rank 0's first), ``slots_per_rank`` of them each, so a slot
+    never changes rank; a rebalance only changes ``slot_expert``. Every logical expert has at
+    least one slot and never two on one rank.
+    """
+
+    slot_expert: tuple[int, ...]  # [P] logical expert held by each physical slot
+    num_experts: int
+    ep_size: int
+
+    def __post_init__(self) -> None:
+        held = set(self.slot_expert)
+        if held != set(range(self.num_experts)):
+            missing = sorted(set(range(self.num_experts)) - held)
+            raise ValueError(f"expert placement: experts {missing} have no slot (slots {self.slot_expert})")
+        for rank in range(self.ep_size):
+            mine = self.local_experts(rank)
+            if len(set(mine)) != len(mine):
+                raise ValueError(f"expert placement: EP rank {rank} holds an expert twice: {mine}")
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_expert)
+
+    @property
+    def slot_rank(self) -> list[int]:
+        """[P] EP rank of each slot."""
+        return [r for r, n in enumerate(slots_per_rank(self.num_slots, self.ep_size)) for _ in range(n)]
+
+    def local_slots(self, rank: int) -> list[int]:
+        start = sum(slots_per_rank(self.num_slots, self.ep_size)[:rank])
+        return list(range(start, start + slots_per_rank(self.num_slots, self.ep_size)[rank]))
+
+    def local_experts(self, rank: int) -> list[int]:
+        """Logical expert of each of `rank`'s slots, in slot order."""
+        return [self.slot_expert[s] for s in self.local_slots(rank)]
+
+    def slot_map(self, rank: int) -> torch.Tensor:
+        """[P] int64: physical slot -> index among `rank`'s slots, -1 for slots elsewhere."""
+        return local_slot_map(self.num_slots, self.local_slots(rank))
+
+    def replicas(self) -> list[list[int]]:
+        """Physical slots of each logical expert, ascending."""
+        out: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for slot, e in enumerate(self.slot_expert):
+            out[e].append(slot)
+        return out
+
+    @property
+    def is_identity(self) -> bool:
+        """Slot e holds expert e: routing ids are already slot ids."""
+        return self.slot_expert == tuple(range(self.num_experts))
+
+    def expert_load_per_rank(self, slot_counts: list[int]) -> list[int]:
+        """(token, expert) pairs each EP rank computes, from counts per physical slot."""
+        out = [0] * self.ep_size
+        for slot, rank in enumerate(self.slot_rank):
+            out[rank] += int(slot_counts[slot])
+        return out
+
+
+def static_placement(num_experts: int, ep_size: int, placement: Placement = "contiguous") -> ExpertPlacement:
+    """No replicas: the experts by ``expert_owners``, each rank's in ascending order."""
+    owners = expert_owners(num_experts, ep_size, placement)
+    order = sorted(range(num_experts), key=lambda e: (owners[e], e))
+    return ExpertPlacement(tuple(order), num_experts, ep_size)
 
 
 @dataclass(frozen=True)
@@ -100,6 +182,44 @@ class MoEPlan:
     def expert_map(self, num_experts: int, placement: Placement = "contiguous") -> torch.Tensor:
         """[E] int64: global expert id -> local index on this rank, -1 where not local."""
         return local_slot_map(num_experts, self.local_experts(num_experts, placement))
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index among the ranks that split the experts (0 when nobody splits them)."""
+        return self.weight_shard_rank if self.expert_parallel else 0
+
+    @property
+    def ep_size(self) -> int:
+        return self.weight_shard_size if self.expert_parallel else 1
+
+    @property
+    def count_group_name(self) -> DispatchGroup | None:
+        """The group whose ranks route different tokens (load counts are summed over it)."""
+        return self.dispatch_group_name
+
+    def expert_placement(
+        self,
+        num_experts: int,
+        placement: Placement = "contiguous",
+        num_redundant_experts: int = 0,
+        load: list[int] | None = None,
+    ) -> ExpertPlacement:
+        """The start-up placement of one MoE layer: static without EPLB; with redundant experts
+        or a measured `load` (per logical expert), balanced packing (distributed/eplb.py)."""
+        if not self.expert_parallel:
+            if num_redundant_experts or load is not None:
+                raise ValueError(
+                    "EPLB (enable_eplb, num_redundant_experts) needs enable_expert_parallel=True: "
+                    f"in MoE mode {self.mode!r} every rank holds a slice of every expert"
+                )
+            return static_placement(num_experts, 1)
+        if not num_redundant_experts and load is None:
+            return static_placement(num_experts, self.ep_size, placement)
+        from expertmesh.distributed.eplb import balanced_placement
+
+        return balanced_placement(
+            [1] * num_experts if load is None else load, self.ep_size, num_experts + num_redundant_experts
+        )
 
     @staticmethod
     def decide(layout: ParallelLayout, global_rank: int) -> MoEPlan:

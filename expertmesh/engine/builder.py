@@ -16,12 +16,20 @@ from typing import Any, NamedTuple
 import torch
 from transformers import AutoTokenizer
 
-from expertmesh.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from expertmesh.config import (
+    CacheConfig,
+    EngineConfig,
+    EPLBConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.all2all_choice import choose_all2all_backend
 from expertmesh.distributed.launcher import check_model_fits, check_same_config, place_process
 from expertmesh.distributed.moe_plan import MoEPlan
 from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
+from expertmesh.engine.expert_load import ExpertLoad, read_initial_load
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.model_runner import ModelRunner
 from expertmesh.hf_config import load_hf_config
@@ -45,6 +53,9 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     all2all_backend: str | None = None
     expert_placement: str = "contiguous"
+    enable_eplb: bool = False
+    num_redundant_experts: int | None = None
+    eplb_config: dict | EPLBConfig | None = None
     distributed_executor_backend: str | None = None
     dtype: str | torch.dtype = "auto"
     seed: int = 0
@@ -83,6 +94,8 @@ class EngineArgs:
             choose_all2all_backend(self.all2all_backend),
             self.distributed_executor_backend,
             self.expert_placement,
+            self.enable_eplb,
+            EPLBConfig.of(self.eplb_config, self.num_redundant_experts),
         )
 
 
@@ -126,12 +139,20 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     check_same_config(placement.groups, _describe(config, args.distributed_timeout_seconds))
     torch.manual_seed(args.seed)
     env = _model_env(config, placement, args.pipeline_split, args.debug_nan_recv_buffers)
+    if parallel.enable_eplb:
+        env.num_redundant_experts = parallel.eplb_config.num_redundant_experts
+        env.initial_load = read_initial_load(parallel.eplb_config.load_path)
     net = build_model(config.model_config, env, model_dir, placement.device, args.allow_nonfinite_weights)
     runner = ModelRunner(config, net, placement.groups)
     tok = load_tokenizer(config.tokenizer, args.trust_remote_code)
     if placement.groups.world.world_size > 1:  # ranks load at their own pace: wait while they beat
         watchdog.current().barrier("model loaded")
     engine = LLMEngine(config, runner, placement.groups, tok, env.dispatchers)
+    mc = config.model_config
+    if mc.is_moe:
+        load = ExpertLoad(net, env.moe_plan, placement.groups, mc.top_k, mc.num_experts)
+        load.step_interval = parallel.eplb_config.step_interval if parallel.enable_eplb else 0
+        engine.expert_load = load.to(placement.device)
     log.info(
         "Loaded %s (%s) on rank %d of %d",
         config.model_config.architecture,
@@ -216,7 +237,7 @@ def _describe(config: EngineConfig, timeout_s: float) -> dict[str, str]:
         settings.update({f.name: repr(getattr(part, f.name)) for f in fields(part)})
     for name in (
         "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
-        "all2all_backend", "expert_placement",
+        "all2all_backend", "expert_placement", "enable_eplb", "eplb_config",
     ):  # fmt: skip
         settings[name] = repr(getattr(pc, name))
     settings.update(seed=repr(config.seed), distributed_timeout_seconds=repr(timeout_s))

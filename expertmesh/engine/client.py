@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from expertmesh.engine.expert_load import GAUGE_EVERY, gauges
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.sequence import Sequence, SequenceStatus
 from expertmesh.outputs import Logprob, RequestOutput
@@ -72,6 +73,8 @@ class EngineStepper:
         self._seen: dict[str, list[int]] = {}  # output tokens already reported, per sequence
         self._num_added = 0
         self._unstarted: set[str] = set()  # added, never scheduled yet
+        self._load: dict[str, Any] | None = None  # the last expert load snapshot, and its step
+        self._load_step = -1
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
@@ -142,7 +145,16 @@ class EngineStepper:
             "requests_added_total": self._num_added,
             "all2all_bytes_sent_total": traffic["bytes_sent"],
             "all2all_bytes_received_total": traffic["bytes_received"],
+            **gauges(self._expert_load()),
         }
+
+    def _expert_load(self) -> dict[str, Any] | None:
+        """A fresh snapshot every GAUGE_EVERY forwards: a collective, taken at the same step on
+        every rank (they all call rank_stats() after every step)."""
+        load = self.engine.expert_load
+        if load is not None and (self._load is None or load.steps - self._load_step >= GAUGE_EVERY):
+            self._load, self._load_step = load.snapshot(), load.steps
+        return self._load
 
     def stats(self) -> dict[str, Any]:
         """The /metrics numbers of this engine, in `merge_stats`'s shape (one DP replica)."""
@@ -165,12 +177,18 @@ REPLICA_STATS = (
 )
 # Every rank moves its own MoE traffic: summed over all ranks.
 RANK_STATS = ("all2all_bytes_sent_total", "all2all_bytes_received_total")
+# The same on every rank (a collective snapshot: engine/expert_load.py): read from the first.
+SHARED_STATS = tuple(gauges(None))
 
 
 def merge_stats(per_rank: dict[int, dict[str, Any]], leaders: list[int]) -> dict[str, Any]:
     """Ranks' `rank_stats` as one dict: REPLICA_STATS as a list by DP replica (from `leaders`,
-    replica order), RANK_STATS summed over every rank; a key a rank lacks counts as 0."""
+    replica order), RANK_STATS summed over every rank, SHARED_STATS from the lowest rank; a key a
+    rank lacks counts as 0 (or as no samples)."""
     merged: dict[str, Any] = {k: [per_rank[r].get(k, 0) for r in leaders] for k in REPLICA_STATS}
     for key in RANK_STATS:
         merged[key] = sum(s.get(key, 0) for s in per_rank.values())
+    first = per_rank[min(per_rank)]
+    for key in SHARED_STATS:
+        merged[key] = first.get(key, {})
     return merged

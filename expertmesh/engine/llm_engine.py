@@ -119,6 +119,7 @@ class LLMEngine:
         # driver was interrupted). Every rank must give the same answer at the same step.
         self.interrupt: Callable[[], bool] | None = None
         self.last_step_traffic = {"bytes_sent": 0, "bytes_received": 0}
+        self.expert_load = None  # engine/expert_load.ExpertLoad for MoE models (set by LLM)
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, self.blocks.block_size, self.capacity
         )
@@ -241,12 +242,14 @@ class LLMEngine:
 
     def _dummy_step(self, counts: list[int]) -> None:
         ids, pos, ctx, last = self.runner.dummy_inputs()
-        ctx.dp_token_counts = counts
+        ctx.dp_token_counts, ctx.count_load = counts, False
         self._forward_counting(ids, pos, ctx, last)
         self.num_dummy_steps += 1
 
     def _forward_counting(self, ids, pos, ctx, last):
         """The runner's forward, noting the bytes the MoE exchange moved in this step."""
+        if self.expert_load is not None:  # every forward, dummies too: EPLB keeps lockstep by it
+            self.expert_load.begin_step()
         before = self.traffic()
         logits = self.runner.forward(ids, pos, ctx, last)
         after = self.traffic()

@@ -9,6 +9,7 @@ import sys
 import time
 
 from expertmesh.config import ALL2ALL_BACKEND_NAMES
+from expertmesh.entrypoints import stats_cli
 from expertmesh.model_source import DEFAULT_MODEL_DIR
 
 
@@ -56,6 +57,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV cache size per rank (default: 10%% of free RAM on CPU, capped at what is useful)",
     )
+    p.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing (needs EP)")
+    p.add_argument(
+        "--num-redundant-experts", type=int, default=None, help="EPLB: replica slots beyond the experts"
+    )
+    p.add_argument(
+        "--eplb-config",
+        type=json.loads,
+        default=None,
+        help='EPLB as JSON: {"num_redundant_experts": R, "step_interval": N (default 3000; 0 = never), '
+        '"load_path": "an --expert-stats file to place experts at start-up"}',
+    )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
     p.add_argument(
         "--distributed-timeout-seconds",
@@ -80,8 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    gen.add_argument(
+        "--expert-stats", default=None, metavar="FILE", help="write the expert load statistics as JSON"
+    )
     _add_serve_parser(sub)
     _add_verify_parser(sub)
+    stats_cli.add_parser(sub)
     return parser
 
 
@@ -106,6 +122,11 @@ def _add_verify_parser(sub) -> None:
         "--kv-cache-memory-bytes", type=int, default=1 << 23, help="KV cache per rank and layout"
     )
     verify.add_argument("--json", action="store_true", help="print the rows as JSON")
+    verify.add_argument(
+        "--eplb",
+        action="store_true",
+        help="also run each EP layout with EPLB (2 redundant experts, a rebalance every 2 forwards)",
+    )
 
 
 def _add_serve_parser(sub) -> None:
@@ -150,6 +171,9 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
+        enable_eplb=args.enable_eplb,
+        num_redundant_experts=args.num_redundant_experts,
+        eplb_config=args.eplb_config,
     )
 
 
@@ -160,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(parser, args)
     if args.command == "verify":
         return _verify(parser, args)
+    if args.command == "stats":
+        return stats_cli.main(args)
     from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
 
     llm = LLM(**_engine_kwargs(args, args.model))
@@ -177,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    load = llm.expert_load() if llm.is_moe else None  # a collective: every rank asks
     if llm.is_replica_leader():
         _print(outs, args, pc, elapsed, llm)
+    if load is not None and pc.rank == 0:
+        print(stats_cli.summary(load), file=sys.stderr if args.json else sys.stdout)
+        if args.expert_stats:
+            stats_cli.write_json(load, args.expert_stats)
+    sys.stdout.flush()
     return 0
 
 
@@ -201,6 +233,7 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         dtype=args.dtype,
+        eplb=args.eplb,
     )
     if torchrun_env() is not None:
         if args.world is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from expertmesh.config import EPLBConfig
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
 from expertmesh.engine import offline
@@ -35,6 +36,9 @@ class LLM:
         enable_expert_parallel: bool = False,
         all2all_backend: str | None = None,
         expert_placement: str = "contiguous",
+        enable_eplb: bool = False,
+        num_redundant_experts: int | None = None,
+        eplb_config: dict | EPLBConfig | None = None,
         distributed_executor_backend: str | None = None,
         dtype: str | torch.dtype = "auto",
         seed: int = 0,
@@ -109,6 +113,22 @@ class LLM:
         if self._executor is not None:
             return self._executor.generate(prompts, params)
         return offline.generate(self.llm_engine, prompts, params, self._ids, use_tqdm)
+
+    @property
+    def is_moe(self) -> bool:
+        if self._executor is not None:
+            return self._executor.is_moe
+        return self.llm_engine.expert_load is not None
+
+    def expert_load(self) -> dict[str, Any]:
+        """Expert load statistics (engine/expert_load.py documents the dict): pairs routed to each
+        expert per MoE layer (cumulative and last step), pairs each EP rank computed, imbalance
+        (max / mean over EP ranks). The same on every rank; under torchrun every rank must call it."""
+        if self._executor is not None:
+            return self._executor.expert_load()
+        if self.llm_engine.expert_load is None:
+            raise ValueError(f"{self.llm_engine.config.model_config.architecture} has no MoE layers to count")
+        return self.llm_engine.expert_load.snapshot()
 
     def all2all_stats(self, per_layer: bool = False) -> dict[str, Any]:
         """Bytes the MoE token exchange sent and received on this rank: totals over all MoE

@@ -45,6 +45,10 @@ def _get(key: str) -> Callable[[dict[str, Any]], Any]:
     return lambda snap: snap.get(key, 0)
 
 
+def _samples(key: str) -> Callable[[dict[str, Any]], dict]:
+    return lambda snap: snap.get(key, {})
+
+
 def _kv_usage(snap: dict[str, Any]) -> list[float]:
     return [
         used / total if total else 0.0 for used, total in zip(snap["kv_blocks_used"], snap["kv_blocks_total"])
@@ -71,6 +75,16 @@ ENGINE_METRICS: list[EngineMetric] = [
                  _get("all2all_bytes_sent_total")),
     EngineMetric("expertmesh:all2all_bytes_received", "counter",
                  "Bytes the MoE token exchange received (all ranks).", _get("all2all_bytes_received_total")),
+    # Expert load (engine/expert_load.py), refreshed every GAUGE_EVERY forwards.
+    EngineMetric("expertmesh:expert_load_pairs", "gauge",
+                 "(token, expert) pairs routed to each expert since start.",
+                 _samples("expert_load_pairs"), ("layer", "expert")),
+    EngineMetric("expertmesh:expert_ep_rank_pairs", "gauge",
+                 "(token, expert) pairs each EP rank computed since start.",
+                 _samples("expert_ep_rank_pairs"), ("layer", "ep_rank")),
+    EngineMetric("expertmesh:expert_load_imbalance", "gauge",
+                 "Max over mean of the EP ranks' pairs, per MoE layer.",
+                 _samples("expert_load_imbalance"), ("layer",)),
 ]  # fmt: skip
 
 

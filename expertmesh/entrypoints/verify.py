@@ -6,6 +6,9 @@ allow, each rank generating greedily for its DP replica's share of the prompts (
 last replica gets fewer), and compares every rank's tokens with one process. Prints a table
 (layout, backend, ranks agreeing, the first differing token where one differs, bytes the MoE
 exchange moved, tok/s) and exits 1 on any disagreement; `--json` prints the rows for scripts.
+`--eplb` adds, for every EP layout with more than one EP rank, the same layout with EPLB: two
+redundant experts and an online rebalance every two forwards, so expert weights move between
+ranks during the run and the tokens must still equal one process.
 
     expertmesh verify --world 4 --model <dir>
     torchrun --nproc-per-node=4 -m expertmesh.entrypoints.cli verify --model <dir>
@@ -26,6 +29,7 @@ from expertmesh.hf_config import load_hf_config
 from expertmesh.logger import setup_logging
 
 BACKENDS_WITH_DP = ("naive", "allgather_reducescatter")
+EPLB_REDUNDANT = 2
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,23 @@ class Case:
     tp: int
     ep: bool
     backend: str
+    eplb: bool = False
 
     @property
     def label(self) -> str:
-        return f"DP{self.dp} PP{self.pp} TP{self.tp}" + (" EP" if self.ep else "")
+        return (
+            f"DP{self.dp} PP{self.pp} TP{self.tp}"
+            + (" EP" if self.ep else "")
+            + (" EPLB" if self.eplb else "")
+        )
+
+    def eplb_kwargs(self) -> dict:
+        """LLM keywords of the EPLB variant: two redundant experts, a rebalance every 2 forwards."""
+        if not self.eplb:
+            return {}
+        return dict(
+            enable_eplb=True, eplb_config={"num_redundant_experts": EPLB_REDUNDANT, "step_interval": 2}
+        )
 
 
 def factorizations(world: int) -> list[tuple[int, int, int]]:
@@ -72,19 +89,22 @@ def does_not_fit(case: Case, mc: ModelConfig) -> str | None:
         return f"{mc.num_experts} experts over EP {shards if case.dp > 1 else tp}"
     if mc.shared_expert_intermediate_size % tp:
         return f"shared expert {mc.shared_expert_intermediate_size} over TP {tp}"
+    if case.eplb and shards < 2:
+        return "EPLB over a single EP rank"
     return None
 
 
-def cases_for(world: int, mc: ModelConfig) -> tuple[list[Case], list[tuple[Case, str]]]:
-    """(layouts to run, layouts left out with the reason)."""
+def cases_for(world: int, mc: ModelConfig, eplb: bool = False) -> tuple[list[Case], list[tuple[Case, str]]]:
+    """(layouts to run, layouts left out with the reason); `eplb`: each EP layout also with EPLB."""
     run, skipped = [], []
     for dp, pp, tp in factorizations(world):
         for ep in (False, True) if mc.is_moe else (False,):
             names = (BACKENDS_WITH_DP + (("alltoall",) if ep else ())) if dp > 1 else BACKENDS_WITH_DP[1:]
             for backend in names:
-                case = Case(dp, pp, tp, ep, backend)
-                reason = does_not_fit(case, mc)
-                (skipped.append((case, reason)) if reason else run.append(case))
+                for balanced in (False, True) if ep and eplb else (False,):
+                    case = Case(dp, pp, tp, ep, backend, balanced)
+                    reason = does_not_fit(case, mc)
+                    (skipped.append((case, reason)) if reason else run.append(case))
     return run, skipped
 
 
@@ -136,6 +156,7 @@ def run_cases(rank: int, world: int, spec: dict, cases: list[Case], setup: Calla
             enable_expert_parallel=case.ep,
             all2all_backend=case.backend,
             distributed_executor_backend="external_launcher",
+            **case.eplb_kwargs(),
             **_engine_kwargs(spec),
         )
         dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
@@ -192,7 +213,7 @@ def compare(cases: list[Case], per_rank: list[list[tuple]], expected: list[list[
     return rows
 
 
-COLUMNS = (("layout", 16), ("backend", 24), ("ranks agreeing", 15), ("first difference", 40))
+COLUMNS = (("layout", 20), ("backend", 24), ("ranks agreeing", 15), ("first difference", 40))
 
 
 def table(rows: list[dict], skipped: list[tuple[Case, str]]) -> str:
@@ -231,6 +252,7 @@ def verify(
     dtype: str = "auto",
     setup: Callable | None = None,
     timeout: float = 900.0,
+    eplb: bool = False,
 ) -> tuple[list[dict], list[tuple[Case, str]]]:
     """Self-spawned world of `world` ranks; `setup` (importable) runs first in every rank, which
     is how tests break a layout on purpose."""
@@ -243,7 +265,7 @@ def verify(
         "model": model_dir, "prompts": default_prompts(mc.vocab_size), "max_tokens": max_tokens,
         "max_model_len": max_model_len, "kv_cache_memory_bytes": kv_cache_memory_bytes, "dtype": dtype,
     }  # fmt: skip
-    cases, skipped = cases_for(world, mc)
+    cases, skipped = cases_for(world, mc, eplb)
     expected = reference_tokens(spec)
     per_rank = run_spmd(run_cases, world, spec, cases, setup, timeout=timeout) if cases else []
     return compare(cases, per_rank, expected), skipped
@@ -256,6 +278,7 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     from expertmesh.distributed.launcher import torchrun_env
     from expertmesh.model_source import resolve_model
 
+    eplb = kw.pop("eplb", False)
     env = torchrun_env()
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if not dist.is_initialized():
@@ -263,7 +286,7 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     model_dir = resolve_model(model, None)
     mc = ModelConfig.from_hf(load_hf_config(model_dir), kw.get("dtype", "auto"))
     spec = {"model": model_dir, "prompts": default_prompts(mc.vocab_size), **kw}
-    cases, skipped = cases_for(world, mc)
+    cases, skipped = cases_for(world, mc, eplb)
     results = run_cases(rank, world, spec, cases)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(results, gathered, dst=0)

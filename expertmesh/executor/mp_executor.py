@@ -112,6 +112,17 @@ class MPExecutor:
                 outputs[i] = out
         return outputs  # type: ignore[return-value]
 
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.ready_info[0].get("moe"))
+
+    def expert_load(self) -> dict[str, Any]:
+        """The workers' expert load statistics (every rank computes them together; rank 0's)."""
+        self._check_open()
+        for rank in range(self.world_size):
+            self._send(rank, ("expert_load",))
+        return self._wait_for("expert_load")[0]
+
     def step(self, adds: list[tuple], aborts: list[str]) -> dict[int, Any]:
         """One engine step on every rank (lockstep needs all of them); each rank's StepResult.
 

@@ -56,7 +56,8 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
         # A watchdog that ends this rank tells the parent why first.
         watchdog.current().on_fire.append(lambda message: send(conn, ("error", message)))
         stepper = EngineStepper(engine)
-        send(conn, ("ready", {"limits": engine.prompt_limits(), "stats": stepper.rank_stats()}))
+        ready = {"limits": engine.prompt_limits(), "stats": stepper.rank_stats()}
+        send(conn, ("ready", {**ready, "moe": engine.expert_load is not None}))
         _serve_calls(engine, stepper, conn)
     except (EOFError, OSError):
         pass  # the parent is gone: nothing to report to
@@ -98,6 +99,9 @@ def _serve_calls(engine: LLMEngine, stepper: EngineStepper, conn: Connection) ->
             continue
         if message[0] == "abort":
             continue  # it came after its call had finished anyway
+        if message[0] == "expert_load":  # a collective: every rank got the message
+            send(conn, ("expert_load", engine.expert_load.snapshot()))
+            continue
         _, prompts, params = message
         try:
             outputs = offline.generate(engine, prompts, params, ids)

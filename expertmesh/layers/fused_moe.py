@@ -39,6 +39,7 @@ class FusedExperts(nn.Module):
         dtype=torch.float32,
         bias: bool = False,
         weight_on_input: bool = False,
+        slot_map: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if intermediate % shard_size:
@@ -47,7 +48,9 @@ class FusedExperts(nn.Module):
                 "that split it; choose a parallel layout whose expert shard count divides it"
             )
         self.num_experts, self.expert_ids = num_experts, list(expert_ids)
-        self.all_local = self.expert_ids == list(range(num_experts))
+        # slot_map [P]: physical expert slot (what routing hands us) -> local slot, -1 elsewhere;
+        # by default slot = expert id. With EPLB replicas, several slots hold one expert.
+        self.all_local = slot_map is None and self.expert_ids == list(range(num_experts))
         self.act = GatedActivation(act) if isinstance(act, str) else act  # [.., 2I] -> [.., I]
         self.act_name = self.act.kernel_name  # None: the fused kernel does not compute it
         self.weight_on_input = weight_on_input
@@ -60,7 +63,7 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(e, hidden, self.inter, dtype=dtype), requires_grad=False
         )  # [E,H,I]
-        local = local_slot_map(num_experts, self.expert_ids)
+        local = local_slot_map(num_experts, self.expert_ids) if slot_map is None else slot_map.clone()
         self.register_buffer("local_index", local, persistent=False)  # global expert -> local slot or -1
         set_loader(self.w13, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})
         set_loader(self.w2, self._load_w2, {(x, None) for x in self.expert_ids})
@@ -73,6 +76,26 @@ class FusedExperts(nn.Module):
 
     def owns(self, expert: int) -> bool:
         return expert in self.expert_ids
+
+    def set_slots(self, expert_ids: list[int], slot_map: torch.Tensor) -> None:
+        """After EPLB moved weights: local slot i now holds logical expert `expert_ids[i]`."""
+        if len(expert_ids) != len(self.expert_ids) or slot_map.shape != self.local_index.shape:
+            raise ValueError("a rebalance keeps each rank's slot count and the physical slot count")
+        self.expert_ids = list(expert_ids)
+        self.local_index.copy_(slot_map)
+        self.all_local = False
+
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        """Views of local slot `slot`'s weights as stored now (dense, packed panels, biases): what
+        EPLB copies between ranks, whatever the format; same shapes and dtypes for every slot."""
+        if self.fused is not None:
+            out = [self.fused[1][slot], self.fused[2][slot]]
+        elif self.packed is not None:
+            out = [self.packed[slot][0].data, self.packed[slot][1].data]
+        else:
+            out = [self.w13.data[slot], self.w2.data[slot]]
+        biases = (self.w13_bias, self.w2_bias) if self.w13_bias is not None else ()
+        return out + [b.data[slot] for b in biases]
 
     def _load_w13(self, param: nn.Parameter, src: Any, shard_id: tuple[int, int]) -> None:
         """Weights [I, H] and biases [I]: this shard's rows of the gate (0) or up (1) part."""

@@ -4,6 +4,12 @@ The plan (distributed/moe_plan.py) decides once which ranks hold which weight sl
 which group tokens are exchanged, and how partial sums are reduced. This block only follows it:
 gather across exactly the ranks holding different tokens, sum exactly once across exactly the
 ranks holding different weight shards.
+
+Experts live in physical slots (an ``ExpertPlacement`` from the plan): routing picks logical
+experts, ``to_slots`` turns each (token, expert) pair into one slot holding that expert (with
+EPLB replicas: the token's index in the dispatch group modulo the expert's replica count, the
+same answer on every rank), and the exchange and the experts work on slots. ``load`` (when the engine's
+ExpertLoad attached one) counts the pairs per slot with one index_add, no host sync.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config import ModelConfig
+from expertmesh.distributed.moe_plan import ExpertPlacement
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
 from expertmesh.layers.fused_moe import FusedExperts
@@ -48,10 +55,15 @@ class MoE(nn.Module):
         plan: Any,
         groups: Any,
         dispatcher: Any,
-        placement: str = "contiguous",
+        placement: str | ExpertPlacement = "contiguous",
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         self.plan, self.tp, self.dispatcher = plan, groups.tp, dispatcher
+        self.layer_index, self.ep_group = layer_index, groups.ep if plan.expert_parallel else None
+        if isinstance(placement, str):
+            placement = plan.expert_placement(cfg.num_experts, placement)
+        self.load: torch.Tensor | None = None  # [P] int64 pairs per slot, attached by ExpertLoad
         self.top_k, self.router_name = cfg.top_k, spec.router
         params = dict(
             renormalize=cfg.norm_topk_prob, jitter_eps=cfg.router_jitter_noise, n_group=cfg.n_group,
@@ -67,9 +79,10 @@ class MoE(nn.Module):
         inter_rank, inter_size = (
             (0, 1) if plan.expert_parallel else (plan.weight_shard_rank, plan.weight_shard_size)
         )
+        rank = plan.ep_rank
         self.experts = FusedExperts(
             cfg.num_experts,
-            plan.local_experts(cfg.num_experts, placement),
+            placement.local_experts(rank),
             cfg.hidden_size,
             cfg.moe_intermediate_size,
             inter_rank,
@@ -78,7 +91,9 @@ class MoE(nn.Module):
             cfg.dtype,
             bias=spec.expert_bias,
             weight_on_input=spec.weights_input and not self.prescale,
+            slot_map=None if placement.is_identity else placement.slot_map(rank),
         )
+        self._set_placement(placement)
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert is not None and spec.shared_width:
             lookup(dict.fromkeys(SHARED_EXPERTS), spec.shared_expert, "shared expert")
@@ -89,6 +104,43 @@ class MoE(nn.Module):
             if spec.shared_expert == "sigmoid_gated":
                 self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False, dtype=cfg.dtype)
 
+    def _set_placement(self, placement: ExpertPlacement) -> None:
+        """Routing tables for `placement`: each expert's slots ([E, max replicas], padded with its
+        first) and their number; none when slot e is expert e."""
+        self.placement = placement
+        self.replica_slots = self.replica_count = None
+        if not placement.is_identity:
+            reps = placement.replicas()
+            width = max(len(r) for r in reps)
+            self.replica_slots = torch.tensor([r + r[:1] * (width - len(r)) for r in reps], dtype=torch.int64)
+            self.replica_count = torch.tensor([len(r) for r in reps], dtype=torch.int64)
+        if self.dispatcher is not None:
+            self.dispatcher.set_expert_owner(torch.tensor(placement.slot_rank, dtype=torch.int64))
+
+    def to_slots(self, ids: torch.Tensor, first_token: int) -> torch.Tensor:
+        """[n, k] logical experts -> [n, k] physical slots: token i (counted from `first_token`,
+        this rank's offset in the dispatch group) takes replica i mod the expert's count."""
+        if self.replica_slots is None:
+            return ids
+        if self.replica_slots.device != ids.device:  # moved once, then reused
+            self.replica_slots = self.replica_slots.to(ids.device)
+            self.replica_count = self.replica_count.to(ids.device)
+        token = torch.arange(first_token, first_token + ids.shape[0], device=ids.device).unsqueeze(1)
+        return self.replica_slots[ids, token % self.replica_count[ids]]
+
+    def apply_placement(self, new: ExpertPlacement) -> int:
+        """EPLB between steps, on every rank of the EP group at once: move the expert weights to
+        `new` and route by it from the next step on. Returns the bytes this rank sent."""
+        from expertmesh.distributed.eplb import move_expert_weights
+
+        if self.ep_group is None:
+            raise ValueError("a rebalance needs expert parallelism")
+        rank = self.plan.ep_rank
+        sent = move_expert_weights(self.experts, self.placement, new, self.ep_group, rank)
+        self.experts.set_slots(new.local_experts(rank), new.slot_map(rank))
+        self._set_placement(new)
+        return sent
+
     def dispatch_sizes(self, ctx: ForwardContext) -> list[int]:
         if self.plan.sequence_parallel:
             return [size for n in ctx.dp_token_counts for size in self.plan.sp_sizes(n)]
@@ -98,9 +150,14 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [n, k] each
         if self.prescale:
             x, weights = x * weights.to(x.dtype), torch.ones_like(weights)
+        sizes = None if self.dispatcher is None else self.dispatch_sizes(ctx)
+        first = 0 if sizes is None else sum(sizes[: self.dispatcher.group.rank_in_group])
+        ids = self.to_slots(ids, first)
+        if self.load is not None and ctx.count_load:
+            flat = ids.flatten()
+            self.load.index_add_(0, flat, flat.new_ones(1).expand(flat.numel()))
         if self.dispatcher is None:
             return self.experts(x, ids, weights)
-        sizes = self.dispatch_sizes(ctx)
         x_all, ids_all, w_all = self.dispatcher.dispatch(x, ids, weights, sizes)
         return self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
 

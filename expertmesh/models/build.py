@@ -9,7 +9,7 @@ import torch
 from expertmesh.config import ModelConfig
 from expertmesh.distributed.all2all import All2AllBackend, make_all2all
 from expertmesh.distributed.group import ParallelGroups
-from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
+from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan, expert_owners
 from expertmesh.layers import cpu_kernels
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
@@ -43,6 +43,19 @@ class ModelEnv:
     expert_placement: str = "contiguous"
     poison_recv: bool = False
     dispatchers: list[All2AllBackend] = field(default_factory=list)
+    num_redundant_experts: int = 0  # EPLB: physical expert slots beyond the logical experts
+    initial_load: dict[int, list[int]] | None = None  # EPLB: measured load per layer, per expert
+
+    def placement_for(self, layer: int, num_experts: int) -> ExpertPlacement:
+        """Where layer `layer`'s experts start: the plan's placement, balanced for EPLB."""
+        load = None if self.initial_load is None else self.initial_load.get(layer)
+        if self.initial_load is not None and load is None:
+            raise ValueError(f"the EPLB load file has no counts for MoE layer {layer}")
+        if load is not None and len(load) != num_experts:
+            raise ValueError(f"EPLB load for layer {layer} has {len(load)} experts, the model {num_experts}")
+        return self.moe_plan.expert_placement(
+            num_experts, self.expert_placement, self.num_redundant_experts, load
+        )
 
     @property
     def is_first_stage(self) -> bool:

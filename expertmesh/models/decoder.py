@@ -130,7 +130,8 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
             dispatcher = env.make_dispatcher(cfg.num_experts)
-            mlp = MoE(cfg, moe_spec(cfg, family), env.moe_plan, env.groups, dispatcher, env.expert_placement)
+            placement = env.placement_for(index, cfg.num_experts)
+            mlp = MoE(cfg, moe_spec(cfg, family), env.moe_plan, env.groups, dispatcher, placement, index)
         else:
             mlp = GatedMLP(
                 cfg.hidden_size, cfg.dense_intermediate_size, cfg.hidden_act, env.groups.tp, dtype=cfg.dtype

@@ -1,0 +1,135 @@
+"""Expert-parallel load balancing (EPLB): a placement from measured load, and moving the weights.
+
+vLLM's terms: E logical experts, ``num_redundant_experts`` R extra physical slots holding
+replicas of the hottest ones, E + R physical slots over the EP ranks (``moe_plan.slots_per_rank``).
+
+``balanced_placement`` (deterministic, so every rank computes the same one from the same counts):
+  1. replicas: R times, one more replica for the expert with the highest load per replica
+     (ties: the lower id), never more replicas than EP ranks;
+  2. packing: replicas in order of falling load per replica, each onto the EP rank with the least
+     load so far among those with a free slot that do not hold that expert yet (ties: lower rank).
+
+``move_expert_weights`` carries a layer from one placement to the next between steps: every rank
+of the EP group calls it with the same two placements (lockstep), each slot that changes expert
+receives it from the lowest rank that held it, over ``all_to_all_single`` per weight tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from expertmesh.distributed.moe_plan import ExpertPlacement, slots_per_rank
+
+
+def replica_counts(load: list[float], num_slots: int, ep_size: int) -> list[int]:
+    """Replicas of each logical expert: one each, then the extra slots to the hottest per replica."""
+    num_experts = len(load)
+    extra = num_slots - num_experts
+    if extra < 0 or extra > num_experts * (ep_size - 1):
+        raise ValueError(
+            f"num_redundant_experts={extra} must be between 0 and num_experts x (EP size - 1) = "
+            f"{num_experts * (ep_size - 1)}: no EP rank holds two copies of one expert"
+        )
+    counts = [1] * num_experts
+    for _ in range(extra):
+        best = max(
+            (e for e in range(num_experts) if counts[e] < ep_size), key=lambda e: (load[e] / counts[e], -e)
+        )
+        counts[best] += 1
+    return counts
+
+
+def balanced_placement(load: list[float], ep_size: int, num_slots: int) -> ExpertPlacement:
+    """The placement of E = len(load) experts in `num_slots` slots that evens the load per EP rank."""
+    num_experts = len(load)
+    if num_slots < ep_size:
+        raise ValueError(f"{num_slots} expert slots cannot fill {ep_size} EP ranks (each needs one)")
+    if any(v < 0 for v in load):
+        raise ValueError(f"expert load must be >= 0, got {list(load)}")
+    counts = replica_counts([float(v) for v in load], num_slots, ep_size)
+    capacity = slots_per_rank(num_slots, ep_size)
+    items = sorted(
+        ((load[e] / counts[e], e) for e in range(num_experts) for _ in range(counts[e])),
+        key=lambda it: (-it[0], it[1]),
+    )
+    held: list[list[int]] = [[] for _ in range(ep_size)]
+    rank_load = [0.0] * ep_size
+    for share, e in items:
+        free = [r for r in range(ep_size) if len(held[r]) < capacity[r] and e not in held[r]]
+        if not free:
+            free = [_make_room(held, capacity, e)]
+        rank = min(free, key=lambda r: (rank_load[r], r))
+        held[rank].append(e)
+        rank_load[rank] += share
+    return ExpertPlacement(tuple(e for mine in held for e in sorted(mine)), num_experts, ep_size)
+
+
+def _make_room(held: list[list[int]], capacity: list[int], e: int) -> int:
+    """Every rank with a free slot already holds `e`: move one of another rank's experts into that
+    free slot, freeing a place for `e` there. Returns the rank that now has room."""
+    for q in range(len(held)):
+        if len(held[q]) >= capacity[q]:
+            continue
+        for p in range(len(held)):
+            if e in held[p]:
+                continue
+            for f in held[p]:
+                if f not in held[q]:
+                    held[p].remove(f)
+                    held[q].append(f)
+                    return p
+    raise RuntimeError(f"no placement keeps expert {e}'s replicas on distinct EP ranks")  # not reachable
+
+
+def move_expert_weights(
+    experts: Any, old: ExpertPlacement, new: ExpertPlacement, group: Any, ep_rank: int
+) -> int:
+    """Fill this rank's slots for `new` from wherever `old` had each expert; returns bytes sent.
+
+    `experts` exposes ``slot_tensors(i) -> list[Tensor]`` (views of local slot i's storage, the
+    same shapes and dtypes in every slot), whatever the weight format. Every rank of the EP group
+    (`group`, ``rank_in_group == ep_rank``) must call this with the same placements.
+    """
+    if old.num_slots != new.num_slots or old.ep_size != new.ep_size:
+        raise ValueError("a rebalance keeps the slots: old and new placements differ in shape")
+    plan = _transfers(old, new)  # (src rank, src local slot, dst rank, dst local slot)
+    outgoing = [t for t in plan if t[0] == ep_rank]
+    incoming = [t for t in plan if t[2] == ep_rank]
+    W = new.ep_size
+    send_splits = [sum(1 for t in outgoing if t[2] == r) for r in range(W)]
+    recv_splits = [sum(1 for t in incoming if t[0] == r) for r in range(W)]
+    # Outgoing sorted by destination, incoming by source: the order all_to_all_single keeps.
+    outgoing.sort(key=lambda t: (t[2], t[3]))
+    incoming.sort(key=lambda t: (t[0], t[3]))
+    sent = 0
+    for j in range(len(experts.slot_tensors(0))):  # every rank has >= 1 slot
+        like = experts.slot_tensors(0)[j]
+        # Copies first: a slot may be both a source and a destination.
+        rows = [experts.slot_tensors(t[1])[j] for t in outgoing]
+        send = torch.stack(rows) if rows else like.new_empty((0, *like.shape))
+        recv = group.all_to_all_single(send, recv_splits, send_splits) if W > 1 else send
+        for row, t in enumerate(incoming):
+            experts.slot_tensors(t[3])[j].copy_(recv[row])
+        sent += (sum(send_splits) - send_splits[ep_rank]) * like.numel() * like.element_size()
+    return sent
+
+
+def _transfers(old: ExpertPlacement, new: ExpertPlacement) -> list[tuple[int, int, int, int]]:
+    """For each slot whose expert changes (or moves in), where it comes from: the lowest rank that
+    held it under `old` (the destination itself when it already had it, a local copy)."""
+    old_rank = old.slot_rank
+    out = []
+    for rank in range(new.ep_size):
+        before = old.local_experts(rank)
+        for i, e in enumerate(new.local_experts(rank)):
+            if i < len(before) and before[i] == e:
+                continue  # already in place
+            if e in before:
+                out.append((rank, before.index(e), rank, i))
+                continue
+            src_slot = min(s for s, x in enumerate(old.slot_expert) if x == e)
+            src = old_rank[src_slot]
+            out.append((src, old.local_slots(src).index(src_slot), rank, i))
+    return out
