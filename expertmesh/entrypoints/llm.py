@@ -65,6 +65,7 @@ class LLM:
         debug_nan_recv_buffers: bool = False,
         distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S,
         allow_nonfinite_weights: bool = False,
+        quantization: str | None = None,
     ) -> None:
         self._executor = None
         if not isinstance(distributed_timeout_seconds, (int, float)) or not distributed_timeout_seconds > 0:
@@ -89,7 +90,7 @@ class LLM:
         )
         model_dir = resolve_model(model, revision)
         model_config = ModelConfig.from_hf(
-            AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code), dtype
+            AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code), dtype, quantization
         )
         check_model_fits(model_config, parallel)  # before any process group or weight
         placement = place_process(parallel, device, distributed_timeout_seconds)
@@ -234,7 +235,7 @@ def _start_mp_executor(kwargs: dict[str, Any]):
         kwargs["expert_placement"],
     )
     hf = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs["trust_remote_code"])
-    check_model_fits(ModelConfig.from_hf(hf, kwargs["dtype"]), parallel)
+    check_model_fits(ModelConfig.from_hf(hf, kwargs["dtype"], kwargs.get("quantization")), parallel)
     return MPExecutor(kwargs)
 
 

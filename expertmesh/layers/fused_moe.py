@@ -23,6 +23,7 @@ from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm
 from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -159,6 +160,35 @@ class FusedExperts(nn.Module):
             self.packed = pairs
             cpu_gemm.release(self.w13)
             cpu_gemm.release(self.w2)
+
+    quantizable = True
+
+    def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
+        """Online weight-only quantization, one expert at a time (the dense and the compressed copy
+        of one expert coexist, never two dense copies). With our kernel and plain gated experts the
+        block runs in one call of moe_q; otherwise each expert's pair runs on the per-expert path."""
+        if not self.expert_ids:
+            return
+        shards = self.full_inter // self.inter
+        scheme.check_split(
+            f"the experts' down projection [{self.w2.shape[1]}, {self.inter}]", self.inter, shards
+        )
+        pairs = []
+        for e in range(len(self.expert_ids)):
+            pairs.append(
+                tuple(
+                    QuantizedWeight.quantize(w[e], scheme.kind, scheme.group_size, kernels)
+                    for w in (self.w13, self.w2)
+                )
+            )
+        cpu_gemm.release(self.w13)
+        cpu_gemm.release(self.w2)
+        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        if kernels is not None and plain and self.act_name in kernels.MOE_ACTIVATIONS:
+            stacks = [QuantizedExperts.stack([p[i] for p in pairs]) for i in (0, 1)]
+            self.fused = (QuantizedMoE(kernels), stacks[0], stacks[1], self.act_name)
+        else:
+            self.packed = pairs
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """[m, H] -> [m, H] float32: the down projection's product is not rounded."""

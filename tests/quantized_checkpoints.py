@@ -1,0 +1,148 @@
+"""Quantized copies of tiny checkpoints, written the way the published ones are, by code written
+here from the formats' descriptions (not by expertmesh's packer):
+
+- `to_fp8(src, dst, block)`: every 2-D `*_proj.weight` as e4m3 with a float32 `weight_scale_inv`
+  per (block[0] x block[1]) block (amax / 448; a last partial block covers the remainder), the
+  quantization_config DeepSeek-V3 publishes with that block size;
+- `to_mxfp4(src, dst)`: gpt-oss's fused expert weights as `*_blocks` (e2m1 nibbles, low first)
+  and `*_scales` (e8m0 per 32 inputs), with its published modules_to_not_convert;
+- `fake_quantized(src, dst, kind, group)`: the same checkpoint, unquantized, with each weight
+  expertmesh's online scheme would quantize replaced by its dequantized value (the reference the
+  int formats are compared with: the same weights dequantized to fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _rewrite(src: str, dst: str, convert, quantization_config: dict | None) -> None:
+    """Copy src to dst with every safetensors file's tensors passed through convert(key, t) -> dict."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    index = json.load(open(index_path)) if os.path.exists(index_path) else None
+    for name in sorted(os.listdir(dst)):
+        if not name.endswith(".safetensors"):
+            continue
+        out = {}
+        for key, t in load_file(os.path.join(dst, name)).items():
+            for new_key, new in convert(key, t).items():
+                out[new_key] = new.contiguous()
+                if index is not None:
+                    index["weight_map"].pop(key, None)
+                    index["weight_map"][new_key] = name
+        save_file(out, os.path.join(dst, name), metadata={"format": "pt"})
+    if index is not None:
+        json.dump(index, open(index_path, "w"))
+    config_path = os.path.join(dst, "config.json")
+    config = json.load(open(config_path))
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    json.dump(config, open(config_path, "w"), indent=1)
+
+
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[O, I] float -> (e4m3 weight, float32 scales [ceil(O / bo), ceil(I / bi)])."""
+    (o, i), (bo, bi) = w.shape, block
+    go, gi = -(-o // bo), -(-i // bi)
+    padded = torch.zeros(go * bo, gi * bi)
+    padded[:o, :i] = w.float()
+    scale = (padded.view(go, bo, gi, bi).abs().amax((1, 3)) / 448).clamp(min=1e-12)
+    full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def to_fp8(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith("_proj.weight") and t.dim() == 2:
+            q, s = fp8_blocks(t, block)
+            return {key: q, key + "_scale_inv": s}
+        return {key: t}
+
+    config = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    _rewrite(src, dst, convert, config)
+    return dst
+
+
+def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., R, C] float (C a multiple of 32) -> (blocks [..., R, C / 32, 16] uint8, scales
+    [..., R, C / 32])."""
+    g = w.float().unflatten(-1, (-1, 32))  # [..., R, G, 32]
+    amax = g.abs().amax(-1).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # e2m1's largest value is 6
+    scaled = g / torch.exp2(exp)[..., None]
+    codes = (scaled[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)  # nearest e2m1 value
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def to_mxfp4(src: str, dst: str) -> str:
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # stored [E, in, out]
+            blocks, scales = mxfp4_blocks(t.transpose(1, 2))
+            return {key + "_blocks": blocks, key + "_scales": scales}
+        return {key: t}
+
+    config = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    _rewrite(src, dst, convert, config)
+    return dst
+
+
+def fake_quantize(w: torch.Tensor, kind: str, group: int) -> torch.Tensor:
+    """[O, I] -> its dequantized value under expertmesh's online scheme `kind`, written from the
+    scheme's description (layers/quantization/online.py): int8 symmetric per channel (amax / 127),
+    int4 asymmetric per `group` inputs ((max - min) / 15 and a rounded zero point), fp8 e4m3 per
+    channel (amax / 448)."""
+    o, i = w.shape
+    group = group or i
+    out = torch.empty(o, i)
+    for g0 in range(0, i, group):
+        x = w[:, g0 : g0 + group].float()
+        if kind == "int4":
+            mn, mx = x.amin(1, keepdim=True).clamp(max=0), x.amax(1, keepdim=True).clamp(min=0)
+            s = torch.where(mx > mn, (mx - mn) / 15, torch.ones_like(mx))
+            z = torch.round(-mn / s).clamp(0, 15)
+            out[:, g0 : g0 + group] = ((torch.round(x / s) + z).clamp(0, 15) - z) * s
+        else:
+            top = 127.0 if kind == "int8" else 448.0
+            amax = x.abs().amax(1, keepdim=True)
+            s = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+            if kind == "int8":
+                out[:, g0 : g0 + group] = torch.round(x / s).clamp(-127, 127) * s
+            else:
+                out[:, g0 : g0 + group] = (x / s).to(torch.float8_e4m3fn).float() * s
+    return out
+
+
+def fake_quantized(src: str, dst: str, kind: str, group: int, quantized) -> str:
+    """dst: src with each tensor for which quantized(key, t) holds replaced by its dequantized value
+    (fused 3-D expert tensors per expert, as [out, in])."""
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if not quantized(key, t):
+            return {key: t}
+        return {key: fake_quantize(t, kind, group).to(t.dtype)}
+
+    _rewrite(src, dst, convert, None)
+    return dst
