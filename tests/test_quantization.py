@@ -11,6 +11,7 @@ two roundings), and the test then stops comparing that prompt.
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -274,3 +275,59 @@ def test_a_split_that_cuts_a_quantization_group_names_the_sizes():
     OnlineScheme.parse("int8-g32").check_split("o_proj", 32, 2)  # whole groups: fine
     with pytest.raises(ValueError, match=r"one scale per output channel"):
         OnlineScheme.parse("int4-ch").check_split("down", 16, 2)
+
+
+# ---- parallel layouts on quantized weights ---------------------------------------------------------
+LAYOUTS = [(2, False), (2, True)]  # (TP, expert parallel) over 2 ranks
+
+
+def _layouts_main(rank, world, path, quantization, prompts):
+    out = []
+    for tp, ep in LAYOUTS:
+        llm = LLM(
+            path, tensor_parallel_size=tp, enable_expert_parallel=ep, quantization=quantization,
+            distributed_executor_backend="external_launcher", max_model_len=128,
+            kv_cache_memory_bytes=1 << 22,
+        )  # fmt: skip
+        out.append(((tp, ep), _greedy(llm, prompts)))
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["int8-g16", "int4-g16", "fp8-checkpoint"])
+def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoint, tmp_path, case):
+    """Groups of 16 keep whole groups on each rank of a split input dim (TP 2 halves the experts'
+    32-wide intermediate); the fp8 checkpoint's 128 x 128 blocks are cut by every TP slice."""
+    from distributed_utils import run_distributed
+
+    path, quantization = _qwen3(real_checkpoint), case
+    if case == "fp8-checkpoint":
+        path, quantization = to_fp8(path, str(tmp_path / "fp8"), (128, 128)), None
+    prompts = prompts_of_lengths([3, 17, 1, 40], seed=6)
+    expected = _greedy(
+        LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22), prompts
+    )
+    for rank, results in enumerate(
+        run_distributed(_layouts_main, 2, path, quantization, prompts, timeout=220)
+    ):
+        for layout, tokens in results:
+            assert tokens == expected, f"{case}: rank {rank}, (TP, EP)={layout}"
+
+
+def _cut_group_main(rank, world, path):
+    try:
+        LLM(path, tensor_parallel_size=2, quantization="int8",
+            distributed_executor_backend="external_launcher", max_model_len=32,
+            kv_cache_memory_bytes=1 << 20)  # fmt: skip
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_tp2_with_groups_a_rank_would_cut_is_an_error_naming_the_sizes(real_checkpoint):
+    from distributed_utils import run_distributed
+
+    for message in run_distributed(_cut_group_main, 2, _qwen3(real_checkpoint), timeout=60):
+        assert message is not None and re.search(
+            r"splits its input dim \d+ over 2 ranks, \d+ a rank", message
+        )
