@@ -792,6 +792,9 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
  * W[o, i] = code(o, i) * s + m (int8 symmetric: m = 0; int4: m = -zero * s). The weight vector is
  * rebuilt in registers with one FMA and used for every row of the tile; x and y are float32. */
 #define QMR 4
+/* From this many rows in a work item the panel group is dequantized into a float32 buffer first
+ * (its decode then costs once per group instead of once per QMR rows). */
+#define Q_PANEL_ROWS 8
 
 #if LANES == 8 && defined(__AVX2__)
 static inline vf q_decode0(const uint8_t* p) { /* int8 */
@@ -837,20 +840,23 @@ static void q_init(void) {
   done = 1;
 }
 
-#if LANES == 8 && defined(__AVX2__)
-static inline vf q_decode2(const uint8_t* p) { /* fp8 e4m3 by lookup */
-  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  return (vf)_mm256_i32gather_ps(fp8_lut, idx, 4);
-}
-#else
+/* fp8 e4m3 without a gather (slow on Zen 3): the sign to bit 31 and exponent + mantissa to bits
+ * 20..26 make the float32 2^-120 * value, subnormals included (e = 0 maps onto float32
+ * subnormals, exact); the 2^120 is one multiply. Code 0x7f / 0xff (NaN) is never written. */
 static inline vf q_decode2(const uint8_t* p) {
+#if LANES == 8 && defined(__AVX2__)
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  const __m256i rest = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
+  return (vf)_mm256_or_si256(sign, rest) * 0x1p120f;
+#else
   float t[LANES];
   for (int l = 0; l < LANES; l++) t[l] = fp8_lut[p[l]];
   vf v;
   memcpy(&v, t, sizeof v);
   return v;
-}
 #endif
+}
 static inline vf q_decode3(const uint8_t* p) { /* fp4 e2m1 by lookup */
   float t[LANES];
   for (int l = 0; l < LANES; l++) t[l] = fp4_lut[(p[l >> 1] >> (4 * (l & 1))) & 15];
@@ -906,6 +912,24 @@ static inline vf q_decode3(const uint8_t* p) { /* fp4 e2m1 by lookup */
                           int64_t r1, const float* bias) {                                         \
     const int64_t P = (O + LANES - 1) / LANES, p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;        \
     const int64_t G = (I + gs - 1) / gs;                                                           \
+    if (r1 - r0 >= Q_PANEL_ROWS) { /* many rows: dequantize once, then float32 tiles from cache */   \
+      float* buf = (float*)malloc(sizeof(float) * (size_t)(NP * I * LANES));                       \
+      for (int64_t j = 0; j < np; j++)                                                             \
+        for (int64_t gg = 0; gg < G; gg++) {                                                       \
+          const vf s = load_panel_f32(sp + ((p0 + j) * G + gg) * LANES);                           \
+          const vf m = load_panel_f32(mp + ((p0 + j) * G + gg) * LANES);                           \
+          const int64_t i1 = (gg + 1) * gs < I ? (gg + 1) * gs : I;                                \
+          for (int64_t i = gg * gs; i < i1; i++) {                                                 \
+            const vf wv = q_decode##KIND(qp + ((p0 + j) * I + i) * Q_BYTES(KIND)) * s + m;         \
+            memcpy(buf + (j * I + i) * LANES, &wv, sizeof wv);                                     \
+          }                                                                                        \
+        }                                                                                          \
+      /* rows_f32 reads panel group g at wp + g * NP * I * LANES: point it so that lands on buf */ \
+      const float* wp = (const float*)((uintptr_t)buf - (uintptr_t)(p0 * I * LANES * sizeof(float))); \
+      rows_f32(x, I, wp, y, O, P, g, r0, r1, bias);                                                \
+      free(buf);                                                                                   \
+      return;                                                                                      \
+    }                                                                                              \
     int64_t r = r0;                                                                                \
     for (; r + QMR <= r1; r += QMR)                                                                \
       qtile##KIND(x + r * I, I, qp, sp, mp, G, gs, y + r * O, O, p0, np, QMR, bias);               \
