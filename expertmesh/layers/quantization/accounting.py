@@ -18,8 +18,12 @@ def resident_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     counts = {"quantized": 0, "dense": 0}
 
     def add(t: torch.Tensor, kind: str) -> None:
-        if t.numel() and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        if not t.numel():
+            return
+        # oneDNN's packed weights are opaque (no storage to point at): counted by identity
+        key = t.data_ptr() if t.layout == torch.strided else id(t)
+        if key not in seen:
+            seen.add(key)
             counts[kind] += _tensor_bytes(t)
 
     for module in model.modules():
