@@ -146,3 +146,29 @@ def fake_quantized(src: str, dst: str, kind: str, group: int, quantized) -> str:
 
     _rewrite(src, dst, convert, None)
     return dst
+
+
+def from_fp8(src: str, dst: str, block: tuple[int, int]) -> str:
+    """An fp8 checkpoint (to_fp8) dequantized back to float32 by the format's definition."""
+    files = [n for n in sorted(os.listdir(src)) if n.endswith(".safetensors")]
+    scales = {}
+    for name in files:
+        scales.update(
+            {k: t for k, t in load_file(os.path.join(src, name)).items() if k.endswith("_scale_inv")}
+        )
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith("_scale_inv"):
+            return {}
+        if t.dtype != torch.float8_e4m3fn:
+            return {key: t}
+        (o, i), (bo, bi) = t.shape, block
+        s = scales[key + "_scale_inv"].repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+        return {key: t.float() * s}
+
+    _rewrite(src, dst, convert, None)
+    config_path = os.path.join(dst, "config.json")
+    config = json.load(open(config_path))
+    config.pop("quantization_config")
+    json.dump(config, open(config_path, "w"), indent=1)
+    return dst

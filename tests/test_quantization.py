@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import one_thread, prompts_of_lengths
-from quantized_checkpoints import fake_quantized, fp8_blocks, to_fp8, to_mxfp4
+from quantized_checkpoints import fake_quantized, fp8_blocks, from_fp8, to_fp8, to_mxfp4
 from real_checkpoints import Sizes
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -217,6 +217,22 @@ def test_resident_bytes_per_quantized_weight(real_checkpoint, scheme, per_weight
     assert counts["total"] < dense_counts["total"] * (0.4 if scheme == "int8" else 0.25)
 
 
+def test_fp8_checkpoint_requantized_online_is_held_compressed(real_checkpoint, tmp_path, engine_log):
+    """quantization="fp8" over an fp8 checkpoint: dequantized at load, re-quantized to fp8 with a
+    scale per 128 inputs of a row (compressed); the same as quantizing its dequantized copy."""
+    fp8 = to_fp8(_qwen3(real_checkpoint), str(tmp_path / "fp8"), FP8_BLOCK)
+    plain = from_fp8(fp8, str(tmp_path / "plain"), FP8_BLOCK)
+    prompts = prompts_of_lengths(LENGTHS, seed=7)
+    runs = [
+        LLM(p, quantization="fp8", max_model_len=128, kv_cache_memory_bytes=1 << 22) for p in (fp8, plain)
+    ]
+    assert "then re-quantized: online fp8 weight-only (groups of 128), held compressed" in engine_log.text
+    assert _greedy(runs[0], prompts) == _greedy(runs[1], prompts)
+    counts = log_weight_bytes(runs[0].llm_engine.runner.model, runs[0].llm_engine.runner.model.cfg)
+    as_float32 = counts["dense"] + counts["quantized"] * 4 / (1 + 8 / 128)  # the same model unquantized
+    assert counts["quantized"] > 0 and counts["total"] < 0.5 * as_float32
+
+
 # ---- errors ----------------------------------------------------------------------------------------
 def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoint, tmp_path):
     path = tmp_path / "q"
@@ -238,7 +254,7 @@ def test_online_scheme_errors_name_the_bad_value(real_checkpoint, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"quantization='int8' was asked for, but the checkpoint is already quantized "
-        r"\(quant_method='fp8'\)",
+        r"\(quant_method='fp8'\); pass quantization=None \(dequantized at load\) or 'fp8'",
     ):
         LLM(fp8, quantization="int8", max_model_len=32, kv_cache_memory_bytes=1 << 20)
 

@@ -73,7 +73,7 @@ def load_weights(
 def _view(model: Any, handles: dict) -> CheckpointView:
     """The checkpoint through its weight format (layers/quantization): logical tensors only."""
     fmt = model.cfg.quantization
-    if fmt is None or fmt.online:
+    if not hasattr(fmt, "view"):  # unquantized, or quantized online after loading
         return CheckpointView(handles)
     log.info("weights: %s", fmt.describe())
     try:

@@ -1,13 +1,15 @@
 """Weight formats as plain dicts: a checkpoint's `quantization_config` -> the format that reads
 it, and `LLM(quantization=...)` -> the online scheme that quantizes an unquantized checkpoint.
 
-Every lookup fails with the unknown name and the known ones. A checkpoint's own format wins
-over an online request only when they name the same method (vLLM's rule); otherwise it is an
-error naming both.
+Every lookup fails with the unknown name and the known ones. An online request over a quantized
+checkpoint must name the checkpoint's own method (otherwise an error naming both): the weights are
+then dequantized at load and re-quantized to that scheme, held compressed (one more rounding:
+`Requantized`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from expertmesh.layers.quantization.fp8 import Fp8Format
@@ -18,6 +20,37 @@ from expertmesh.layers.quantization.online import OnlineScheme
 CHECKPOINT_FORMATS: dict[str, Any] = {"fp8": Fp8Format, "mxfp4": Mxfp4Format}
 # Not read yet (issue 14's later items); named in the error so a user sees where they stand.
 PLANNED = ("awq", "compressed-tensors", "gptq")
+
+
+@dataclass(frozen=True)
+class Requantized:
+    """A quantized checkpoint read through its format, then re-quantized online (LLM(quantization=
+    its method)): e.g. DeepSeek-V3's fp8 blocks held as fp8 with a scale per 128 inputs of a row."""
+
+    checkpoint: Any
+    scheme: OnlineScheme
+    online: bool = True
+
+    @property
+    def method(self) -> str:
+        return self.checkpoint.method
+
+    @property
+    def kind(self) -> str:
+        return self.scheme.kind
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
+
+    def view(self, handles: dict[str, Any]) -> Any:
+        return self.checkpoint.view(handles)
+
+    def check_split(self, what: str, local_in: int, shards: int) -> None:
+        self.scheme.check_split(what, local_in, shards)
+
+    def describe(self) -> str:
+        return f"{self.checkpoint.describe()}, then re-quantized: {self.scheme.describe()}"
 
 
 def _as_dict(quant: Any) -> dict:
@@ -48,10 +81,11 @@ def resolve(quant: Any, online: str | None) -> Any:
     if online is None:
         return fmt
     if fmt is not None:
-        if online == fmt.method:
-            return fmt
+        if OnlineScheme.parse(online).method == fmt.method:
+            return Requantized(fmt, OnlineScheme.parse(online))
         raise ValueError(
             f"quantization={online!r} was asked for, but the checkpoint is already quantized "
-            f"(quant_method={fmt.method!r}); pass quantization=None or {fmt.method!r}"
+            f"(quant_method={fmt.method!r}); pass quantization=None (dequantized at load) or "
+            f"{fmt.method!r} if online quantization knows it (held compressed: {list(OnlineScheme.METHODS)})"
         )
     return OnlineScheme.parse(online)
