@@ -138,16 +138,16 @@ class FusedExperts(nn.Module):
             and kernels.moe_supports(self.w13.dtype, self.act_name)
             and self.expert_ids
         ):
-            # One expert at a time into the stacked panels: the dense weights and the packed copy
-            # coexist (2x) while loading, never a third list of per-expert copies.
+            # One expert at a time into the stacked panels, over the dense weights' own storage
+            # where the panels are the same size (cpu_gemm.pack_in_place): one expert's copy at a
+            # time while packing; otherwise into a new stack (the dense and packed coexist, 2x).
             packed = []
             for param in (self.w13, self.w2):
-                out = torch.empty(
-                    (len(self.expert_ids), *kernels.panel_shape(*param.shape[1:], param.dtype)),
-                    dtype=param.dtype,
-                )
+                shape = (len(self.expert_ids), *kernels.panel_shape(*param.shape[1:], param.dtype))
+                same = torch.Size(shape).numel() == param.numel() and param.is_contiguous()
+                out = param.data.view(shape) if same else torch.empty(shape, dtype=param.dtype)
                 for e in range(len(self.expert_ids)):
-                    out[e] = kernels.pack(param[e]).data
+                    out[e] = kernels.pack(param.data[e]).data  # packs a copy, then overwrites slot e
                 cpu_gemm.release(param)
                 packed.append(out)
             self.fused = (kernels, packed[0], packed[1], self.act_name)

@@ -40,7 +40,7 @@ class LinearBase(nn.Module):
     partial_output = False  # its products are partial sums over ranks: asked for in float32
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=self.partial_output)
+        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=self.partial_output, in_place=True)
         if self.packed is not None:
             cpu_gemm.release(self.weight)
 

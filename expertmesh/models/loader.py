@@ -18,12 +18,13 @@ from collections import Counter
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 from expertmesh.layers.quantization.view import CheckpointView, opened
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import checkpoint_targets, layer_index
+from expertmesh.models.tensor_file import TensorFile
 
 log = logging.getLogger("expertmesh")
 
@@ -55,7 +56,7 @@ def _experts_lookup(model: Any):
 
 def _open(path: str):
     try:
-        return safe_open(path, framework="pt")
+        return TensorFile(path)  # positioned reads, no memory map (models/tensor_file.py)
     except (SafetensorError, OSError) as exc:  # truncated, not safetensors at all, unreadable
         raise WeightLoadError(f"cannot read the weights file {path}: {exc}") from exc
 
