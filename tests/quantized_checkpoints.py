@@ -172,3 +172,72 @@ def from_fp8(src: str, dst: str, block: tuple[int, int]) -> str:
     config.pop("quantization_config")
     json.dump(config, open(config_path, "w"), indent=1)
     return dst
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _int4_groups(w: torch.Tensor, group: int, g_idx: torch.Tensor):
+    """Asymmetric 4-bit per group of inputs: (q [I, O], zeros [G, O] in 1..15, fp16 scales [G, O]).
+    Zeros of 0 are avoided: GPTQ v1 stores zero - 1 in 4 bits."""
+    wt = w.float().t()  # [I, O]
+    groups = int(g_idx.max()) + 1
+    scales, zeros = torch.empty(groups, wt.shape[1]), torch.empty(groups, wt.shape[1])
+    for g in range(groups):
+        x = wt[g_idx == g]
+        mn, mx = x.amin(0).clamp(max=0), x.amax(0).clamp(min=0)
+        scales[g] = torch.where(mx > mn, (mx - mn) / 15, torch.ones_like(mx))
+        zeros[g] = torch.round(-mn / scales[g]).clamp(1, 15)
+    scales = scales.half()
+    q = (torch.round(wt / scales.float()[g_idx]) + zeros[g_idx]).clamp(0, 15)
+    return q.to(torch.int64), zeros.to(torch.int64), scales
+
+
+def _pack(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """int64 4-bit values -> int32 words of 8 along dim (slot j holds element 8w + order[j])."""
+    v = values.movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
+    words = sum(v[..., j] << (4 * j) for j in range(8))
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim)
+
+
+def to_int4_packed(src: str, dst: str, ref_dst: str, method: str, group: int, desc_act: bool = False) -> str:
+    """`method` "gptq" or "awq": every 2-D *_proj.weight packed as that format writes it; `ref_dst`
+    gets the same weights dequantized to fp32 (the reference)."""
+    g = torch.Generator().manual_seed(11)
+    dequantized = {}
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if not (key.endswith("_proj.weight") and t.dim() == 2):
+            return {key: t}
+        in_f = t.shape[1]
+        order = torch.randperm(in_f, generator=g) if desc_act else torch.arange(in_f)
+        g_idx = torch.empty(in_f, dtype=torch.int64)
+        g_idx[order] = torch.arange(in_f) // group  # with desc_act, groups of scattered inputs
+        q, z, s = _int4_groups(t, group, g_idx)
+        dequantized[key] = ((q - z[g_idx]).float() * s.float()[g_idx]).t().contiguous()
+        base = key[: -len(".weight")]
+        if method == "gptq":
+            out = {f"{base}.qweight": _pack(q, 0), f"{base}.qzeros": _pack(z - 1, 1), f"{base}.scales": s}
+            out[f"{base}.g_idx"] = g_idx.to(torch.int32)
+            return out
+        return {
+            f"{base}.qweight": _pack(q, 1, AWQ_ORDER),
+            f"{base}.qzeros": _pack(z, 1, AWQ_ORDER),
+            f"{base}.scales": s,
+        }
+
+    if method == "gptq":
+        config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": False}
+    else:
+        config = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    _rewrite(src, dst, convert, config)
+    _rewrite(src, ref_dst, lambda k, t: {k: dequantized.get(k, t)}, None)
+    return dst

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import one_thread, prompts_of_lengths
-from quantized_checkpoints import fake_quantized, fp8_blocks, from_fp8, to_fp8, to_mxfp4
+from quantized_checkpoints import fake_quantized, fp8_blocks, from_fp8, to_fp8, to_int4_packed, to_mxfp4
 from real_checkpoints import Sizes
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -169,6 +169,22 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantized(real_checkpoint, tmp_pat
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method,desc_act", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_gptq_and_awq_match_the_same_weights_dequantized(
+    real_checkpoint, tmp_path, engine_log, method, desc_act
+):
+    """Asymmetric int4 in groups of 16 (GPTQ with and without desc_act's scattered groups, AWQ's
+    GEMM packing order) against transformers on the same weights dequantized to fp32."""
+    ref_path = str(tmp_path / "ref")
+    path = to_int4_packed(_qwen3(real_checkpoint), str(tmp_path / method), ref_path, method, 16, desc_act)
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert f"weights: {method} int4 (groups of 16" in engine_log.text
+    ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=8)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
 def _qwen3(real_checkpoint) -> str:
     return real_checkpoint("qwen3-30b-a3b")
 
@@ -240,7 +256,9 @@ def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoin
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quant_method='bitsandbytes'.*supported: \['fp8', 'mxfp4'\]"):
+    with pytest.raises(
+        ValueError, match=r"quant_method='bitsandbytes'.*supported: \['awq', 'fp8', 'gptq', 'mxfp4'\]"
+    ):
         LLM(str(path), max_model_len=32, kv_cache_memory_bytes=1 << 20)
 
 
@@ -310,7 +328,7 @@ def _layouts_main(rank, world, path, quantization, prompts):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["int8-g16", "int4-g16", "fp8-checkpoint"])
+@pytest.mark.parametrize("case", ["int8-g16", "int4-g16", "fp8-checkpoint", "gptq-checkpoint"])
 def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoint, tmp_path, case):
     """Groups of 16 keep whole groups on each rank of a split input dim (TP 2 halves the experts'
     32-wide intermediate); the fp8 checkpoint's 128 x 128 blocks are cut by every TP slice."""
@@ -319,6 +337,9 @@ def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoi
     path, quantization = _qwen3(real_checkpoint), case
     if case == "fp8-checkpoint":
         path, quantization = to_fp8(path, str(tmp_path / "fp8"), (128, 128)), None
+    if case == "gptq-checkpoint":  # desc_act: each rank's inputs use scattered groups
+        path = to_int4_packed(path, str(tmp_path / "gptq"), str(tmp_path / "ref"), "gptq", 16, True)
+        quantization = None
     prompts = prompts_of_lengths([3, 17, 1, 40], seed=6)
     expected = _greedy(
         LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22), prompts

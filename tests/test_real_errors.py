@@ -71,10 +71,11 @@ def test_unsupported_config_values_are_named(real_checkpoint, tmp_path):
     _edit_config(path, rope_scaling={"rope_type": "mrope", "mrope_section": [2, 2, 4]})
     with pytest.raises(ValueError, match="rope_type='mrope' is not supported; supported: .*longrope"):
         LLM(str(path), kv_cache_memory_bytes=1 << 22)
-    _edit_config(path, rope_scaling=None, quantization_config={"quant_method": "gptq", "bits": 4})
+    _edit_config(path, rope_scaling=None, quantization_config={"quant_method": "bitsandbytes"})
     with pytest.raises(
         ValueError,
-        match=r"quant_method='gptq', which expertmesh does not load; supported: \['fp8', 'mxfp4'\]",
+        match=r"quant_method='bitsandbytes', which expertmesh does not load; "
+        r"supported: \['awq', 'fp8', 'gptq', 'mxfp4'\]",
     ):
         LLM(str(path), kv_cache_memory_bytes=1 << 22)
     _edit_config(path, quantization_config=None, layer_types=["linear_attention"] * 4)

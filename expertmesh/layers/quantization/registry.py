@@ -12,14 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from expertmesh.layers.quantization.awq import AwqFormat
 from expertmesh.layers.quantization.fp8 import Fp8Format
+from expertmesh.layers.quantization.gptq import GptqFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
 from expertmesh.layers.quantization.online import OnlineScheme
 
 # quant_method -> the format (its `from_config` parses the rest of quantization_config)
-CHECKPOINT_FORMATS: dict[str, Any] = {"fp8": Fp8Format, "mxfp4": Mxfp4Format}
+CHECKPOINT_FORMATS: dict[str, Any] = {
+    "awq": AwqFormat,
+    "fp8": Fp8Format,
+    "gptq": GptqFormat,
+    "mxfp4": Mxfp4Format,
+}
 # Not read yet (issue 14's later items); named in the error so a user sees where they stand.
-PLANNED = ("awq", "compressed-tensors", "gptq")
+PLANNED = ("compressed-tensors",)
 
 
 @dataclass(frozen=True)
