@@ -114,3 +114,25 @@ def test_whole_projection_qk_norm_needs_a_kv_head_per_tp_rank():
         )
     assert DecoderAttention(cfg, 0, Family(qk_norm="l2"), tp).attn.num_heads == 1
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.timeout(60)
+def test_published_llama4_temperature_tuning_int_loads(real_checkpoint, engine_log, tmp_path):
+    """Llama 4's published config.json says `"attn_temperature_tuning": 4`, which transformers 5's
+    strict config rejects; the engine reads it as True (logged) and runs as with the bool."""
+    from expertmesh import SamplingParams
+
+    path = real_checkpoint("llama-4-scout-17b-16e")
+    copy = _copy(path, tmp_path / "scout")
+    config = json.loads((copy / "config.json").read_text())
+    assert config["text_config"]["attn_temperature_tuning"] is True
+    config["text_config"]["attn_temperature_tuning"] = 4
+    (copy / "config.json").write_text(json.dumps(config))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}]
+    runs = [
+        LLM(str(p), max_model_len=64, kv_cache_memory_bytes=1 << 22).generate(prompts, sp, use_tqdm=False)
+        for p in (path, copy)
+    ]
+    assert runs[0][0].outputs[0].token_ids == runs[1][0].outputs[0].token_ids
+    assert any("attn_temperature_tuning 4 read as True" in r.getMessage() for r in engine_log.records)

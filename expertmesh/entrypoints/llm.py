@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence as Seq
 from dataclasses import fields, replace
 from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from expertmesh.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from expertmesh.distributed import watchdog
@@ -26,6 +27,7 @@ from expertmesh.entrypoints.launcher import (
     check_same_inputs,
     place_process,
 )
+from expertmesh.hf_config import load_hf_config
 from expertmesh.logger import setup_logging
 from expertmesh.model_source import resolve_model
 from expertmesh.models.build import ModelEnv, build_model, stage_layers
@@ -89,9 +91,7 @@ class LLM:
             expert_placement,
         )
         model_dir = resolve_model(model, revision)
-        model_config = ModelConfig.from_hf(
-            AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code), dtype, quantization
-        )
+        model_config = ModelConfig.from_hf(load_hf_config(model_dir, trust_remote_code), dtype, quantization)
         check_model_fits(model_config, parallel)  # before any process group or weight
         placement = place_process(parallel, device, distributed_timeout_seconds)
         setup_logging(placement.rank if parallel.world_size > 1 else None)
@@ -234,7 +234,7 @@ def _start_mp_executor(kwargs: dict[str, Any]):
         "mp",
         kwargs["expert_placement"],
     )
-    hf = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs["trust_remote_code"])
+    hf = load_hf_config(kwargs["model"], kwargs["trust_remote_code"])
     check_model_fits(ModelConfig.from_hf(hf, kwargs["dtype"], kwargs.get("quantization")), parallel)
     return MPExecutor(kwargs)
 
@@ -300,8 +300,14 @@ def _per_prompt_params(sp: Any, n: int) -> list[SamplingParams]:
 
 
 def _load_tokenizer(path: str, trust_remote_code: bool):
+    kwargs = {}
+    if os.path.isfile(os.path.join(path, "config.json")):
+        try:  # AutoTokenizer reads config.json too: hand it the fixed one (hf_config.py)
+            kwargs["config"] = load_hf_config(path, trust_remote_code)
+        except (OSError, ValueError):  # a tokenizer_config.json may name its class without it
+            pass
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
         log.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, exc)
         return None

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from expertmesh.config import ModelConfig
+from expertmesh.hf_config import load_hf_config
 from expertmesh.logger import setup_logging
 
 BACKENDS_WITH_DP = ("naive", "allgather_reducescatter")
@@ -233,13 +234,11 @@ def verify(
 ) -> tuple[list[dict], list[tuple[Case, str]]]:
     """Self-spawned world of `world` ranks; `setup` (importable) runs first in every rank, which
     is how tests break a layout on purpose."""
-    from transformers import AutoConfig
-
     from expertmesh.executor.spawn import run_spmd
     from expertmesh.model_source import resolve_model
 
     model_dir = resolve_model(model, None)
-    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), dtype)
+    mc = ModelConfig.from_hf(load_hf_config(model_dir), dtype)
     spec = {
         "model": model_dir, "prompts": default_prompts(mc.vocab_size), "max_tokens": max_tokens,
         "max_model_len": max_model_len, "kv_cache_memory_bytes": kv_cache_memory_bytes, "dtype": dtype,
@@ -253,7 +252,6 @@ def verify(
 def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], list[tuple[Case, str]]] | None:
     """Every rank of torchrun's world runs the layouts; rank 0 gets the rows (others None)."""
     import torch.distributed as dist
-    from transformers import AutoConfig
 
     from expertmesh.entrypoints.launcher import torchrun_env
     from expertmesh.model_source import resolve_model
@@ -263,7 +261,7 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world)
     model_dir = resolve_model(model, None)
-    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), kw.get("dtype", "auto"))
+    mc = ModelConfig.from_hf(load_hf_config(model_dir), kw.get("dtype", "auto"))
     spec = {"model": model_dir, "prompts": default_prompts(mc.vocab_size), **kw}
     cases, skipped = cases_for(world, mc)
     results = run_cases(rank, world, spec, cases)
