@@ -1,6 +1,9 @@
 """Strict weight loading from safetensors: every parameter shard filled exactly once.
 
-Each rank opens the files with `safe_open` and reads only its own slices (`get_slice`).
+Each rank opens the files (models/tensor_file.py: positioned reads, no memory map, so a slice is
+resident only until it is copied into its parameter) and reads only its own slices (`get_slice`),
+through the checkpoint's weight format (layers/quantization: fp8, mxfp4, gptq, awq tensors are
+served as the logical weights they stand for).
 A checkpoint key nobody recognises, a parameter left unfilled or filled twice is an error
 naming it. Before any rank slices, every tensor's full shape and dtype are checked against a
 one-rank twin of the model built on the meta device (`check_against_twin`): a tensor larger than

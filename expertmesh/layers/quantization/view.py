@@ -55,7 +55,7 @@ class CheckpointView:
     `get_slice(key)`. A format's view (subclass) hides companion tensors and serves logical ones."""
 
     def __init__(self, handles: dict[str, Any]) -> None:
-        self.handles = handles  # path -> open safe_open handle
+        self.handles = handles  # path -> open file (models/tensor_file.TensorFile)
         self.file_of = {key: path for path, f in handles.items() for key in f.keys()}
 
     def stored(self, key: str) -> Any:
