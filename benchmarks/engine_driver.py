@@ -42,6 +42,7 @@ def load_expertmesh(spec: dict) -> GenerateFn:
         max_model_len=spec["max_model_len"],
         kv_cache_memory_bytes=spec["kv_cache_bytes"],
         max_num_seqs=spec["max_num_seqs"],
+        quantization=spec.get("quantization"),  # benchmarks/quantized.py: online int8 / int4
     )
 
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -50,19 +50,11 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-def check_unquantized(hf: Any) -> None:
-    """Quantized checkpoints (FP8 block-scaled DeepSeek-V3, MXFP4 gpt-oss, ...) are not loaded yet:
-    say so up front, naming the config's quantization_config, instead of failing on tensor names."""
-    quant = getattr(hf, "quantization_config", None)
-    if quant:
-        method = (
-            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        )
-        raise ValueError(
-            f"config.json has a quantization_config (quant_method={method!r}) that is not supported yet: "
-            "expertmesh loads unquantized float32/bfloat16/float16 weights; use an unquantized (e.g. bf16) "
-            "copy of the checkpoint"
-        )
+def _quantization(hf: Any, online: str | None) -> Any:
+    """The checkpoint's weight format (its quantization_config) or the online scheme asked for."""
+    from expertmesh.layers.quantization import resolve
+
+    return resolve(getattr(hf, "quantization_config", None), online)
 
 
 def _first(hf: Any, *names: str, default: Any = None) -> Any:
@@ -130,6 +122,9 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the last one
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # ---- weights: the checkpoint's format (layers/quantization: fp8, mxfp4) or an online scheme
+    # (int8, int4, fp8) from LLM(quantization=...); None: unquantized
+    quantization: Any = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -185,12 +180,14 @@ class ModelConfig:
         return self.rope_layers[layer] if self.rope_layers else True
 
     @classmethod
-    def from_hf(cls, hf: Any, dtype: str | torch.dtype = "auto") -> ModelConfig:
+    def from_hf(
+        cls, hf: Any, dtype: str | torch.dtype = "auto", quantization: str | None = None
+    ) -> ModelConfig:
         archs = getattr(hf, "architectures", None) or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # Llama 4's text tower
-        check_unquantized(hf)
+        quant = _quantization(hf, quantization)
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         checkpoint_dtype = _first(hf, "dtype", "torch_dtype")
@@ -212,6 +209,7 @@ class ModelConfig:
             and bool(getattr(hf, "tie_word_embeddings", True)),
             bos_token_id=getattr(text, "bos_token_id", None),
             eos_token_ids=_eos_ids(text),
+            quantization=quant,
             **_attention_fields(text),
             **_mlp_fields(text),
         )

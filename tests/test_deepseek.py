@@ -277,15 +277,26 @@ def test_transformers_in_memory_tensor_names_load_alike(real_checkpoint):
     assert runs[0] == runs[1] == hf_greedy(hub, prompts, 8)
 
 
-def test_fp8_checkpoint_is_a_clear_error_naming_quantization_config(real_checkpoint, tmp_path):
+def test_fp8_config_over_unquantized_weights_loads_them_as_stored_with_a_warning(
+    real_checkpoint, tmp_path, engine_log
+):
+    """DeepSeek's fp8_cast_bf16.py leaves the quantization_config in config.json: the weights are
+    read as stored (FP8 checkpoints themselves: tests/test_quantization.py)."""
     path = deepseek(real_checkpoint, "v3")
     fp8 = tmp_path / "fp8"
     shutil.copytree(path, fp8)
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"] = published("deepseek-v3")["quantization_config"]
     (fp8 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantization_config \(quant_method='fp8'\).*not supported yet"):
-        LLM(str(fp8), max_model_len=32, kv_cache_memory_bytes=1 << 20)
+    prompts = prompts_of_lengths([3, 9], seed=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = [
+        [o.outputs[0].token_ids for o in LLM(p, max_model_len=32, kv_cache_memory_bytes=1 << 20).generate(
+            [{"prompt_token_ids": q} for q in prompts], greedy, use_tqdm=False)]
+        for p in (str(fp8), path)
+    ]  # fmt: skip
+    assert runs[0] == runs[1]
+    assert "says fp8, but no checkpoint tensor is e4m3" in engine_log.text
 
 
 def test_unknown_topk_method_names_the_known_ones():

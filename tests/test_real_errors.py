@@ -71,8 +71,12 @@ def test_unsupported_config_values_are_named(real_checkpoint, tmp_path):
     _edit_config(path, rope_scaling={"rope_type": "mrope", "mrope_section": [2, 2, 4]})
     with pytest.raises(ValueError, match="rope_type='mrope' is not supported; supported: .*longrope"):
         LLM(str(path), kv_cache_memory_bytes=1 << 22)
-    _edit_config(path, rope_scaling=None, quantization_config={"quant_method": "mxfp4"})
-    with pytest.raises(ValueError, match=r"quant_method='mxfp4'\) that is not supported yet"):
+    _edit_config(path, rope_scaling=None, quantization_config={"quant_method": "bitsandbytes"})
+    with pytest.raises(
+        ValueError,
+        match=r"quant_method='bitsandbytes', which expertmesh does not load; "
+        r"supported: \['awq', 'fp8', 'gptq', 'mxfp4'\]",
+    ):
         LLM(str(path), kv_cache_memory_bytes=1 << 22)
     _edit_config(path, quantization_config=None, layer_types=["linear_attention"] * 4)
     with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\] are not supported"):

@@ -19,6 +19,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["int8", "int4", "fp8"],
+        help="weight-only online quantization of an unquantized checkpoint (a quantized checkpoint's own "
+        "format is read from its config.json)",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per replica")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
@@ -157,6 +165,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         model=model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
+        quantization=args.quantization,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,

@@ -57,6 +57,7 @@ class LLM:
         debug_nan_recv_buffers: bool = False,
         distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S,
         allow_nonfinite_weights: bool = False,
+        quantization: str | None = None,
     ) -> None:
         self._executor = None
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}

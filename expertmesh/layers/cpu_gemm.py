@@ -25,6 +25,8 @@ Measurements: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from expertmesh.layers.cpu_features import onednn_bf16
@@ -59,21 +61,56 @@ def _onednn_ok(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or onednn_bf16()
 
 
-def pack(weight: torch.Tensor, kernels: CpuKernels | None, float32_out: bool = False) -> PackedWeight | None:
+def pack(
+    weight: torch.Tensor, kernels: CpuKernels | None, float32_out: bool = False, in_place: bool = False
+) -> PackedWeight | None:
     """A packed copy of a CPU [out, in] weight for its best kernel, or None (keep F.linear).
 
-    ``float32_out``: its callers ask for float32 products of bf16 inputs (``out_dtype``)."""
+    ``float32_out``: its callers ask for float32 products of bf16 inputs (``out_dtype``).
+    ``in_place``: the caller releases the weight afterwards, so our kernel's panels may be laid
+    into its own storage (`pack_in_place`: no second copy of the weight while packing)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
         return None
+    panels = pack_in_place if in_place else (lambda w, k: k.pack(w))
     if kernels is not None and (
         weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and kernels.bf16_pairs)
     ):
-        return kernels.pack(weight)
+        return panels(weight, kernels)
     if _onednn_ok(weight) and not (float32_out and weight.dtype != torch.float32):
         return OneDnnWeight(weight)
     if kernels is not None and weight.dtype == torch.bfloat16:
-        return kernels.pack(weight)  # widens to float32 in registers
+        return panels(weight, kernels)  # widens to float32 in registers
     return None
+
+
+PANELS_PER_CHUNK = 64
+
+
+def pack_in_place(weight: torch.Tensor, kernels: CpuKernels) -> PanelWeight:
+    """`kernels.pack(weight)` written over the weight's own storage, a chunk of panels at a time.
+
+    Panel p holds exactly the values of rows [p * lanes, (p + 1) * lanes), so packing a chunk of
+    panels only rewrites that chunk's rows; the peak is one chunk, not a second weight (one-pass
+    loading, issue 15). Shapes whose panels are padded (out not a multiple of the lanes, an odd
+    `in` for bf16 pairs) take the copying `kernels.pack`."""
+    w = weight.data if isinstance(weight, torch.nn.Parameter) else weight
+    out_features, in_features = w.shape
+    shape = kernels.panel_shape(out_features, in_features, w.dtype)
+    if (
+        not w.is_contiguous()
+        or shape[0] * kernels.lanes != out_features
+        or torch.Size(shape).numel() != w.numel()
+    ):
+        return kernels.pack(w)
+    rows = PANELS_PER_CHUNK * kernels.lanes
+    flat = w.view(-1)
+    probe = None
+    for r0 in range(0, out_features, rows):
+        block = kernels.pack(w[r0 : r0 + rows])  # a copy of this chunk's rows, packed
+        probe = probe or block
+        flat[r0 * in_features : r0 * in_features + block.data.numel()].copy_(block.data.view(-1))
+    data = w.view(shape)
+    return dataclasses.replace(probe, data=data, out_features=out_features, ptr=data.data_ptr())
 
 
 def release(param: torch.nn.Parameter) -> None:

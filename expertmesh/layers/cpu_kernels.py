@@ -111,6 +111,11 @@ _SIGNATURES = {
     "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 5 + [_INT, _INT],
     # x, n, H, slot, weights, k, w13, w2, E, I, act, out, threads
     "moe": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _c, _INT],
+    # quantized weights (layers/quantization/packed.py): kind, x, codes, scales, offsets, group,
+    # y, M, O, I, bias or NULL, threads
+    "gemm_q": [_INT, _c, _c, _c, _c, _i64, _c, _i64, _i64, _i64, _c, _INT],
+    # kind, x, n, H, slot, weights, k, w13 codes/scales/offsets/group, w2 ditto, E, I, act, out, threads
+    "moe_q": [_INT, _c, _i64, _i64, _c, _c, _i64] + [_c, _c, _c, _i64] * 2 + [_i64, _i64, _INT, _c, _INT],
 }
 
 
@@ -140,6 +145,9 @@ class CpuKernels:
             for name in names:
                 fn = getattr(lib, f"{kind}_{name}")
                 fn.restype, fn.argtypes = None, _SIGNATURES[kind]
+        for name in ("gemm_q", "moe_q"):  # quantized weights: one entry point each, the code kind an argument
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = None, _SIGNATURES[name]
         self._rms_norm_f32, self._rms_norm_bf16 = lib.rms_norm_f32, lib.rms_norm_bf16
 
     def supports(self, dtype: torch.dtype) -> bool:

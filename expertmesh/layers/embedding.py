@@ -60,7 +60,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: cpu_gemm.PackedWeight | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=True)
+        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=True, in_place=True)
         if self.packed is not None:
             cpu_gemm.release(self.weight)
 

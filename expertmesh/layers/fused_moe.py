@@ -23,6 +23,7 @@ from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm
 from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -160,16 +161,16 @@ class FusedExperts(nn.Module):
             and kernels.moe_supports(self.w13.dtype, self.act_name)
             and self.expert_ids
         ):
-            # One expert at a time into the stacked panels: the dense weights and the packed copy
-            # coexist (2x) while loading, never a third list of per-expert copies.
+            # One expert at a time into the stacked panels, over the dense weights' own storage
+            # where the panels are the same size (cpu_gemm.pack_in_place): one expert's copy at a
+            # time while packing; otherwise into a new stack (the dense and packed coexist, 2x).
             packed = []
             for param in (self.w13, self.w2):
-                out = torch.empty(
-                    (len(self.expert_ids), *kernels.panel_shape(*param.shape[1:], param.dtype)),
-                    dtype=param.dtype,
-                )
+                shape = (len(self.expert_ids), *kernels.panel_shape(*param.shape[1:], param.dtype))
+                same = torch.Size(shape).numel() == param.numel() and param.is_contiguous()
+                out = param.data.view(shape) if same else torch.empty(shape, dtype=param.dtype)
                 for e in range(len(self.expert_ids)):
-                    out[e] = kernels.pack(param[e]).data
+                    out[e] = kernels.pack(param.data[e]).data  # packs a copy, then overwrites slot e
                 cpu_gemm.release(param)
                 packed.append(out)
             self.fused = (kernels, packed[0], packed[1], self.act_name)
@@ -182,6 +183,35 @@ class FusedExperts(nn.Module):
             self.packed = pairs
             cpu_gemm.release(self.w13)
             cpu_gemm.release(self.w2)
+
+    quantizable = True
+
+    def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
+        """Online weight-only quantization, one expert at a time (the dense and the compressed copy
+        of one expert coexist, never two dense copies). With our kernel and plain gated experts the
+        block runs in one call of moe_q; otherwise each expert's pair runs on the per-expert path."""
+        if not self.expert_ids:
+            return
+        shards = self.full_inter // self.inter
+        scheme.check_split(
+            f"the experts' down projection [{self.w2.shape[1]}, {self.inter}]", self.inter, shards
+        )
+        pairs = []
+        for e in range(len(self.expert_ids)):
+            pairs.append(
+                tuple(
+                    QuantizedWeight.quantize(w[e], scheme.kind, scheme.group_size, kernels)
+                    for w in (self.w13, self.w2)
+                )
+            )
+        cpu_gemm.release(self.w13)
+        cpu_gemm.release(self.w2)
+        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        if kernels is not None and plain and self.act_name in kernels.MOE_ACTIVATIONS:
+            stacks = [QuantizedExperts.stack([p[i] for p in pairs]) for i in (0, 1)]
+            self.fused = (QuantizedMoE(kernels), stacks[0], stacks[1], self.act_name)
+        else:
+            self.packed = pairs
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """[m, H] -> [m, H] float32: the down projection's product is not rounded."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from expertmesh.layers import cpu_gemm
 from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -33,13 +34,28 @@ class LinearBase(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
 
-    packed: cpu_gemm.PackedWeight | None = None  # set by use_cpu_kernels(); the dense weight is then dropped
+    packed: cpu_gemm.PackedWeight | QuantizedWeight | None = (
+        None  # set by use_cpu_kernels(); the dense weight is then dropped
+    )
     partial_output = False  # its products are partial sums over ranks: asked for in float32
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=self.partial_output)
+        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=self.partial_output, in_place=True)
         if self.packed is not None:
             cpu_gemm.release(self.weight)
+
+    quantizable = True  # online quantization compresses it (the router opts out)
+
+    def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
+        """Online weight-only quantization: the weight held compressed (layers/quantization)."""
+        if self.weight.numel() == 0:  # moved elsewhere after loading (MLA's kv_b_proj)
+            return self.use_cpu_kernels(kernels)
+        scheme.check_split(f"{type(self).__name__} [{self.weight.shape[0]}, {self.weight.shape[1]}]",
+                           self.weight.shape[1], self.input_shards)  # fmt: skip
+        self.packed = QuantizedWeight.quantize(self.weight.data, scheme.kind, scheme.group_size, kernels)
+        cpu_gemm.release(self.weight)
+
+    input_shards = 1  # ranks the input dim is split over (row-parallel: the TP size)
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -164,6 +180,7 @@ class RowParallelLinear(LinearBase):
         self.group, self.reduce = group, reduce
         self.tp_rank, self.tp_size = group.rank_in_group, group.world_size
         self.partial_output = self.tp_size > 1 or not reduce
+        self.input_shards = self.tp_size
         super().__init__(_divide(in_features, self.tp_size, "input size"), out_features, bias, dtype)
         set_loader(self.weight, self._load)
         if self.bias is not None:

@@ -163,6 +163,8 @@ CORRECTED_RULES = ("sigmoid_grouped",)
 class Router(ReplicatedLinear):
     """The router linear [E, H] (+ bias) and its rule: x [n, H] -> (weights [n, k], ids [n, k])."""
 
+    quantizable = False  # routing decisions stay in the model dtype (as vLLM keeps its gate)
+
     def __init__(
         self,
         hidden: int,

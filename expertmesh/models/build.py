@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,8 @@ from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan, expert_own
 from expertmesh.layers import cpu_kernels
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
+
+log = logging.getLogger("expertmesh")
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int, split: list[int] | None = None) -> range:
@@ -117,8 +120,28 @@ def build_model(
     if kernels is not None and not kernels.supports(cfg.dtype):
         kernels = None
     model.cpu_kernels = kernels
-    if device == "cpu":
-        for module in model.modules():
-            if hasattr(module, "use_cpu_kernels"):
-                module.use_cpu_kernels(kernels)
+    scheme = cfg.quantization if cfg.quantization is not None and cfg.quantization.online else None
+    for module in model.modules():
+        if scheme is not None and getattr(module, "quantizable", False):
+            module.use_quantized(scheme, kernels)  # compressed from here on, on any device
+        elif device == "cpu" and hasattr(module, "use_cpu_kernels"):
+            module.use_cpu_kernels(kernels)
+    log_weight_bytes(model, cfg)
     return model.eval()
+
+
+def log_weight_bytes(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
+    """This rank's resident weight bytes, quantized and not (layers/quantization/accounting.py)."""
+    from expertmesh.layers.quantization.accounting import resident_weight_bytes
+
+    counts = resident_weight_bytes(model)
+    q = cfg.quantization
+    log.info(
+        "resident weights on this rank: %.1f MB (%.1f MB quantized%s, %.1f MB in %s)",
+        counts["total"] / 1e6,
+        counts["quantized"] / 1e6,
+        f", {q.describe()}" if q is not None else "",
+        counts["dense"] / 1e6,
+        str(cfg.dtype).replace("torch.", ""),
+    )
+    return counts

@@ -1,6 +1,9 @@
 """Strict weight loading from safetensors: every parameter shard filled exactly once.
 
-Each rank opens the files with `safe_open` and reads only its own slices (`get_slice`).
+Each rank opens the files (models/tensor_file.py: positioned reads, no memory map, so a slice is
+resident only until it is copied into its parameter) and reads only its own slices (`get_slice`),
+through the checkpoint's weight format (layers/quantization: fp8, mxfp4, gptq, awq tensors are
+served as the logical weights they stand for).
 A checkpoint key nobody recognises, a parameter left unfilled or filled twice is an error
 naming it. Before any rank slices, every tensor's full shape and dtype are checked against a
 one-rank twin of the model built on the meta device (`check_against_twin`): a tensor larger than
@@ -18,11 +21,13 @@ from collections import Counter
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from tqdm import tqdm
 
+from expertmesh.layers.quantization.view import CheckpointView, opened
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import checkpoint_targets, layer_index
+from expertmesh.models.tensor_file import TensorFile
 
 log = logging.getLogger("expertmesh")
 
@@ -54,7 +59,7 @@ def _experts_lookup(model: Any):
 
 def _open(path: str):
     try:
-        return safe_open(path, framework="pt")
+        return TensorFile(path)  # positioned reads, no memory map (models/tensor_file.py)
     except (SafetensorError, OSError) as exc:  # truncated, not safetensors at all, unreadable
         raise WeightLoadError(f"cannot read the weights file {path}: {exc}") from exc
 
@@ -62,24 +67,44 @@ def _open(path: str):
 def load_weights(
     model: Any, model_dir: str, show_progress: bool = False, allow_nonfinite: bool = False
 ) -> None:
+    files = safetensors_files(model_dir)
+    with opened(files, _open) as handles:
+        view = _view(model, handles)
+        check_against_twin(model, view)
+        _load_view(model, view, show_progress, allow_nonfinite)
+
+
+def _view(model: Any, handles: dict) -> CheckpointView:
+    """The checkpoint through its weight format (layers/quantization): logical tensors only."""
+    fmt = model.cfg.quantization
+    if not hasattr(fmt, "view"):  # unquantized, or quantized online after loading
+        return CheckpointView(handles)
+    log.info("weights: %s", fmt.describe())
+    try:
+        return fmt.view(handles)
+    except ValueError as exc:
+        raise WeightLoadError(str(exc)) from exc
+
+
+def _load_view(model: Any, view: CheckpointView, show_progress: bool, allow_nonfinite: bool) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     local_layers = set(model.model.layer_range)
     experts, tie = _experts_lookup(model), model.cfg.tie_word_embeddings
-    files = safetensors_files(model_dir)
-    check_against_twin(model, files)
     skipped: Counter = Counter()
-    for path in tqdm(files, desc="Loading safetensors", disable=not show_progress or len(files) < 2):
-        with _open(path) as f, nonfinite_allowed(allow_nonfinite):
-            for key in f.keys():
-                rule = skip_rule(key, model)
-                if rule is not None:
-                    skipped[rule] += 1
-                    continue
-                try:
-                    _load_key(f, key, params, loaded, local_layers, experts, model, tie)
-                except SafetensorError as exc:
-                    raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
+    keys = view.keys()
+    for key, path in tqdm(
+        keys, desc="Loading safetensors", disable=not show_progress or len(view.handles) < 2
+    ):
+        with nonfinite_allowed(allow_nonfinite):
+            rule = skip_rule(key, model)
+            if rule is not None:
+                skipped[rule] += 1
+                continue
+            try:
+                _load_key(view, key, params, loaded, local_layers, experts, model, tie)
+            except SafetensorError as exc:
+                raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
     for rule, count in sorted(skipped.items()):
         log.info("skipped %d checkpoint tensors by rule %r", count, rule)
     _check_complete(params, loaded)
@@ -112,24 +137,22 @@ def _twin(model: Any) -> Any:
         return type(model)(model.cfg, env)
 
 
-def check_against_twin(model: Any, files: list[str]) -> None:
+def check_against_twin(model: Any, view: CheckpointView) -> None:
     twin = _twin(model)
     params, experts = dict(twin.named_parameters()), _experts_lookup(twin)
-    for path in files:
-        with _open(path) as f:
-            for key in f.keys():
-                if skip_rule(key, model) is not None:
-                    continue
-                try:
-                    src = f.get_slice(key)
-                    shape, dtype = tuple(src.get_shape()), src.get_dtype()
-                except SafetensorError as exc:
-                    raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
-                names = twin.family.names
-                targets = checkpoint_targets(
-                    names.canonical(key), names, experts, model.cfg.tie_word_embeddings
-                )
-                _check_key(key, path, shape, dtype, targets or [], params)
+    for key, path in view.keys():
+        if skip_rule(key, model) is not None:
+            continue
+        try:
+            src = view.get_slice(key)
+            shape, dtype = tuple(src.get_shape()), src.get_dtype()
+        except SafetensorError as exc:
+            raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
+        except ValueError as exc:  # a weight format's pieces that do not fit together
+            raise WeightLoadError(f"{exc} (in {path})") from exc
+        names = twin.family.names
+        targets = checkpoint_targets(names.canonical(key), names, experts, model.cfg.tie_word_embeddings)
+        _check_key(key, path, shape, dtype, targets or [], params)
 
 
 def _check_key(key: str, path: str, shape: tuple[int, ...], dtype: str, targets: list, params: dict) -> None:

@@ -1,0 +1,165 @@
+"""Quantized weights side by side: expertmesh's online int8 / int4 against llama.cpp's Q8_0 / Q4_0
+of the same checkpoint (and both engines' float32), batch 1 and 32, tokens/s and bytes read per
+token.
+
+Same bits per weight on both sides: our int8 and int4 keep a float32 scale and offset per 128
+weights (1.0625 and 0.5625 bytes a weight), llama.cpp's Q8_0 and Q4_0 an fp16 scale per 32 (34 and
+18 bytes per 32: 1.0625 and 0.5625). The GGUFs come from llama.cpp's own converter (Q8_0,
+benchmarks/gguf_convert.py) and its quantizer (Q4_0, llama_model_quantize through llama-cpp-python;
+from the f32 GGUF). Engines run one at a time in their own subprocess (benchmarks/engine_driver.py),
+greedy, the median of --repeats generate calls; on a shared machine read the per-CPU-second table.
+
+    .venv/bin/python benchmarks/quantized.py --llama-python /work/peers/llama-venv/bin/python \\
+        --threads 1 --json quantized.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import roofline
+import throughput
+from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe
+
+# name -> (engine, expertmesh quantization or GGUF type, bytes a weight of the quantized matmuls)
+RUNS = {
+    "expertmesh fp32": ("expertmesh", None, 4.0),
+    "expertmesh int8": ("expertmesh", "int8", 1.0625),
+    "expertmesh int4": ("expertmesh", "int4", 0.5625),
+    "llama.cpp F32": ("llama.cpp", "f32", 4.0),
+    "llama.cpp Q8_0": ("llama.cpp", "q8_0", 1.0625),
+    "llama.cpp Q4_0": ("llama.cpp", "q4_0", 0.5625),
+}
+LLAMA_FTYPE_Q4_0 = 2  # llama.h's LLAMA_FTYPE_MOSTLY_Q4_0
+QUANTIZE = """
+import sys, llama_cpp as L
+p = L.llama_model_quantize_default_params(); p.ftype = int(sys.argv[3]); p.nthread = 2
+rc = L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p)
+sys.exit(rc)
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {list(RUNS)}")
+    ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
+    ap.add_argument("--llama-converter", default=throughput.LLAMA_CONVERTER)
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.runs = args.runs.split(",")
+    unknown = [r for r in args.runs if r not in RUNS]
+    if unknown:
+        ap.error(f"unknown runs {unknown}; known: {list(RUNS)}")
+    if any(RUNS[r][0] == "llama.cpp" for r in args.runs) and not args.llama_python:
+        ap.error("llama.cpp runs need --llama-python")
+    args.dtype = "float32"
+    return args
+
+
+def gguf(args: argparse.Namespace, model: str, kind: str) -> str:
+    """The checkpoint as llama.cpp's converter (f32, q8_0) or quantizer (q4_0, from f32) writes it."""
+    out = Path(f"{model}.{kind}.gguf")
+    ready = out.with_suffix(".gguf.ready")
+    stamp = (Path(model) / "READY").read_text()
+    if ready.exists() and ready.read_text() == stamp:
+        return str(out)
+    print(f"[llama.cpp] writing {out}", file=sys.stderr, flush=True)
+    if kind == "q4_0":
+        src = gguf(args, model, "f32")
+        subprocess.run([args.llama_python, "-c", QUANTIZE, src, str(out), str(LLAMA_FTYPE_Q4_0)], check=True)
+    else:
+        cmd = [
+            args.llama_python,
+            str(throughput.HERE / "gguf_convert.py"),
+            "--converter",
+            args.llama_converter,
+        ]
+        cmd += [model, "--outtype", kind, "--outfile", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    ready.write_text(stamp)
+    return str(out)
+
+
+def weight_mb_per_token(shape: roofline.MoEShape, per_weight: float) -> float:
+    """Weights read by one batch-1 decode step: the quantized matmuls at `per_weight` bytes, the
+    router, norms, embedding row and lm_head in float32 (llama.cpp keeps its head in the file's
+    type; ours stays float32)."""
+    quantized = shape.layers * (shape.attn_params + shape.top_k * shape.expert_params)
+    rest = shape.layers * (shape.hidden * shape.experts + 2 * shape.hidden) + (shape.vocab + 1) * shape.hidden
+    return (quantized * per_weight + rest * 4) / 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model = make_small_moe(args.cache_dir, args.dtype, args.shape)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    workloads = [
+        throughput.fixed_workload(b, args.prompt_len, args.new_tokens, vocab, 0) for b in args.batch_sizes
+    ]
+    spec = throughput.make_spec(args, model, workloads)
+    workdir = Path(args.cache_dir) / "runs" / f"quantized-{time.strftime('%Y%m%d-%H%M%S')}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    shape = roofline.MoEShape.from_model_dir(model)
+    results, rows = {}, []
+    for name in args.runs:
+        engine, fmt, per_weight = RUNS[name]
+        run_spec = dict(spec)
+        if engine == "llama.cpp":
+            run_spec["gguf"] = gguf(args, model, fmt)
+            python = args.llama_python
+        else:
+            run_spec["quantization"] = fmt
+            python = sys.executable
+        sub = workdir / name.replace(" ", "-")
+        sub.mkdir(exist_ok=True)
+        results[name] = throughput.run_engine(engine, python, run_spec, sub, args.timeout)
+        row = {"run": name, "MB/token b1": weight_mb_per_token(shape, per_weight)}
+        for w in workloads:
+            row[f"{w['name']} tok/s"] = throughput.tokens_per_s(results[name], w["name"])
+            row[f"{w['name']} tok/cpu-s"] = throughput.tokens_per_s(results[name], w["name"], "median_cpu_s")
+        rss = results[name].get("maxrss_bytes")
+        row["peak RSS MB"] = rss / 1e6 if rss else None
+        rows.append(row)
+    _print(rows, workloads, args)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "rows": rows, "results": results}, indent=1)
+        )
+
+
+def _print(rows: list[dict], workloads: list[dict], args: argparse.Namespace) -> None:
+    print(f"\n{args.shape} MoE, {args.threads} thread(s), median of {args.repeats}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens")  # fmt: skip
+    cols = ["MB/token b1"] + [f"{w['name']} {c}" for c in ("tok/s", "tok/cpu-s") for w in workloads]
+    print("| run | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    by = {r["run"]: r for r in rows}
+    for r in rows:
+        print(f"| {r['run']} | " + " | ".join(throughput._fmt(r.get(c), 1) for c in cols) + " |")
+    for ours, theirs in (("expertmesh int8", "llama.cpp Q8_0"), ("expertmesh int4", "llama.cpp Q4_0"),
+                         ("expertmesh fp32", "llama.cpp F32")):  # fmt: skip
+        if ours in by and theirs in by:
+            ratios = []
+            for w in workloads:
+                for c in ("tok/s", "tok/cpu-s"):
+                    a, b = by[ours].get(f"{w['name']} {c}"), by[theirs].get(f"{w['name']} {c}")
+                    ratios.append(f"{w['name']} {c} {a / b:.2f}x" if a and b else f"{w['name']} {c} -")
+            print(f"{ours} / {theirs}: " + ", ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""FP8 checkpoints (`quant_method: fp8`): e4m3 weights with float32 `weight_scale_inv` per
+`weight_block_size` block (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8), activations dynamic.
+
+The stored weight W8 [O, I] and its scales S [ceil(O / bo), ceil(I / bi)] give the real weight
+W[o, i] = W8[o, i] * S[o // bo, i // bi]: the last block of a dimension that `bo` or `bi` does not
+divide covers the remainder (the format's rule; transformers' dequantizer reads such a block
+wrongly, see /work/shared/PEERS.md). Per-tensor FP8 (no `weight_block_size`) has one scale.
+
+A rank's slice reads the rows and columns it keeps and the scale of every block they touch, so
+a tensor-parallel size that cuts a block is handled: both ranks use the block's one scale for
+their part (nothing is padded). Weights are dequantized to the model dtype at load (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from expertmesh.layers.quantization.view import CheckpointView, LogicalTensor
+
+log = logging.getLogger("expertmesh")
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = ("F8_E4M3",)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """The parsed `quantization_config` of an FP8 checkpoint."""
+
+    block: tuple[int, int] | None = (128, 128)  # (output rows, input columns) per scale
+    method: str = "fp8"
+    online: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> Fp8Format:
+        fmt = cfg.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"fp8 quantization_config fmt={fmt!r} is not supported; supported: ['e4m3']")
+        scheme = cfg.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(
+                f"fp8 quantization_config activation_scheme={scheme!r} is not supported; supported: "
+                "['dynamic'] (weights are dequantized; activations stay in the model dtype)"
+            )
+        block = cfg.get("weight_block_size")
+        if block is not None and (len(block) != 2 or min(block) < 1):
+            raise ValueError(f"fp8 weight_block_size={block!r} must be two positive sizes [rows, columns]")
+        return cls(tuple(int(b) for b in block) if block is not None else None)
+
+    def describe(self) -> str:
+        block = "per tensor" if self.block is None else f"{self.block[0]}x{self.block[1]} blocks"
+        return f"fp8 e4m3 ({block}), dequantized to the model dtype at load (no fp8 kernel yet)"
+
+    def view(self, handles: dict[str, Any]) -> CheckpointView:
+        return Fp8View(handles, self)
+
+
+class Fp8Tensor(LogicalTensor):
+    def __init__(self, key: str, weight: Any, scale: Any, block: tuple[int, int] | None) -> None:
+        self.key, self.weight, self.scale = key, weight, scale
+        self.shape = tuple(weight.get_shape())
+        scale_shape = tuple(scale.get_shape())
+        if len(self.shape) != 2:
+            raise ValueError(f"fp8 weight {key!r} has shape {self.shape}; only 2-D weights are supported")
+        if block is None:
+            if scale_shape not in ((), (1,)):
+                raise ValueError(
+                    f"{key}{SCALE_SUFFIX} has shape {scale_shape}; per-tensor fp8 needs one scale"
+                )
+        else:
+            want = (_cdiv(self.shape[0], block[0]), _cdiv(self.shape[1], block[1]))
+            if scale_shape != want:
+                raise ValueError(
+                    f"{key}{SCALE_SUFFIX} has shape {scale_shape}; weight {self.shape} in blocks of "
+                    f"{list(block)} needs {want}"
+                )
+        self.block = block
+
+    def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        (r0, r1), (c0, c1) = bounds
+        w = self.weight[r0:r1, c0:c1].to(torch.float32)
+        if self.block is None:
+            return w * self.scale[:].to(torch.float32).reshape(())
+        bo, bi = self.block
+        s = self.scale[r0 // bo : _cdiv(r1, bo), c0 // bi : _cdiv(c1, bi)].to(torch.float32)
+        rows = torch.arange(r0, r1) // bo - r0 // bo
+        cols = torch.arange(c0, c1) // bi - c0 // bi
+        return w * s[rows][:, cols]
+
+
+class Fp8View(CheckpointView):
+    """FP8 weights served dequantized; their `weight_scale_inv` tensors consumed with them."""
+
+    def __init__(self, handles: dict[str, Any], fmt: Fp8Format) -> None:
+        super().__init__(handles)
+        self.fmt = fmt
+        for key in self.file_of:
+            if key.endswith((".input_scale", ".activation_scale")):
+                raise ValueError(
+                    f"checkpoint tensor {key!r} is a static activation scale; fp8 activation_scheme "
+                    "'dynamic' checkpoints have none"
+                )
+            if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] not in self.file_of:
+                raise ValueError(
+                    f"checkpoint tensor {key!r} scales {key[: -len(SCALE_SUFFIX)]!r}, which is absent"
+                )
+        if not any(k.endswith(SCALE_SUFFIX) for k in self.file_of):
+            # e.g. DeepSeek's fp8_cast_bf16.py output, which keeps the config's quantization_config
+            log.warning(
+                "quantization_config says fp8, but no checkpoint tensor is e4m3: loading them as stored"
+            )
+
+    def keys(self) -> list[tuple[str, str]]:
+        return [(k, p) for k, p in super().keys() if not k.endswith(SCALE_SUFFIX)]
+
+    def get_slice(self, key: str) -> Any:
+        stored = self.stored(key)
+        if stored.get_dtype() not in FP8_DTYPES:
+            return stored  # norms, embeddings, the router, lm_head: stored in bf16
+        if key + SCALE_SUFFIX not in self.file_of:
+            raise ValueError(f"fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} in the checkpoint")
+        return Fp8Tensor(key, stored, self.stored(key + SCALE_SUFFIX), self.fmt.block)

@@ -1,0 +1,73 @@
+"""Online weight-only quantization of an unquantized checkpoint: `LLM(quantization="int8")`.
+
+After loading, every linear layer's weight (not the router, embeddings or head) and every routed
+expert's is quantized once and held compressed (layers/quantization/packed.py); activations stay
+in the model dtype. Schemes, as vLLM's `--quantization` names them, each with one float32 scale
+and offset per group of 128 consecutive inputs of an output row:
+
+- "int8": symmetric (amax / 127): 1 + 8 / 128 = 1.0625 bytes a weight;
+- "int4": asymmetric (scale (max - min) / 15 and a zero point): 0.5 + 8 / 128 = 0.5625 bytes;
+- "fp8": e4m3 (amax / 448), multiplied by lookup of the 256 codes: 1.0625 bytes.
+
+A suffix picks another group: "int4-g32" (32 inputs), "int8-ch" (one scale per output channel).
+
+Groups are laid in the checkpoint tensor's frame, so every parallel layout quantizes a weight
+alike: a layer whose input dim is split over ranks (row-parallel under TP, experts' down
+projection split over the expert shards) needs each rank's slice to hold whole groups; otherwise
+it is an error naming the sizes (nothing is padded).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+DEFAULT_GROUP = 128
+
+
+@dataclass(frozen=True)
+class OnlineScheme:
+    method: str  # a key of METHODS
+    group_size: int = DEFAULT_GROUP  # inputs per scale; 0: one scale per output channel
+    online: bool = True
+
+    METHODS: ClassVar[tuple[str, ...]] = ("fp8", "int4", "int8")
+
+    @classmethod
+    def parse(cls, name: str) -> OnlineScheme:
+        m = re.fullmatch(r"(\w+?)(?:-(?:g(\d+)|(ch)))?", str(name))
+        if m is None or m.group(1) not in cls.METHODS or (m.group(2) is not None and int(m.group(2)) < 1):
+            raise ValueError(
+                f"quantization={name!r} is not known; known: {list(cls.METHODS)}, optionally with a group "
+                "suffix ('-g32': 32 inputs a scale, '-ch': one scale per output channel)"
+            )
+        group = 0 if m.group(3) else int(m.group(2) or DEFAULT_GROUP)
+        return cls(m.group(1), group)
+
+    @property
+    def kind(self) -> str:
+        return self.method
+
+    @property
+    def name(self) -> str:
+        return self.method + ("-ch" if not self.group_size else f"-g{self.group_size}")
+
+    def describe(self) -> str:
+        group = "per output channel" if not self.group_size else f"groups of {self.group_size}"
+        return f"online {self.method} weight-only ({group}), held compressed"
+
+    def check_split(self, what: str, local_in: int, shards: int) -> None:
+        """A rank holding 1/shards of the input dim must hold whole groups."""
+        if shards > 1 and (not self.group_size or local_in % self.group_size):
+            group = "one scale per output channel" if not self.group_size else f"groups of {self.group_size}"
+            raise ValueError(
+                f"quantization={self.name!r} ({group}): {what} splits its input dim "
+                f"{local_in * shards} over {shards} ranks, {local_in} a rank, which cuts a group; choose "
+                "a group that divides it (e.g. quantization='"
+                f"{self.method}-g{_largest_group(local_in)}') or a layout that does not split it"
+            )
+
+
+def _largest_group(n: int) -> int:
+    return max(g for g in (1, 2, 4, 8, 16, 32, 64, 128) if n % g == 0)

@@ -1,0 +1,196 @@
+"""Quantized weights held compressed, in the panel layout the CPU kernel reads (gemm_q, moe_q in
+csrc/cpu_kernels.c), with a torch fallback that dequantizes per call (no compiler, other devices).
+
+A [O, I] weight becomes codes [P, I, lanes] (one byte a value: int8, fp8 e4m3) or [P, I, lanes/2]
+(a nibble: uint4, fp4 e2m1), P = ceil(O / lanes) panels of `lanes` output rows, plus float32
+scales and offsets [P, G, lanes] for G groups of `group` inputs: W = code * scale + offset. The
+kernel rebuilds each weight vector in registers with one FMA; products accumulate in float32.
+
+Routed experts are stacked per expert (`QuantizedExperts`: codes [E, P, I, .], scales and offsets
+[E, P, G, lanes]): expert e's weight is index e of each of the three tensors, so moving one expert
+(EPLB) moves three slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3}
+NIBBLES = ("int4", "fp4")
+FP8_MAX = 448.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_rows(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[O, I] float -> codes [O, I] uint8, scales and offsets [O, G] float32 (group 0: G = 1)."""
+    out_f, in_f = w.shape
+    group = group or in_f
+    g = _cdiv(in_f, group)
+    padded = torch.zeros(out_f, g * group, dtype=torch.float32)
+    padded[:, :in_f] = w.float()
+    blocks = padded.view(out_f, g, group)
+    real = torch.arange(g * group).view(g, group) < in_f  # the padding of a partial last group is ignored
+    if kind == "int4":
+        mn = torch.where(real, blocks, torch.inf).amin(-1).clamp(max=0)
+        mx = torch.where(real, blocks, -torch.inf).amax(-1).clamp(min=0)
+        scale = torch.where(mx > mn, (mx - mn) / 15, torch.ones_like(mx))
+        zero = torch.round(-mn / scale).clamp(0, 15)
+        codes = (torch.round(blocks / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8)
+        offset = -zero * scale
+    else:
+        amax = blocks.abs().amax(-1)
+        top = 127.0 if kind == "int8" else FP8_MAX
+        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        x = blocks / scale[..., None]
+        if kind == "int8":
+            codes = torch.round(x).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        else:
+            codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        offset = torch.zeros_like(scale)
+    return codes.view(out_f, g * group)[:, :in_f].contiguous(), scale, offset
+
+
+def decode_codes(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """uint8 codes (one a value) -> their float32 values before scale and offset."""
+    if kind == "int8":
+        return codes.view(torch.int8).float()
+    if kind == "fp8":
+        return codes.view(torch.float8_e4m3fn).float()
+    if kind == "fp4":
+        from expertmesh.layers.quantization.mxfp4 import E2M1
+
+        return torch.tensor(E2M1, dtype=torch.float32)[codes.long()]
+    return codes.float()
+
+
+def _panels(t: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[O, C] -> [P, C, lanes], rows past O zero."""
+    out_f, c = t.shape
+    p = _cdiv(out_f, lanes)
+    padded = torch.zeros(p * lanes, c, dtype=t.dtype)
+    padded[:out_f] = t
+    return padded.view(p, lanes, c).transpose(1, 2).contiguous()
+
+
+def _unpanel(t: torch.Tensor, out_f: int) -> torch.Tensor:
+    """[P, C, lanes] -> [O, C]."""
+    p, c, lanes = t.shape
+    return t.transpose(1, 2).reshape(p * lanes, c)[:out_f]
+
+
+@dataclass
+class QuantizedWeight:
+    """A compressed [out, in] weight; calling it multiplies by it (as cpu_gemm's packed weights)."""
+
+    kind: str
+    codes: torch.Tensor  # [P, I, lanes] or [P, I, lanes / 2] uint8
+    scales: torch.Tensor  # [P, G, lanes] float32
+    offsets: torch.Tensor  # [P, G, lanes] float32
+    out_features: int
+    in_features: int
+    group: int  # inputs per scale (in_features when per channel)
+    lanes: int
+    kernels: Any = None  # CpuKernels, or None: the torch fallback
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kind: str, group: int, kernels: Any) -> QuantizedWeight:
+        codes, scales, offsets = quantize_rows(weight, kind, group)
+        return cls.from_rows(codes, scales, offsets, kind, group or weight.shape[1], kernels)
+
+    @classmethod
+    def from_rows(cls, codes, scales, offsets, kind: str, group: int, kernels: Any) -> QuantizedWeight:
+        """Row-major codes [O, I] uint8 and scales / offsets [O, G] laid out in panels."""
+        lanes = kernels.lanes if kernels is not None else 8
+        out_f, in_f = codes.shape
+        panels = _panels(codes, lanes)  # [P, I, lanes]
+        if kind in NIBBLES:  # lane 2j in the low nibble of byte j
+            panels = (panels[..., 0::2] | (panels[..., 1::2] << 4)).contiguous()
+        s, m = _panels(scales.float(), lanes), _panels(offsets.float(), lanes)
+        return cls(kind, panels, s, m, out_f, in_f, group, lanes, kernels)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def dequantize(self) -> torch.Tensor:
+        """The [out, in] float32 weight this holds (the reference the kernel is tested against)."""
+        codes = self.codes
+        if self.kind in NIBBLES:
+            codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+        values = decode_codes(_unpanel(codes, self.out_features), self.kind)
+        expand = lambda t: _unpanel(t, self.out_features).repeat_interleave(self.group, 1)[
+            :, : self.in_features
+        ]
+        return values * expand(self.scales) + expand(self.offsets)
+
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        shape, out_dtype = x.shape, out_dtype or x.dtype
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        b = None if bias is None else bias.to(torch.float32).contiguous()
+        if self.kernels is None or x.device.type != "cpu":
+            y = F.linear(x2, self.dequantize().to(x2.device), b)
+        else:
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            if x2.shape[0]:
+                self.kernels.lib.gemm_q(
+                    KINDS[self.kind], x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
+                    self.offsets.data_ptr(), self.group, y.data_ptr(), x2.shape[0], self.out_features,
+                    self.in_features, None if b is None else b.data_ptr(), torch.get_num_threads(),
+                )  # fmt: skip
+        return y.to(out_dtype).view(*shape[:-1], self.out_features)
+
+
+@dataclass
+class QuantizedExperts:
+    """E experts' quantized weights of one kind and shape, stacked: index e is expert e."""
+
+    kind: str
+    codes: torch.Tensor  # [E, P, I, .]
+    scales: torch.Tensor  # [E, P, G, lanes]
+    offsets: torch.Tensor
+    group: int
+
+    @classmethod
+    def stack(cls, weights: list[QuantizedWeight]) -> QuantizedExperts:
+        w = weights[0]
+        return cls(
+            w.kind,
+            torch.stack([q.codes for q in weights]),
+            torch.stack([q.scales for q in weights]),
+            torch.stack([q.offsets for q in weights]),
+            w.group,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+class QuantizedMoE:
+    """The `kernels.moe(...)` of FusedExperts' fused path, over QuantizedExperts."""
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels = kernels
+
+    def moe(self, x, slot, weights, w13: QuantizedExperts, w2: QuantizedExperts, inter: int, act: str):
+        n, hidden = x.shape
+        xf = x.to(torch.float32).contiguous()
+        slot, weights = slot.contiguous(), weights.to(torch.float32).contiguous()
+        out = torch.empty(n, hidden, dtype=torch.float32)
+        self.kernels.lib.moe_q(
+            KINDS[w13.kind], xf.data_ptr(), n, hidden, slot.data_ptr(), weights.data_ptr(), slot.shape[1],
+            w13.codes.data_ptr(), w13.scales.data_ptr(), w13.offsets.data_ptr(), w13.group,
+            w2.codes.data_ptr(), w2.scales.data_ptr(), w2.offsets.data_ptr(), w2.group,
+            w13.codes.shape[0], inter, self.kernels.MOE_ACTIVATIONS[act], out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out

@@ -1,0 +1,98 @@
+"""Weight formats as plain dicts: a checkpoint's `quantization_config` -> the format that reads
+it, and `LLM(quantization=...)` -> the online scheme that quantizes an unquantized checkpoint.
+
+Every lookup fails with the unknown name and the known ones. An online request over a quantized
+checkpoint must name the checkpoint's own method (otherwise an error naming both): the weights are
+then dequantized at load and re-quantized to that scheme, held compressed (one more rounding:
+`Requantized`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from expertmesh.layers.quantization.awq import AwqFormat
+from expertmesh.layers.quantization.fp8 import Fp8Format
+from expertmesh.layers.quantization.gptq import GptqFormat
+from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
+from expertmesh.layers.quantization.online import OnlineScheme
+
+# quant_method -> the format (its `from_config` parses the rest of quantization_config)
+CHECKPOINT_FORMATS: dict[str, Any] = {
+    "awq": AwqFormat,
+    "fp8": Fp8Format,
+    "gptq": GptqFormat,
+    "mxfp4": Mxfp4Format,
+}
+# Not read yet (issue 14's later items); named in the error so a user sees where they stand.
+PLANNED = ("compressed-tensors",)
+
+
+@dataclass(frozen=True)
+class Requantized:
+    """A quantized checkpoint read through its format, then re-quantized online (LLM(quantization=
+    its method)): e.g. DeepSeek-V3's fp8 blocks held as fp8 with a scale per 128 inputs of a row."""
+
+    checkpoint: Any
+    scheme: OnlineScheme
+    online: bool = True
+
+    @property
+    def method(self) -> str:
+        return self.checkpoint.method
+
+    @property
+    def kind(self) -> str:
+        return self.scheme.kind
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
+
+    def view(self, handles: dict[str, Any]) -> Any:
+        return self.checkpoint.view(handles)
+
+    def check_split(self, what: str, local_in: int, shards: int) -> None:
+        self.scheme.check_split(what, local_in, shards)
+
+    def describe(self) -> str:
+        return f"{self.checkpoint.describe()}, then re-quantized: {self.scheme.describe()}"
+
+
+def _as_dict(quant: Any) -> dict:
+    if isinstance(quant, dict):
+        return quant
+    if hasattr(quant, "to_dict"):
+        return quant.to_dict()
+    return dict(vars(quant))
+
+
+def checkpoint_format(quant: Any) -> Any:
+    """The format of a config.json `quantization_config` (dict or transformers object)."""
+    cfg = _as_dict(quant)
+    method = cfg.get("quant_method")
+    if method not in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "
+            f"not load; supported: {sorted(CHECKPOINT_FORMATS)} (not yet: {list(PLANNED)}); use an "
+            "unquantized copy of the checkpoint, optionally with LLM(quantization=...) "
+            f"({sorted(OnlineScheme.METHODS)})"
+        )
+    return CHECKPOINT_FORMATS[method].from_config(cfg)
+
+
+def resolve(quant: Any, online: str | None) -> Any:
+    """What ModelConfig.quantization holds: the checkpoint's format, an online scheme, or None."""
+    fmt = checkpoint_format(quant) if quant else None
+    if online is None:
+        return fmt
+    if fmt is not None:
+        if OnlineScheme.parse(online).method == fmt.method:
+            return Requantized(fmt, OnlineScheme.parse(online))
+        raise ValueError(
+            f"quantization={online!r} was asked for, but the checkpoint is already quantized "
+            f"(quant_method={fmt.method!r}); pass quantization=None (dequantized at load) or "
+            f"{fmt.method!r} if online quantization knows it (held compressed: {list(OnlineScheme.METHODS)})"
+        )
+    return OnlineScheme.parse(online)

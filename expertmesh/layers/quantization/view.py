@@ -1,0 +1,79 @@
+"""The checkpoint as the loader sees it: logical tensors over every safetensors file at once.
+
+A quantized checkpoint stores one logical weight as several tensors (FP8: the e4m3 weight and its
+`weight_scale_inv` block scales; MXFP4: `*_blocks` and `*_scales`), possibly in different files of
+a sharded checkpoint. A weight format (layers/quantization/registry.py) turns them into one
+`LogicalTensor` that behaves like a safetensors slice: `get_shape()`, `get_dtype()` and indexing
+with slices, which reads only the stored bytes (weights and scales) the requested region covers
+and dequantizes just that region. Per-rank slicing (TP rows or columns, one EP expert) therefore
+keeps every scale consistent with its weights by construction: a rank's slice that cuts a scale
+block reads the whole block's scale and uses it for the part it keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# torch dtypes as safetensors names them (what get_dtype() returns)
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class LogicalTensor:
+    """A tensor made from stored pieces on demand; subclasses define `shape` and `materialize`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """The region [start, stop) of every dim, dequantized (float32)."""
+        raise NotImplementedError
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        bounds = []
+        for d, size in enumerate(self.shape):
+            s = index[d] if d < len(index) else slice(None)
+            if not isinstance(s, slice) or s.step not in (None, 1):
+                raise TypeError(f"{type(self).__name__} takes plain slices, not {s!r}")
+            start, stop, _ = s.indices(size)
+            bounds.append((start, max(start, stop)))
+        return self.materialize(bounds)
+
+
+class CheckpointView:
+    """Every tensor of the checkpoint's files by name: `keys()` with the file each lives in and
+    `get_slice(key)`. A format's view (subclass) hides companion tensors and serves logical ones."""
+
+    def __init__(self, handles: dict[str, Any]) -> None:
+        self.handles = handles  # path -> open file (models/tensor_file.TensorFile)
+        self.file_of = {key: path for path, f in handles.items() for key in f.keys()}
+
+    def stored(self, key: str) -> Any:
+        return self.handles[self.file_of[key]].get_slice(key)
+
+    def stored_dtype(self, key: str) -> str:
+        return self.stored(key).get_dtype()
+
+    def keys(self) -> list[tuple[str, str]]:
+        """(logical key, the file to name in errors), in file order."""
+        return [(key, path) for path, f in self.handles.items() for key in f.keys()]
+
+    def get_slice(self, key: str) -> Any:
+        return self.stored(key)
+
+
+@contextlib.contextmanager
+def opened(paths: list[str], opener: Any) -> Iterator[dict[str, Any]]:
+    """Every file opened (memory-mapped) for the duration: a logical tensor may span two files."""
+    with contextlib.ExitStack() as stack:
+        yield {path: stack.enter_context(opener(path)) for path in paths}

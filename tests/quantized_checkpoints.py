@@ -1,0 +1,243 @@
+"""Quantized copies of tiny checkpoints, written the way the published ones are, by code written
+here from the formats' descriptions (not by expertmesh's packer):
+
+- `to_fp8(src, dst, block)`: every 2-D `*_proj.weight` as e4m3 with a float32 `weight_scale_inv`
+  per (block[0] x block[1]) block (amax / 448; a last partial block covers the remainder), the
+  quantization_config DeepSeek-V3 publishes with that block size;
+- `to_mxfp4(src, dst)`: gpt-oss's fused expert weights as `*_blocks` (e2m1 nibbles, low first)
+  and `*_scales` (e8m0 per 32 inputs), with its published modules_to_not_convert;
+- `fake_quantized(src, dst, kind, group)`: the same checkpoint, unquantized, with each weight
+  expertmesh's online scheme would quantize replaced by its dequantized value (the reference the
+  int formats are compared with: the same weights dequantized to fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _rewrite(src: str, dst: str, convert, quantization_config: dict | None) -> None:
+    """Copy src to dst with every safetensors file's tensors passed through convert(key, t) -> dict."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    index = json.load(open(index_path)) if os.path.exists(index_path) else None
+    for name in sorted(os.listdir(dst)):
+        if not name.endswith(".safetensors"):
+            continue
+        out = {}
+        for key, t in load_file(os.path.join(dst, name)).items():
+            for new_key, new in convert(key, t).items():
+                out[new_key] = new.contiguous()
+                if index is not None:
+                    index["weight_map"].pop(key, None)
+                    index["weight_map"][new_key] = name
+        save_file(out, os.path.join(dst, name), metadata={"format": "pt"})
+    if index is not None:
+        json.dump(index, open(index_path, "w"))
+    config_path = os.path.join(dst, "config.json")
+    config = json.load(open(config_path))
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    json.dump(config, open(config_path, "w"), indent=1)
+
+
+def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[O, I] float -> (e4m3 weight, float32 scales [ceil(O / bo), ceil(I / bi)])."""
+    (o, i), (bo, bi) = w.shape, block
+    go, gi = -(-o // bo), -(-i // bi)
+    padded = torch.zeros(go * bo, gi * bi)
+    padded[:o, :i] = w.float()
+    scale = (padded.view(go, bo, gi, bi).abs().amax((1, 3)) / 448).clamp(min=1e-12)
+    full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def to_fp8(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith("_proj.weight") and t.dim() == 2:
+            q, s = fp8_blocks(t, block)
+            return {key: q, key + "_scale_inv": s}
+        return {key: t}
+
+    config = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    _rewrite(src, dst, convert, config)
+    return dst
+
+
+def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., R, C] float (C a multiple of 32) -> (blocks [..., R, C / 32, 16] uint8, scales
+    [..., R, C / 32])."""
+    g = w.float().unflatten(-1, (-1, 32))  # [..., R, G, 32]
+    amax = g.abs().amax(-1).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # e2m1's largest value is 6
+    scaled = g / torch.exp2(exp)[..., None]
+    codes = (scaled[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)  # nearest e2m1 value
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def to_mxfp4(src: str, dst: str) -> str:
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # stored [E, in, out]
+            blocks, scales = mxfp4_blocks(t.transpose(1, 2))
+            return {key + "_blocks": blocks, key + "_scales": scales}
+        return {key: t}
+
+    config = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    _rewrite(src, dst, convert, config)
+    return dst
+
+
+def fake_quantize(w: torch.Tensor, kind: str, group: int) -> torch.Tensor:
+    """[O, I] -> its dequantized value under expertmesh's online scheme `kind`, written from the
+    scheme's description (layers/quantization/online.py): int8 symmetric per channel (amax / 127),
+    int4 asymmetric per `group` inputs ((max - min) / 15 and a rounded zero point), fp8 e4m3 per
+    channel (amax / 448)."""
+    o, i = w.shape
+    group = group or i
+    out = torch.empty(o, i)
+    for g0 in range(0, i, group):
+        x = w[:, g0 : g0 + group].float()
+        if kind == "int4":
+            mn, mx = x.amin(1, keepdim=True).clamp(max=0), x.amax(1, keepdim=True).clamp(min=0)
+            s = torch.where(mx > mn, (mx - mn) / 15, torch.ones_like(mx))
+            z = torch.round(-mn / s).clamp(0, 15)
+            out[:, g0 : g0 + group] = ((torch.round(x / s) + z).clamp(0, 15) - z) * s
+        else:
+            top = 127.0 if kind == "int8" else 448.0
+            amax = x.abs().amax(1, keepdim=True)
+            s = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+            if kind == "int8":
+                out[:, g0 : g0 + group] = torch.round(x / s).clamp(-127, 127) * s
+            else:
+                out[:, g0 : g0 + group] = (x / s).to(torch.float8_e4m3fn).float() * s
+    return out
+
+
+def fake_quantized(src: str, dst: str, kind: str, group: int, quantized) -> str:
+    """dst: src with each tensor for which quantized(key, t) holds replaced by its dequantized value
+    (fused 3-D expert tensors per expert, as [out, in])."""
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if not quantized(key, t):
+            return {key: t}
+        return {key: fake_quantize(t, kind, group).to(t.dtype)}
+
+    _rewrite(src, dst, convert, None)
+    return dst
+
+
+def from_fp8(src: str, dst: str, block: tuple[int, int]) -> str:
+    """An fp8 checkpoint (to_fp8) dequantized back to float32 by the format's definition."""
+    files = [n for n in sorted(os.listdir(src)) if n.endswith(".safetensors")]
+    scales = {}
+    for name in files:
+        scales.update(
+            {k: t for k, t in load_file(os.path.join(src, name)).items() if k.endswith("_scale_inv")}
+        )
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith("_scale_inv"):
+            return {}
+        if t.dtype != torch.float8_e4m3fn:
+            return {key: t}
+        (o, i), (bo, bi) = t.shape, block
+        s = scales[key + "_scale_inv"].repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+        return {key: t.float() * s}
+
+    _rewrite(src, dst, convert, None)
+    config_path = os.path.join(dst, "config.json")
+    config = json.load(open(config_path))
+    config.pop("quantization_config")
+    json.dump(config, open(config_path, "w"), indent=1)
+    return dst
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _int4_groups(w: torch.Tensor, group: int, g_idx: torch.Tensor):
+    """Asymmetric 4-bit per group of inputs: (q [I, O], zeros [G, O] in 1..15, fp16 scales [G, O]).
+    Zeros of 0 are avoided: GPTQ v1 stores zero - 1 in 4 bits."""
+    wt = w.float().t()  # [I, O]
+    groups = int(g_idx.max()) + 1
+    scales, zeros = torch.empty(groups, wt.shape[1]), torch.empty(groups, wt.shape[1])
+    for g in range(groups):
+        x = wt[g_idx == g]
+        mn, mx = x.amin(0).clamp(max=0), x.amax(0).clamp(min=0)
+        scales[g] = torch.where(mx > mn, (mx - mn) / 15, torch.ones_like(mx))
+        zeros[g] = torch.round(-mn / scales[g]).clamp(1, 15)
+    scales = scales.half()
+    q = (torch.round(wt / scales.float()[g_idx]) + zeros[g_idx]).clamp(0, 15)
+    return q.to(torch.int64), zeros.to(torch.int64), scales
+
+
+def _pack(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """int64 4-bit values -> int32 words of 8 along dim (slot j holds element 8w + order[j])."""
+    v = values.movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
+    words = sum(v[..., j] << (4 * j) for j in range(8))
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim)
+
+
+def to_int4_packed(src: str, dst: str, ref_dst: str, method: str, group: int, desc_act: bool = False) -> str:
+    """`method` "gptq" or "awq": every 2-D *_proj.weight packed as that format writes it; `ref_dst`
+    gets the same weights dequantized to fp32 (the reference)."""
+    g = torch.Generator().manual_seed(11)
+    dequantized = {}
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if not (key.endswith("_proj.weight") and t.dim() == 2):
+            return {key: t}
+        in_f = t.shape[1]
+        order = torch.randperm(in_f, generator=g) if desc_act else torch.arange(in_f)
+        g_idx = torch.empty(in_f, dtype=torch.int64)
+        g_idx[order] = torch.arange(in_f) // group  # with desc_act, groups of scattered inputs
+        q, z, s = _int4_groups(t, group, g_idx)
+        dequantized[key] = ((q - z[g_idx]).float() * s.float()[g_idx]).t().contiguous()
+        base = key[: -len(".weight")]
+        if method == "gptq":
+            out = {f"{base}.qweight": _pack(q, 0), f"{base}.qzeros": _pack(z - 1, 1), f"{base}.scales": s}
+            out[f"{base}.g_idx"] = g_idx.to(torch.int32)
+            return out
+        return {
+            f"{base}.qweight": _pack(q, 1, AWQ_ORDER),
+            f"{base}.qzeros": _pack(z, 1, AWQ_ORDER),
+            f"{base}.scales": s,
+        }
+
+    if method == "gptq":
+        config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": False}
+    else:
+        config = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    _rewrite(src, dst, convert, config)
+    _rewrite(src, ref_dst, lambda k, t: {k: dequantized.get(k, t)}, None)
+    return dst

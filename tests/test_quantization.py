@@ -1,0 +1,370 @@
+"""Quantized weights (issue 14): FP8 block-scaled (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints
+against transformers' own CPU dequantization, online int8 / int4 / fp8 against the same weights
+dequantized to fp32, the kernels against their dequantized reference, resident bytes per
+weight, and every error path.
+
+Greedy tokens must equal the reference's; a divergence is allowed only at a step where the
+reference's top-2 logit margin is below MARGIN (float32 summation order against dequantized
+weights that are equal: the kernel forms code * scale + offset with one FMA, the reference as
+two roundings), and the test then stops comparing that prompt.
+"""
+
+import json
+import logging
+import re
+import shutil
+
+import pytest
+import torch
+from checkpoints import one_thread, prompts_of_lengths
+from quantized_checkpoints import fake_quantized, fp8_blocks, from_fp8, to_fp8, to_int4_packed, to_mxfp4
+from real_checkpoints import Sizes
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.layers import cpu_kernels
+from expertmesh.layers.quantization.fp8 import Fp8Tensor
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.models.build import log_weight_bytes
+
+LENGTHS = [1, 5, 12, 33]
+NEW_TOKENS = 16
+MARGIN = 1e-3  # logits; float32 rounding of equal weights is ~1e-6 here
+V3 = ("deepseek-v3", Sizes(layers=5, experts=32, max_top_k=8))
+FP8_BLOCK = (8, 16)  # divides every dim of the shrunk V3 (transformers splits a partial block wrongly)
+
+
+@pytest.fixture
+def engine_log(caplog):
+    log = logging.getLogger("expertmesh")
+    log.addHandler(caplog.handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+        log.setLevel(level)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_greedy_matches(ours: list[list[int]], ref_model, prompts: list[list[int]]) -> int:
+    """Our tokens against the reference model's, step by step; returns the allowed divergences."""
+    allowed = 0
+    with torch.no_grad(), one_thread():
+        for prompt, tokens in zip(prompts, ours):
+            ids = list(prompt)
+            for step, token in enumerate(tokens):
+                logits = ref_model(torch.tensor([ids])).logits[0, -1].float()
+                top2 = logits.topk(2)
+                if token != int(top2.indices[0]):
+                    margin = float(top2.values[0] - top2.values[1])
+                    assert margin < MARGIN and token == int(top2.indices[1]), (
+                        f"prompt of {len(prompt)} tokens, step {step}: ours {token}, reference "
+                        f"{int(top2.indices[0])} by a margin of {margin:.2e}"
+                    )
+                    allowed += 1
+                    break
+                ids.append(token)
+    return allowed
+
+
+# ---- the formats' arithmetic -----------------------------------------------------------------------
+def test_fp8_partial_blocks_and_rank_slices_follow_the_format(tmp_path):
+    """A last partial block covers the remainder; a TP slice that cuts a block uses its one scale."""
+    torch.manual_seed(0)
+    w = torch.randn(20, 40)
+    q, s = fp8_blocks(w, (8, 16))  # 3 x 3 blocks, the last of each dim partial
+    save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "t.safetensors"))
+    ref = torch.empty(20, 40)
+    for o in range(20):
+        for i in range(40):
+            ref[o, i] = q[o, i].float() * s[o // 8, i // 16]
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        t = Fp8Tensor("w", f.get_slice("w"), f.get_slice("w_scale_inv"), (8, 16))
+        assert t.get_shape() == [20, 40]
+        torch.testing.assert_close(t[:], ref, rtol=0, atol=0)
+        torch.testing.assert_close(t[5:15], ref[5:15], rtol=0, atol=0)  # rows cut mid-block (TP 2)
+        torch.testing.assert_close(t[:, 10:30], ref[:, 10:30], rtol=0, atol=0)
+        with pytest.raises(
+            ValueError, match=r"w_scale_inv has shape \(3, 3\); weight \(20, 40\) in blocks of \[8, 8\]"
+        ):
+            Fp8Tensor("w", f.get_slice("w"), f.get_slice("w_scale_inv"), (8, 8))
+
+
+KINDS = [("int8", 128), ("int8", 0), ("int4", 128), ("int4", 32), ("fp8", 0), ("fp8", 16)]
+
+
+@pytest.mark.parametrize("kind,group", KINDS)
+def test_quantized_gemm_kernel_equals_its_dequantized_weight(kind, group):
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler: the torch fallback is the only path (tested below)")
+    torch.manual_seed(1)
+    for out_f, in_f, rows in [(37, 200, 1), (10, 33, 7), (96, 256, 33), (8, 16, 0)]:
+        w, x, b = torch.randn(out_f, in_f), torch.randn(rows, in_f), torch.randn(out_f)
+        qk = QuantizedWeight.quantize(w, kind, group, kernels)
+        qt = QuantizedWeight.quantize(w, kind, group, None)
+        torch.testing.assert_close(qk.dequantize(), qt.dequantize(), rtol=0, atol=0)
+        ref = (x.double() @ qt.dequantize().double().T + b.double()).float()
+        torch.testing.assert_close(qk(x, b), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(qt(x, b), ref, rtol=1e-5, atol=1e-4)
+        assert qk(x.bfloat16(), None, out_dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_moe_kernel_equals_per_expert_products(kind):
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(2)
+    e, hidden, inter, n, k = 5, 48, 24, 9, 2
+    w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
+    w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, kernels) for _ in range(e)]
+    x = torch.randn(n, hidden)
+    slot = torch.randint(-1, e, (n, k), dtype=torch.int32)  # -1: another rank's expert
+    slot[0] = -1  # a token none of whose experts is here
+    weights = torch.rand(n, k)
+    out = QuantizedMoE(kernels).moe(
+        x, slot, weights, QuantizedExperts.stack(w13), QuantizedExperts.stack(w2), inter, "silu"
+    )
+    ref = torch.zeros(n, hidden, dtype=torch.float64)
+    for t in range(n):
+        for j in range(k):
+            s = int(slot[t, j])
+            if s >= 0:
+                h = x[t].double() @ w13[s].dequantize().double().T
+                a = torch.nn.functional.silu(h[:inter]) * h[inter:]
+                ref[t] += weights[t, j].double() * (a @ w2[s].dequantize().double().T)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
+
+
+# ---- checkpoints in quantized formats against transformers' dequantization -------------------------
+@pytest.mark.timeout(180)
+def test_fp8_deepseek_v3_matches_transformers_dequantized(real_checkpoint, tmp_path, engine_log):
+    path = to_fp8(real_checkpoint(V3[0], sizes=V3[1]), str(tmp_path / "fp8"), FP8_BLOCK)
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "fp8 e4m3 (8x16 blocks), dequantized to the model dtype at load" in engine_log.text
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=FP8_BLOCK)
+    ).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=3)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+@pytest.mark.timeout(180)
+def test_mxfp4_gpt_oss_matches_transformers_dequantized(real_checkpoint, tmp_path, engine_log):
+    path = to_mxfp4(real_checkpoint("gpt-oss-20b"), str(tmp_path / "mxfp4"))
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "mxfp4 (e2m1, e8m0 scale per 32), dequantized" in engine_log.text
+    ref = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=4)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method,desc_act", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_gptq_and_awq_match_the_same_weights_dequantized(
+    real_checkpoint, tmp_path, engine_log, method, desc_act
+):
+    """Asymmetric int4 in groups of 16 (GPTQ with and without desc_act's scattered groups, AWQ's
+    GEMM packing order) against transformers on the same weights dequantized to fp32."""
+    ref_path = str(tmp_path / "ref")
+    path = to_int4_packed(_qwen3(real_checkpoint), str(tmp_path / method), ref_path, method, 16, desc_act)
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert f"weights: {method} int4 (groups of 16" in engine_log.text
+    ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=8)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+def _qwen3(real_checkpoint) -> str:
+    return real_checkpoint("qwen3-30b-a3b")
+
+
+def _online_quantized_key(key: str, t: torch.Tensor) -> bool:
+    """What expertmesh's online schemes quantize in Qwen3-MoE: every projection, not the router."""
+    return key.endswith("_proj.weight") and t.dim() == 2
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "scheme,kind,group", [("int8", "int8", 128), ("int4-g32", "int4", 32), ("fp8", "fp8", 128)]
+)
+def test_online_quantization_matches_the_same_weights_dequantized(
+    real_checkpoint, tmp_path, scheme, kind, group
+):
+    path = _qwen3(real_checkpoint)
+    ref_path = fake_quantized(path, str(tmp_path / "ref"), kind, group, _online_quantized_key)
+    llm = LLM(path, quantization=scheme, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=5)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+@pytest.mark.parametrize("scheme,per_weight", [("int8", 1 + 8 / 128), ("int4", 0.5 + 8 / 128)])
+def test_resident_bytes_per_quantized_weight(real_checkpoint, scheme, per_weight):
+    """Quantized weights at 1.0625 (int8) and 0.5625 (int4) bytes each with groups of 128 (a
+    hidden of 256 so rows hold whole groups), plus the unquantized parts at 4 (float32)."""
+    path = real_checkpoint("qwen3-30b-a3b", sizes=Sizes(hidden=256, expert_inter=128, heads=4))
+    dense = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    quant = LLM(path, quantization=scheme, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    model = quant.llm_engine.runner.model
+    quantized_params = 0  # weights held compressed (panel rows past out_features included)
+    for m in model.modules():
+        packed, fused = getattr(m, "packed", None), getattr(m, "fused", None)
+        held = [packed] if isinstance(packed, QuantizedWeight) else []
+        held += [w for pair in packed for w in pair] if isinstance(packed, list) else []
+        held += [w for w in (fused or ())[1:3] if isinstance(w, QuantizedExperts)]
+        quantized_params += sum(w.codes.numel() * (2 if w.kind == "int4" else 1) for w in held)
+    assert quantized_params > 0
+    counts = log_weight_bytes(model, model.cfg)
+    assert counts["quantized"] == pytest.approx(per_weight * quantized_params, rel=1e-9)
+    dense_counts = log_weight_bytes(dense.llm_engine.runner.model, model.cfg)
+    unquantized = dense_counts["total"] - 4 * quantized_params
+    assert counts["dense"] == pytest.approx(unquantized, rel=0.02)
+    assert counts["total"] < dense_counts["total"] * (0.4 if scheme == "int8" else 0.25)
+
+
+def test_fp8_checkpoint_requantized_online_is_held_compressed(real_checkpoint, tmp_path, engine_log):
+    """quantization="fp8" over an fp8 checkpoint: dequantized at load, re-quantized to fp8 with a
+    scale per 128 inputs of a row (compressed); the same as quantizing its dequantized copy."""
+    fp8 = to_fp8(_qwen3(real_checkpoint), str(tmp_path / "fp8"), FP8_BLOCK)
+    plain = from_fp8(fp8, str(tmp_path / "plain"), FP8_BLOCK)
+    prompts = prompts_of_lengths(LENGTHS, seed=7)
+    runs = [
+        LLM(p, quantization="fp8", max_model_len=128, kv_cache_memory_bytes=1 << 22) for p in (fp8, plain)
+    ]
+    assert "then re-quantized: online fp8 weight-only (groups of 128), held compressed" in engine_log.text
+    assert _greedy(runs[0], prompts) == _greedy(runs[1], prompts)
+    counts = log_weight_bytes(runs[0].llm_engine.runner.model, runs[0].llm_engine.runner.model.cfg)
+    as_float32 = counts["dense"] + counts["quantized"] * 4 / (1 + 8 / 128)  # the same model unquantized
+    assert counts["quantized"] > 0 and counts["total"] < 0.5 * as_float32
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoint, tmp_path):
+    path = tmp_path / "q"
+    shutil.copytree(_qwen3(real_checkpoint), path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"quant_method='bitsandbytes'.*supported: \['awq', 'fp8', 'gptq', 'mxfp4'\]"
+    ):
+        LLM(str(path), max_model_len=32, kv_cache_memory_bytes=1 << 20)
+
+
+def test_online_scheme_errors_name_the_bad_value(real_checkpoint, tmp_path):
+    path = _qwen3(real_checkpoint)
+    with pytest.raises(
+        ValueError, match=r"quantization='int3' is not known; known: \['fp8', 'int4', 'int8'\]"
+    ):
+        LLM(path, quantization="int3", max_model_len=32, kv_cache_memory_bytes=1 << 20)
+    fp8 = to_fp8(path, str(tmp_path / "fp8"), (8, 16))
+    with pytest.raises(
+        ValueError,
+        match=r"quantization='int8' was asked for, but the checkpoint is already quantized "
+        r"\(quant_method='fp8'\); pass quantization=None \(dequantized at load\) or 'fp8'",
+    ):
+        LLM(fp8, quantization="int8", max_model_len=32, kv_cache_memory_bytes=1 << 20)
+
+
+def test_fp8_config_and_tensor_errors(real_checkpoint, tmp_path):
+    path = to_fp8(_qwen3(real_checkpoint), str(tmp_path / "fp8"), (8, 16))
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    bad = dict(config, quantization_config={**config["quantization_config"], "activation_scheme": "static"})
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(
+        ValueError, match=r"activation_scheme='static' is not supported; supported: \['dynamic'\]"
+    ):
+        LLM(path, max_model_len=32, kv_cache_memory_bytes=1 << 20)
+    wrong_block = dict(
+        config, quantization_config={**config["quantization_config"], "weight_block_size": [8, 8]}
+    )
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(wrong_block))
+    with pytest.raises(
+        ValueError,
+        match=r"_scale_inv has shape \(\d+, \d+\); weight \(\d+, \d+\) in blocks of \[8, 8\] needs",
+    ):
+        LLM(path, max_model_len=32, kv_cache_memory_bytes=1 << 20)
+
+
+def test_a_split_that_cuts_a_quantization_group_names_the_sizes():
+    from expertmesh.layers.quantization.online import OnlineScheme
+
+    with pytest.raises(
+        ValueError,
+        match=r"quantization='int8-g128' \(groups of 128\): o_proj splits its input dim 64 over 2 ranks, "
+        r"32 a rank.*'int8-g32'",
+    ):
+        OnlineScheme.parse("int8").check_split("o_proj", 32, 2)
+    OnlineScheme.parse("int8-g32").check_split("o_proj", 32, 2)  # whole groups: fine
+    with pytest.raises(ValueError, match=r"one scale per output channel"):
+        OnlineScheme.parse("int4-ch").check_split("down", 16, 2)
+
+
+# ---- parallel layouts on quantized weights ---------------------------------------------------------
+LAYOUTS = [(2, False), (2, True)]  # (TP, expert parallel) over 2 ranks
+
+
+def _layouts_main(rank, world, path, quantization, prompts):
+    out = []
+    for tp, ep in LAYOUTS:
+        llm = LLM(
+            path, tensor_parallel_size=tp, enable_expert_parallel=ep, quantization=quantization,
+            distributed_executor_backend="external_launcher", max_model_len=128,
+            kv_cache_memory_bytes=1 << 22,
+        )  # fmt: skip
+        out.append(((tp, ep), _greedy(llm, prompts)))
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["int8-g16", "int4-g16", "fp8-checkpoint", "gptq-checkpoint"])
+def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoint, tmp_path, case):
+    """Groups of 16 keep whole groups on each rank of a split input dim (TP 2 halves the experts'
+    32-wide intermediate); the fp8 checkpoint's 128 x 128 blocks are cut by every TP slice."""
+    from distributed_utils import run_distributed
+
+    path, quantization = _qwen3(real_checkpoint), case
+    if case == "fp8-checkpoint":
+        path, quantization = to_fp8(path, str(tmp_path / "fp8"), (128, 128)), None
+    if case == "gptq-checkpoint":  # desc_act: each rank's inputs use scattered groups
+        path = to_int4_packed(path, str(tmp_path / "gptq"), str(tmp_path / "ref"), "gptq", 16, True)
+        quantization = None
+    prompts = prompts_of_lengths([3, 17, 1, 40], seed=6)
+    expected = _greedy(
+        LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22), prompts
+    )
+    for rank, results in enumerate(
+        run_distributed(_layouts_main, 2, path, quantization, prompts, timeout=220)
+    ):
+        for layout, tokens in results:
+            assert tokens == expected, f"{case}: rank {rank}, (TP, EP)={layout}"
+
+
+def _cut_group_main(rank, world, path):
+    try:
+        LLM(path, tensor_parallel_size=2, quantization="int8",
+            distributed_executor_backend="external_launcher", max_model_len=32,
+            kv_cache_memory_bytes=1 << 20)  # fmt: skip
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_tp2_with_groups_a_rank_would_cut_is_an_error_naming_the_sizes(real_checkpoint):
+    from distributed_utils import run_distributed
+
+    for message in run_distributed(_cut_group_main, 2, _qwen3(real_checkpoint), timeout=60):
+        assert message is not None and re.search(
+            r"splits its input dim \d+ over 2 ranks, \d+ a rank", message
+        )
