@@ -87,6 +87,23 @@ def test_cli_without_a_model_prints_readable_english():
     assert len(words) >= 3 and sum(w.isalpha() for w in words) >= len(words) - 1, text
 
 
+@pytest.mark.timeout(120)
+def test_cli_generate_with_the_mp_executor_prints_every_prompt_once():
+    """`generate --distributed-executor-backend mp`: the calling process hands out every prompt to
+    the DP2 workers and prints every output once, as one process gives it."""
+    prompts = ["1 2 3 4", "Monday Tuesday", "The cat"]
+    base = [sys.executable, "-m", "expertmesh.entrypoints.cli", "generate", "--max-tokens", "8", "--json"]
+    base += [a for p in prompts for a in ("--prompt", p)]
+
+    def run(extra: list[str]) -> list[dict]:
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=100, check=True).stdout
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    one, mp = run([]), run(["-dp", "2", "--distributed-executor-backend", "mp"])
+    assert [r["prompt"] for r in mp] == prompts
+    assert [r["token_ids"] for r in mp] == [r["token_ids"] for r in one]
+
+
 BF16_GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
 
 

@@ -196,10 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stats":
         return stats_cli.main(args)
     from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
+    from expertmesh.config import ParallelConfig
 
     llm = LLM(**_engine_kwargs(args, args.model))
-    pc = llm.llm_engine.vllm_config.parallel_config
-    # Under DP, each replica takes every DP-th prompt; one rank per replica prints.
+    engine = getattr(llm, "llm_engine", None)
+    # Under DP (torchrun), each replica takes every DP-th prompt; one rank per replica prints. The
+    # caller of an mp executor hands out every prompt and gets every output: it prints as one rank.
+    pc = engine.vllm_config.parallel_config if engine is not None else ParallelConfig()
     prompts = args.prompt[pc.data_parallel_rank :: pc.data_parallel_size]
     sp = SamplingParams(
         temperature=args.temperature,
@@ -276,13 +279,15 @@ def _print(outs, args, pc, elapsed: float, llm) -> None:
         else:
             print(f"{tag}Prompt: {out.prompt!r}\n{tag}Generated text: {out.outputs[0].text!r}\n")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
-    traffic = llm.all2all_stats()
     rate = tokens / max(elapsed, 1e-9)
-    print(
-        f"{tag}{len(outs)} prompts, {tokens} tokens in {elapsed:.2f}s ({rate:.1f} tok/s); all2all "
-        f"{pc.all2all_backend}: {traffic['bytes_sent']} bytes sent, {traffic['bytes_received']} received",
-        file=sys.stderr if args.json else sys.stdout,
-    )
+    line = f"{tag}{len(outs)} prompts, {tokens} tokens in {elapsed:.2f}s ({rate:.1f} tok/s)"
+    if getattr(llm, "llm_engine", None) is not None:  # the mp executor's workers keep their traffic
+        traffic = llm.all2all_stats()
+        line += (
+            f"; all2all {pc.all2all_backend}: {traffic['bytes_sent']} bytes sent, "
+            f"{traffic['bytes_received']} received"
+        )
+    print(line, file=sys.stderr if args.json else sys.stdout)
     sys.stdout.flush()
 
 
