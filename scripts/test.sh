@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check expertmesh tests tools benchmarks examples
 .venv/bin/ruff format --check expertmesh tests tools benchmarks examples
-HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"

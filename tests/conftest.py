@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 
 import pytest
@@ -7,6 +8,21 @@ from real_checkpoints import Sizes, build, published, shrink
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def engine_log(caplog):
+    """The expertmesh logger's records at INFO (it does not propagate to the root logger caplog
+    watches once configured)."""
+    log = logging.getLogger("expertmesh")
+    log.addHandler(caplog.handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+        log.setLevel(level)
 
 
 @pytest.fixture(scope="session")

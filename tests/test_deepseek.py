@@ -5,7 +5,6 @@ KV cache's size; absorbed against expanded decode, with and without the CPU kern
 details (V3's MTP layer, transformers' in-memory tensor names, FP8, moe_layer_freq)."""
 
 import json
-import logging
 import shutil
 import statistics
 import types
@@ -32,20 +31,6 @@ MODELS = {
 }
 LENGTHS = [1, 3, 7, 12, 20, 33, 5, 48]
 NEW_TOKENS = 32
-
-
-@pytest.fixture
-def engine_log(caplog):
-    """The expertmesh logger's records (it does not propagate to the root logger caplog watches)."""
-    log = logging.getLogger("expertmesh")
-    log.addHandler(caplog.handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
-        yield caplog
-    finally:
-        log.removeHandler(caplog.handler)
-        log.setLevel(level)
 
 
 def deepseek(real_checkpoint, name: str, **kw) -> str:

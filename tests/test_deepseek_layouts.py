@@ -7,7 +7,7 @@ rank idle (test_layout_matrix.prompts_for). Every rank's tokens equal one proces
 import pytest
 from distributed_utils import run_distributed
 from real_checkpoints import Sizes, deepseek_v2
-from test_layout_matrix import LENS, P, backends, prompts_for
+from test_layout_matrix import LENS, P, backends, run_case
 
 from expertmesh import LLM, SamplingParams
 
@@ -16,26 +16,8 @@ LITE = "deepseek-v2-lite"  # 64 experts top-6, 2 shared, first layer dense
 
 def _rank_main(rank, world, path, case_list):
     results = []
-    for dp, pp, tp, ep, backend in case_list:
-        llm = LLM(
-            path,
-            data_parallel_size=dp,
-            pipeline_parallel_size=pp,
-            tensor_parallel_size=tp,
-            enable_expert_parallel=ep,
-            all2all_backend=backend,
-            distributed_executor_backend="external_launcher",
-            max_model_len=64,
-            kv_cache_memory_bytes=1 << 20,
-            debug_nan_recv_buffers=True,
-        )
-        dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
-        idx = prompts_for(dp_rank, dp)
-        outs = llm.generate(
-            [{"prompt_token_ids": P[i]} for i in idx],
-            [SamplingParams(temperature=0, max_tokens=LENS[i], ignore_eos=True) for i in idx],
-            use_tqdm=False,
-        )
+    for case in case_list:
+        llm, idx, outs = run_case(path, case, kv_cache_memory_bytes=1 << 20)
         runner = llm.llm_engine.runner
         moe = next(layer.mlp for layer in runner.model.model.layers.values() if layer.is_moe)
         placement = (
@@ -43,7 +25,7 @@ def _rank_main(rank, world, path, case_list):
             sum(moe.shared_expert.gate_up_proj.output_sizes) // moe.shared_expert.gate_up_proj.tp_size,
             [layer.kv_spec.values_per_token for layer in runner.attn_layers],
         )
-        results.append(((dp, pp, tp, ep, backend), idx, [o.outputs[0].token_ids for o in outs], placement))
+        results.append((case, idx, [o.outputs[0].token_ids for o in outs], placement))
     return results
 
 

@@ -38,29 +38,36 @@ def prompts_for(dp_rank: int, dp_size: int) -> list[int]:
     return idx
 
 
+def run_case(path: str, case: tuple, kv_cache_memory_bytes: int = 1 << 21):
+    """One layout case on this rank: (the LLM, this DP rank's prompt indices, their outputs)."""
+    dp, pp, tp, ep, backend = case
+    llm = LLM(
+        path,
+        data_parallel_size=dp,
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
+        all2all_backend=backend,
+        distributed_executor_backend="external_launcher",
+        max_model_len=64,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        debug_nan_recv_buffers=True,
+    )
+    dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+    idx = prompts_for(dp_rank, dp)
+    outs = llm.generate(
+        [{"prompt_token_ids": P[i]} for i in idx],
+        [SamplingParams(temperature=0, max_tokens=LENS[i], ignore_eos=True) for i in idx],
+        use_tqdm=False,
+    )
+    return llm, idx, outs
+
+
 def _rank_main(rank, world, path, case_list):
     results = []
-    for dp, pp, tp, ep, backend in case_list:
-        llm = LLM(
-            path,
-            data_parallel_size=dp,
-            pipeline_parallel_size=pp,
-            tensor_parallel_size=tp,
-            enable_expert_parallel=ep,
-            all2all_backend=backend,
-            distributed_executor_backend="external_launcher",
-            max_model_len=64,
-            kv_cache_memory_bytes=1 << 21,
-            debug_nan_recv_buffers=True,
-        )
-        dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
-        idx = prompts_for(dp_rank, dp)
-        outs = llm.generate(
-            [{"prompt_token_ids": P[i]} for i in idx],
-            [SamplingParams(temperature=0, max_tokens=LENS[i], ignore_eos=True) for i in idx],
-            use_tqdm=False,
-        )
-        results.append(((dp, pp, tp, ep, backend), idx, [o.outputs[0].token_ids for o in outs]))
+    for case in case_list:
+        _, idx, outs = run_case(path, case)
+        results.append((case, idx, [o.outputs[0].token_ids for o in outs]))
     return results
 
 

@@ -10,7 +10,6 @@ two roundings), and the test then stops comparing that prompt.
 """
 
 import json
-import logging
 import re
 import shutil
 
@@ -34,19 +33,6 @@ NEW_TOKENS = 16
 MARGIN = 1e-3  # logits; float32 rounding of equal weights is ~1e-6 here
 V3 = ("deepseek-v3", Sizes(layers=5, experts=32, max_top_k=8))
 FP8_BLOCK = (8, 16)  # divides every dim of the shrunk V3 (transformers splits a partial block wrongly)
-
-
-@pytest.fixture
-def engine_log(caplog):
-    log = logging.getLogger("expertmesh")
-    log.addHandler(caplog.handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
-        yield caplog
-    finally:
-        log.removeHandler(caplog.handler)
-        log.setLevel(level)
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

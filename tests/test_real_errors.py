@@ -2,7 +2,6 @@
 clear errors naming the value for what is not supported."""
 
 import json
-import logging
 import shutil
 import types
 
@@ -15,17 +14,6 @@ from expertmesh.config import ModelConfig
 from expertmesh.models.decoder import DecoderAttention
 from expertmesh.models.family import Family
 from expertmesh.models.loader import WeightLoadError
-
-
-@pytest.fixture
-def engine_log(caplog, monkeypatch):
-    """caplog that sees the package logger (which does not propagate once configured)."""
-    from expertmesh.logger import setup_logging
-
-    setup_logging()
-    monkeypatch.setattr(logging.getLogger("expertmesh"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="expertmesh")
-    return caplog
 
 
 def _copy(src, dst):
