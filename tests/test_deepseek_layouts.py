@@ -7,9 +7,7 @@ rank idle (test_layout_matrix.prompts_for). Every rank's tokens equal one proces
 import pytest
 from distributed_utils import run_distributed
 from real_checkpoints import Sizes, deepseek_v2
-from test_layout_matrix import LENS, P, backends, run_case
-
-from expertmesh import LLM, SamplingParams
+from test_layout_matrix import backends, one_process, run_case
 
 LITE = "deepseek-v2-lite"  # 64 experts top-6, 2 shared, first layer dense
 
@@ -29,18 +27,9 @@ def _rank_main(rank, world, path, case_list):
     return results
 
 
-def _reference(path):
-    llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in P],
-        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENS],
-        use_tqdm=False,
-    )
-    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.config.model_config
-
-
 def _check(path, world, case_list, timeout):
-    expected, cfg = _reference(path)
+    llm, expected = one_process(path, kv_cache_memory_bytes=1 << 20)
+    cfg = llm.llm_engine.config.model_config
     shared = 2 * cfg.shared_expert_intermediate_size  # gate and up rows of the whole shared expert
     latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
     results = run_distributed(_rank_main, world, path, case_list, timeout=timeout)

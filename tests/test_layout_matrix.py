@@ -71,18 +71,19 @@ def _rank_main(rank, world, path, case_list):
     return results
 
 
-def _reference(path):
-    llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 21)
+def one_process(path: str, kv_cache_memory_bytes: int = 1 << 21):
+    """Every prompt in one process: (the LLM, the token ids of each prompt's output)."""
+    llm = LLM(path, max_model_len=64, kv_cache_memory_bytes=kv_cache_memory_bytes)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in P],
         [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENS],
         use_tqdm=False,
     )
-    return [o.outputs[0].token_ids for o in outs]
+    return llm, [o.outputs[0].token_ids for o in outs]
 
 
 def _check(path, world, case_list):
-    expected = _reference(path)
+    _, expected = one_process(path)
     results = run_distributed(_rank_main, world, path, case_list, timeout=170 if world <= 4 else 880)
     for rank, per_rank in enumerate(results):
         for case, idx, tokens in per_rank:
