@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 from real_checkpoints import Sizes
+from sweeps import sweep
 from test_deepseek import MODELS
 from test_real_families import FAMILIES
 
@@ -62,7 +63,11 @@ def compare(path: str, lengths: list[int], max_len: int, what: str) -> LLM:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+# One family per attention kind by default: sinks + window, chunks + NoPE, a sliding window, MLA,
+# plain GQA; the rest with -m slow.
+@pytest.mark.parametrize(
+    "family", sweep(ALL_FAMILIES, ["gpt-oss", "llama4-text", "phi-mini-moe", "deepseek-v3", "mixtral"])
+)
 def test_short_prompts_chunked_equal_unchunked(family, real_checkpoint):
     llm = compare(checkpoint_of(real_checkpoint, family), SHORT, 256, family)
     assert llm.llm_engine.stats()["steps"] > 8  # the 150-token prompt took three steps to prefill

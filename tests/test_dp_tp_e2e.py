@@ -4,6 +4,7 @@ one-process run of its own prompts, for each all2all backend, with uneven and em
 import pytest
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
+from sweeps import sweep
 
 from expertmesh import LLM, SamplingParams
 
@@ -84,7 +85,7 @@ def test_tp2_and_dp2_on_two_ranks(family, checkpoint):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("family", ["phimoe", "mixtral"])
+@pytest.mark.parametrize("family", sweep(["phimoe", "mixtral"], ["mixtral"]))
 def test_dp2_tp2_on_four_ranks(family, checkpoint):
     path = checkpoint(family)
     layouts = [(2, 2, "naive"), (2, 2, "allgather_reducescatter")]

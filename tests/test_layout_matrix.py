@@ -6,6 +6,7 @@ import itertools
 import pytest
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
+from sweeps import sweep
 
 from expertmesh import LLM, SamplingParams
 
@@ -91,7 +92,7 @@ def _check(path, world, case_list):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("family", ["mixtral", "phimoe", "qwen3_moe"])
+@pytest.mark.parametrize("family", sweep(["mixtral", "phimoe", "qwen3_moe"], ["mixtral"]))
 def test_world4_matrix(family, checkpoint):
     _check(checkpoint(family, num_hidden_layers=4), 4, cases(LAYOUTS_4))
 

@@ -87,6 +87,7 @@ def _check(stdouts: list[str], world: int, dp: int, expected: dict[str, str]) ->
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.mark.slow  # the CI budget: the server test below runs DP2 x TP2 over the two nodes too
 @pytest.mark.timeout(200)
 def test_dp2_tp2_naive_across_two_nodes(one_process):
     """The seed bug's layout (DP2 x TP2, naive all2all, no EP), one DP replica per node."""
