@@ -54,7 +54,7 @@ def load_expertmesh(spec: dict) -> GenerateFn:
 
 
 def load_vllm(spec: dict) -> GenerateFn:
-    # Run the engine core in this process: no fork, and ru_maxrss covers it.
+    # Run the engine core in this process: no fork, and its peak RSS covers it.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{spec['threads'] - 1}")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -227,6 +227,20 @@ def warm_up(engine: str, generate: Callable, workload: dict) -> None:
     _call(engine, generate, small)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak RSS. VmHWM belongs to the process's own address space; ru_maxrss does not:
+    Linux carries it over from the parent at fork, so a driver forked by a parent that had just
+    built a large checkpoint would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def run(spec: dict) -> dict:
     start = time.perf_counter()
     generate = LOADERS[spec["engine"]](spec)
@@ -236,8 +250,7 @@ def run(spec: dict) -> dict:
     return {
         "engine": spec["engine"],
         "load_s": load_s,
-        # Linux reports ru_maxrss in KiB.
-        "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "maxrss_bytes": peak_rss_bytes(),
         "python": sys.executable,
         "versions": _versions(spec["engine"]),
         "workloads": results,

@@ -7,6 +7,11 @@ Shapes (`--shape`):
   top-8 renormalised, 32 query / 4 KV heads of dim 128, q/k RMSNorm) but 2 of its 48 layers and a
   vocabulary of 16,384 instead of 151,936, so the LM head weighs in a step about what it does in
   the whole model (a tenth of the bytes) rather than dominating two layers.
+- `deepseek-v2-lite-qlora`: a DeepSeek-V2 with DeepSeek-V2-Lite's layer shape (MLA with a
+  512-wide latent KV, 16 heads, 64 routed experts of 1,408 and 2 shared, top-6, YaRN), its first
+  layer dense as published, then 2 MoE layers (3 of 27), vocabulary 16,384, and queries through a
+  1,536-wide latent as in DeepSeek-V2 and V3 (llama.cpp reads a DeepSeek-V2 without `q_lora_rank`
+  only when it has V2-Lite's 27 layers): about 1.3 B parameters.
 
 Each checkpoint ships a byte-level BPE tokenizer (trained in seconds on text that comes with
 CPython), which llama.cpp's GGUF converter needs; engines are still given token-id prompts. A
@@ -14,6 +19,7 @@ directory with a READY file holding the same spec is reused as it is.
 
     .venv/bin/python benchmarks/make_small_moe.py --cache-dir /tmp/expertmesh-bench
     .venv/bin/python benchmarks/make_small_moe.py --shape qwen3-30b-a3b --dtype bfloat16
+    .venv/bin/python benchmarks/make_small_moe.py --shape deepseek-v2-lite-qlora --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -66,6 +72,52 @@ SHAPES = {
             "rope_theta": 1000000.0,
             "rms_norm_eps": 1e-6,
             "max_position_embeddings": 4096,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # DeepSeek-V2-Lite's published layer shape (MLA with kv_lora_rank 512, 64 routed experts of 1,408
+    # and 2 shared, top-6, softmax routing, YaRN), its first layer dense: 1 dense + 2 MoE layers;
+    # queries through a 1,536 latent as DeepSeek-V2 and V3 (llama.cpp reads a DeepSeek-V2 without
+    # q_lora_rank only when it has V2-Lite's 27 layers).
+    "deepseek-v2-lite-qlora": (
+        "DeepseekV2ForCausalLM",
+        {
+            "vocab_size": 16384,
+            "hidden_size": 2048,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "kv_lora_rank": 512,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 64,
+            "n_shared_experts": 2,
+            "num_experts_per_tok": 6,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 40,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 4096,
+            },
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 8192,
             "bos_token_id": 1,
             "eos_token_id": 2,
             "pad_token_id": 0,
