@@ -243,7 +243,9 @@ def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoin
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"quant_method='bitsandbytes'.*supported: \['awq', 'fp8', 'gptq', 'mxfp4'\]"
+        ValueError,
+        match=r"quant_method='bitsandbytes'.*supported: "
+        r"\['awq', 'compressed-tensors', 'fp8', 'gptq', 'mxfp4'\]",
     ):
         LLM(str(path), max_model_len=32, kv_cache_memory_bytes=1 << 20)
 

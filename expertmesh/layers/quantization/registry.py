@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from expertmesh.layers.quantization.awq import AwqFormat
+from expertmesh.layers.quantization.compressed import CompressedTensorsFormat
 from expertmesh.layers.quantization.fp8 import Fp8Format
 from expertmesh.layers.quantization.gptq import GptqFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
@@ -21,12 +22,11 @@ from expertmesh.layers.quantization.online import OnlineScheme
 # quant_method -> the format (its `from_config` parses the rest of quantization_config)
 CHECKPOINT_FORMATS: dict[str, Any] = {
     "awq": AwqFormat,
+    "compressed-tensors": CompressedTensorsFormat,
     "fp8": Fp8Format,
     "gptq": GptqFormat,
     "mxfp4": Mxfp4Format,
 }
-# Not read yet (issue 14's later items); named in the error so a user sees where they stand.
-PLANNED = ("compressed-tensors",)
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def checkpoint_format(quant: Any) -> Any:
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "
-            f"not load; supported: {sorted(CHECKPOINT_FORMATS)} (not yet: {list(PLANNED)}); use an "
+            f"not load; supported: {sorted(CHECKPOINT_FORMATS)}; use an "
             "unquantized copy of the checkpoint, optionally with LLM(quantization=...) "
             f"({sorted(OnlineScheme.METHODS)})"
         )
