@@ -10,6 +10,7 @@ import pytest
 from checkpoints import prompts_of_lengths
 from compressed_tensors.quantization import QuantizationArgs
 from quantized_checkpoints import to_compressed_tensors
+from real_checkpoints import Sizes
 from test_quantization import LENGTHS, _greedy, assert_greedy_matches
 from transformers import AutoModelForCausalLM
 
@@ -52,6 +53,7 @@ def test_compressed_tensors_match_the_same_weights_dequantized(real_checkpoint, 
     path = to_compressed_tensors(_qwen3(real_checkpoint), str(tmp_path / "ct"), ref_path, groups, fmt, IGNORE)
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     assert "weights: compressed-tensors (" in engine_log.text
+    assert "held compressed as stored: 16 parameters" in engine_log.text  # 4 layers: qkv, o, w13, w2
     ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=9)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
@@ -73,6 +75,41 @@ def test_tp2_and_ep_layouts_equal_one_process_on_compressed_tensors(real_checkpo
     for rank, results in enumerate(run_distributed(_layouts_main, 2, path, None, prompts, timeout=220)):
         for layout, tokens in results:
             assert tokens == expected, f"rank {rank}, (TP, EP)={layout}"
+
+
+@pytest.mark.parametrize("bits,per_weight", [(8, 1 + 8 / 128), (4, 0.5 + 8 / 128)])
+def test_resident_bytes_of_compressed_tensors_held_as_stored(real_checkpoint, tmp_path, bits, per_weight):
+    """int8 / int4 in groups of 128 held at 1.0625 / 0.5625 bytes a weight (codes, a float32 scale
+    and offset per group), the unquantized rest (embeddings, norms, routers, head) at float32."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    from expertmesh.models.build import log_weight_bytes
+
+    path = real_checkpoint("qwen3-30b-a3b", sizes=Sizes(hidden=256, expert_inter=128, heads=4))
+    args = preset_name_to_scheme(f"W{bits}A16", ["Linear"]).weights  # groups of 128, symmetric
+    ct = to_compressed_tensors(
+        path, str(tmp_path / "ct"), str(tmp_path / "ref"), {"g": (["Linear"], args)}, "pack-quantized", IGNORE
+    )
+    model = LLM(ct, max_model_len=64, kv_cache_memory_bytes=1 << 20).llm_engine.runner.model
+    dense = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20).llm_engine.runner.model
+    held = _held_weights(model)  # weights held compressed (panel rows past out_features included)
+    assert len(model.held_weights.params) == 16 and held > 0
+    counts, dense_counts = log_weight_bytes(model, model.cfg), log_weight_bytes(dense, dense.cfg)
+    assert counts["quantized"] == pytest.approx(per_weight * held, rel=1e-9)
+    assert counts["dense"] == pytest.approx(dense_counts["total"] - 4 * held, rel=0.02)
+
+
+def _held_weights(model) -> int:
+    from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
+
+    n = 0
+    for m in model.modules():
+        packed, fused = getattr(m, "packed", None), getattr(m, "fused", None)
+        held = [packed] if isinstance(packed, QuantizedWeight) else []
+        held += [w for pair in packed for w in pair] if isinstance(packed, list) else []
+        held += [w for w in (fused or ())[1:3] if isinstance(w, QuantizedExperts)]
+        n += sum(w.codes.numel() * (2 if w.kind == "int4" else 1) for w in held)
+    return n
 
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -146,3 +183,20 @@ def test_compressed_tensors_parts_that_do_not_fit_are_errors_naming_them(real_ch
         ValueError, match=r"is quantized, but 'model\.layers\.0\.mlp\..*' is in the config's ignore list"
     ):
         LLM(path, max_model_len=32, kv_cache_memory_bytes=1 << 20)
+
+
+def test_eplb_over_weights_held_compressed_is_a_clear_error(real_checkpoint, tmp_path):
+    groups, fmt = CASES["w4a16-group"]
+    path = to_compressed_tensors(
+        _qwen3(real_checkpoint), str(tmp_path / "ct"), str(tmp_path / "ref"), groups, fmt, IGNORE
+    )
+    with pytest.raises(
+        ValueError, match=r"enable_eplb=True with a compressed-tensors checkpoint is not supported"
+    ):
+        LLM(
+            path,
+            enable_eplb=True,
+            enable_expert_parallel=True,
+            max_model_len=32,
+            kv_cache_memory_bytes=1 << 20,
+        )

@@ -166,6 +166,13 @@ def test_gptq_and_awq_match_the_same_weights_dequantized(
     path = to_int4_packed(_qwen3(real_checkpoint), str(tmp_path / method), ref_path, method, 16, desc_act)
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     assert f"weights: {method} int4 (groups of 16" in engine_log.text
+    if desc_act:  # scattered groups: no exact mapping onto groups of consecutive inputs
+        assert (
+            "dequantized at load, not held compressed: 16 tensors (groups out of input order"
+            in engine_log.text
+        )
+    else:
+        assert "held compressed as stored: 16 parameters" in engine_log.text
     ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=8)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1

@@ -79,6 +79,7 @@ class CompressedTensorsFormat:
     config: Any  # compressed_tensors.quantization.QuantizationConfig
     method: str = "compressed-tensors"
     online: bool = False
+    holds_compressed = True  # int codes held as stored where they map exactly (quantization/held.py)
 
     @classmethod
     def from_config(cls, cfg: dict) -> CompressedTensorsFormat:
@@ -103,7 +104,7 @@ class CompressedTensorsFormat:
 
     def describe(self) -> str:
         groups = "; ".join(describe_scheme(s, f) for _, s, f in self.schemes())
-        return f"compressed-tensors ({groups}), dequantized to the model dtype at load"
+        return f"compressed-tensors ({groups})"
 
     def scheme_of(self, module: str) -> tuple[Any, str] | None:
         """The first config group whose targets name this module (`Linear`: any quantized one)."""
@@ -144,6 +145,8 @@ class CompressedTensor(LogicalTensor):
             )
         if not self.args.symmetric and "weight_zero_point" not in parts:
             raise ValueError(f"compressed-tensors {base}: asymmetric scheme without {base}.weight_zero_point")
+        group = self.args.group_size if self.args.strategy == "group" else 0
+        self.held_kind = (f"int{self.args.num_bits}", group)
 
     def _scale_shape(self) -> tuple[int, ...]:
         out_f, in_f = self.shape
@@ -174,6 +177,22 @@ class CompressedTensor(LogicalTensor):
 
         packed = self.parts["weight_packed"][o0:o1]
         return unpack_from_int32(packed, self.args.num_bits, (o1 - o0, self.shape[1]))
+
+    def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
+        """W = (q - z) * s = code * s + offset: int8 codes are q; int4 codes q + 8 (uint4), offset
+        -(z + 8) * s."""
+        (o0, o1), (i0, i1) = rows, cols
+        n, g = o1 - o0, _cdiv(i1 - i0, group)
+        q = self.codes(o0, o1)[:, i0:i1].to(torch.int16)
+        s = self._rows("weight_scale", o0, o1).to(torch.float32).reshape(-1, self._scale_shape()[-1])
+        z = self._zero_point(o0, o1)
+        z = torch.zeros_like(s) if z is None else z.to(torch.float32).reshape(s.shape)
+        if self.args.strategy == "group":
+            s, z = s[:, g0 : g0 + g], z[:, g0 : g0 + g]
+        s, z = s.expand(n, g), z.expand(n, g)
+        if self.args.num_bits == 4:
+            return (q + 8).to(torch.uint8), s, -(z + 8) * s
+        return q.to(torch.int8).view(torch.uint8), s, -z * s
 
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         from compressed_tensors.quantization.lifecycle.forward import dequantize
@@ -236,4 +255,4 @@ class CompressedView(CheckpointView):
         scheme, fmt = self.quantized[base]
         names = [*PARTS, "weight"] if fmt != "pack-quantized" else PARTS
         parts = {n: self.stored(f"{base}.{n}") for n in names if f"{base}.{n}" in self.file_of}
-        return CompressedTensor(base, parts, scheme, fmt)
+        return self.serve(CompressedTensor(base, parts, scheme, fmt))
