@@ -168,7 +168,7 @@ def test_gptq_and_awq_match_the_same_weights_dequantized(
     assert f"weights: {method} int4 (groups of 16" in engine_log.text
     if desc_act:  # scattered groups: no exact mapping onto groups of consecutive inputs
         assert (
-            "dequantized at load, not held compressed: 16 tensors (groups out of input order"
+            "dequantized at load, not held compressed: 112 tensors (groups out of input order"
             in engine_log.text
         )
     else:
@@ -240,6 +240,20 @@ def test_fp8_checkpoint_requantized_online_is_held_compressed(real_checkpoint, t
     counts = log_weight_bytes(runs[0].llm_engine.runner.model, runs[0].llm_engine.runner.model.cfg)
     as_float32 = counts["dense"] + counts["quantized"] * 4 / (1 + 8 / 128)  # the same model unquantized
     assert counts["quantized"] > 0 and counts["total"] < 0.5 * as_float32
+
+
+@pytest.mark.timeout(180)
+def test_fp8_checkpoint_asked_as_fp8_holds_its_blocks_as_stored(real_checkpoint, tmp_path, engine_log):
+    """quantization="fp8-g16" over 8 x 16 blocks: the e4m3 bytes and each row's block scale per 16
+    inputs held as stored (no re-rounding): greedy tokens equal transformers on the checkpoint
+    dequantized to fp32 by the format's definition."""
+    fp8 = to_fp8(_qwen3(real_checkpoint), str(tmp_path / "fp8"), FP8_BLOCK)
+    llm = LLM(fp8, quantization="fp8-g16", max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "fp8 e4m3 (8x16 blocks), held as fp8: e4m3 codes and block scales as stored" in engine_log.text
+    assert "held compressed as stored: 16 parameters" in engine_log.text
+    ref = AutoModelForCausalLM.from_pretrained(from_fp8(fp8, str(tmp_path / "plain"), FP8_BLOCK)).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=3)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
 
 
 # ---- errors ----------------------------------------------------------------------------------------

@@ -255,4 +255,4 @@ class CompressedView(CheckpointView):
         scheme, fmt = self.quantized[base]
         names = [*PARTS, "weight"] if fmt != "pack-quantized" else PARTS
         parts = {n: self.stored(f"{base}.{n}") for n in names if f"{base}.{n}" in self.file_of}
-        return self.serve(CompressedTensor(base, parts, scheme, fmt))
+        return self.serve(key, CompressedTensor(base, parts, scheme, fmt))

@@ -162,4 +162,4 @@ class PackedIntView(CheckpointView):
             return self.stored(key)
         base = key[: -len(".weight")]
         parts = {n: self.stored(f"{base}.{n}") for n in PARTS if f"{base}.{n}" in self.file_of}
-        return self.serve(self.tensor(base, parts, self.fmt))
+        return self.serve(key, self.tensor(base, parts, self.fmt))

@@ -82,6 +82,7 @@ class HeldWeights:
 
     params: dict[str, HeldParam] = field(default_factory=dict)
     by_storage: dict[int, HeldParam] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)  # checkpoint keys served as codes
 
     def on_copy(self, dst: torch.Tensor, region: Any) -> None:
         held = self.by_storage.get(dst.untyped_storage().data_ptr())
@@ -106,10 +107,12 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
     params = dict(model.named_parameters())
     kinds: dict[str, set] = {}
     reasons: Counter = Counter()
+    fills: dict[str, list[str]] = {}
     for key, _ in view.keys():
         targets = targets_of(key)
         if not targets:
             continue
+        fills[key] = [name for name, _ in targets]
         src = view.get_slice(key)
         kind = getattr(src, "held_kind", None)
         if isinstance(src, LogicalTensor) and kind is None:
@@ -121,7 +124,7 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         if name not in params or None in found:
             continue
         module = _module_of(model, name)
-        if not getattr(module, "quantizable", False) or hasattr(module, "process_weights_after_loading"):
+        if not getattr(module, "quantizable", False) or _relaid_after_loading(model, name):
             reasons["a module that does not take quantized weights"] += 1
             continue
         if len(found) > 1:
@@ -133,12 +136,26 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         held.params[name] = HeldParam(name, kind[0], kind[1], tuple(param.shape))
         held.by_storage[param.data.untyped_storage().data_ptr()] = held.params[name]
     _pair_experts(model, held, params)
+    held.keys = {key for key, names in fills.items() if all(n in held.params for n in names)}
     if held.params:
         log.info("weights held compressed as stored: %d parameters", len(held.params))
     for reason, count in reasons.items():
         log.info("weights dequantized at load, not held compressed: %d tensors (%s)", count, reason)
     view.held = held
     return held
+
+
+def _relaid_after_loading(model: Any, name: str) -> bool:
+    """A module above lays this weight out anew after loading (MLA splits kv_b_proj): every
+    child, unless it names the ones it takes (`relaid_after_loading`)."""
+    parts = name.split(".")[:-1]
+    for i in range(1, len(parts) + 1):
+        module = model.get_submodule(".".join(parts[:i]))
+        if hasattr(module, "process_weights_after_loading"):
+            taken = getattr(module, "relaid_after_loading", None)
+            if taken is None or (i < len(parts) and parts[i] in taken) or i == len(parts):
+                return True
+    return False
 
 
 def _pair_experts(model: Any, held: HeldWeights, params: dict) -> None:

@@ -50,6 +50,15 @@ class Requantized:
     def group_size(self) -> int:
         return self.scheme.group_size
 
+    @property
+    def holds_compressed(self) -> bool:
+        """An fp8 checkpoint asked as fp8 with its blocks' input width as the group: its e4m3
+        bytes and block scales are held as stored (layers/quantization/held.py), not re-rounded."""
+        block = getattr(self.checkpoint, "block", ())
+        return self.checkpoint.method == "fp8" == self.scheme.kind and (
+            block is None or self.scheme.group_size == block[1]
+        )
+
     def view(self, handles: dict[str, Any]) -> Any:
         return self.checkpoint.view(handles)
 
@@ -57,6 +66,8 @@ class Requantized:
         self.scheme.check_split(what, local_in, shards)
 
     def describe(self) -> str:
+        if self.holds_compressed:
+            return f"{self.checkpoint.name()}, held as fp8: e4m3 codes and block scales as stored"
         return f"{self.checkpoint.describe()}, then re-quantized: {self.scheme.describe()}"
 
 

@@ -93,9 +93,9 @@ class CheckpointView:
 
     held: Any = None  # HeldWeights once the loader planned them (layers/quantization/held.py)
 
-    def serve(self, tensor: LogicalTensor) -> LogicalTensor:
-        """A logical tensor as this view hands it out: held (codes) when the plan holds it."""
-        if tensor.held_kind is not None:
+    def serve(self, key: str, tensor: LogicalTensor) -> LogicalTensor:
+        """A logical tensor as this view hands it out: codes when the plan holds what it fills."""
+        if self.held is not None and key in self.held.keys:
             tensor.held = self.held
         return tensor
 
