@@ -337,15 +337,18 @@ def _layouts_main(rank, world, path, quantization, prompts):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["int8-g16", "int4-g16", "fp8-checkpoint", "gptq-checkpoint"])
+@pytest.mark.parametrize(
+    "case", ["int8-g16", "int4-g16", "fp8-checkpoint", "fp8-checkpoint-held", "gptq-checkpoint"]
+)
 def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoint, tmp_path, case):
     """Groups of 16 keep whole groups on each rank of a split input dim (TP 2 halves the experts'
     32-wide intermediate); the fp8 checkpoint's 128 x 128 blocks are cut by every TP slice."""
     from distributed_utils import run_distributed
 
     path, quantization = _qwen3(real_checkpoint), case
-    if case == "fp8-checkpoint":
-        path, quantization = to_fp8(path, str(tmp_path / "fp8"), (128, 128)), None
+    if case.startswith("fp8-checkpoint"):  # held: its e4m3 bytes and block scales as stored
+        path = to_fp8(path, str(tmp_path / "fp8"), (128, 128))
+        quantization = "fp8" if case.endswith("held") else None
     if case == "gptq-checkpoint":  # desc_act: each rank's inputs use scattered groups
         path = to_int4_packed(path, str(tmp_path / "gptq"), str(tmp_path / "ref"), "gptq", 16, True)
         quantization = None
