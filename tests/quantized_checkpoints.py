@@ -245,7 +245,8 @@ def to_int4_packed(src: str, dst: str, ref_dst: str, method: str, group: int, de
 
 def to_compressed_tensors(src: str, dst: str, ref_dst: str, groups: dict, fmt: str, ignore: list[str]) -> str:
     """llm-compressor's format, written with the compressed-tensors package: each 2-D linear weight
-    a config group targets (`groups`: name -> (targets, QuantizationArgs); "Linear" targets every
+    a config group targets (`groups`: name -> (targets, weight QuantizationArgs[, input activation
+    ones]); "Linear" targets every
     linear) and `ignore` does not name is quantized (scale and zero point from the package's
     calculate_qparams over its groups / channels / tensor) and compressed by the package's `fmt`
     compressor; `ref_dst` gets the package's own decompression of each, in fp32 (the reference)."""
@@ -254,7 +255,10 @@ def to_compressed_tensors(src: str, dst: str, ref_dst: str, groups: dict, fmt: s
     from compressed_tensors.quantization.utils import calculate_qparams
     from compressed_tensors.utils.match import match_name
 
-    schemes = {n: QuantizationScheme(targets=t, weights=a) for n, (t, a) in groups.items()}
+    schemes = {
+        n: QuantizationScheme(targets=g[0], weights=g[1], input_activations=(*g, None)[2])
+        for n, g in groups.items()
+    }
     compressor = BaseCompressor.get_value_from_registry(fmt)
     dequantized = {}
 

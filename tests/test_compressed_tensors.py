@@ -38,6 +38,17 @@ CASES = {
     ),
     # int8 stored unpacked (naive / int-quantized format), one scale per tensor
     "w8-naive-tensor": ({"group_0": (["Linear"], _args(8, "tensor", True))}, "naive-quantized"),
+    # W8A8 int (dynamic per-token activations), as llm-compressor's preset: run weight-only
+    "w8a8-int-dynamic": (
+        {
+            "group_0": (
+                ["Linear"],
+                _args(8, "channel", True),
+                QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True),
+            )
+        },
+        "int-quantized",
+    ),  # fmt: skip
 }
 
 

@@ -104,7 +104,10 @@ class CompressedTensorsFormat:
 
     def describe(self) -> str:
         groups = "; ".join(describe_scheme(s, f) for _, s, f in self.schemes())
-        return f"compressed-tensors ({groups})"
+        acts = any(s.input_activations is not None for _, s, _ in self.schemes())
+        return f"compressed-tensors ({groups})" + (
+            ", run weight-only (activations in the model dtype)" * acts
+        )
 
     def scheme_of(self, module: str) -> tuple[Any, str] | None:
         """The first config group whose targets name this module (`Linear`: any quantized one)."""

@@ -132,7 +132,7 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
             continue
         (kind,) = found
         param = params[name]
-        param.data = torch.empty(param.shape, dtype=torch.uint8)
+        param.data = torch.empty(param.shape, dtype=torch.uint8, device=param.device)
         held.params[name] = HeldParam(name, kind[0], kind[1], tuple(param.shape))
         held.by_storage[param.data.untyped_storage().data_ptr()] = held.params[name]
     _pair_experts(model, held, params)
@@ -169,12 +169,12 @@ def _pair_experts(model: Any, held: HeldWeights, params: dict) -> None:
                 if n in held.params:
                     h = held.params.pop(n)
                     del held.by_storage[params[n].data.untyped_storage().data_ptr()]
-                    params[n].data = torch.empty(h.shape, dtype=model.cfg.dtype)
+                    params[n].data = torch.empty(h.shape, dtype=model.cfg.dtype, device=params[n].device)
     for name in list(held.params):
         if name.endswith(".w2") and name[:-3] + ".w13" not in held.params:
             h = held.params.pop(name)
             del held.by_storage[params[name].data.untyped_storage().data_ptr()]
-            params[name].data = torch.empty(h.shape, dtype=model.cfg.dtype)
+            params[name].data = torch.empty(h.shape, dtype=model.cfg.dtype, device=params[name].device)
 
 
 def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
