@@ -61,6 +61,30 @@ def test_gptq_and_awq_codes_rebuild_their_dequantized_weights(tmp_path, method):
         _check(t)
 
 
+def _pack8(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """int64 8-bit values -> int32 words of 4 along dim (value j at bits 8j), as GPTQ packs int8."""
+    v = values.movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 4)
+    words = sum(v[..., j] << (8 * j) for j in range(4))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim)
+
+
+def test_gptq_int8_codes_rebuild_their_dequantized_weights(tmp_path):
+    """Unsigned 8-bit q and zeros: codes q - 128 as int8, offsets -(z - 128) * s."""
+    torch.manual_seed(5)
+    q = torch.randint(0, 256, (IN, OUT))
+    z = torch.randint(1, 256, (IN // GROUP, OUT))
+    s = (torch.rand(IN // GROUP, OUT) / 50).half()
+    parts = {"qweight": _pack8(q, 0), "qzeros": _pack8(z - 1, 1), "scales": s}
+    save_file({k: v.contiguous() for k, v in parts.items()}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        t = GptqTensor("x", {k: f.get_slice(k) for k in f.keys()}, GptqFormat(8, GROUP))
+        assert t.held_kind == ("int8", GROUP)
+        g = torch.arange(IN) // GROUP
+        torch.testing.assert_close(t[:], ((q - z[g]).float() * s.float()[g]).t(), rtol=0, atol=0)
+        _check(t)
+
+
 @pytest.mark.parametrize(
     "bits,strategy,symmetric",
     [(4, "group", True), (4, "group", False), (8, "channel", False), (8, "tensor", True)],
