@@ -123,6 +123,30 @@ def _held_weights(model) -> int:
     return n
 
 
+def _cut_groups_main(rank, world, path, prompts):
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
+              max_model_len=128, kv_cache_memory_bytes=1 << 22)  # fmt: skip
+    return _greedy(llm, prompts), sorted(llm.llm_engine.runner.model.held_weights.params)
+
+
+@pytest.mark.timeout(120)
+def test_tp2_slices_that_cut_groups_are_dequantized_and_equal_one_process(real_checkpoint, tmp_path):
+    """Experts of 48 split over TP 2 hold 24 inputs of the down projection, which cuts int4 groups
+    of 16: those experts are dequantized at load instead (the rest still held), same tokens."""
+    from distributed_utils import run_distributed
+
+    src = real_checkpoint("qwen3-30b-a3b", sizes=Sizes(expert_inter=48))
+    groups = {"g": (["Linear"], _args(4, "group", False, 16))}
+    path = to_compressed_tensors(
+        src, str(tmp_path / "ct"), str(tmp_path / "ref"), groups, "pack-quantized", IGNORE
+    )
+    prompts = prompts_of_lengths([3, 17, 1, 40], seed=6)
+    expected = _greedy(LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22), prompts)
+    for rank, (tokens, held) in enumerate(run_distributed(_cut_groups_main, 2, path, prompts, timeout=100)):
+        assert tokens == expected, f"rank {rank}"
+        assert len(held) == 8 and not any(".experts." in n for n in held), held  # qkv and o of 4 layers
+
+
 # ---- errors ----------------------------------------------------------------------------------------
 def _with_quantization_config(path: str, edit) -> None:
     config_path = f"{path}/config.json"

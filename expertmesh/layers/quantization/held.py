@@ -118,7 +118,11 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         if isinstance(src, LogicalTensor) and kind is None:
             reasons["groups out of input order (desc_act's g_idx)"] += 1
         for name, as_is in targets:
-            kinds.setdefault(name, set()).add(kind if as_is else None)
+            cut = name in params and _cuts_groups(kind, params[name].shape[-1], src.get_shape()[-1])
+            if cut:
+                local, full = params[name].shape[-1], src.get_shape()[-1]
+                reasons[f"a rank's {local} of {full} inputs cut groups of {kind[1]}"] += 1
+            kinds.setdefault(name, set()).add(kind if as_is and not cut else None)
     held = HeldWeights()
     for name, found in kinds.items():
         if name not in params or None in found:
@@ -143,6 +147,13 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         log.info("weights dequantized at load, not held compressed: %d tensors (%s)", count, reason)
     view.held = held
     return held
+
+
+def _cuts_groups(kind: tuple[str, int] | None, local_in: int, full_in: int) -> bool:
+    """A rank holding `local_in` of `full_in` inputs (at a multiple of local_in) splits a group."""
+    if kind is None or not kind[1] or kind[1] >= full_in or local_in == full_in:
+        return False
+    return local_in % kind[1] != 0
 
 
 def _relaid_after_loading(model: Any, name: str) -> bool:
