@@ -134,7 +134,7 @@ def check_eplb_weights(model_config: ModelConfig, parallel: Any) -> None:
     q = model_config.quantization
     if parallel.enable_eplb and getattr(q, "holds_compressed", False):
         raise ValueError(
-            f"enable_eplb=True with a {q.method} checkpoint is not supported yet: its int weights are "
+            f"enable_eplb=True with a {q.method} checkpoint is not supported yet: its quantized weights are "
             "held compressed as stored, and EPLB moves float experts only"
         )
 
