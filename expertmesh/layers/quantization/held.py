@@ -103,7 +103,8 @@ def _module_of(model: Any, name: str) -> Any:
 
 
 def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
-    """Swap every fully held parameter for uint8 storage; `targets_of(key)` -> parameter names."""
+    """Swap every fully held parameter for uint8 storage. `targets_of(key)`: the (parameter, read
+    as is) pairs a checkpoint key fills; a picked part of a fused tensor is not held."""
     params = dict(model.named_parameters())
     kinds: dict[str, set] = {}
     reasons: Counter = Counter()
