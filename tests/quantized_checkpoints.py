@@ -241,3 +241,53 @@ def to_int4_packed(src: str, dst: str, ref_dst: str, method: str, group: int, de
     _rewrite(src, dst, convert, config)
     _rewrite(src, ref_dst, lambda k, t: {k: dequantized.get(k, t)}, None)
     return dst
+
+
+def to_compressed_tensors(src: str, dst: str, ref_dst: str, groups: dict, fmt: str, ignore: list[str]) -> str:
+    """llm-compressor's format, written with the compressed-tensors package: each 2-D linear weight
+    a config group targets (`groups`: name -> (targets, weight QuantizationArgs[, input activation
+    ones]); "Linear" targets every
+    linear) and `ignore` does not name is quantized (scale and zero point from the package's
+    calculate_qparams over its groups / channels / tensor) and compressed by the package's `fmt`
+    compressor; `ref_dst` gets the package's own decompression of each, in fp32 (the reference)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.utils.match import match_name
+
+    schemes = {
+        n: QuantizationScheme(targets=g[0], weights=g[1], input_activations=(*g, None)[2])
+        for n, g in groups.items()
+    }
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    dequantized = {}
+
+    def scheme_of(module: str):
+        if "embed_tokens" in module or any(match_name(module, i) for i in ignore):
+            return None
+        return next(
+            (s for s in schemes.values() if any(t == "Linear" or match_name(module, t) for t in s.targets)),
+            None,
+        )
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        module, _, part = key.rpartition(".")
+        scheme = scheme_of(module) if part == "weight" and t.dim() == 2 else None
+        if scheme is None:
+            return {key: t}
+        args, w = scheme.weights, t.float()
+        size = {"group": args.group_size, "channel": w.shape[1]}.get(args.strategy, w.numel())
+        blocks = w.reshape(w.shape[0] if args.strategy != "tensor" else 1, -1, size)
+        scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+        if args.strategy == "tensor":
+            scale, zero = scale.reshape(1), zero.reshape(1)
+        state = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        dequantized[key] = compressor.decompress(state, scheme)["weight"].float()
+        return {f"{module}.{name}": v for name, v in state.items()}
+
+    config = QuantizationConfig(
+        config_groups=schemes, format=fmt, ignore=ignore, quantization_status="compressed"
+    ).to_dict()
+    _rewrite(src, dst, convert, config)
+    _rewrite(src, ref_dst, lambda k, t: {k: dequantized.get(k, t)}, None)
+    return dst

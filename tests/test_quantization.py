@@ -166,6 +166,13 @@ def test_gptq_and_awq_match_the_same_weights_dequantized(
     path = to_int4_packed(_qwen3(real_checkpoint), str(tmp_path / method), ref_path, method, 16, desc_act)
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     assert f"weights: {method} int4 (groups of 16" in engine_log.text
+    if desc_act:  # scattered groups: no exact mapping onto groups of consecutive inputs
+        assert (
+            "dequantized at load, not held compressed: 112 tensors (groups out of input order"
+            in engine_log.text
+        )
+    else:
+        assert "held compressed as stored: 16 parameters" in engine_log.text
     ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=8)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
@@ -235,6 +242,20 @@ def test_fp8_checkpoint_requantized_online_is_held_compressed(real_checkpoint, t
     assert counts["quantized"] > 0 and counts["total"] < 0.5 * as_float32
 
 
+@pytest.mark.timeout(180)
+def test_fp8_checkpoint_asked_as_fp8_holds_its_blocks_as_stored(real_checkpoint, tmp_path, engine_log):
+    """quantization="fp8-g16" over 8 x 16 blocks: the e4m3 bytes and each row's block scale per 16
+    inputs held as stored (no re-rounding): greedy tokens equal transformers on the checkpoint
+    dequantized to fp32 by the format's definition."""
+    fp8 = to_fp8(_qwen3(real_checkpoint), str(tmp_path / "fp8"), FP8_BLOCK)
+    llm = LLM(fp8, quantization="fp8-g16", max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "fp8 e4m3 (8x16 blocks), held as fp8: e4m3 codes and block scales as stored" in engine_log.text
+    assert "held compressed as stored: 16 parameters" in engine_log.text
+    ref = AutoModelForCausalLM.from_pretrained(from_fp8(fp8, str(tmp_path / "plain"), FP8_BLOCK)).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=3)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
 # ---- errors ----------------------------------------------------------------------------------------
 def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoint, tmp_path):
     path = tmp_path / "q"
@@ -243,7 +264,9 @@ def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoin
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"quant_method='bitsandbytes'.*supported: \['awq', 'fp8', 'gptq', 'mxfp4'\]"
+        ValueError,
+        match=r"quant_method='bitsandbytes'.*supported: "
+        r"\['awq', 'compressed-tensors', 'fp8', 'gptq', 'mxfp4'\]",
     ):
         LLM(str(path), max_model_len=32, kv_cache_memory_bytes=1 << 20)
 
@@ -314,15 +337,18 @@ def _layouts_main(rank, world, path, quantization, prompts):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["int8-g16", "int4-g16", "fp8-checkpoint", "gptq-checkpoint"])
+@pytest.mark.parametrize(
+    "case", ["int8-g16", "int4-g16", "fp8-checkpoint", "fp8-checkpoint-held", "gptq-checkpoint"]
+)
 def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoint, tmp_path, case):
     """Groups of 16 keep whole groups on each rank of a split input dim (TP 2 halves the experts'
     32-wide intermediate); the fp8 checkpoint's 128 x 128 blocks are cut by every TP slice."""
     from distributed_utils import run_distributed
 
     path, quantization = _qwen3(real_checkpoint), case
-    if case == "fp8-checkpoint":
-        path, quantization = to_fp8(path, str(tmp_path / "fp8"), (128, 128)), None
+    if case.startswith("fp8-checkpoint"):  # held: its e4m3 bytes and block scales as stored
+        path = to_fp8(path, str(tmp_path / "fp8"), (128, 128))
+        quantization = "fp8" if case.endswith("held") else None
     if case == "gptq-checkpoint":  # desc_act: each rank's inputs use scattered groups
         path = to_int4_packed(path, str(tmp_path / "gptq"), str(tmp_path / "ref"), "gptq", 16, True)
         quantization = None

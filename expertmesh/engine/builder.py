@@ -123,7 +123,20 @@ def check_request(args: EngineArgs, model_dir: str) -> None:
     """The checks that need no process group: sizes, names, heads against TP (before any spawn)."""
     parallel = args.parallel_config()
     hf = load_hf_config(model_dir, args.trust_remote_code)
-    check_model_fits(ModelConfig.from_hf(hf, args.dtype, args.quantization), parallel)
+    model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
+    check_model_fits(model_config, parallel)
+    check_eplb_weights(model_config, parallel)
+
+
+def check_eplb_weights(model_config: ModelConfig, parallel: Any) -> None:
+    """EPLB copies expert slots as float tensors; a checkpoint's int codes held compressed
+    (layers/quantization/held.py) are not moved that way yet."""
+    q = model_config.quantization
+    if parallel.enable_eplb and getattr(q, "holds_compressed", False):
+        raise ValueError(
+            f"enable_eplb=True with a {q.method} checkpoint is not supported yet: its quantized weights are "
+            "held compressed as stored, and EPLB moves float experts only"
+        )
 
 
 def build_engine(args: EngineArgs) -> BuiltEngine:
@@ -134,6 +147,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
     check_model_fits(model_config, parallel)  # before any process group or weight
+    check_eplb_weights(model_config, parallel)
     placement = place_process(parallel, args.device, args.distributed_timeout_seconds)
     setup_logging(placement.rank if parallel.world_size > 1 else None)
     watchdog.set_doing("loading the model")

@@ -204,6 +204,11 @@ class FusedExperts(nn.Module):
                     for w in (self.w13, self.w2)
                 )
             )
+        self.hold_quantized(pairs, kernels)
+
+    def hold_quantized(self, pairs: list[tuple[QuantizedWeight, QuantizedWeight]], kernels: Any) -> None:
+        """Serve the experts from compressed (w13, w2) pairs, one a local expert (online, or a
+        checkpoint's codes as stored): with our kernel and plain gated experts in one moe_q call."""
         cpu_gemm.release(self.w13)
         cpu_gemm.release(self.w2)
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None

@@ -52,7 +52,13 @@ class LinearBase(nn.Module):
             return self.use_cpu_kernels(kernels)
         scheme.check_split(f"{type(self).__name__} [{self.weight.shape[0]}, {self.weight.shape[1]}]",
                            self.weight.shape[1], self.input_shards)  # fmt: skip
-        self.packed = QuantizedWeight.quantize(self.weight.data, scheme.kind, scheme.group_size, kernels)
+        self.hold_quantized(
+            QuantizedWeight.quantize(self.weight.data, scheme.kind, scheme.group_size, kernels)
+        )
+
+    def hold_quantized(self, weight: QuantizedWeight) -> None:
+        """Serve matmuls from a compressed weight (online, or a checkpoint's codes as stored)."""
+        self.packed = weight
         cpu_gemm.release(self.weight)
 
     input_shards = 1  # ranks the input dim is split over (row-parallel: the TP size)

@@ -76,6 +76,8 @@ class MLAAttention(nn.Module):
             self.heads, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, scale
         )
 
+    relaid_after_loading = ("kv_b_proj",)  # the children it takes (quantization/held.py keeps them float)
+
     def process_weights_after_loading(self) -> None:
         """kv_b_proj moves into the attention as per-head W_UK / W_UV (used by both the absorbed
         decode and the prefill's expansion), so the model holds it once."""

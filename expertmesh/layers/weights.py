@@ -80,6 +80,9 @@ def copy_into(dst: torch.Tensor, value: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: checkpoint tensor has dtype {value.dtype}, not a floating-point type")
     if dst.is_meta or value.is_meta:
         return  # the twin's shape check: nothing to copy
+    region = getattr(value, "held_region", None)
+    if region is not None:  # codes of a weight held compressed: scales go beside (quantization/held.py)
+        region.held.on_copy(dst, region)
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         bad = int((~torch.isfinite(value)).sum())
         if not _allow_nonfinite:

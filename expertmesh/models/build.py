@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -121,13 +122,32 @@ def build_model(
         kernels = None
     model.cpu_kernels = kernels
     scheme = cfg.quantization if cfg.quantization is not None and cfg.quantization.online else None
+    held = _hold_quantized(model, kernels)
     for module in model.modules():
+        if id(module) in held:
+            continue  # a quantized checkpoint's codes, held compressed as stored
         if scheme is not None and getattr(module, "quantizable", False):
             module.use_quantized(scheme, kernels)  # compressed from here on, on any device
         elif device == "cpu" and hasattr(module, "use_cpu_kernels"):
             module.use_cpu_kernels(kernels)
     log_weight_bytes(model, cfg)
     return model.eval()
+
+
+def _hold_quantized(model: torch.nn.Module, kernels: Any) -> set[int]:
+    """Modules whose checkpoint codes were loaded as stored (layers/quantization/held.py) take them."""
+    if getattr(model, "held_weights", None) is None:
+        return set()
+    from expertmesh.layers.quantization.held import hold
+
+    return hold(model, model.held_weights, kernels)
+
+
+def _held_note(model: torch.nn.Module) -> str:
+    held = getattr(model, "held_weights", None)
+    if held is None or not held.params:
+        return ""
+    return f", held compressed as stored: {len(held.params)} parameters"
 
 
 def log_weight_bytes(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
@@ -140,7 +160,7 @@ def log_weight_bytes(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]
         "resident weights on this rank: %.1f MB (%.1f MB quantized%s, %.1f MB in %s)",
         counts["total"] / 1e6,
         counts["quantized"] / 1e6,
-        f", {q.describe()}" if q is not None else "",
+        f", {q.describe()}{_held_note(model)}" if q is not None else "",
         counts["dense"] / 1e6,
         str(cfg.dtype).replace("torch.", ""),
     )

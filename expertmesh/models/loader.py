@@ -71,7 +71,31 @@ def load_weights(
     with opened(files, _open) as handles:
         view = _view(model, handles)
         check_against_twin(model, view)
+        model.held_weights = _plan_held(model, view)
         _load_view(model, view, show_progress, allow_nonfinite)
+
+
+def _plan_held(model: Any, view: CheckpointView) -> Any:
+    """Quantized checkpoint weights that load as codes into compressed storage (quantization/held.py)."""
+    if not getattr(model.cfg.quantization, "holds_compressed", False):
+        return None
+    from expertmesh.layers.quantization.held import plan
+
+    names, experts, tie = model.family.names, _experts_lookup(model), model.cfg.tie_word_embeddings
+    local_layers = set(model.model.layer_range)
+
+    def targets_of(key: str) -> list[tuple[str, bool]]:
+        """(parameter, whether it reads the key as is: a picked part of a fused tensor is not held)."""
+        layer = layer_index(names.canonical(key))
+        if skip_rule(key, model) is not None or (layer is not None and layer not in local_layers):
+            return []
+        targets = checkpoint_targets(names.canonical(key), names, experts, tie) or []
+        return [(name, pick.__name__ == "_identity") for name, _, pick in targets]
+
+    try:
+        return plan(model, view, targets_of)
+    except ValueError as exc:
+        raise WeightLoadError(str(exc)) from exc
 
 
 def _view(model: Any, handles: dict) -> CheckpointView:

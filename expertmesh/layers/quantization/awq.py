@@ -28,6 +28,7 @@ class AwqFormat:
     bits: int = 4
     method: str = "awq"
     online: bool = False
+    holds_compressed = True  # int codes held as stored where they map exactly (quantization/held.py)
 
     @classmethod
     def from_config(cls, cfg: dict) -> AwqFormat:
@@ -41,7 +42,7 @@ class AwqFormat:
         return cls(int(cfg.get("group_size", cfg.get("q_group_size", 128))))
 
     def describe(self) -> str:
-        return f"awq int4 (groups of {self.group_size}), dequantized to the model dtype at load"
+        return f"awq int4 (groups of {self.group_size})"
 
     def view(self, handles: dict[str, Any]) -> CheckpointView:
         return PackedIntView(handles, self, AwqTensor)
@@ -56,6 +57,19 @@ class AwqTensor(LogicalTensor):
             raise ValueError(
                 f"awq {base}: qweight {qw}, qzeros {qz} and scales {sc} do not fit groups of {fmt.group_size}"
             )
+        self.held_kind = ("int4", fmt.group_size)
+
+    def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
+        """W = (q - z) * s: codes q (uint4), offset -z * s."""
+        (o0, o1), (i0, i1) = rows, cols
+        w0, w1 = o0 // 8, _cdiv(o1, 8)
+        cut = slice(o0 - w0 * 8, o0 - w0 * 8 + (o1 - o0))
+        g = 1 if group != self.fmt.group_size else _cdiv(i1 - i0, group)
+        g0 = 0 if group != self.fmt.group_size else g0
+        q = unpack(self.parts["qweight"][i0:i1, w0:w1], 4, 1, AWQ_ORDER)[:, cut].t()  # [o, i]
+        z = unpack(self.parts["qzeros"][g0 : g0 + g, w0:w1], 4, 1, AWQ_ORDER)[:, cut].t().to(torch.float32)
+        s = self.parts["scales"][g0 : g0 + g, o0:o1].to(torch.float32).t()
+        return q.to(torch.uint8), s, -z * s
 
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         (o0, o1), (i0, i1) = bounds

@@ -54,9 +54,12 @@ class Fp8Format:
             raise ValueError(f"fp8 weight_block_size={block!r} must be two positive sizes [rows, columns]")
         return cls(tuple(int(b) for b in block) if block is not None else None)
 
-    def describe(self) -> str:
+    def name(self) -> str:
         block = "per tensor" if self.block is None else f"{self.block[0]}x{self.block[1]} blocks"
-        return f"fp8 e4m3 ({block}), dequantized to the model dtype at load (no fp8 kernel yet)"
+        return f"fp8 e4m3 ({block})"
+
+    def describe(self) -> str:
+        return f"{self.name()}, dequantized to the model dtype at load (quantization='fp8' holds it as fp8)"
 
     def view(self, handles: dict[str, Any]) -> CheckpointView:
         return Fp8View(handles, self)
@@ -82,6 +85,21 @@ class Fp8Tensor(LogicalTensor):
                     f"{list(block)} needs {want}"
                 )
         self.block = block
+        self.base = key
+        self.held_kind = ("fp8", block[1] if block is not None else 0)
+
+    def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
+        """The stored e4m3 bytes as codes; each row's scale per `group` inputs is its block's."""
+        (o0, o1), (i0, i1) = rows, cols
+        codes = self.weight[o0:o1, i0:i1].view(torch.uint8)
+        n, g = o1 - o0, _cdiv(i1 - i0, group)
+        if self.block is None:
+            s = self.scale[:].to(torch.float32).reshape(1, 1).expand(n, g)
+        else:
+            bo, bi = self.block
+            s = self.scale[o0 // bo : _cdiv(o1, bo), i0 // bi : i0 // bi + g].to(torch.float32)
+            s = s[torch.arange(o0, o1) // bo - o0 // bo]
+        return codes, s, torch.zeros_like(s)
 
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         (r0, r1), (c0, c1) = bounds
@@ -126,4 +144,4 @@ class Fp8View(CheckpointView):
             return stored  # norms, embeddings, the router, lm_head: stored in bf16
         if key + SCALE_SUFFIX not in self.file_of:
             raise ValueError(f"fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} in the checkpoint")
-        return Fp8Tensor(key, stored, self.stored(key + SCALE_SUFFIX), self.fmt.block)
+        return self.serve(key, Fp8Tensor(key, stored, self.stored(key + SCALE_SUFFIX), self.fmt.block))

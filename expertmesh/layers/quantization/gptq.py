@@ -48,6 +48,7 @@ class GptqFormat:
     zero_offset: int = 1  # v1 stores zero - 1
     method: str = "gptq"
     online: bool = False
+    holds_compressed = True  # int codes held as stored where they map exactly (quantization/held.py)
 
     @classmethod
     def from_config(cls, cfg: dict) -> GptqFormat:
@@ -66,7 +67,7 @@ class GptqFormat:
     def describe(self) -> str:
         group = "per channel" if self.group_size < 1 else f"groups of {self.group_size}"
         act = ", desc_act" if self.desc_act else ""
-        return f"gptq int{self.bits} ({group}{act}), dequantized to the model dtype at load"
+        return f"gptq int{self.bits} ({group}{act})"
 
     def view(self, handles: dict[str, Any]) -> CheckpointView:
         return PackedIntView(handles, self, GptqTensor)
@@ -81,6 +82,36 @@ class GptqTensor(LogicalTensor):
         if sc[1] != qw[1] or qz != (sc[0], _cdiv(sc[1], p)):
             raise ValueError(f"gptq {base}: qweight {qw}, qzeros {qz} and scales {sc} do not fit together")
         self.groups = sc[0]
+        if self.groups_in_order():
+            self.held_kind = (f"int{fmt.bits}", fmt.group_size if fmt.group_size > 0 else 0)
+
+    def groups_in_order(self) -> bool:
+        """Without g_idx, or with one that is i // group_size (desc_act off, or a trivial order)."""
+        if "g_idx" not in self.parts:
+            return True
+        g = self.parts["g_idx"][:].to(torch.int64)
+        return bool(torch.equal(g, self.group_of_ordered(0, self.shape[1])))
+
+    def group_of_ordered(self, i0: int, i1: int) -> torch.Tensor:
+        size = self.fmt.group_size if self.fmt.group_size > 0 else self.shape[1]
+        return torch.arange(i0, i1) // size
+
+    def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
+        """W = (q - z) * s: int4 codes are q (uint4), offset -z * s; int8 codes q - 128 (int8),
+        offset -(z - 128) * s."""
+        (o0, o1), (i0, i1) = rows, cols
+        bits, p = self.fmt.bits, 32 // self.fmt.bits
+        g = _cdiv(i1 - i0, group)
+        if group != (self.fmt.group_size if self.fmt.group_size > 0 else self.shape[1]):
+            g0, g = 0, 1  # one scale a row (per channel), whatever part of the inputs is read
+        q = unpack(self.parts["qweight"][i0 // p : _cdiv(i1, p), o0:o1], bits, 0)
+        q = q[i0 - i0 // p * p :][: i1 - i0].t()  # [o, i]
+        z = unpack(self.parts["qzeros"][g0 : g0 + g, o0 // p : _cdiv(o1, p)], bits, 1)
+        z = (z[:, o0 - o0 // p * p :][:, : o1 - o0] + self.fmt.zero_offset).t().to(torch.float32)
+        s = self.parts["scales"][g0 : g0 + g, o0:o1].to(torch.float32).t()
+        if bits == 4:
+            return q.to(torch.uint8), s, -z * s
+        return (q - 128).to(torch.int8).view(torch.uint8), s, -(z - 128) * s
 
     def group_of(self, i0: int, i1: int) -> torch.Tensor:
         if "g_idx" in self.parts:
@@ -131,4 +162,4 @@ class PackedIntView(CheckpointView):
             return self.stored(key)
         base = key[: -len(".weight")]
         parts = {n: self.stored(f"{base}.{n}") for n in PARTS if f"{base}.{n}" in self.file_of}
-        return self.tensor(base, parts, self.fmt)
+        return self.serve(key, self.tensor(base, parts, self.fmt))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from expertmesh.layers.quantization.awq import AwqFormat
+from expertmesh.layers.quantization.compressed import CompressedTensorsFormat
 from expertmesh.layers.quantization.fp8 import Fp8Format
 from expertmesh.layers.quantization.gptq import GptqFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
@@ -21,12 +22,11 @@ from expertmesh.layers.quantization.online import OnlineScheme
 # quant_method -> the format (its `from_config` parses the rest of quantization_config)
 CHECKPOINT_FORMATS: dict[str, Any] = {
     "awq": AwqFormat,
+    "compressed-tensors": CompressedTensorsFormat,
     "fp8": Fp8Format,
     "gptq": GptqFormat,
     "mxfp4": Mxfp4Format,
 }
-# Not read yet (issue 14's later items); named in the error so a user sees where they stand.
-PLANNED = ("compressed-tensors",)
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,15 @@ class Requantized:
     def group_size(self) -> int:
         return self.scheme.group_size
 
+    @property
+    def holds_compressed(self) -> bool:
+        """An fp8 checkpoint asked as fp8 with its blocks' input width as the group: its e4m3
+        bytes and block scales are held as stored (layers/quantization/held.py), not re-rounded."""
+        block = getattr(self.checkpoint, "block", ())
+        return self.checkpoint.method == "fp8" == self.scheme.kind and (
+            block is None or self.scheme.group_size == block[1]
+        )
+
     def view(self, handles: dict[str, Any]) -> Any:
         return self.checkpoint.view(handles)
 
@@ -57,6 +66,8 @@ class Requantized:
         self.scheme.check_split(what, local_in, shards)
 
     def describe(self) -> str:
+        if self.holds_compressed:
+            return f"{self.checkpoint.name()}, held as fp8: e4m3 codes and block scales as stored"
         return f"{self.checkpoint.describe()}, then re-quantized: {self.scheme.describe()}"
 
 
@@ -75,7 +86,7 @@ def checkpoint_format(quant: Any) -> Any:
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "
-            f"not load; supported: {sorted(CHECKPOINT_FORMATS)} (not yet: {list(PLANNED)}); use an "
+            f"not load; supported: {sorted(CHECKPOINT_FORMATS)}; use an "
             "unquantized copy of the checkpoint, optionally with LLM(quantization=...) "
             f"({sorted(OnlineScheme.METHODS)})"
         )

@@ -27,6 +27,11 @@ class LogicalTensor:
 
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
+    base: str = ""
+    # (kind, group) when this tensor maps exactly onto a QuantizedWeight kind (layers/quantization/
+    # held.py); `held` is set once the loader decided to hold it: slices then return codes.
+    held_kind: tuple[str, int] | None = None
+    held: Any = None
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -38,6 +43,21 @@ class LogicalTensor:
         """The region [start, stop) of every dim, dequantized (float32)."""
         raise NotImplementedError
 
+    def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
+        """Codes [o, i] uint8 of `held_kind`, scales and offsets [o, groups] float32 of a region
+        whose inputs start at group g0 (groups of `group`)."""
+        raise NotImplementedError
+
+    def held_region(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        from expertmesh.layers.quantization.held import CodesRegion, local_groups
+
+        (o0, o1), (i0, i1) = bounds
+        group, g0 = local_groups(self.base, self.held_kind, i0, i1, self.shape[1])
+        codes, scales, offsets = self.quantized((o0, o1), (i0, i1), group, g0)
+        codes = codes.contiguous()
+        codes.held_region = CodesRegion(self.held, codes, scales.float(), offsets.float(), group)
+        return codes
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
         bounds = []
@@ -47,7 +67,7 @@ class LogicalTensor:
                 raise TypeError(f"{type(self).__name__} takes plain slices, not {s!r}")
             start, stop, _ = s.indices(size)
             bounds.append((start, max(start, stop)))
-        return self.materialize(bounds)
+        return self.held_region(bounds) if self.held is not None else self.materialize(bounds)
 
 
 class CheckpointView:
@@ -70,6 +90,14 @@ class CheckpointView:
 
     def get_slice(self, key: str) -> Any:
         return self.stored(key)
+
+    held: Any = None  # HeldWeights once the loader planned them (layers/quantization/held.py)
+
+    def serve(self, key: str, tensor: LogicalTensor) -> LogicalTensor:
+        """A logical tensor as this view hands it out: codes when the plan holds what it fills."""
+        if self.held is not None and key in self.held.keys:
+            tensor.held = self.held
+        return tensor
 
 
 @contextlib.contextmanager

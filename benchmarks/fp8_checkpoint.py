@@ -1,0 +1,107 @@
+"""An fp8 block-scaled checkpoint (DeepSeek-V3's format) run two ways: dequantized to float32 at
+load (the default) and held as fp8 (`quantization="fp8"`: the e4m3 bytes and block scales as
+stored, run by gemm_q / moe_q). Batch 1 and 32 decode tokens/s and tokens per CPU second, the two
+ways alternated (ABAB) and the median taken, since the machine may be shared.
+
+The checkpoint is the benchmarks' small MoE (make_small_moe.py) with every linear weight but the
+router and the head written as e4m3 with a float32 scale per 128 x 128 block (amax / 448).
+
+    .venv/bin/python benchmarks/fp8_checkpoint.py --threads 1 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from make_small_moe import DEFAULT_CACHE, make_small_moe
+from safetensors.torch import load_file, save_file
+
+from expertmesh import LLM, SamplingParams
+
+BLOCK = 128
+
+
+def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    o, i = w.shape
+    go, gi = -(-o // BLOCK), -(-i // BLOCK)
+    padded = torch.zeros(go * BLOCK, gi * BLOCK)
+    padded[:o, :i] = w.float()
+    scale = (padded.view(go, BLOCK, gi, BLOCK).abs().amax((1, 3)) / 448).clamp(min=1e-12)
+    full = scale.repeat_interleave(BLOCK, 0)[:o].repeat_interleave(BLOCK, 1)[:, :i]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def to_fp8(src: str, dst: Path) -> str:
+    if (dst / "READY").exists():
+        return str(dst)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        out = {}
+        for key, t in load_file(f).items():
+            quantize = key.endswith(".weight") and t.dim() == 2 and "embed" not in key and "norm" not in key
+            if quantize and not key.endswith((".gate.weight", "lm_head.weight")):
+                out[key], out[key + "_scale_inv"] = _blocks(t)
+            else:
+                out[key] = t
+        save_file({k: v.contiguous() for k, v in out.items()}, str(f), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    }  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    (dst / "READY").write_text("1")
+    return str(dst)
+
+
+def _decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """(tokens/s, tokens per CPU second) of one greedy generate of `batch` prompts."""
+    prompts = [
+        {"prompt_token_ids": [(7 * b + j) % 3000 + 1 for j in range(prompt_len)]} for b in range(batch)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return batch * new_tokens / wall, batch * new_tokens / cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.cache_dir, exist_ok=True)
+    path = to_fp8(make_small_moe(args.cache_dir), Path(args.cache_dir) / "small-moe-fp8-128")
+    runs = {
+        "dequantized (fp32)": LLM(path, max_model_len=256),
+        "held as fp8": LLM(path, quantization="fp8", max_model_len=256),
+    }
+    print(f"{'run':<20} {'batch':>5} {'tok/s':>8} {'tok/CPU-s':>10}")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        results: dict[str, list] = {name: [] for name in runs}
+        for _ in range(args.repeats):  # ABAB
+            for name, llm in runs.items():
+                results[name].append(_decode(llm, batch, args.prompt_len, args.new_tokens))
+        med = {n: [statistics.median(x[k] for x in r) for k in (0, 1)] for n, r in results.items()}
+        for name, (tps, cps) in med.items():
+            print(f"{name:<20} {batch:>5} {tps:>8.1f} {cps:>10.1f}")
+        a, b = med.values()
+        print(f"{'held / dequantized':<20} {batch:>5} {b[0] / a[0]:>8.2f} {b[1] / a[1]:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Quantized checkpoint weights held compressed as stored: int codes, scales and offsets read
+straight into `QuantizedWeight` / `QuantizedExperts`, no float copy of the weight, no re-rounding.
+
+GPTQ (groups in order), AWQ and compressed-tensors int4 / int8 map exactly onto our kinds:
+W = (q - z) * s = q * s + (-z * s), so codes are q (symmetric int4 shifted by 8 into uint4),
+scales s and offsets -z * s per group. A logical tensor that can do this says so (`held_kind`:
+(kind, group)) and serves `quantized(bounds)`: codes [o, i] uint8, scales and offsets [o, G].
+
+How it reaches the layers without touching their loaders: before loading, each parameter whose
+every checkpoint source is held (one kind and group), of a module that takes quantized weights,
+is swapped for uint8 storage of its shape; the loaders copy codes into it exactly as they would
+copy floats (any TP / EP slice), and `copy_into` hands each copy's destination to the codes'
+`on_copy`, which puts the scales and offsets at the same rows of the parameter's side tensors.
+After loading, each module holds them (`hold_quantized`). A rank whose slice of the inputs cuts a
+group is an error naming the sizes. Anything else (desc_act's scattered groups, mixed kinds in
+one fused parameter, a family hook after loading) is dequantized at load as before (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
+from expertmesh.layers.quantization.view import LogicalTensor
+
+log = logging.getLogger("expertmesh")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def local_groups(what: str, kind: tuple[str, int], i0: int, i1: int, in_f: int) -> tuple[int, int]:
+    """(group, first group) of the inputs [i0, i1) of a weight with in_f inputs; whole groups only."""
+    group = kind[1] or in_f  # 0: one scale per row
+    if group >= in_f and (i0, i1) != (0, in_f):
+        group = i1 - i0  # one scale a row: any slice of the inputs keeps it
+        return group, 0
+    if i0 % group or (i1 % group and i1 != in_f):
+        raise ValueError(
+            f"{what} ({kind[0]}, groups of {group}): a rank reads its inputs [{i0}, {i1}) of {in_f}, "
+            "which cuts a group; choose a layout that keeps whole groups per rank"
+        )
+    return group, i0 // group
+
+
+@dataclass
+class HeldParam:
+    """One parameter filled with codes; its scales and offsets collected beside it."""
+
+    name: str
+    kind: str
+    group: int
+    shape: tuple[int, ...]
+    scales: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    local_group: int = 0
+
+    def place(self, dst: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> None:
+        rows_in = self.shape[-1]
+        if dst.shape[-1] != rows_in or dst.stride(-1) != 1 or (dst.dim() > 1 and dst.stride(-2) != rows_in):
+            raise RuntimeError(f"{self.name}: codes copied into a region that is not whole rows")
+        if self.scales is None:
+            side = (*self.shape[:-1], scales.shape[-1])
+            self.scales, self.offsets, self.local_group = torch.zeros(side), torch.zeros(side), group
+        row = dst.storage_offset() // rows_in  # rows of the flattened [..., O, I] parameter before dst
+        groups = self.scales.shape[-1]
+        flat_s, flat_m = self.scales.view(-1, groups), self.offsets.view(-1, groups)
+        n = dst.numel() // rows_in
+        flat_s[row : row + n] = scales.reshape(n, -1)
+        flat_m[row : row + n] = offsets.reshape(n, -1)
+
+
+@dataclass
+class HeldWeights:
+    """Which parameters are held, by their storage (what `on_copy` sees of a destination)."""
+
+    params: dict[str, HeldParam] = field(default_factory=dict)
+    by_storage: dict[int, HeldParam] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)  # checkpoint keys served as codes
+
+    def on_copy(self, dst: torch.Tensor, region: Any) -> None:
+        held = self.by_storage.get(dst.untyped_storage().data_ptr())
+        if held is None:
+            raise RuntimeError("held codes copied into a parameter that is not held")
+        held.place(dst, region.scales, region.offsets, region.group)
+
+
+class CodesRegion:
+    """What a held logical tensor's slice returns in place of floats: codes with their scales."""
+
+    def __init__(self, held: HeldWeights, codes, scales, offsets, group: int) -> None:
+        self.held, self.codes, self.scales, self.offsets, self.group = held, codes, scales, offsets, group
+
+
+def _module_of(model: Any, name: str) -> Any:
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
+    """Swap every fully held parameter for uint8 storage. `targets_of(key)`: the (parameter, read
+    as is) pairs a checkpoint key fills; a picked part of a fused tensor is not held."""
+    params = dict(model.named_parameters())
+    kinds: dict[str, set] = {}
+    reasons: Counter = Counter()
+    fills: dict[str, list[str]] = {}
+    for key, _ in view.keys():
+        targets = targets_of(key)
+        if not targets:
+            continue
+        fills[key] = [name for name, _ in targets]
+        src = view.get_slice(key)
+        kind = getattr(src, "held_kind", None)
+        if isinstance(src, LogicalTensor) and kind is None:
+            reasons["groups out of input order (desc_act's g_idx)"] += 1
+        for name, as_is in targets:
+            cut = name in params and _cuts_groups(kind, params[name].shape[-1], src.get_shape()[-1])
+            if cut:
+                local, full = params[name].shape[-1], src.get_shape()[-1]
+                reasons[f"a rank's {local} of {full} inputs cut groups of {kind[1]}"] += 1
+            kinds.setdefault(name, set()).add(kind if as_is and not cut else None)
+    held = HeldWeights()
+    for name, found in kinds.items():
+        if name not in params or None in found:
+            continue
+        module = _module_of(model, name)
+        if not getattr(module, "quantizable", False) or _relaid_after_loading(model, name):
+            reasons["a module that does not take quantized weights"] += 1
+            continue
+        if len(found) > 1:
+            reasons[f"one parameter from several schemes {sorted(found)}"] += 1
+            continue
+        (kind,) = found
+        param = params[name]
+        param.data = torch.empty(param.shape, dtype=torch.uint8, device=param.device)
+        held.params[name] = HeldParam(name, kind[0], kind[1], tuple(param.shape))
+        held.by_storage[param.data.untyped_storage().data_ptr()] = held.params[name]
+    _pair_experts(model, held, params)
+    held.keys = {key for key, names in fills.items() if all(n in held.params for n in names)}
+    if held.params:
+        log.info("weights held compressed as stored: %d parameters", len(held.params))
+    for reason, count in reasons.items():
+        log.info("weights dequantized at load, not held compressed: %d tensors (%s)", count, reason)
+    view.held = held
+    return held
+
+
+def _cuts_groups(kind: tuple[str, int] | None, local_in: int, full_in: int) -> bool:
+    """A rank holding `local_in` of `full_in` inputs (at a multiple of local_in) splits a group."""
+    if kind is None or not kind[1] or kind[1] >= full_in or local_in == full_in:
+        return False
+    return local_in % kind[1] != 0
+
+
+def _relaid_after_loading(model: Any, name: str) -> bool:
+    """A module above lays this weight out anew after loading (MLA splits kv_b_proj): every
+    child, unless it names the ones it takes (`relaid_after_loading`)."""
+    parts = name.split(".")[:-1]
+    for i in range(1, len(parts) + 1):
+        module = model.get_submodule(".".join(parts[:i]))
+        if hasattr(module, "process_weights_after_loading"):
+            taken = getattr(module, "relaid_after_loading", None)
+            if taken is None or (i < len(parts) and parts[i] in taken) or i == len(parts):
+                return True
+    return False
+
+
+def _pair_experts(model: Any, held: HeldWeights, params: dict) -> None:
+    """Routed experts run one kind for both projections: hold both or neither."""
+    for name in list(held.params):
+        if not name.endswith(".w13"):
+            continue
+        other = held.params.get(name[:-4] + ".w2")
+        if other is None or other.kind != held.params[name].kind:
+            for n in (name, name[:-4] + ".w2"):
+                if n in held.params:
+                    h = held.params.pop(n)
+                    del held.by_storage[params[n].data.untyped_storage().data_ptr()]
+                    params[n].data = torch.empty(h.shape, dtype=model.cfg.dtype, device=params[n].device)
+    for name in list(held.params):
+        if name.endswith(".w2") and name[:-3] + ".w13" not in held.params:
+            h = held.params.pop(name)
+            del held.by_storage[params[name].data.untyped_storage().data_ptr()]
+            params[name].data = torch.empty(h.shape, dtype=model.cfg.dtype, device=params[name].device)
+
+
+def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
+    """After loading: each held module takes its codes, scales and offsets; returns their ids."""
+    params = dict(model.named_parameters())
+    done: set[int] = set()
+    for name, h in held.params.items():
+        module = _module_of(model, name)
+        if id(module) in done or h.scales is None:
+            continue
+        if name.endswith((".w13", ".w2")):
+            prefix = name.rpartition(".")[0]
+            w13, w2 = held.params[prefix + ".w13"], held.params[prefix + ".w2"]
+            pairs = [
+                tuple(_weight(params[p.name].data[e], p, kernels, e) for p in (w13, w2))
+                for e in range(w13.shape[0])
+            ]
+            module.hold_quantized(pairs, kernels)
+        else:
+            module.hold_quantized(_weight(params[name].data, h, kernels))
+        done.add(id(module))
+    return done
+
+
+def _weight(codes: torch.Tensor, h: HeldParam, kernels: Any, e: int | None = None) -> QuantizedWeight:
+    scales = h.scales if e is None else h.scales[e]
+    offsets = h.offsets if e is None else h.offsets[e]
+    return QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
+
+
+__all__ = ["CodesRegion", "HeldWeights", "QuantizedExperts", "hold", "local_groups", "plan"]

@@ -1,0 +1,129 @@
+"""Quantized checkpoint weights held compressed as stored (layers/quantization/held.py): each
+format's codes, scales and offsets of any rank's region rebuild exactly the weights its
+dequantization gives (GPTQ, AWQ, compressed-tensors), and a region that cuts a group is an error
+naming the sizes. End to end (greedy tokens, TP / EP, resident bytes): test_quantization.py and
+test_compressed_tensors.py."""
+
+import pytest
+import torch
+from quantized_checkpoints import AWQ_ORDER, _int4_groups, _pack
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from expertmesh.layers.quantization.awq import AwqFormat, AwqTensor
+from expertmesh.layers.quantization.gptq import GptqFormat, GptqTensor
+from expertmesh.layers.quantization.held import local_groups
+from expertmesh.layers.quantization.packed import decode_codes
+
+OUT, IN, GROUP = 24, 64, 16
+# (rows, columns) a rank reads: whole, TP 2 by rows (cutting a packed word of 8 outputs), by columns
+REGIONS = [((0, OUT), (0, IN)), ((12, 24), (0, IN)), ((0, OUT), (32, 64)), ((3, 17), (16, 48))]
+
+
+def _rebuilt(t, rows, cols) -> torch.Tensor:
+    group, g0 = local_groups(t.base, t.held_kind, cols[0], cols[1], t.shape[1])
+    codes, scales, offsets = t.quantized(rows, cols, group, g0)
+    values = decode_codes(codes, t.held_kind[0])
+    expand = lambda v: v.repeat_interleave(group, 1)[:, : cols[1] - cols[0]]
+    return values * expand(scales) + expand(offsets)
+
+
+def _check(t) -> None:
+    for rows, cols in REGIONS:
+        ref = t[rows[0] : rows[1], cols[0] : cols[1]]
+        torch.testing.assert_close(_rebuilt(t, rows, cols), ref, rtol=0, atol=1e-6)
+
+
+def _int4_parts(method: str):
+    torch.manual_seed(3)
+    g_idx = torch.arange(IN) // GROUP
+    q, z, s = _int4_groups(torch.randn(OUT, IN), GROUP, g_idx)
+    if method == "gptq":
+        return {
+            "qweight": _pack(q, 0),
+            "qzeros": _pack(z - 1, 1),
+            "scales": s,
+            "g_idx": g_idx.to(torch.int32),
+        }
+    return {"qweight": _pack(q, 1, AWQ_ORDER), "qzeros": _pack(z, 1, AWQ_ORDER), "scales": s}
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_codes_rebuild_their_dequantized_weights(tmp_path, method):
+    save_file({k: v.contiguous() for k, v in _int4_parts(method).items()}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        parts = {k: f.get_slice(k) for k in f.keys()}
+        if method == "gptq":
+            t = GptqTensor("x", parts, GptqFormat(4, GROUP))
+        else:
+            t = AwqTensor("x", parts, AwqFormat(GROUP))
+        assert t.held_kind == ("int4", GROUP)
+        _check(t)
+
+
+def _pack8(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """int64 8-bit values -> int32 words of 4 along dim (value j at bits 8j), as GPTQ packs int8."""
+    v = values.movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 4)
+    words = sum(v[..., j] << (8 * j) for j in range(4))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim)
+
+
+def test_gptq_int8_codes_rebuild_their_dequantized_weights(tmp_path):
+    """Unsigned 8-bit q and zeros: codes q - 128 as int8, offsets -(z - 128) * s."""
+    torch.manual_seed(5)
+    q = torch.randint(0, 256, (IN, OUT))
+    z = torch.randint(1, 256, (IN // GROUP, OUT))
+    s = (torch.rand(IN // GROUP, OUT) / 50).half()
+    parts = {"qweight": _pack8(q, 0), "qzeros": _pack8(z - 1, 1), "scales": s}
+    save_file({k: v.contiguous() for k, v in parts.items()}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        t = GptqTensor("x", {k: f.get_slice(k) for k in f.keys()}, GptqFormat(8, GROUP))
+        assert t.held_kind == ("int8", GROUP)
+        g = torch.arange(IN) // GROUP
+        torch.testing.assert_close(t[:], ((q - z[g]).float() * s.float()[g]).t(), rtol=0, atol=0)
+        _check(t)
+
+
+@pytest.mark.parametrize(
+    "bits,strategy,symmetric",
+    [(4, "group", True), (4, "group", False), (8, "channel", False), (8, "tensor", True)],
+)
+def test_compressed_tensors_codes_rebuild_their_dequantized_weights(tmp_path, bits, strategy, symmetric):
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from expertmesh.layers.quantization.compressed import CompressedTensor
+
+    args = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
+        group_size=GROUP if strategy == "group" else None,
+    )  # fmt: skip
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    torch.manual_seed(4)
+    w = torch.randn(OUT, IN)
+    blocks = (
+        w.view(OUT, -1, GROUP if strategy == "group" else IN) if strategy != "tensor" else w.view(1, 1, -1)
+    )
+    scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+    if strategy == "tensor":
+        scale, zero = scale.reshape(1), zero.reshape(1)
+    state = BaseCompressor.get_value_from_registry("pack-quantized").compress(
+        {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
+    )
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        t = CompressedTensor("x", {k: f.get_slice(k) for k in f.keys()}, scheme, "pack-quantized")
+        assert t.held_kind == (f"int{bits}", GROUP if strategy == "group" else 0)
+        _check(t)
+
+
+def test_a_region_that_cuts_a_group_is_an_error_naming_the_sizes():
+    assert local_groups("x", ("int4", 16), 16, 48, 64) == (16, 1)
+    assert local_groups("x", ("int8", 0), 32, 64, 64) == (32, 0)  # one scale a row: any slice
+    assert local_groups("x", ("int4", 128), 0, 64, 64) == (128, 0)  # one group covers the row
+    with pytest.raises(
+        ValueError, match=r"x \(int4, groups of 16\): a rank reads its inputs \[8, 40\) of 64"
+    ):
+        local_groups("x", ("int4", 16), 8, 40, 64)
