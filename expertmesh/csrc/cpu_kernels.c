@@ -1062,6 +1062,7 @@ typedef struct {
   const void* w13;
   const void* w2;
   int64_t inter, act;
+  int64_t* load; /* [E] (token, expert) pairs routed to each expert (engine/expert_load.py), or NULL */
 } decode_layer_desc;
 
 typedef struct {
@@ -1073,6 +1074,7 @@ typedef struct {
   const int32_t* block_tables; /* [B, W] */
   const int32_t* context_lens;
   int64_t width;
+  int64_t count_load; /* 0 for a forward whose tokens are not counted in the expert load */
 } decode_step_meta;
 
 /* Softmax over one token's E logits (float32), its top k into w / slot. 0 if two of the k + 1
@@ -1086,14 +1088,14 @@ static int route_softmax_topk(const float* logits, int64_t E, int64_t k, int ren
     sum += probs[e];
   }
   for (int64_t e = 0; e < E; e++) probs[e] /= sum;
-  float prev = INFINITY;
+  float prev = 0.f;
   const int64_t want = k < E ? k + 1 : k;
   for (int64_t j = 0; j < want; j++) {
     int64_t best = -1;
     for (int64_t e = 0; e < E; e++)
       if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
     const float v = probs[best];
-    if (prev - v <= 1e-6f * prev) return 0;
+    if (j > 0 && prev - v <= 1e-6f * prev) return 0;
     prev = v;
     if (j < k) {
       w[j] = v;
@@ -1153,6 +1155,8 @@ static int route_softmax_topk(const float* logits, int64_t E, int64_t k, int ren
     for (int64_t i = 0; i < B * E; i++) lg[i] = LOAD(logits[i]);                                 \
     for (int64_t t = 0; t < B && ok; t++)                                                        \
       ok = route_softmax_topk(lg + t * E, E, K, (int)d->renormalize, probs, w + t * K, slot + t * K); \
+    if (ok && m->count_load && d->load)                                                          \
+      for (int64_t q = 0; q < B * K; q++) d->load[slot[q]]++;                                    \
     if (ok) {                                                                                    \
       moe_##SUFFIX(h_out, B, Hd, slot, w, K, d->w13, d->w2, E, d->inter, (int)d->act, out, threads); \
       for (int64_t i = 0; i < B * Hd; i++) y[i] = STORE(out[i]);                                 \

@@ -170,11 +170,17 @@ class MoE(nn.Module):
         router, experts = self.gate.native_form(keep), self.experts.native_form()
         if router is None or experts is None or router["experts"] != self.experts.num_experts:
             return None
-        return {**router, **experts}
+        load = self.load if self.load is not None and self.load.is_contiguous() else None
+        if self.load is not None and load is None:
+            return None
+        self._native_load = load  # the counters the descriptor adds to (ExpertLoad's view)
+        return {**router, **experts, "load": None if load is None else load.data_ptr()}
+
+    _native_load: torch.Tensor | None = None
 
     def native_now(self, ctx: ForwardContext) -> bool:
-        """What may change after the descriptor was built: expert-load counting, EPLB's slots."""
-        return (self.load is None or not ctx.count_load) and self.experts.all_local
+        """What may change after the descriptor was built: the load counters, EPLB's slots."""
+        return self.load is self._native_load and self.experts.all_local
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [n, H] replicated over TP -> [n, H] replicated over TP, in x's dtype.

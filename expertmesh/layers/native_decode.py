@@ -42,7 +42,7 @@ class LayerDesc(ctypes.Structure):
         ("o_fn", _P), ("o_w", _P), ("o_bias", _P), ("post_norm", _P),
         ("router_fn", _P), ("router_w", _P), ("router_bias", _P),
         ("experts", _I), ("top_k", _I), ("renormalize", _I),
-        ("w13", _P), ("w2", _P), ("inter", _I), ("act", _I),
+        ("w13", _P), ("w2", _P), ("inter", _I), ("act", _I), ("load", _P),
     ]  # fmt: skip
 
 
@@ -51,7 +51,7 @@ class StepMeta(ctypes.Structure):
 
     _fields_ = [
         ("tokens", _I), ("cos", _P), ("sin", _P), ("rotary", _I), ("interleaved", _I),
-        ("slots", _P), ("block_tables", _P), ("context_lens", _P), ("width", _I),
+        ("slots", _P), ("block_tables", _P), ("context_lens", _P), ("width", _I), ("count_load", _I),
     ]  # fmt: skip
 
 
@@ -134,7 +134,7 @@ class NativeDecoder:
     def step_meta(self, ctx: Any, tokens: int) -> tuple[StepMeta, list]:
         meta, rope = ctx.attn, ctx.rope
         held = [meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens]
-        m = StepMeta(tokens=tokens, width=meta.decode_block_tables.shape[1])
+        m = StepMeta(tokens=tokens, width=meta.decode_block_tables.shape[1], count_load=int(ctx.count_load))
         if rope is not None:
             cos, sin = (t.reshape(tokens, -1).to(self.dtype).contiguous() for t in (rope.cos, rope.sin))
             held += [cos, sin]
