@@ -310,6 +310,10 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
   return v;
 }
 
+/* Panels a one-row product takes at once (row1_*): enough independent FMA chains to cover
+ * the FMA latency, where a tile's NP chains leave a one-row decode latency-bound. */
+#define NP1 8
+
 /* Rows [r, r1) in tiles: MR rows a tile, then one tile of the 1..7 left, the row count a
  * constant in each case so every tile's loops unroll. The tile takes (..., rows, bias). */
 #define TILE_ROWS(r, r1, tile, bias, ...)                    \
@@ -362,6 +366,30 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
     int64_t r = r0;                                                                              \
     TILE_ROWS(r, r1, tile_##SUFFIX, bias, x + r * I, I, wp, y + r * O, O, p0, np);               \
+  }                                                                                              \
+                                                                                                 \
+  /* One row of x against panel group g of NP1 panels (decode): NP1 independent accumulator    \
+   * chains instead of a tile's NP, each summed in the same order as in a tile, so the result is \
+   * bit for bit the tiles' (a row's product does not depend on how many rows a call has). */   \
+  static void row1_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
+                            int64_t g, const float* bias) {                                      \
+    const int64_t p0 = g * NP1, np = P - p0 < NP1 ? P - p0 : NP1;                                \
+    if (np < NP1) {                                                                              \
+      for (int64_t q = p0; q < P; q += NP)                                                       \
+        tile_##SUFFIX(x, I, wp, y, O, q, P - q < NP ? P - q : NP, 1, bias);                      \
+      return;                                                                                    \
+    }                                                                                            \
+    vf acc[NP1];                                                                                 \
+    for (int j = 0; j < NP1; j++) acc[j] = (vf){0};                                              \
+    const TW* w = wp + p0 * I * LANES;                                                           \
+    for (int64_t i = 0; i < I; i++) {                                                            \
+      const float xs = x[i];                                                                     \
+      for (int j = 0; j < NP1; j++) acc[j] += LOADW(w + (j * I + i) * LANES) * xs;              \
+    }                                                                                            \
+    for (int j = 0; j < NP1; j++) {                                                              \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
+      STOREY(y + o, acc[j] + bias_vec(bias, o, n), n);                                           \
+    }                                                                                            \
   }
 
 DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32)
@@ -378,6 +406,12 @@ void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, i
               const float* bias, int threads) {
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (M == 1) {
+    const int64_t g1 = (P + NP1 - 1) / NP1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < g1; g++) row1_f32(x, I, wp, y, O, P, g, bias);
+    return;
+  }
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
@@ -393,6 +427,18 @@ static void gemm_bf16_to(const bf16_t* x, const bf16_t* wp, void* y, int y_f32, 
   float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
   for (int64_t k = 0; k < M * I; k++) xf[k] = bf16_to_f32(x[k]);
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (M == 1) {
+    const int64_t g1 = (P + NP1 - 1) / NP1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < g1; g++) {
+      if (y_f32)
+        row1_bf16_f32(xf, I, wp, (float*)y, O, P, g, bias);
+      else
+        row1_bf16(xf, I, wp, (bf16_t*)y, O, P, g, bias);
+    }
+    free(xf);
+    return;
+  }
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
@@ -578,6 +624,9 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
   const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  /* every active expert has one row (a decode at batch 1): row1 items of NP1 panels */
+  const int one = m == p.na;
+  const int64_t O13 = (P13 + NP1 - 1) / NP1, O2 = (P2 + NP1 - 1) / NP1;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
@@ -585,15 +634,29 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
-      const int64_t e = p.active[item / G13];
-      rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O13; item++) {
+        const int64_t e = p.active[item / O13], r = p.start[e];
+        row1_f32(xs + r * H, H, w13 + e * P13 * H * LANES, h + r * 2 * I, 2 * I, P13, item % O13, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+        const int64_t e = p.active[item / G13];
+        rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       gated_row(h + r * 2 * I, a + r * I, I, act);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
-      const int64_t e = p.active[item / G2];
-      rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O2; item++) {
+        const int64_t e = p.active[item / O2], r = p.start[e];
+        row1_f32(a + r * I, I, w2 + e * P2 * I * LANES, ys + r * H, H, P2, item % O2, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+        const int64_t e = p.active[item / G2];
+        rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
@@ -752,6 +815,9 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
   const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  /* every active expert has one row (a decode at batch 1): row1 items of NP1 panels */
+  const int one = m == p.na;
+  const int64_t O13 = (P13 + NP1 - 1) / NP1, O2 = (P2 + NP1 - 1) / NP1;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
@@ -761,9 +827,16 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       const bf16_t* xr = x + (p.pair_of_row[r] / k) * H;
       for (int64_t c = 0; c < H; c++) xs[r * H + c] = bf16_to_f32(xr[c]);
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
-      const int64_t e = p.active[item / G13];
-      rows_bf16_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O13; item++) {
+        const int64_t e = p.active[item / O13], r = p.start[e];
+        row1_bf16_f32(xs + r * H, H, w13 + e * P13 * H * LANES, h + r * 2 * I, 2 * I, P13, item % O13, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+        const int64_t e = p.active[item / G13];
+        rows_bf16_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       float* hr = h + r * 2 * I;
@@ -772,9 +845,16 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       gated_row(hr, ar, I, act);
       for (int64_t i = 0; i < I; i++) ar[i] = bf16_to_f32(f32_to_bf16(ar[i]));
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
-      const int64_t e = p.active[item / G2];
-      rows_bf16_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O2; item++) {
+        const int64_t e = p.active[item / O2], r = p.start[e];
+        row1_bf16_f32(a + r * I, I, w2 + e * P2 * I * LANES, ys + r * H, H, P2, item % O2, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+        const int64_t e = p.active[item / G2];
+        rows_bf16_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
