@@ -30,7 +30,12 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     engine = prefilled_engine(
-        make_small_moe(args.cache_dir, args.dtype), args.dtype, args.batch, 16, args.steps + 6
+        make_small_moe(args.cache_dir, args.dtype),
+        args.dtype,
+        args.batch,
+        16,
+        args.steps + 6,
+        args.native_decode == "on",
     )
     time_steps(engine, 3)
     Path(args.sync, "ready").touch()
@@ -56,6 +61,8 @@ def parent(args: argparse.Namespace) -> None:
         str(args.steps),
         "--cache-dir",
         args.cache_dir,
+        "--native-decode",
+        args.native_decode,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -96,7 +103,8 @@ def report(files: list[Path], args: argparse.Namespace) -> None:
                 ours += n
     s = args.steps
     print(
-        f"batch {args.batch} {args.dtype}: {total / s / 1e6:.1f} M instructions a step, "
+        f"batch {args.batch} {args.dtype} native {args.native_decode}: "
+        f"{total / s / 1e6:.1f} M instructions a step, "
         f"{ours / s / 1e6:.1f} M in our kernels, {(total - ours) / s / 1e6:.1f} M elsewhere (host)"
     )
 
@@ -107,6 +115,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cache-dir", default="/tmp/expertmesh-bench")
+    ap.add_argument("--native-decode", default="on", choices=["on", "off"], help="EngineArgs.native_decode")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sync", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

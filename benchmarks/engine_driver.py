@@ -43,6 +43,7 @@ def load_expertmesh(spec: dict) -> GenerateFn:
         kv_cache_memory_bytes=spec["kv_cache_bytes"],
         max_num_seqs=spec["max_num_seqs"],
         quantization=spec.get("quantization"),  # benchmarks/quantized.py: online int8 / int4
+        native_decode=spec.get("native_decode", True),  # throughput.py --native-decode
     )
 
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -28,9 +28,13 @@ from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe  # noqa: E402
 from expertmesh import LLM, SamplingParams  # noqa: E402
 
 
-def prefilled_engine(model: str, dtype: str, batch: int, prompt_len: int, steps: int):
-    """An engine with `batch` running requests, past their prefill, able to decode `steps` more."""
-    llm = LLM(model=model, dtype=dtype, max_model_len=2048, kv_cache_memory_bytes=1 << 30, max_num_seqs=batch)
+def prefilled_engine(model: str, dtype: str, batch: int, prompt_len: int, steps: int, native: bool = True):
+    """An engine with `batch` running requests, past their prefill, able to decode `steps` more;
+    `native`: EngineArgs.native_decode (whole decoder layers in one C call)."""
+    llm = LLM(
+        model=model, dtype=dtype, max_model_len=2048, kv_cache_memory_bytes=1 << 30, max_num_seqs=batch,
+        native_decode=native,
+    )  # fmt: skip
     engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
@@ -81,6 +85,20 @@ def profile_kernels(engine, steps: int) -> None:
 
     spent, calls = collections.defaultdict(float), collections.Counter()
     originals = {}
+    from expertmesh.layers.native_decode import decoders
+
+    for native in decoders(engine.runner.model):  # the whole-layer C call (layers/native_decode.py)
+        fn = native.fn
+
+        def timed_layers(*args, _fn=fn):
+            start = CLOCK()
+            try:
+                return _fn(*args)
+            finally:
+                spent["decode_layers (native)"] += CLOCK() - start
+                calls["decode_layers (native)"] += 1
+
+        native.fn = timed_layers
     for name in ("linear", "moe", "paged_decode", "rms_norm", "rope_cache"):
         originals[name] = fn = getattr(CpuKernels, name)
 
@@ -119,13 +137,15 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
     ap.add_argument("--cpu-time", action="store_true", help="CPU time, not wall time (see CLOCK)")
+    ap.add_argument("--native-decode", default="on", choices=["on", "off"], help="EngineArgs.native_decode")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     model = make_small_moe(args.cache_dir, args.dtype, args.shape)
     warm = 3
-    engine = prefilled_engine(model, args.dtype, args.batch, args.prompt_len, warm + 2 * args.steps)
+    native = args.native_decode == "on"
+    engine = prefilled_engine(model, args.dtype, args.batch, args.prompt_len, warm + 2 * args.steps, native)
     time_steps(engine, warm)
     times = time_steps(engine, args.steps)
     ms = statistics.median(times) * 1e3

@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mixed-requests", type=int, default=None, help="default: the largest batch size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--native-decode", default="on", choices=["on", "off"], help="expertmesh's EngineArgs.native_decode"
+    )
+    ap.add_argument(
         "--engines",
         default=None,
         help="default: expertmesh,transformers (+llama.cpp with --llama-python, +vllm with --vllm-python)",
@@ -316,6 +319,7 @@ def make_spec(args: argparse.Namespace, model: str, workloads: list[dict]) -> di
         "kv_cache_bytes": KV_CACHE_BYTES,
         "repeats": args.repeats,
         "workloads": workloads,
+        "native_decode": args.native_decode == "on",  # expertmesh's EngineArgs.native_decode
     }
 
 

@@ -42,18 +42,28 @@ def _skewed(original):
     return forward
 
 
+def _no_native_form(layer, keep):
+    """The skew lives in Router.forward, which native decode steps do not call (they route in C,
+    layers/native_decode.py): a skewed model's layers declare no native form."""
+    return None
+
+
 def skew_router() -> None:
     """Test-only mutation (in a spawned rank): every router favours experts 0 and 1."""
     from expertmesh.layers.routing import Router
+    from expertmesh.models.decoder import DecoderLayer
 
     Router.forward = _skewed(Router.forward)
+    DecoderLayer.native_form = _no_native_form
 
 
 @pytest.fixture
 def skewed(monkeypatch):
     from expertmesh.layers.routing import Router
+    from expertmesh.models.decoder import DecoderLayer
 
     monkeypatch.setattr(Router, "forward", _skewed(Router.forward))
+    monkeypatch.setattr(DecoderLayer, "native_form", _no_native_form)
 
 
 def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

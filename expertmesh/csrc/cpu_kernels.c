@@ -310,6 +310,10 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
   return v;
 }
 
+/* Panels a one-row product takes at once (row1_*): enough independent FMA chains to cover
+ * the FMA latency, where a tile's NP chains leave a one-row decode latency-bound. */
+#define NP1 8
+
 /* Rows [r, r1) in tiles: MR rows a tile, then one tile of the 1..7 left, the row count a
  * constant in each case so every tile's loops unroll. The tile takes (..., rows, bias). */
 #define TILE_ROWS(r, r1, tile, bias, ...)                    \
@@ -362,6 +366,30 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
     int64_t r = r0;                                                                              \
     TILE_ROWS(r, r1, tile_##SUFFIX, bias, x + r * I, I, wp, y + r * O, O, p0, np);               \
+  }                                                                                              \
+                                                                                                 \
+  /* One row of x against panel group g of NP1 panels (decode): NP1 independent accumulator    \
+   * chains instead of a tile's NP, each summed in the same order as in a tile, so the result is \
+   * bit for bit the tiles' (a row's product does not depend on how many rows a call has). */   \
+  static void row1_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
+                            int64_t g, const float* bias) {                                      \
+    const int64_t p0 = g * NP1, np = P - p0 < NP1 ? P - p0 : NP1;                                \
+    if (np < NP1) {                                                                              \
+      for (int64_t q = p0; q < P; q += NP)                                                       \
+        tile_##SUFFIX(x, I, wp, y, O, q, P - q < NP ? P - q : NP, 1, bias);                      \
+      return;                                                                                    \
+    }                                                                                            \
+    vf acc[NP1];                                                                                 \
+    for (int j = 0; j < NP1; j++) acc[j] = (vf){0};                                              \
+    const TW* w = wp + p0 * I * LANES;                                                           \
+    for (int64_t i = 0; i < I; i++) {                                                            \
+      const float xs = x[i];                                                                     \
+      for (int j = 0; j < NP1; j++) acc[j] += LOADW(w + (j * I + i) * LANES) * xs;              \
+    }                                                                                            \
+    for (int j = 0; j < NP1; j++) {                                                              \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
+      STOREY(y + o, acc[j] + bias_vec(bias, o, n), n);                                           \
+    }                                                                                            \
   }
 
 DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32)
@@ -378,6 +406,12 @@ void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, i
               const float* bias, int threads) {
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (M == 1) {
+    const int64_t g1 = (P + NP1 - 1) / NP1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < g1; g++) row1_f32(x, I, wp, y, O, P, g, bias);
+    return;
+  }
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
@@ -393,6 +427,18 @@ static void gemm_bf16_to(const bf16_t* x, const bf16_t* wp, void* y, int y_f32, 
   float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
   for (int64_t k = 0; k < M * I; k++) xf[k] = bf16_to_f32(x[k]);
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (M == 1) {
+    const int64_t g1 = (P + NP1 - 1) / NP1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < g1; g++) {
+      if (y_f32)
+        row1_bf16_f32(xf, I, wp, (float*)y, O, P, g, bias);
+      else
+        row1_bf16(xf, I, wp, (bf16_t*)y, O, P, g, bias);
+    }
+    free(xf);
+    return;
+  }
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
@@ -578,6 +624,9 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
   const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  /* every active expert has one row (a decode at batch 1): row1 items of NP1 panels */
+  const int one = m == p.na;
+  const int64_t O13 = (P13 + NP1 - 1) / NP1, O2 = (P2 + NP1 - 1) / NP1;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
@@ -585,15 +634,29 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
-      const int64_t e = p.active[item / G13];
-      rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O13; item++) {
+        const int64_t e = p.active[item / O13], r = p.start[e];
+        row1_f32(xs + r * H, H, w13 + e * P13 * H * LANES, h + r * 2 * I, 2 * I, P13, item % O13, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+        const int64_t e = p.active[item / G13];
+        rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       gated_row(h + r * 2 * I, a + r * I, I, act);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
-      const int64_t e = p.active[item / G2];
-      rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O2; item++) {
+        const int64_t e = p.active[item / O2], r = p.start[e];
+        row1_f32(a + r * I, I, w2 + e * P2 * I * LANES, ys + r * H, H, P2, item % O2, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+        const int64_t e = p.active[item / G2];
+        rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
@@ -752,6 +815,9 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
   const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  /* every active expert has one row (a decode at batch 1): row1 items of NP1 panels */
+  const int one = m == p.na;
+  const int64_t O13 = (P13 + NP1 - 1) / NP1, O2 = (P2 + NP1 - 1) / NP1;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
@@ -761,9 +827,16 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       const bf16_t* xr = x + (p.pair_of_row[r] / k) * H;
       for (int64_t c = 0; c < H; c++) xs[r * H + c] = bf16_to_f32(xr[c]);
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
-      const int64_t e = p.active[item / G13];
-      rows_bf16_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O13; item++) {
+        const int64_t e = p.active[item / O13], r = p.start[e];
+        row1_bf16_f32(xs + r * H, H, w13 + e * P13 * H * LANES, h + r * 2 * I, 2 * I, P13, item % O13, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+        const int64_t e = p.active[item / G13];
+        rows_bf16_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       float* hr = h + r * 2 * I;
@@ -772,9 +845,16 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
       gated_row(hr, ar, I, act);
       for (int64_t i = 0; i < I; i++) ar[i] = bf16_to_f32(f32_to_bf16(ar[i]));
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
-      const int64_t e = p.active[item / G2];
-      rows_bf16_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+    if (one) {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O2; item++) {
+        const int64_t e = p.active[item / O2], r = p.start[e];
+        row1_bf16_f32(a + r * I, I, w2 + e * P2 * I * LANES, ys + r * H, H, P2, item % O2, NULL);
+      }
+    } else {
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+        const int64_t e = p.active[item / G2];
+        rows_bf16_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
+      }
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
@@ -1009,3 +1089,182 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
   free(xs); free(h); free(a); free(ys);
   moe_free(&p);
 }
+
+/* ---- decode steps: whole decoder layers in one call (layers/native_decode.py) ---------------
+ * For a decode-only step (B tokens, one per sequence), each layer of a run of eligible layers:
+ *
+ *   h = rms_norm(x); qkv = h @ Wqkv (+ b); per-head q/k RMSNorm (optional); rotary + KV store;
+ *   paged decode attention; o = attn @ Wo (+ b); x = x + m * o
+ *   h = rms_norm(x); logits = h @ Wr (+ b); softmax, top-k, renormalise (optional);
+ *   y = routed experts (float32), rounded to T; x = x + m * y
+ *
+ * by the same kernels the per-op path calls, in the same order and with the same roundings, so
+ * the result equals that path's (the router's softmax is float32 like torch's, within an ulp).
+ * Weights are the layer's packed panels; the descriptor (pointers and sizes) is built once by
+ * Python, the step's metadata (rotary tables, slots, block tables) once per step for all layers.
+ *
+ * Top-k's order among equal scores is torch.topk's business, not ours: when two of a token's
+ * k + 1 best scores are within a relative 1e-6 (a tie or a near-tie), the call stops before that
+ * layer's MoE block and returns the layer's index, with x holding the attention's residual and
+ * h_out the normed input of the MoE block; the caller runs that block with torch and calls again
+ * from the next layer. Returns n_layers when every layer ran.
+ *
+ * Every field is 8 bytes (int64, double or a pointer), so the ctypes mirror has no padding. */
+typedef void (*gemm_fn_t)(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
+                          const float* bias, int threads);
+
+typedef struct {
+  int64_t hidden;
+  double eps, residual_multiplier;
+  const void* input_norm;
+  gemm_fn_t qkv_fn;
+  const void* qkv_w;
+  const float* qkv_bias;
+  int64_t heads, kv_heads, head_dim;
+  const void* q_norm; /* per-head RMSNorm(head_dim) weights, or NULL */
+  const void* k_norm;
+  double qk_eps;
+  int64_t use_rope; /* 0: keys and queries as projected (a layer without RoPE) */
+  void* k_cache;
+  void* v_cache;
+  int64_t block_size;
+  double scale;
+  int64_t window, chunk;
+  const float* sinks;
+  gemm_fn_t o_fn;
+  const void* o_w;
+  const float* o_bias;
+  const void* post_norm;
+  gemm_fn_t router_fn;
+  const void* router_w;
+  const float* router_bias;
+  int64_t experts, top_k, renormalize;
+  const void* w13;
+  const void* w2;
+  int64_t inter, act;
+  int64_t* load; /* [E] (token, expert) pairs routed to each expert (engine/expert_load.py), or NULL */
+} decode_layer_desc;
+
+typedef struct {
+  int64_t tokens;
+  const void* cos; /* [B, R] model dtype */
+  const void* sin;
+  int64_t rotary, interleaved; /* R rotated dims, GPT-J pairs instead of NeoX halves */
+  const int64_t* slots;
+  const int32_t* block_tables; /* [B, W] */
+  const int32_t* context_lens;
+  int64_t width;
+  int64_t count_load; /* 0 for a forward whose tokens are not counted in the expert load */
+} decode_step_meta;
+
+/* Softmax over one token's E logits (float32), its top k into w / slot. 0 if two of the k + 1
+ * best are (nearly) equal: the caller then routes this layer with torch.topk. */
+static int route_softmax_topk(const float* logits, int64_t E, int64_t k, int renormalize, float* probs,
+                              float* w, int32_t* slot) {
+  float mx = -INFINITY, sum = 0.f;
+  for (int64_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+  for (int64_t e = 0; e < E; e++) {
+    probs[e] = expf(logits[e] - mx);
+    sum += probs[e];
+  }
+  for (int64_t e = 0; e < E; e++) probs[e] /= sum;
+  float prev = 0.f;
+  const int64_t want = k < E ? k + 1 : k;
+  for (int64_t j = 0; j < want; j++) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; e++)
+      if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+    const float v = probs[best];
+    if (j > 0 && prev - v <= 1e-6f * prev) return 0;
+    prev = v;
+    if (j < k) {
+      w[j] = v;
+      slot[j] = (int32_t)best;
+    }
+    probs[best] = -1.f; /* taken */
+  }
+  if (renormalize) {
+    float s = 0.f;
+    for (int64_t j = 0; j < k; j++) s += w[j];
+    for (int64_t j = 0; j < k; j++) w[j] /= s;
+  }
+  return 1;
+}
+
+#define DEFINE_DECODE_LAYERS(SUFFIX, T, LOAD, STORE)                                             \
+  static void residual_##SUFFIX(T* x, const T* y, int64_t n, float m) {                          \
+    if (m == 1.f)                                                                                \
+      for (int64_t i = 0; i < n; i++) x[i] = STORE(LOAD(x[i]) + LOAD(y[i]));                     \
+    else                                                                                         \
+      for (int64_t i = 0; i < n; i++) x[i] = STORE(LOAD(x[i]) + LOAD(STORE(LOAD(y[i]) * m)));    \
+  }                                                                                              \
+  static void attention_block_##SUFFIX(const decode_layer_desc* d, const decode_step_meta* m,    \
+                                       T* x, T* scratch, int threads) {                          \
+    const int64_t B = m->tokens, Hd = d->hidden, H = d->heads, Hk = d->kv_heads, D = d->head_dim; \
+    const int64_t C = (H + 2 * Hk) * D;                                                          \
+    T *h = scratch, *qkv = h + B * Hd, *q = qkv + B * C, *k = q + B * H * D, *v = k + B * Hk * D; \
+    T *att = v + B * Hk * D, *o = att + B * H * D;                                               \
+    rms_norm_##SUFFIX(x, (const T*)d->input_norm, h, B, Hd, (float)d->eps, threads);             \
+    d->qkv_fn(h, d->qkv_w, qkv, B, C, Hd, d->qkv_bias, threads);                                 \
+    if (d->q_norm)                                                                               \
+      for (int64_t t = 0; t < B; t++) {                                                          \
+        rms_norm_##SUFFIX(qkv + t * C, (const T*)d->q_norm, qkv + t * C, H, D, (float)d->qk_eps, 1); \
+        rms_norm_##SUFFIX(qkv + t * C + H * D, (const T*)d->k_norm, qkv + t * C + H * D, Hk, D,  \
+                          (float)d->qk_eps, 1);                                                  \
+      }                                                                                          \
+    rope_cache_##SUFFIX(qkv, C, qkv + H * D, C, qkv + (H + Hk) * D, C, (const T*)m->cos,        \
+                        (const T*)m->sin, m->slots, (T*)d->k_cache, (T*)d->v_cache, q, k, v, B, H, \
+                        Hk, D, d->use_rope ? m->rotary : 0, (int)m->interleaved, threads);                         \
+    paged_decode_##SUFFIX(q, (const T*)d->k_cache, (const T*)d->v_cache, m->block_tables,       \
+                          m->context_lens, att, B, H, Hk, D, D, m->width, d->block_size,         \
+                          (float)d->scale, d->window, d->chunk, d->sinks, threads);              \
+    d->o_fn(att, d->o_w, o, B, Hd, H * D, d->o_bias, threads);                                   \
+    residual_##SUFFIX(x, o, B * Hd, (float)d->residual_multiplier);                              \
+  }                                                                                              \
+  /* 0 if the router needs torch (see above); h_out then holds the block's normed input. */     \
+  static int moe_block_##SUFFIX(const decode_layer_desc* d, const decode_step_meta* m, T* x,     \
+                                T* h_out, T* scratch, int threads) {                             \
+    const int64_t B = m->tokens, Hd = d->hidden, E = d->experts, K = d->top_k;                   \
+    T *logits = scratch, *y = logits + B * E;                                                    \
+    float* f = (float*)malloc(sizeof(float) * (size_t)(B * (E + Hd + K) + E));                   \
+    int32_t* slot = (int32_t*)malloc(sizeof(int32_t) * (size_t)(B * K));                         \
+    float *lg = f, *out = lg + B * E, *w = out + B * Hd, *probs = w + B * K;                     \
+    int ok = 1;                                                                                  \
+    rms_norm_##SUFFIX(x, (const T*)d->post_norm, h_out, B, Hd, (float)d->eps, threads);          \
+    d->router_fn(h_out, d->router_w, logits, B, E, Hd, d->router_bias, threads);                 \
+    for (int64_t i = 0; i < B * E; i++) lg[i] = LOAD(logits[i]);                                 \
+    for (int64_t t = 0; t < B && ok; t++)                                                        \
+      ok = route_softmax_topk(lg + t * E, E, K, (int)d->renormalize, probs, w + t * K, slot + t * K); \
+    if (ok && m->count_load && d->load)                                                          \
+      for (int64_t q = 0; q < B * K; q++) d->load[slot[q]]++;                                    \
+    if (ok) {                                                                                    \
+      moe_##SUFFIX(h_out, B, Hd, slot, w, K, d->w13, d->w2, E, d->inter, (int)d->act, out, threads); \
+      for (int64_t i = 0; i < B * Hd; i++) y[i] = STORE(out[i]);                                 \
+      residual_##SUFFIX(x, y, B * Hd, (float)d->residual_multiplier);                            \
+    }                                                                                            \
+    free(f);                                                                                     \
+    free(slot);                                                                                  \
+    return ok;                                                                                   \
+  }                                                                                              \
+  int64_t decode_layers_##SUFFIX(const decode_layer_desc* layers, int64_t n, const decode_step_meta* m, \
+                                 T* x, T* h_out, int threads) {                                  \
+    int64_t most = 0;                                                                            \
+    for (int64_t i = 0; i < n; i++) {                                                            \
+      const decode_layer_desc* d = layers + i;                                                   \
+      const int64_t a = 2 * d->hidden + (3 * d->heads + 4 * d->kv_heads) * d->head_dim;          \
+      const int64_t b = d->experts + d->hidden;                                                  \
+      most = a > most ? a : most;                                                                \
+      most = b > most ? b : most;                                                                \
+    }                                                                                            \
+    T* scratch = (T*)malloc(sizeof(T) * (size_t)(m->tokens * most + 1));                         \
+    int64_t i = 0;                                                                               \
+    for (; i < n; i++) {                                                                         \
+      attention_block_##SUFFIX(layers + i, m, x, scratch, threads);                              \
+      if (!moe_block_##SUFFIX(layers + i, m, x, h_out, scratch, threads)) break;                 \
+    }                                                                                            \
+    free(scratch);                                                                               \
+    return i;                                                                                    \
+  }
+
+DEFINE_DECODE_LAYERS(f32, float, f32_id, f32_id)
+DEFINE_DECODE_LAYERS(bf16, bf16_t, bf16_to_f32, f32_to_bf16)

@@ -33,6 +33,7 @@ from expertmesh.engine.expert_load import ExpertLoad, read_initial_load
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.model_runner import ModelRunner
 from expertmesh.hf_config import load_hf_config
+from expertmesh.layers.native_decode import set_native_decode
 from expertmesh.logger import setup_logging
 from expertmesh.model_source import resolve_model
 from expertmesh.models.build import ModelEnv, build_model, stage_layers
@@ -75,6 +76,9 @@ class EngineArgs:
     distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S
     allow_nonfinite_weights: bool = False
     quantization: str | None = None  # online weight-only: int8, int4, fp8
+    # Decode-only steps through whole decoder layers in one native call where every block has a
+    # native form (layers/native_decode.py); False: the per-op path only (A/B, debugging).
+    native_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.enable_eplb and self.quantization is not None:
@@ -168,6 +172,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         env.num_redundant_experts = parallel.eplb_config.num_redundant_experts
         env.initial_load = read_initial_load(parallel.eplb_config.load_path)
     net = build_model(config.model_config, env, model_dir, placement.device, args.allow_nonfinite_weights)
+    set_native_decode(net, args.native_decode)
     runner = ModelRunner(config, net, placement.groups)
     tok = load_tokenizer(config.tokenizer, args.trust_remote_code)
     if placement.groups.world.world_size > 1:  # ranks load at their own pace: wait while they beat

@@ -17,6 +17,7 @@ from expertmesh.engine.sampler import Sampler, top_logprobs
 from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from expertmesh.layers.native_decode import decoders
 
 
 class ModelRunner:
@@ -62,6 +63,8 @@ class ModelRunner:
         self.kv = kv_cache.allocate(specs, num_blocks, self.block_size, mc.dtype, self.config.device)
         for layer, tensor in zip(self.attn_layers, self.kv):
             layer.bind_kv_cache(tensor)
+        for native in decoders(self.model):  # their descriptors hold the cache's address
+            native.reset()
 
     # ---- inputs ---------------------------------------------------------------------------
     def prepare(

@@ -58,6 +58,7 @@ class LLM:
         distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S,
         allow_nonfinite_weights: bool = False,
         quantization: str | None = None,
+        native_decode: bool = True,
     ) -> None:
         self._executor = None
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}

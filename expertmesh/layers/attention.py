@@ -142,6 +142,18 @@ class Attention(nn.Module):
         """Rotary + cache store in one call, and decode attention over the blocks in place."""
         self.kernels = kernels
 
+    def native_form(self) -> dict | None:
+        """The cache and masking fields of a native decode layer (layers/native_decode.py): our
+        kernels serve this layer's decode and its cache is bound; else None."""
+        if self.kernels is None or not self.k_cache.numel():
+            return None
+        sinks = None if self.sinks is None else self.sinks.data_ptr()  # float32 [H] already
+        return dict(
+            k_cache=self.k_cache.data_ptr(), v_cache=self.v_cache.data_ptr(),
+            block_size=self.k_cache.shape[1], scale=self.scale, window=self.sliding_window or 0,
+            chunk=self.chunk or 0, sinks=sinks,
+        )  # fmt: skip
+
     def forward(
         self,
         q: torch.Tensor,

@@ -149,6 +149,13 @@ class FusedExperts(nn.Module):
             ys *= pair_weights.float()
         return out.index_add_(0, token, ys)
 
+    def native_form(self) -> dict | None:
+        """The experts of a native decode layer: every expert here in our fused kernel's panels."""
+        if self.fused is None or not isinstance(self.fused[0], CpuKernels) or not self.all_local:
+            return None
+        kernels, w13, w2, act = self.fused
+        return dict(w13=w13.data_ptr(), w2=w2.data_ptr(), inter=self.inter, act=kernels.MOE_ACTIVATIONS[act])
+
     packed: list[tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight]] | None = None  # per local expert
     # (kernels, w13 panels, w2 panels, activation): the whole block in one call of our CPU kernel.
     fused: tuple[CpuKernels, torch.Tensor, torch.Tensor, str] | None = None

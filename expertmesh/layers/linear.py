@@ -77,6 +77,14 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
+    def native_form(self, keep: list) -> tuple[int, int, int | None] | None:
+        """(GEMM entry, panels, float32 bias) pointers for a native decode layer, if our panel GEMM
+        serves this weight and its product is the whole sum (no TP partial), else None."""
+        from expertmesh.layers.native_decode import bias_ptr, gemm_form
+
+        form = None if self.partial_output else gemm_form(self.packed)
+        return None if form is None else (form["fn"], form["w"], bias_ptr(self.bias, keep))
+
 
 class ReplicatedLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32) -> None:

@@ -161,6 +161,27 @@ class MoE(nn.Module):
         x_all, ids_all, w_all = self.dispatcher.dispatch(x, ids, weights, sizes)
         return self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
 
+    def native_form(self, keep: list) -> dict | None:
+        """Router and experts of a native decode layer (layers/native_decode.py), when this block
+        has no collective (no EP dispatch, no TP or SP), no shared expert and no input weighting."""
+        local = self.dispatcher is None and not self.plan.sequence_parallel and self.tp.world_size == 1
+        if not local or self.shared_expert is not None or self.prescale:
+            return None
+        router, experts = self.gate.native_form(keep), self.experts.native_form()
+        if router is None or experts is None or router["experts"] != self.experts.num_experts:
+            return None
+        load = self.load if self.load is not None and self.load.is_contiguous() else None
+        if self.load is not None and load is None:
+            return None
+        self._native_load = load  # the counters the descriptor adds to (ExpertLoad's view)
+        return {**router, **experts, "load": None if load is None else load.data_ptr()}
+
+    _native_load: torch.Tensor | None = None
+
+    def native_now(self, ctx: ForwardContext) -> bool:
+        """What may change after the descriptor was built: the load counters, EPLB's slots."""
+        return self.load is self._native_load and self.experts.all_local
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [n, H] replicated over TP -> [n, H] replicated over TP, in x's dtype.
 

@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         self.kernels = kernels  # the model builder passes them only for dtypes they support
 
+    def native_form(self) -> tuple[int, float] | None:
+        """(weight pointer, eps) for a native decode layer (layers/native_decode.py)."""
+        return None if self.kernels is None else (self.weight.data_ptr(), self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.rms_norm(x, self.weight, self.eps)

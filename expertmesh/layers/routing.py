@@ -186,6 +186,17 @@ class Router(ReplicatedLinear):
             )
             set_loader(self.e_score_correction_bias, default_loader)
 
+    NATIVE_RULES = ("softmax_topk",)  # rules decode_layers computes (csrc/cpu_kernels.c)
+
+    def native_form(self, keep: list) -> dict | None:
+        gemm = super().native_form(keep) if self.rule in self.NATIVE_RULES and not self.fp32 else None
+        if gemm is None:
+            return None
+        return dict(
+            router_fn=gemm[0], router_w=gemm[1], router_bias=gemm[2], experts=self.packed.out_features,
+            top_k=self.top_k, renormalize=int(bool(self.params.get("renormalize"))),
+        )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = super().forward(x.float() if self.fp32 else x)  # [n, E]
         extra = (

@@ -17,11 +17,13 @@ from torch import nn
 from expertmesh.config import ModelConfig
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import Attention
+from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
 from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
+from expertmesh.layers.native_decode import NativeDecoder
 from expertmesh.layers.norm import NORMS, QK_NORMS, L2Norm, ProjectionRMSNorm, RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding
 from expertmesh.models.family import Family
@@ -98,6 +100,24 @@ class DecoderAttention(nn.Module):
                 q = (q * scales[:, None, None]).to(q.dtype)
         return self.o_proj(self.attn(q, k, v, ctx.attn, rope=rope))
 
+    def native_form(self, keep: list) -> dict | None:
+        """This block's part of a native decode layer, or None where it has no native form."""
+        per_head = self.q_norm is None or (type(self.q_norm) is RMSNorm and not self.norm_after_rope)
+        if not per_head or self.clip is not None or self.temperature is not None:
+            return None
+        qkv, o, attn = self.qkv_proj.native_form(keep), self.o_proj.native_form(keep), self.attn.native_form()
+        if qkv is None or o is None or attn is None:
+            return None
+        h, hk, d = self.heads
+        form = dict(qkv_fn=qkv[0], qkv_w=qkv[1], qkv_bias=qkv[2], heads=h, kv_heads=hk, head_dim=d,
+                    use_rope=int(self.use_rope), o_fn=o[0], o_w=o[1], o_bias=o[2], **attn)  # fmt: skip
+        if self.q_norm is not None:
+            q, k = self.q_norm.native_form(), self.k_norm.native_form()
+            if q is None or k is None:
+                return None
+            form.update(q_norm=q[0], k_norm=k[0], qk_eps=q[1])
+        return form
+
 
 # Attention kinds a family picks by name; each owns its projections and its KV-cache kind
 # (`.attn.kv_spec`): per-head K/V for GQA/MHA, one latent row per token for MLA.
@@ -140,6 +160,30 @@ class DecoderLayer(nn.Module):
         self.mlp_name = family.mlp_name
         self.residual_multiplier = cfg.residual_multiplier
 
+    def native_form(self, keep: list) -> dict | None:
+        """The whole layer's descriptor fields (layers/native_decode.py) when every block has a
+        native form: RMSNorms, GQA attention, a MoE block (dense MLP layers have none yet)."""
+        blocks = (self.input_layernorm, self.post_attention_layernorm, self.self_attn)
+        if not self.is_moe or not all(hasattr(b, "native_form") for b in blocks):
+            return None
+        norm_in, norm_post = self.input_layernorm.native_form(), self.post_attention_layernorm.native_form()
+        attn = self.self_attn.native_form(keep)
+        moe = getattr(self, self.mlp_name).native_form(keep)
+        if norm_in is None or norm_post is None or attn is None or moe is None or norm_in[1] != norm_post[1]:
+            return None
+        return dict(
+            hidden=self.input_layernorm.weight.shape[0], eps=norm_in[1], input_norm=norm_in[0],
+            post_norm=norm_post[0], residual_multiplier=self.residual_multiplier, **attn, **moe,
+        )  # fmt: skip
+
+    def native_now(self, ctx: ForwardContext) -> bool:
+        return getattr(self, self.mlp_name).native_now(ctx)
+
+    def moe_block(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The MoE block's scaled output for its normed input h (the native path's fallback)."""
+        y = getattr(self, self.mlp_name)(h, ctx)
+        return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         y = self.self_attn(positions, self.input_layernorm(x), ctx)
         x = x + (y if self.residual_multiplier == 1.0 else y * self.residual_multiplier)
@@ -162,10 +206,18 @@ class DecoderModel(nn.Module):
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype) if self.first else None
         )
         self.embedding_multiplier = cfg.embedding_multiplier
+        self.dtype = cfg.dtype
         # Layers of other pipeline stages are absent; a ModuleDict keeps checkpoint indices.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, family, env) for i in self.layer_range})
         norm = lookup(NORMS, family.norm, "norm")
         self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
+        self.native: NativeDecoder | None = None  # decode steps in one native call, see use_cpu_kernels
+
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """With our kernels, decode-only steps run runs of eligible layers in one call
+        (layers/native_decode.py; off with EngineArgs(native_decode=False))."""
+        if kernels is not None and kernels.supports(self.dtype) and len(self.layers):
+            self.native = NativeDecoder(kernels, self.dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None, ctx
@@ -175,6 +227,9 @@ class DecoderModel(nn.Module):
             x = x * self.embedding_multiplier
         lens = ctx.attn.token_context_lens(positions) if self.rotary.length_dependent else None
         ctx.rope = self.rotary.lookup(positions, x.dtype, lens)
+        if self.native is not None and self.native.serves(ctx) and x.dtype == self.native.dtype:
+            x = self.native.run(list(self.layers.values()), positions, x.contiguous().clone(), ctx)
+            return self.norm(x) if self.last else x
         for layer in self.layers.values():
             x = layer(positions, x, ctx)
         return self.norm(x) if self.last else x

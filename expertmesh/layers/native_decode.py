@@ -1,0 +1,183 @@
+"""Decode steps through whole decoder layers in one native call (csrc/cpu_kernels.c, decode_layers).
+
+At batch 1 a step's host cost (Python, torch's dispatcher, ~30 small torch ops and ~8 ctypes
+calls a layer) was a quarter of the step. For a decode-only step, a run of consecutive eligible
+layers goes through one C call that composes the same kernels the per-op path calls, in the same
+order and with the same roundings: norm, qkv, q/k norm, rotary + KV store, paged attention,
+o_proj, residual; norm, router, softmax/top-k, routed experts, residual.
+
+Eligibility comes from the blocks: each block's `native_form()` returns its part of the
+descriptor, or None when it has no native form (LayerNorm, MLA, a projection or L2 q/k norm,
+clamped or biased experts, quantized or oneDNN weights, a shared expert, other routing rules,
+EP dispatch, TP or SP collectives). A layer is native when all its blocks are; the others keep
+their torch path, which stays the reference (tests/test_native_decode.py).
+
+The descriptor (pointers, sizes) is built once, at the first decode step after the KV cache is
+bound; per step only the metadata (rotary tables, slots, block tables) is built, once for all
+layers. The native path is switched off by ``EngineArgs(native_decode=False)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from expertmesh.layers.cpu_kernels import CpuKernels
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+class LayerDesc(ctypes.Structure):
+    """Mirror of decode_layer_desc (every field 8 bytes: no padding)."""
+
+    _fields_ = [
+        ("hidden", _I), ("eps", _D), ("residual_multiplier", _D), ("input_norm", _P),
+        ("qkv_fn", _P), ("qkv_w", _P), ("qkv_bias", _P),
+        ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+        ("q_norm", _P), ("k_norm", _P), ("qk_eps", _D), ("use_rope", _I),
+        ("k_cache", _P), ("v_cache", _P), ("block_size", _I),
+        ("scale", _D), ("window", _I), ("chunk", _I), ("sinks", _P),
+        ("o_fn", _P), ("o_w", _P), ("o_bias", _P), ("post_norm", _P),
+        ("router_fn", _P), ("router_w", _P), ("router_bias", _P),
+        ("experts", _I), ("top_k", _I), ("renormalize", _I),
+        ("w13", _P), ("w2", _P), ("inter", _I), ("act", _I), ("load", _P),
+    ]  # fmt: skip
+
+
+class StepMeta(ctypes.Structure):
+    """Mirror of decode_step_meta."""
+
+    _fields_ = [
+        ("tokens", _I), ("cos", _P), ("sin", _P), ("rotary", _I), ("interleaved", _I),
+        ("slots", _P), ("block_tables", _P), ("context_lens", _P), ("width", _I), ("count_load", _I),
+    ]  # fmt: skip
+
+
+def gemm_form(packed: Any) -> dict | None:
+    """fn, weight and float32 bias pointers of a weight our panel GEMM serves, else None."""
+    from expertmesh.layers.cpu_kernels import PanelWeight
+
+    if not isinstance(packed, PanelWeight) or packed.fn is None:
+        return None
+    return {"fn": ctypes.cast(packed.fn, ctypes.c_void_p).value, "w": packed.ptr}
+
+
+def bias_ptr(bias: torch.Tensor | None, keep: list) -> int | None:
+    """A float32 copy of a bias (as CpuKernels.linear passes it), held alive by `keep`."""
+    if bias is None:
+        return None
+    b = bias.detach().to(torch.float32).contiguous()
+    keep.append(b)
+    return b.data_ptr()
+
+
+def layer_descriptor(layer: Any, keep: list) -> LayerDesc | None:
+    """The descriptor of one decoder layer, or None if one of its blocks has no native form."""
+    native_form = getattr(layer, "native_form", None)
+    form = native_form(keep) if native_form is not None else None
+    if form is None:
+        return None
+    desc = LayerDesc()
+    for name, value in form.items():
+        setattr(desc, name, value)
+    return desc
+
+
+class NativeDecoder:
+    """Runs decode-only steps of a DecoderModel's layers through decode_layers_<dtype>."""
+
+    def __init__(self, kernels: CpuKernels, dtype: torch.dtype) -> None:
+        self.kernels, self.dtype = kernels, dtype
+        name = "decode_layers_f32" if dtype == torch.float32 else "decode_layers_bf16"
+        self.fn = getattr(kernels.lib, name)
+        self.fn.restype = ctypes.c_int64
+        self.fn.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int]
+        self.plan: list[tuple[Any, Any]] | None = None  # [(descriptor array or None, layers)]
+        self.keep: list = []
+
+    def reset(self) -> None:
+        """Forget the descriptors (the KV cache was re-bound, weights moved): rebuilt next step."""
+        self.plan, self.keep = None, []
+
+    def build(self, layers: list) -> list[tuple[Any, Any]]:
+        """Consecutive native layers grouped into one descriptor array each; the others alone."""
+        plan: list[tuple[Any, Any]] = []
+        keep: list = []
+        run: list = []
+        for layer in layers:
+            desc = layer_descriptor(layer, keep)
+            if desc is not None:
+                run.append((desc, layer))
+                continue
+            if run:
+                plan.append(self._group(run))
+                run = []
+            plan.append((None, [layer]))
+        if run:
+            plan.append(self._group(run))
+        self.plan, self.keep = plan, keep
+        return plan
+
+    @staticmethod
+    def _group(run: list) -> tuple[Any, list]:
+        arr = (LayerDesc * len(run))(*(d for d, _ in run))
+        return arr, [layer for _, layer in run]
+
+    @staticmethod
+    def serves(ctx: Any) -> bool:
+        """A decode-only step with the paged-decode tables (our kernels' metadata)."""
+        meta = ctx.attn
+        return not meta.prefills and meta.num_decodes > 0 and meta.decode_block_tables is not None
+
+    def step_meta(self, ctx: Any, tokens: int) -> tuple[StepMeta, list]:
+        meta, rope = ctx.attn, ctx.rope
+        held = [meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens]
+        m = StepMeta(tokens=tokens, width=meta.decode_block_tables.shape[1], count_load=int(ctx.count_load))
+        if rope is not None:
+            cos, sin = (t.reshape(tokens, -1).to(self.dtype).contiguous() for t in (rope.cos, rope.sin))
+            held += [cos, sin]
+            m.cos, m.sin, m.rotary = cos.data_ptr(), sin.data_ptr(), cos.shape[1]
+            m.interleaved = int(rope.interleaved)
+        m.slots = meta.slot_mapping.data_ptr()
+        m.block_tables = meta.decode_block_tables.data_ptr()
+        m.context_lens = meta.decode_context_lens.data_ptr()
+        return m, held
+
+    def run(self, layers: list, positions: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """x [B, hidden] (updated in place) through every layer; torch for the non-native ones and
+        for a MoE block whose routing hit a (near-)tie (torch.topk decides its order)."""
+        plan = self.plan if self.plan is not None else self.build(layers)
+        m, held = self.step_meta(ctx, x.shape[0])
+        h = torch.empty_like(x)
+        threads, mp, xp, hp = torch.get_num_threads(), ctypes.addressof(m), x.data_ptr(), h.data_ptr()
+        for descs, group in plan:
+            if descs is None or not all(layer.native_now(ctx) for layer in group):
+                for layer in group:
+                    x = layer(positions, x, ctx)
+                xp = x.data_ptr()
+                continue
+            start, n = 0, len(group)
+            while start < n:
+                addr = ctypes.addressof(descs) + start * ctypes.sizeof(LayerDesc)
+                done = start + self.fn(addr, n - start, mp, xp, hp, threads)
+                if done == n:
+                    break
+                x.add_(group[done].moe_block(h, ctx))  # the torch router for this layer's block
+                start = done + 1
+        del held
+        return x
+
+
+def decoders(model: torch.nn.Module) -> list[NativeDecoder]:
+    """The native decoders of a model's modules (one per DecoderModel)."""
+    return [m.native for m in model.modules() if isinstance(getattr(m, "native", None), NativeDecoder)]
+
+
+def set_native_decode(model: torch.nn.Module, enabled: bool) -> None:
+    """EngineArgs.native_decode: False keeps every step on the per-op path (A/B, debugging)."""
+    if not enabled:
+        for module in model.modules():
+            if isinstance(getattr(module, "native", None), NativeDecoder):
+                module.native = None

@@ -1,0 +1,155 @@
+"""Decode steps through whole decoder layers in one native call (layers/native_decode.py) against
+the per-op path they replace (EngineArgs(native_decode=False)), which stays the reference: the
+same tokens and logprobs, fp32 and bf16, over uneven batches and prompts crossing KV blocks;
+routing ties decided by torch.topk; the expert-load counts; and which layers are eligible."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.layers import cpu_kernels
+from expertmesh.layers.native_decode import NativeDecoder, decoders
+from expertmesh.models.decoder import DecoderLayer
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="needs a C compiler (our CPU kernels)")
+
+# Prompt lengths crossing blocks of 4 tokens; each request stops at its own length, so the decode
+# batch shrinks from 4 to 1 over the run.
+LENGTHS, MAX_TOKENS = [1, 9, 30, 17], [6, 3, 9, 5]
+
+
+def _prompts() -> list[list[int]]:
+    from checkpoints import prompts_of_lengths
+
+    return prompts_of_lengths(LENGTHS, seed=5)
+
+
+def _llm(path: str, dtype: str, native: bool, **kw) -> LLM:
+    return LLM(
+        path, dtype=dtype, max_model_len=128, block_size=4, kv_cache_memory_bytes=1 << 22,
+        native_decode=native, **kw,
+    )  # fmt: skip
+
+
+class Calls:
+    """Counts native calls and torch fallbacks of MoE blocks (routing near-ties)."""
+
+    def __init__(self, monkeypatch, llm: LLM) -> None:
+        self.native = self.fallback = 0
+        for dec in decoders(llm.llm_engine.runner.model):
+            fn = dec.fn
+
+            def counted(*args, _fn=fn):
+                self.native += 1
+                return _fn(*args)
+
+            dec.fn = counted
+        original = DecoderLayer.moe_block
+
+        def moe_block(layer, h, ctx):
+            self.fallback += 1
+            return original(layer, h, ctx)
+
+        monkeypatch.setattr(DecoderLayer, "moe_block", moe_block)
+
+
+def _generate(llm: LLM, vocab_logprobs: int = 4) -> list[tuple[list[int], list[dict]]]:
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=vocab_logprobs)
+        for n in MAX_TOKENS
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _assert_same(ref: list, got: list, atol: float) -> None:
+    for (ref_ids, ref_lps), (ids, lps) in zip(ref, got):
+        assert ids == ref_ids
+        for a, b in zip(ref_lps, lps):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert abs(a[t].logprob - b[t].logprob) <= atol, (t, a[t].logprob, b[t].logprob)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("mixtral", {}),
+        ("mixtral", {"sliding_window": 6}),  # a window shorter than the longest context
+        ("qwen3_moe", {}),  # per-head q/k RMSNorm, renormalised top-k
+    ],
+    ids=["mixtral", "mixtral-window", "qwen3_moe"],
+)
+def test_native_decode_matches_per_op_path(checkpoint, monkeypatch, family, overrides, dtype):
+    path = checkpoint(family, **overrides)
+    ref = _generate(_llm(path, dtype, native=False))
+    llm = _llm(path, dtype, native=True)
+    calls = Calls(monkeypatch, llm)
+    got = _generate(llm)
+    assert calls.native >= sum(MAX_TOKENS) // 4 and calls.fallback <= calls.native  # it did run natively
+    # Same kernels in the same order: equal up to the router's softmax (expf against torch's exp).
+    _assert_same(ref, got, atol=1e-4 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tie", ["all", "pair"])
+def test_routing_ties_follow_torch_topk(checkpoint, monkeypatch, tie):
+    """Router rows made equal after packing: every expert ties (all) or experts 0 and 1 do (pair).
+    The native call hands those MoE blocks to torch, whose topk orders the ties."""
+    path = checkpoint("mixtral")
+    outs, fallbacks = [], []
+    for native in (False, True):
+        llm = _llm(path, "float32", native=native)
+        for layer in llm.llm_engine.runner.model.model.layers.values():
+            panels = layer.block_sparse_moe.gate.packed.data  # [P, H, lanes]: expert e in lane e
+            if tie == "all":
+                panels.zero_()
+            else:
+                panels[0, :, 1] = panels[0, :, 0]
+        calls = Calls(monkeypatch, llm)
+        outs.append(_generate(llm))
+        fallbacks.append(calls.fallback)
+    assert fallbacks[1] > 0
+    _assert_same(outs[0], outs[1], atol=1e-4)
+
+
+def test_expert_load_counted_alike(checkpoint):
+    path = checkpoint("mixtral")
+    loads = []
+    for native in (False, True):
+        llm = _llm(path, "float32", native=native)
+        _generate(llm)
+        loads.append(llm.expert_load())
+    assert loads[0] == loads[1]
+    # every prompt token and every decode (the last sampled token is never fed back), top-2
+    assert sum(loads[1]["layers"][next(iter(loads[1]["layers"]))]) == 2 * (sum(LENGTHS) + sum(MAX_TOKENS) - 4)
+
+
+def _plan(llm: LLM) -> list[tuple[bool, int]]:
+    (dec,) = decoders(llm.llm_engine.runner.model)
+    assert isinstance(dec, NativeDecoder) and dec.plan is not None
+    return [(descs is not None, len(layers)) for descs, layers in dec.plan]
+
+
+@pytest.mark.timeout(120)
+def test_eligibility_from_blocks(checkpoint):
+    """Dense MLP layers (Qwen3-MoE's decoder_sparse_step) run alone on torch between native runs; a
+    shared expert (Qwen2-MoE) and LayerNorm + sparsemixer (PhiMoE) have no native form."""
+    mixed = checkpoint("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2)  # layers 1, 3 MoE
+    ref = _generate(_llm(mixed, "float32", native=False))
+    llm = _llm(mixed, "float32", native=True)
+    got = _generate(llm)
+    assert _plan(llm) == [(False, 1), (True, 1), (False, 1), (True, 1)]
+    _assert_same(ref, got, atol=1e-4)
+    for family in ("qwen2_moe", "phimoe"):
+        llm = _llm(checkpoint(family), "float32", native=True)
+        _generate(llm)
+        assert all(not native for native, _ in _plan(llm)), family
+
+
+def test_switch_off(checkpoint):
+    llm = _llm(checkpoint("mixtral"), "float32", native=False)
+    assert decoders(llm.llm_engine.runner.model) == []
