@@ -1,8 +1,9 @@
-"""W8A8 (issue 14): int8 weights with activations quantized to int8 at run time, per token and group
-(`quantization="w8a8"`), against a torch reference of the same arithmetic written here from the
-scheme's description (layers/quantization/online.py): per row and group of `group` inputs,
-sx = amax / 127 and xq = round-half-even(x / sx); per group the integer sum of code * xq, scaled by
-weight scale * sx, groups added in order.
+"""W8A8 and W4A8 (issue 14): int8 or int4 weights with activations quantized to int8 at run time,
+per token and group (`quantization="w8a8"`, `"w4a8"`), against a torch reference of the same
+arithmetic written here from the scheme's description (layers/quantization/online.py): per row and
+group of `group` inputs, sx = amax / 127 and xq = round-half-even(x / sx); per group the integer
+sum of code * xq, scaled by weight scale * sx (plus, for int4's offsets, offset * sx * sum(xq)),
+groups added in order.
 
 End to end, transformers runs the same weights dequantized to fp32 with every quantized product's
 input quantized and dequantized the same way (a patched F.linear), so only float32 summation order
@@ -52,8 +53,15 @@ def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = N
 SHAPES = [(37, 200, 1), (10, 33, 7), (96, 256, 33), (8, 16, 0), (130, 64, 4)]
 
 
-@pytest.mark.parametrize("group", [128, 0, 16, 32])
-def test_w8a8_gemm_kernel_equals_the_same_arithmetic_in_torch(group):
+WEIGHT_ONLY = {"w8a8": "int8", "w4a8": "int4"}  # the same weight codes, activations unrounded
+STEP = {"w8a8": 4, "w4a8": 8}  # inputs a lane's integer product takes at once
+
+
+@pytest.mark.parametrize(
+    "kind,group",
+    [("w8a8", 128), ("w8a8", 0), ("w8a8", 16), ("w8a8", 32), ("w4a8", 128), ("w4a8", 0), ("w4a8", 16)],
+)
+def test_activation_quantized_gemm_kernel_equals_the_same_arithmetic_in_torch(kind, group):
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C compiler: the torch fallback is the only path (tested below)")
@@ -63,11 +71,11 @@ def test_w8a8_gemm_kernel_equals_the_same_arithmetic_in_torch(group):
         if rows > 2:
             x[1, : min(16, in_f)] = 0  # a group (or part of one) of zeros: codes 0, no division by 0
             x[2] = 0
-        qk = QuantizedWeight.quantize(w, "w8a8", group, kernels)
-        qt = QuantizedWeight.quantize(w, "w8a8", group, None)  # the torch fallback
-        qi = QuantizedWeight.quantize(w, "int8", group, None)  # the same weights, weight-only
+        qk = QuantizedWeight.quantize(w, kind, group, kernels)
+        qt = QuantizedWeight.quantize(w, kind, group, None)  # the torch fallback
+        qi = QuantizedWeight.quantize(w, WEIGHT_ONLY[kind], group, None)  # the same weights, weight-only
         torch.testing.assert_close(qk.dequantize(), qi.dequantize(), rtol=0, atol=0)
-        assert qk.codes.shape == (qi.codes.shape[0], -(-in_f // 4), qk.lanes, 4)  # 4 inputs a lane
+        assert qk.codes.shape == (qi.codes.shape[0], -(-in_f // STEP[kind]), qk.lanes, 4)
         ref = reference(x, qi, b)
         torch.testing.assert_close(qk(x, b), ref, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(qt(x, b), ref, rtol=1e-5, atol=1e-4)
@@ -77,14 +85,15 @@ def test_w8a8_gemm_kernel_equals_the_same_arithmetic_in_torch(group):
             )
 
 
-def test_w8a8_moe_kernel_equals_per_expert_products():
+@pytest.mark.parametrize("kind", ["w8a8", "w4a8"])
+def test_activation_quantized_moe_kernel_equals_per_expert_products(kind):
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C compiler")
     torch.manual_seed(12)
     e, hidden, inter, n, k = 6, 52, 20, 9, 2  # uneven: 52 inputs in groups of 16, 20 in groups of 8
-    w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), "w8a8", 16, kernels) for _ in range(e)]
-    w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), "w8a8", 8, kernels) for _ in range(e)]
+    w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
+    w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, kernels) for _ in range(e)]
     x = torch.randn(n, hidden)
     slot = torch.randint(-1, e - 1, (n, k), dtype=torch.int32)  # -1: another rank's; expert e-1 none
     slot[0] = -1  # a token none of whose experts is here
@@ -105,23 +114,33 @@ def test_w8a8_moe_kernel_equals_per_expert_products():
     assert empty.shape == (0, hidden)
 
 
-def test_w8a8_scheme_names_and_errors():
+def test_activation_quantized_scheme_names_and_errors():
     assert OnlineScheme.parse("w8a8").name == "w8a8-g128"
-    assert "activations int8 per token and group" in OnlineScheme.parse("w8a8-ch").describe()
+    assert (
+        "int4 weights, per output channel; activations int8 per token"
+        in OnlineScheme.parse("w4a8-ch").describe()
+    )
     with pytest.raises(ValueError, match=r"quantization='w8a8-g6': w8a8 needs groups of a multiple of 4"):
         OnlineScheme.parse("w8a8-g6")
+    with pytest.raises(ValueError, match=r"quantization='w4a8-g4': w4a8 needs groups of a multiple of 8"):
+        OnlineScheme.parse("w4a8-g4")
     with pytest.raises(ValueError, match=r"w8a8 needs groups of a multiple of 4 inputs .*group=6"):
         QuantizedWeight.quantize(torch.randn(8, 12), "w8a8", 6, None)
+    with pytest.raises(ValueError, match=r"w4a8 needs groups of a multiple of 8 inputs .*group=12"):
+        QuantizedWeight.quantize(torch.randn(8, 24), "w4a8", 12, None)
     codes = torch.full((8, 4), 128, dtype=torch.uint8)  # int8 -128: outside the symmetric range
     with pytest.raises(ValueError, match=r"w8a8 codes must lie in \[-127, 127\]; found -128"):
         QuantizedWeight.from_rows(codes, torch.ones(8, 1), torch.zeros(8, 1), "w8a8", 4, None)
 
 
 @pytest.mark.timeout(180)
-def test_online_w8a8_matches_the_same_arithmetic_in_transformers(real_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_online_activation_quantization_matches_the_same_arithmetic_in_transformers(
+    real_checkpoint, tmp_path, monkeypatch, scheme
+):
     path = _qwen3(real_checkpoint)
-    ref_path = fake_quantized(path, str(tmp_path / "ref"), "int8", 128, _online_quantized_key)
-    llm = LLM(path, quantization="w8a8", max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    ref_path = fake_quantized(path, str(tmp_path / "ref"), WEIGHT_ONLY[scheme], 128, _online_quantized_key)
+    llm = LLM(path, quantization=scheme, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     ref = AutoModelForCausalLM.from_pretrained(ref_path, experts_implementation="eager").eval()
     quantized = {
         p.untyped_storage().data_ptr()
@@ -186,9 +205,9 @@ def test_generic_build_without_avx2_equals_the_reference(tmp_path):
         pytest.skip("no C compiler")
     generic = cpu_kernels.build(tmp_path / "generic.so", compiler, ("-mno-avx2",))
     torch.manual_seed(13)
-    for kind, group in [("w8a8", 16), ("w8a8", 0), ("int8", 32), ("int4", 16)]:
+    for kind, group in [("w8a8", 16), ("w8a8", 0), ("w4a8", 16), ("w4a8", 0), ("int8", 32), ("int4", 16)]:
         for out_f, in_f, rows in SHAPES:
             w, x = torch.randn(out_f, in_f), torch.randn(rows, in_f)
             q = QuantizedWeight.quantize(w, kind, group, generic)
-            ref = reference(x, q) if kind == "w8a8" else (x.double() @ q.dequantize().double().T).float()
+            ref = reference(x, q) if kind in WEIGHT_ONLY else (x.double() @ q.dequantize().double().T).float()
             torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-4)

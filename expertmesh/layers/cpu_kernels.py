@@ -119,9 +119,9 @@ _SIGNATURES = {
 }
 
 
-# gemm_q's code kinds by number: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 weights with
-# activations quantized to int8 per row and group (W8A8)
-QUANT_KINDS = ("int8", "int4", "fp8", "fp4", "w8a8")
+# gemm_q's code kinds by number: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and uint4 weights
+# with activations quantized to int8 per row and group (W8A8, W4A8)
+QUANT_KINDS = ("int8", "int4", "fp8", "fp4", "w8a8", "w4a8")
 
 
 class CpuKernels:

@@ -11,7 +11,8 @@ inputs of an output row:
 - "w8a8": int8 weights as "int8", and activations quantized too, at run time, per token (row) and
   group of the same inputs (dynamic, symmetric int8, as llama.cpp's Q8_0 and vLLM's w8a8 dynamic
   per token): the products are integer sums, scaled once a group. It rounds the activations as
-  well, so it is its own scheme, never the default of "int8" (docs/quantization.md).
+  well, so it is its own scheme, never the default of "int8" (docs/quantization.md);
+- "w4a8": int4 weights as "int4" (0.5625 bytes), activations quantized as in "w8a8".
 
 The first three are weight-only: activations stay in the model dtype.
 
@@ -38,7 +39,7 @@ class OnlineScheme:
     group_size: int = DEFAULT_GROUP  # inputs per scale; 0: one scale per output channel
     online: bool = True
 
-    METHODS: ClassVar[tuple[str, ...]] = ("fp8", "int4", "int8", "w8a8")
+    METHODS: ClassVar[tuple[str, ...]] = ("fp8", "int4", "int8", "w4a8", "w8a8")
 
     @classmethod
     def parse(cls, name: str) -> OnlineScheme:
@@ -49,8 +50,11 @@ class OnlineScheme:
                 "suffix ('-g32': 32 inputs a scale, '-ch': one scale per output channel)"
             )
         group = 0 if m.group(3) else int(m.group(2) or DEFAULT_GROUP)
-        if m.group(1) == "w8a8" and group % 4:  # the kernel's integer products take 4 inputs at once
-            raise ValueError(f"quantization={name!r}: w8a8 needs groups of a multiple of 4 inputs (or '-ch')")
+        step = {"w8a8": 4, "w4a8": 8}.get(m.group(1), 1)  # inputs the kernel's integer products take at once
+        if group % step:
+            raise ValueError(
+                f"quantization={name!r}: {m.group(1)} needs groups of a multiple of {step} inputs (or '-ch')"
+            )
         return cls(m.group(1), group)
 
     @property
@@ -63,9 +67,10 @@ class OnlineScheme:
 
     def describe(self) -> str:
         group = "per output channel" if not self.group_size else f"groups of {self.group_size}"
-        if self.method == "w8a8":
+        if self.method in ("w8a8", "w4a8"):
             return (
-                f"online w8a8 (int8 weights, {group}; activations int8 per token and group), held compressed"
+                f"online {self.method} (int{self.method[1]} weights, {group}; activations int8 per token and "
+                "group), held compressed"
             )
         return f"online {self.method} weight-only ({group}), held compressed"
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3, "w8a8": 4}
+KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3, "w8a8": 4, "w4a8": 5}
+ACTIVATIONS_QUANTIZED = ("w8a8", "w4a8")  # the kernels quantize the inputs to int8 per row and group
 NIBBLES = ("int4", "fp4")
 FP8_MAX = 448.0
 
@@ -37,7 +38,7 @@ def quantize_rows(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor,
     padded[:, :in_f] = w.float()
     blocks = padded.view(out_f, g, group)
     real = torch.arange(g * group).view(g, group) < in_f  # the padding of a partial last group is ignored
-    if kind == "int4":
+    if kind in ("int4", "w4a8"):
         mn = torch.where(real, blocks, torch.inf).amin(-1).clamp(max=0)
         mx = torch.where(real, blocks, -torch.inf).amax(-1).clamp(min=0)
         scale = torch.where(mx > mn, (mx - mn) / 15, torch.ones_like(mx))
@@ -115,22 +116,45 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return codes, s
 
 
-def w8a8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x [M, I] @ W^T in W8A8 arithmetic: exact integer sums per group (float64 holds them),
-    then y += sum * (weight scale * activation scale), groups in order, in float32."""
+def a8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, I] @ W^T in W8A8 / W4A8 arithmetic (W = code * scale + offset): exact integer sums per
+    group (float64 holds them), then y += sum * (scale * sx) + offset * (sx * sum(xq)), groups in
+    order, in float32."""
     group = w.group
     xq, sx = quantize_activations(x.float().cpu(), group)
     g = xq.shape[1]
+    codes = _unquad(w.codes) if w.kind == "w8a8" else _unoct(w.codes)
     wq = torch.zeros(w.out_features, g * group, dtype=torch.float64)
     wq[:, : w.in_features] = decode_codes(
-        _unpanel(_unquad(w.codes), w.out_features)[:, : w.in_features], "int8"
+        _unpanel(codes, w.out_features)[:, : w.in_features], w.kind
     ).double()
     isum = torch.einsum("mgk,ogk->mog", xq.double(), wq.view(w.out_features, g, group)).float()
-    sw = _unpanel(w.scales, w.out_features)  # [O, G]
+    xsum = sx * xq.sum(-1)  # [M, G]: integers, exact in float32
+    sw, mw = _unpanel(w.scales, w.out_features), _unpanel(w.offsets, w.out_features)  # [O, G]
     y = torch.zeros(x.shape[0], w.out_features, dtype=torch.float32)
     for j in range(g):
-        y += isum[:, :, j] * (sw[None, :, j] * sx[:, j, None])
+        y += isum[:, :, j] * (sw[None, :, j] * sx[:, j, None]) + mw[None, :, j] * xsum[:, j, None]
     return y.to(x.device)
+
+
+def _octs(codes: torch.Tensor, group: int, lanes: int) -> torch.Tensor:
+    """W4A8's layout: [O, I] uint4 codes -> [P, I8, lanes, 4] bytes, byte t of lane l in step k
+    holding input 8k + t in its low nibble and 8k + 4 + t in its high one."""
+    out_f, in_f = codes.shape
+    if group % 8 and group < in_f:
+        raise ValueError(f"w4a8 needs groups of a multiple of 8 inputs (or one a row), got group={group}")
+    i8 = _cdiv(in_f, 8)
+    padded = torch.zeros(out_f, 8 * i8, dtype=torch.uint8)
+    padded[:, :in_f] = codes
+    panels = _panels(padded, lanes).view(-1, i8, 2, 4, lanes).permute(0, 1, 4, 2, 3)  # [P, I8, lanes, 2, 4]
+    return (panels[..., 0, :] | (panels[..., 1, :] << 4)).contiguous()
+
+
+def _unoct(codes: torch.Tensor) -> torch.Tensor:
+    """[P, I8, lanes, 4] nibbles -> [P, 8 * I8, lanes] codes."""
+    p, i8, lanes, _ = codes.shape
+    halves = torch.stack((codes & 15, codes >> 4), dim=3)  # [P, I8, lanes, 2, 4]
+    return halves.permute(0, 1, 3, 4, 2).reshape(p, 8 * i8, lanes)
 
 
 def _unquad(codes: torch.Tensor) -> torch.Tensor:
@@ -168,6 +192,8 @@ class QuantizedWeight:
             panels = (panels[..., 0::2] | (panels[..., 1::2] << 4)).contiguous()
         if kind == "w8a8":
             panels = _quads(codes, group, lanes)
+        if kind == "w4a8":
+            panels = _octs(codes, group, lanes)
         s, m = _panels(scales.float(), lanes), _panels(offsets.float(), lanes)
         return cls(kind, panels, s, m, out_f, in_f, group, lanes, kernels)
 
@@ -182,6 +208,8 @@ class QuantizedWeight:
             codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
         if self.kind == "w8a8":  # [P, I4, lanes, 4] -> [P, I, lanes]
             codes = _unquad(codes)[:, : self.in_features]
+        if self.kind == "w4a8":  # [P, I8, lanes, 4] nibbles -> [P, I, lanes]
+            codes = _unoct(codes)[:, : self.in_features]
         values = decode_codes(_unpanel(codes, self.out_features), self.kind)
         expand = lambda t: _unpanel(t, self.out_features).repeat_interleave(self.group, 1)[
             :, : self.in_features
@@ -194,8 +222,8 @@ class QuantizedWeight:
         shape, out_dtype = x.shape, out_dtype or x.dtype
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         b = None if bias is None else bias.to(torch.float32).contiguous()
-        if self.kind == "w8a8" and (self.kernels is None or x.device.type != "cpu"):
-            y = w8a8_reference(x2, self)
+        if self.kind in ACTIVATIONS_QUANTIZED and (self.kernels is None or x.device.type != "cpu"):
+            y = a8_reference(x2, self)
             y = y if b is None else y + b
         elif self.kernels is None or x.device.type != "cpu":
             y = F.linear(x2, self.dequantize().to(x2.device), b)
