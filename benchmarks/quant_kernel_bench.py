@@ -57,7 +57,7 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool) -> dict:
                 f32 = partial(k.lib.gemm_f32, x.data_ptr(), p.data.data_ptr(), y.data_ptr(), m, o, i, None, 1)
                 out.setdefault((name, m, "f32"), {})[src] = (f32, o * i * 4, (p, x, y))
                 for kind in kinds:
-                    if kind == "w8a8" and "w8a8" not in k.quant_kinds:
+                    if kind not in k.quant_kinds:
                         continue
                     q = QuantizedWeight.quantize(w, kind, 128, k)
                     ptrs = (q.codes.data_ptr(), q.scales.data_ptr(), q.offsets.data_ptr())
@@ -76,7 +76,7 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool) -> dict:
             touched = len(set(ids.flatten().tolist()))
             for src, k in kernels.items():
                 for kind in kinds:
-                    if kind == "w8a8" and "w8a8" not in k.quant_kinds:
+                    if kind not in k.quant_kinds:
                         continue
                     a = QuantizedExperts.stack(
                         [QuantizedWeight.quantize(w13[e], kind, 128, k) for e in range(experts)]
@@ -94,7 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", action="append", default=[], help="another kernel source (A/B)")
     ap.add_argument("--rows", default="1,4,32")
-    ap.add_argument("--kinds", default="int8,int4,w8a8")
+    ap.add_argument("--kinds", default="int8,int4,w8a8,w4a8")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-s", type=float, default=0.05, help="seconds of calls per timing")
