@@ -74,7 +74,7 @@ class EngineArgs:
     debug_nan_recv_buffers: bool = False
     distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S
     allow_nonfinite_weights: bool = False
-    quantization: str | None = None  # online weight-only: int8, int4, fp8
+    quantization: str | None = None  # online: int8, int4, fp8 (weight-only), w8a8, w4a8
 
     def __post_init__(self) -> None:
         if self.enable_eplb and self.quantization is not None:
