@@ -1,6 +1,6 @@
-"""Quantized weights side by side: expertmesh's online int8 / int4 against llama.cpp's Q8_0 / Q4_0
-of the same checkpoint (and both engines' float32), batch 1 and 32, tokens/s and bytes read per
-token.
+"""Quantized weights side by side: expertmesh's online int8 / int4 (weight-only) and w8a8 / w4a8
+(int8 activations too, as llama.cpp's CPU dot products compute) against llama.cpp's Q8_0 / Q4_0 of
+the same checkpoint (and both engines' float32), batch 1 and 32, tokens/s and bytes read per token.
 
 Same bits per weight on both sides: our int8 and int4 keep a float32 scale and offset per 128
 weights (1.0625 and 0.5625 bytes a weight), llama.cpp's Q8_0 and Q4_0 an fp16 scale per 32 (34 and
@@ -31,6 +31,8 @@ RUNS = {
     "expertmesh fp32": ("expertmesh", None, 4.0),
     "expertmesh int8": ("expertmesh", "int8", 1.0625),
     "expertmesh int4": ("expertmesh", "int4", 0.5625),
+    "expertmesh w8a8": ("expertmesh", "w8a8", 1.0625),
+    "expertmesh w4a8": ("expertmesh", "w4a8", 0.5625),
     "llama.cpp F32": ("llama.cpp", "f32", 4.0),
     "llama.cpp Q8_0": ("llama.cpp", "q8_0", 1.0625),
     "llama.cpp Q4_0": ("llama.cpp", "q4_0", 0.5625),
@@ -150,8 +152,10 @@ def _print(rows: list[dict], workloads: list[dict], args: argparse.Namespace) ->
     by = {r["run"]: r for r in rows}
     for r in rows:
         print(f"| {r['run']} | " + " | ".join(throughput._fmt(r.get(c), 1) for c in cols) + " |")
-    for ours, theirs in (("expertmesh int8", "llama.cpp Q8_0"), ("expertmesh int4", "llama.cpp Q4_0"),
-                         ("expertmesh fp32", "llama.cpp F32")):  # fmt: skip
+    pairs = [("expertmesh int8", "llama.cpp Q8_0"), ("expertmesh w8a8", "llama.cpp Q8_0"),
+             ("expertmesh int4", "llama.cpp Q4_0"), ("expertmesh w4a8", "llama.cpp Q4_0"),
+             ("expertmesh fp32", "llama.cpp F32")]  # fmt: skip
+    for ours, theirs in pairs:
         if ours in by and theirs in by:
             ratios = []
             for w in workloads:

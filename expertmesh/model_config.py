@@ -123,7 +123,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # ---- weights: the checkpoint's format (layers/quantization: fp8, mxfp4) or an online scheme
-    # (int8, int4, fp8) from LLM(quantization=...); None: unquantized
+    # (int8, int4, fp8, w8a8, w4a8) from LLM(quantization=...); None: unquantized
     quantization: Any = None
 
     def __post_init__(self) -> None:

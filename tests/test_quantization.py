@@ -274,7 +274,8 @@ def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoin
 def test_online_scheme_errors_name_the_bad_value(real_checkpoint, tmp_path):
     path = _qwen3(real_checkpoint)
     with pytest.raises(
-        ValueError, match=r"quantization='int3' is not known; known: \['fp8', 'int4', 'int8'\]"
+        ValueError,
+        match=r"quantization='int3' is not known; known: \['fp8', 'int4', 'int8', 'w4a8', 'w8a8'\]",
     ):
         LLM(path, quantization="int3", max_model_len=32, kv_cache_memory_bytes=1 << 20)
     fp8 = to_fp8(path, str(tmp_path / "fp8"), (8, 16))

@@ -948,6 +948,11 @@ static inline vf q_decode3(const uint8_t* p) { /* fp4 e2m1 by lookup */
 /* Bytes of codes per (panel, input): LANES for byte codes, LANES / 2 for nibbles. */
 #define Q_BYTES(KIND) ((KIND) & 1 ? LANES / 2 : LANES)
 
+/* A tile of rows <= QMR rows: per group the products with the bare codes are summed, then folded
+ * in once a group as acc += s * sum(code * x) + m * sum(x): the scale and offset leave the inner
+ * loop (one FMA a vector instead of two). At 1 and 2 rows the sums are split over QU(rows) sets
+ * of accumulators (inputs i, i + 1, ...), so the FMAs of a panel are not one dependency chain. */
+#define QU(rows) ((rows) == 1 ? 4 : (rows) == 2 ? 2 : 1)
 #define DEFINE_QGEMM(KIND)                                                                         \
   static inline __attribute__((always_inline)) void qtile_body##KIND(                            \
       const float* x, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t G,   \
@@ -956,20 +961,40 @@ static inline vf q_decode3(const uint8_t* p) { /* fp4 e2m1 by lookup */
     for (int r = 0; r < rows; r++)                                                                 \
       for (int j = 0; j < NP; j++) acc[r][j] = (vf){0};                                            \
     const int64_t pb = I * Q_BYTES(KIND);                                                          \
+    const int U = QU(rows);                                                                        \
     for (int64_t g = 0; g < G; g++) {                                                              \
       const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;                                   \
-      vf s[NP], m[NP];                                                                             \
-      for (int j = 0; j < npc; j++) {                                                              \
-        s[j] = load_panel_f32(sp + ((p0 + j) * G + g) * LANES);                                    \
-        m[j] = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);                                    \
-      }                                                                                            \
-      for (int64_t i = i0; i < i1; i++) {                                                          \
-        vf wv[NP];                                                                                 \
-        for (int j = 0; j < npc; j++)                                                              \
-          wv[j] = q_decode##KIND(qp + (p0 + j) * pb + i * Q_BYTES(KIND)) * s[j] + m[j];            \
+      vf d[4][QMR][NP];                                                                            \
+      for (int u = 0; u < U; u++)                                                                  \
+        for (int r = 0; r < rows; r++)                                                             \
+          for (int j = 0; j < NP; j++) d[u][r][j] = (vf){0};                                       \
+      int64_t i = i0;                                                                              \
+      for (; i + U <= i1; i += U)                                                                  \
+        for (int u = 0; u < U; u++) {                                                              \
+          vf c[NP];                                                                                \
+          for (int j = 0; j < npc; j++) c[j] = q_decode##KIND(qp + (p0 + j) * pb + (i + u) * Q_BYTES(KIND)); \
+          for (int r = 0; r < rows; r++) {                                                         \
+            const float xs = x[r * I + i + u];                                                     \
+            for (int j = 0; j < npc; j++) d[u][r][j] += c[j] * xs;                                 \
+          }                                                                                        \
+        }                                                                                          \
+      for (; i < i1; i++) {                                                                        \
+        vf c[NP];                                                                                  \
+        for (int j = 0; j < npc; j++) c[j] = q_decode##KIND(qp + (p0 + j) * pb + i * Q_BYTES(KIND)); \
         for (int r = 0; r < rows; r++) {                                                           \
           const float xs = x[r * I + i];                                                           \
-          for (int j = 0; j < npc; j++) acc[r][j] += wv[j] * xs;                                   \
+          for (int j = 0; j < npc; j++) d[0][r][j] += c[j] * xs;                                   \
+        }                                                                                          \
+      }                                                                                            \
+      for (int r = 0; r < rows; r++) {                                                             \
+        float xsum = 0.f;                                                                          \
+        _Pragma("omp simd reduction(+ : xsum)") for (int64_t t = i0; t < i1; t++) xsum += x[r * I + t]; \
+        for (int j = 0; j < npc; j++) {                                                            \
+          vf dot = d[0][r][j];                                                                     \
+          for (int u = 1; u < U; u++) dot += d[u][r][j];                                           \
+          const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES);                            \
+          const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);                            \
+          acc[r][j] += s * dot + m * xsum;                                                         \
         }                                                                                          \
       }                                                                                            \
     }                                                                                              \
@@ -1038,12 +1063,241 @@ static qrows_fn q_rows(int kind) {
   }
 }
 
+/* ---- int8 weights with int8 activations (W8A8, kind 4) -------------------------------------
+ * Codes are int8 (symmetric, W = code * s; offsets unused) in panels of 4 inputs: byte
+ * ((p * I4 + i / 4) * LANES + l) * 4 + i % 4 is code(p * LANES + l, i), I4 = ceil(I / 4), inputs past I
+ * zero. Activations are quantized per row and group of gs inputs (gs a multiple of 4, or one group
+ * of all I): sx = amax / 127, xq = round-half-even(x / sx) (amax 0: all codes 0). Per group the
+ * exact int32 sum of code * xq is taken, then acc += float(sum) * (s * sx), groups in order. */
+#define QMR_A 4
+
+/* Bytes of one row of quantized activations: W8A8 reads 4 inputs a step, W4A8 8 (two nibble quads). */
+#define A_STRIDE(kind, I) ((kind) == 5 ? 8 * (((I) + 7) / 8) : 4 * (((I) + 3) / 4))
+
+/* x [M, I] float -> xq [M, stride] int8 (zero padded), sx [M, G] and, if xsum is not NULL,
+ * xsum [M, G] = sx * sum(xq) over the group (W4A8's offset term); rows [r0, r1). */
+static void q_act_rows(const float* x, int64_t I, int64_t gs, int64_t stride, int8_t* xq, float* sx,
+                       float* xsum, int64_t r0, int64_t r1) {
+  const int64_t G = (I + gs - 1) / gs;
+  for (int64_t r = r0; r < r1; r++) {
+    const float* xr = x + r * I;
+    int8_t* q = xq + r * stride;
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;
+      float amax = 0.f;
+      for (int64_t i = i0; i < i1; i++) amax = fmaxf(amax, fabsf(xr[i]));
+      const float s = amax / 127.f;
+      sx[r * G + g] = s;
+      int32_t total = 0;
+      for (int64_t i = i0; i < i1; i++) {
+        q[i] = amax > 0.f ? (int8_t)nearbyintf(xr[i] / s) : 0;
+        total += q[i];
+      }
+      if (xsum) xsum[r * G + g] = s * (float)total;
+    }
+    for (int64_t i = I; i < stride; i++) q[i] = 0;
+  }
+}
+
+static inline __attribute__((always_inline)) void qtile_a8_body(
+    const int8_t* xq, const float* sx, int64_t I, const uint8_t* qp, const float* sp, int64_t G, int64_t gs,
+    float* y, int64_t O, int64_t p0, const int npc, const int rows, const float* bias) {
+  const int64_t I4 = (I + 3) / 4;
+  vf acc[QMR_A][NP];
+  for (int r = 0; r < rows; r++)
+    for (int j = 0; j < NP; j++) acc[r][j] = (vf){0};
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t k0 = g * gs / 4, k1 = (g + 1) * gs >= I ? I4 : (g + 1) * gs / 4;
+#if LANES == 8 && defined(__AVX2__)
+    __m256i isum[QMR_A][NP];
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < NP; j++) isum[r][j] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t k = k0; k < k1; k++) {
+      __m256i w[NP], aw[NP];
+      for (int j = 0; j < npc; j++) {
+        w[j] = _mm256_loadu_si256((const __m256i*)(qp + ((p0 + j) * I4 + k) * LANES * 4));
+        aw[j] = _mm256_sign_epi8(w[j], w[j]); /* |w|: codes are in [-127, 127] */
+      }
+      for (int r = 0; r < rows; r++) {
+        int32_t four;
+        memcpy(&four, xq + r * 4 * I4 + 4 * k, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        for (int j = 0; j < npc; j++) { /* |w| * (x with w's sign) = w * x, pairs summed in int16 */
+          const __m256i p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, w[j]));
+          isum[r][j] = _mm256_add_epi32(isum[r][j], _mm256_madd_epi16(p16, ones));
+        }
+      }
+    }
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < npc; j++) {
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g];
+        acc[r][j] += (vf)_mm256_cvtepi32_ps(isum[r][j]) * s;
+      }
+#else
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < npc; j++) {
+        int32_t isum[LANES] = {0};
+        const int8_t* xr = xq + r * 4 * I4;
+        for (int64_t k = k0; k < k1; k++) {
+          const int8_t* w = (const int8_t*)qp + ((p0 + j) * I4 + k) * LANES * 4;
+          for (int l = 0; l < LANES; l++)
+            for (int t = 0; t < 4; t++) isum[l] += (int32_t)w[l * 4 + t] * xr[4 * k + t];
+        }
+        float f[LANES];
+        for (int l = 0; l < LANES; l++) f[l] = (float)isum[l];
+        vf fv;
+        memcpy(&fv, f, sizeof fv);
+        acc[r][j] += fv * (load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g]);
+      }
+#endif
+  }
+  for (int j = 0; j < npc; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    const vf b = bias_vec(bias, o, n);
+    for (int r = 0; r < rows; r++) store_row_f32(y + r * O + o, acc[r][j] + b, n);
+  }
+}
+
+static inline __attribute__((always_inline)) void qtile_a8(
+    const int8_t* xq, const float* sx, int64_t I, const uint8_t* qp, const float* sp, int64_t G, int64_t gs,
+    float* y, int64_t O, int64_t p0, int64_t np, const int rows, const float* bias) {
+  if (np == NP)
+    qtile_a8_body(xq, sx, I, qp, sp, G, gs, y, O, p0, NP, rows, bias);
+  else
+    qtile_a8_body(xq, sx, I, qp, sp, G, gs, y, O, p0, (int)np, rows, bias);
+}
+
+/* ---- int4 weights with int8 activations (W4A8, kind 5) ----
+ * Codes are int4's (0..15, W = code * s + m) in pairs of quads: byte ((p * I8 + k) * LANES + l) * 4 + t
+ * holds code(p * LANES + l, 8k + t) in its low nibble and code(.., 8k + 4 + t) in its high one
+ * (I8 = ceil(I / 8), gs a multiple of 8 or one group). Codes are unsigned, so maddubs takes them as
+ * they are (pairs at most 2 x 15 x 127; both nibble halves summed in int16: at most 7620); per group
+ * acc += float(sum(code * xq)) * (s * sx) + m * (sx * sum(xq)). */
+static inline __attribute__((always_inline)) void qtile_a4_body(
+    const int8_t* xq, const float* sx, const float* xsum, int64_t I, const uint8_t* qp, const float* sp,
+    const float* mp, int64_t G, int64_t gs, float* y, int64_t O, int64_t p0, const int npc, const int rows,
+    const float* bias) {
+  const int64_t I8 = (I + 7) / 8;
+  vf acc[QMR_A][NP];
+  for (int r = 0; r < rows; r++)
+    for (int j = 0; j < NP; j++) acc[r][j] = (vf){0};
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t k0 = g * gs / 8, k1 = (g + 1) * gs >= I ? I8 : (g + 1) * gs / 8;
+#if LANES == 8 && defined(__AVX2__)
+    __m256i isum[QMR_A][NP];
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < NP; j++) isum[r][j] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+    for (int64_t k = k0; k < k1; k++) {
+      __m256i lo[NP], hi[NP];
+      for (int j = 0; j < npc; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qp + ((p0 + j) * I8 + k) * LANES * 4));
+        lo[j] = _mm256_and_si256(v, low);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < rows; r++) {
+        int32_t four[2];
+        memcpy(four, xq + r * 8 * I8 + 8 * k, 8);
+        const __m256i x0 = _mm256_set1_epi32(four[0]), x1 = _mm256_set1_epi32(four[1]);
+        for (int j = 0; j < npc; j++) {
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x0), _mm256_maddubs_epi16(hi[j], x1));
+          isum[r][j] = _mm256_add_epi32(isum[r][j], _mm256_madd_epi16(p16, ones));
+        }
+      }
+    }
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < npc; j++) {
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g];
+        const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
+        acc[r][j] += (vf)_mm256_cvtepi32_ps(isum[r][j]) * s + m * xsum[r * G + g];
+      }
+#else
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < npc; j++) {
+        int32_t isum[LANES] = {0};
+        const int8_t* xr = xq + r * 8 * I8;
+        for (int64_t k = k0; k < k1; k++) {
+          const uint8_t* w = qp + ((p0 + j) * I8 + k) * LANES * 4;
+          for (int l = 0; l < LANES; l++)
+            for (int t = 0; t < 4; t++)
+              isum[l] += (int32_t)(w[l * 4 + t] & 15) * xr[8 * k + t] + (int32_t)(w[l * 4 + t] >> 4) * xr[8 * k + 4 + t];
+        }
+        float f[LANES];
+        for (int l = 0; l < LANES; l++) f[l] = (float)isum[l];
+        vf fv;
+        memcpy(&fv, f, sizeof fv);
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g];
+        const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
+        acc[r][j] += fv * s + m * xsum[r * G + g];
+      }
+#endif
+  }
+  for (int j = 0; j < npc; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    const vf b = bias_vec(bias, o, n);
+    for (int r = 0; r < rows; r++) store_row_f32(y + r * O + o, acc[r][j] + b, n);
+  }
+}
+
+static inline __attribute__((always_inline)) void qtile_a(
+    int kind, const int8_t* xq, const float* sx, const float* xsum, int64_t I, const uint8_t* qp,
+    const float* sp, const float* mp, int64_t G, int64_t gs, float* y, int64_t O, int64_t p0, int64_t np,
+    const int rows, const float* bias) {
+  if (kind == 5) {
+    if (np == NP)
+      qtile_a4_body(xq, sx, xsum, I, qp, sp, mp, G, gs, y, O, p0, NP, rows, bias);
+    else
+      qtile_a4_body(xq, sx, xsum, I, qp, sp, mp, G, gs, y, O, p0, (int)np, rows, bias);
+  } else {
+    qtile_a8(xq, sx, I, qp, sp, G, gs, y, O, p0, np, rows, bias);
+  }
+}
+
+/* Rows [r0, r1) of quantized activations (xq, sx, xsum) against panel group g (kind 4 or 5). */
+static void qrows_a8(int kind, const int8_t* xq, const float* sx, const float* xsum, int64_t I,
+                     const uint8_t* qp, const float* sp, const float* mp, int64_t gs, float* y, int64_t O,
+                     int64_t g, int64_t r0, int64_t r1, const float* bias) {
+  const int64_t P = (O + LANES - 1) / LANES, p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;
+  const int64_t G = (I + gs - 1) / gs, xs = A_STRIDE(kind, I);
+  int64_t r = r0;
+#define QA(rows) \
+  qtile_a(kind, xq + r * xs, sx + r * G, xsum ? xsum + r * G : NULL, I, qp, sp, mp, G, gs, y + r * O, O, p0, np, rows, bias)
+  for (; r + QMR_A <= r1; r += QMR_A) QA(QMR_A);
+  switch (r1 - r) {
+    case 3: QA(3); break;
+    case 2: QA(2); break;
+    case 1: QA(1); break;
+    default: break;
+  }
+#undef QA
+}
+
+#define Q_KIND_A8 4
+#define Q_KIND_A4 5
+
 /* y[M, O] = x[M, I] @ W^T (+ bias), W quantized as above (codes qp, scales sp, offsets mp). */
 void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const float* mp, int64_t gs,
             float* y, int64_t M, int64_t O, int64_t I, const float* bias, int threads) {
-  const qrows_fn rows = q_rows(kind);
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (kind == Q_KIND_A8 || kind == Q_KIND_A4) {
+    const int64_t G = (I + gs - 1) / gs, stride = A_STRIDE(kind, I);
+    int8_t* xq = (int8_t*)malloc((size_t)(M * stride + 1));
+    float* sx = (float*)malloc(sizeof(float) * (size_t)(M * G + 1));
+    float* xsum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(M * G + 1)) : NULL;
+    _Pragma("omp parallel num_threads(threads)") {
+      _Pragma("omp for schedule(static)") for (int64_t r = 0; r < M; r++)
+        q_act_rows(x, I, gs, stride, xq, sx, xsum, r, r + 1);
+      _Pragma("omp for schedule(static)") for (int64_t item = 0; item < blocks * groups; item++) {
+        const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+        qrows_a8(kind, xq, sx, xsum, I, qp, sp, mp, gs, y, O, item % groups, r0, r1, bias);
+      }
+    }
+    free(xq); free(sx); free(xsum);
+    return;
+  }
+  const qrows_fn rows = q_rows(kind);
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
@@ -1057,38 +1311,67 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
            const uint8_t* q13, const float* s13, const float* m13, int64_t gs13, const uint8_t* q2,
            const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float* out,
            int threads) {
-  const qrows_fn rows = q_rows(kind);
+  const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
+  const qrows_fn rows = a8 ? NULL : q_rows(kind);
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
   const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
-  const int64_t cb = Q_BYTES(kind);
   const int64_t n13 = (H + gs13 - 1) / gs13, n2 = (I + gs2 - 1) / gs2; /* groups per row */
+  /* bytes of codes per (expert, panel): I * bytes a code for weight-only kinds; W8A8 4 * ceil(I / 4) a
+   * lane, W4A8 4 * ceil(I / 8) a lane (two nibbles a byte) */
+  const int64_t xs_a = A_STRIDE(kind, H), as_a = A_STRIDE(kind, I);
+  const int64_t c13 = !a8 ? H * Q_BYTES(kind) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
+  const int64_t c2 = !a8 ? I * Q_BYTES(kind) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
   float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  /* quantized activations: the gathered rows and the activated intermediates quantized once, read by
+   * every panel group */
+  int8_t* xq = a8 ? (int8_t*)malloc((size_t)(m * xs_a + 1)) : NULL;
+  int8_t* aq = a8 ? (int8_t*)malloc((size_t)(m * as_a + 1)) : NULL;
+  float* xsc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
+  float* asc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
+  float* xsum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
+  float* asum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
   _Pragma("omp parallel num_threads(threads)") {
-    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
+      if (a8) q_act_rows(xs, H, gs13, xs_a, xq, xsc, xsum, r, r + 1);
+    }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
       const int64_t e = p.active[item / G13];
-      rows(xs, H, q13 + e * P13 * H * cb, s13 + e * P13 * n13 * LANES, m13 + e * P13 * n13 * LANES, gs13, h,
-           2 * I, item % G13, p.start[e], p.start[e + 1], NULL);
+      if (a8)
+        qrows_a8(kind, xq, xsc, xsum, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
+                 m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13, p.start[e], p.start[e + 1], NULL);
+      else
+        rows(xs, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES, m13 + e * P13 * n13 * LANES, gs13, h,
+             2 * I, item % G13, p.start[e], p.start[e + 1], NULL);
     }
-    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       gated_row(h + r * 2 * I, a + r * I, I, act);
+      if (a8) q_act_rows(a, I, gs2, as_a, aq, asc, asum, r, r + 1);
+    }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
       const int64_t e = p.active[item / G2];
-      rows(a, I, q2 + e * P2 * I * cb, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES, gs2, ys, H,
-           item % G2, p.start[e], p.start[e + 1], NULL);
+      if (a8)
+        qrows_a8(kind, aq, asc, asum, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
+                 gs2, ys, H, item % G2, p.start[e], p.start[e + 1], NULL);
+      else
+        rows(a, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES, gs2, ys, H,
+             item % G2, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
   free(xs); free(h); free(a); free(ys);
+  free(xq); free(aq); free(xsc); free(asc); free(xsum); free(asum);
   moe_free(&p);
 }
+
+/* How many code kinds gemm_q / moe_q know (layers/cpu_kernels.py QUANT_KINDS). */
+int64_t q_kinds(void) { return 6; }
 
 /* ---- decode steps: whole decoder layers in one call (layers/native_decode.py) ---------------
  * For a decode-only step (B tokens, one per sequence), each layer of a run of eligible layers:

@@ -23,9 +23,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["int8", "int4", "fp8"],
-        help="weight-only online quantization of an unquantized checkpoint (a quantized checkpoint's own "
-        "format is read from its config.json)",
+        choices=["int8", "int4", "fp8", "w8a8", "w4a8"],
+        help="online quantization of an unquantized checkpoint: weight-only int8 / int4 / fp8, or w8a8 / "
+        "w4a8 (int8 / int4 weights, int8 activations); a quantized checkpoint's own format is read from "
+        "its config.json",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per replica")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data-parallel replicas")

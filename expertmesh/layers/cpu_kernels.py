@@ -119,6 +119,11 @@ _SIGNATURES = {
 }
 
 
+# gemm_q's code kinds by number: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and uint4 weights
+# with activations quantized to int8 per row and group (W8A8, W4A8)
+QUANT_KINDS = ("int8", "int4", "fp8", "fp4", "w8a8", "w4a8")
+
+
 class CpuKernels:
     """Typed entry points of the compiled library."""
 
@@ -148,6 +153,11 @@ class CpuKernels:
         for name in ("gemm_q", "moe_q"):  # quantized weights: one entry point each, the code kind an argument
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = None, _SIGNATURES[name]
+        # code kinds gemm_q / moe_q know, in their numbering (packed.KINDS); older builds: the first 4
+        lib_kinds = getattr(lib, "q_kinds", None)
+        if lib_kinds is not None:
+            lib_kinds.restype = _i64
+        self.quant_kinds = QUANT_KINDS[: int(lib_kinds()) if lib_kinds is not None else 4]
         self._rms_norm_f32, self._rms_norm_bf16 = lib.rms_norm_f32, lib.rms_norm_bf16
 
     def supports(self, dtype: torch.dtype) -> bool:

@@ -1,13 +1,20 @@
-"""Online weight-only quantization of an unquantized checkpoint: `LLM(quantization="int8")`.
+"""Online quantization of an unquantized checkpoint: `LLM(quantization="int8")`.
 
 After loading, every linear layer's weight (not the router, embeddings or head) and every routed
-expert's is quantized once and held compressed (layers/quantization/packed.py); activations stay
-in the model dtype. Schemes, as vLLM's `--quantization` names them, each with one float32 scale
-and offset per group of 128 consecutive inputs of an output row:
+expert's is quantized once and held compressed (layers/quantization/packed.py). Schemes, as vLLM's
+`--quantization` names them, each with one float32 scale and offset per group of 128 consecutive
+inputs of an output row:
 
 - "int8": symmetric (amax / 127): 1 + 8 / 128 = 1.0625 bytes a weight;
 - "int4": asymmetric (scale (max - min) / 15 and a zero point): 0.5 + 8 / 128 = 0.5625 bytes;
-- "fp8": e4m3 (amax / 448), multiplied by lookup of the 256 codes: 1.0625 bytes.
+- "fp8": e4m3 (amax / 448), multiplied by lookup of the 256 codes: 1.0625 bytes;
+- "w8a8": int8 weights as "int8", and activations quantized too, at run time, per token (row) and
+  group of the same inputs (dynamic, symmetric int8, as llama.cpp's Q8_0 and vLLM's w8a8 dynamic
+  per token): the products are integer sums, scaled once a group. It rounds the activations as
+  well, so it is its own scheme, never the default of "int8" (docs/quantization.md);
+- "w4a8": int4 weights as "int4" (0.5625 bytes), activations quantized as in "w8a8".
+
+The first three are weight-only: activations stay in the model dtype.
 
 A suffix picks another group: "int4-g32" (32 inputs), "int8-ch" (one scale per output channel).
 
@@ -32,7 +39,7 @@ class OnlineScheme:
     group_size: int = DEFAULT_GROUP  # inputs per scale; 0: one scale per output channel
     online: bool = True
 
-    METHODS: ClassVar[tuple[str, ...]] = ("fp8", "int4", "int8")
+    METHODS: ClassVar[tuple[str, ...]] = ("fp8", "int4", "int8", "w4a8", "w8a8")
 
     @classmethod
     def parse(cls, name: str) -> OnlineScheme:
@@ -43,6 +50,11 @@ class OnlineScheme:
                 "suffix ('-g32': 32 inputs a scale, '-ch': one scale per output channel)"
             )
         group = 0 if m.group(3) else int(m.group(2) or DEFAULT_GROUP)
+        step = {"w8a8": 4, "w4a8": 8}.get(m.group(1), 1)  # inputs the kernel's integer products take at once
+        if group % step:
+            raise ValueError(
+                f"quantization={name!r}: {m.group(1)} needs groups of a multiple of {step} inputs (or '-ch')"
+            )
         return cls(m.group(1), group)
 
     @property
@@ -55,6 +67,11 @@ class OnlineScheme:
 
     def describe(self) -> str:
         group = "per output channel" if not self.group_size else f"groups of {self.group_size}"
+        if self.method in ("w8a8", "w4a8"):
+            return (
+                f"online {self.method} (int{self.method[1]} weights, {group}; activations int8 per token and "
+                "group), held compressed"
+            )
         return f"online {self.method} weight-only ({group}), held compressed"
 
     def check_split(self, what: str, local_in: int, shards: int) -> None:

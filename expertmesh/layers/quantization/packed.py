@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3}
+KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3, "w8a8": 4, "w4a8": 5}
+ACTIVATIONS_QUANTIZED = ("w8a8", "w4a8")  # the kernels quantize the inputs to int8 per row and group
 NIBBLES = ("int4", "fp4")
 FP8_MAX = 448.0
 
@@ -37,19 +38,19 @@ def quantize_rows(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor,
     padded[:, :in_f] = w.float()
     blocks = padded.view(out_f, g, group)
     real = torch.arange(g * group).view(g, group) < in_f  # the padding of a partial last group is ignored
-    if kind == "int4":
+    if kind in ("int4", "w4a8"):
         mn = torch.where(real, blocks, torch.inf).amin(-1).clamp(max=0)
         mx = torch.where(real, blocks, -torch.inf).amax(-1).clamp(min=0)
         scale = torch.where(mx > mn, (mx - mn) / 15, torch.ones_like(mx))
         zero = torch.round(-mn / scale).clamp(0, 15)
         codes = (torch.round(blocks / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8)
         offset = -zero * scale
-    else:
+    else:  # int8 and w8a8 (int8 weights, int8 activations): symmetric
         amax = blocks.abs().amax(-1)
-        top = 127.0 if kind == "int8" else FP8_MAX
+        top = FP8_MAX if kind == "fp8" else 127.0
         scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
         x = blocks / scale[..., None]
-        if kind == "int8":
+        if kind != "fp8":
             codes = torch.round(x).clamp(-127, 127).to(torch.int8).view(torch.uint8)
         else:
             codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -59,7 +60,7 @@ def quantize_rows(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor,
 
 def decode_codes(codes: torch.Tensor, kind: str) -> torch.Tensor:
     """uint8 codes (one a value) -> their float32 values before scale and offset."""
-    if kind == "int8":
+    if kind in ("int8", "w8a8"):
         return codes.view(torch.int8).float()
     if kind == "fp8":
         return codes.view(torch.float8_e4m3fn).float()
@@ -83,6 +84,83 @@ def _unpanel(t: torch.Tensor, out_f: int) -> torch.Tensor:
     """[P, C, lanes] -> [O, C]."""
     p, c, lanes = t.shape
     return t.transpose(1, 2).reshape(p * lanes, c)[:out_f]
+
+
+def _quads(codes: torch.Tensor, group: int, lanes: int) -> torch.Tensor:
+    """W8A8's layout: [O, I] int8 codes -> [P, I4, lanes, 4], lane l of quad k holding inputs
+    4k .. 4k + 3 of its row (the kernel's integer products sum 4 adjacent inputs a lane)."""
+    out_f, in_f = codes.shape
+    if group % 4 and group < in_f:
+        raise ValueError(f"w8a8 needs groups of a multiple of 4 inputs (or one a row), got group={group}")
+    if bool((codes == 128).any()):  # int8 -128: the kernel's sign trick needs codes in [-127, 127]
+        raise ValueError("w8a8 codes must lie in [-127, 127]; found -128")
+    i4 = _cdiv(in_f, 4)
+    padded = torch.zeros(out_f, 4 * i4, dtype=torch.uint8)
+    padded[:, :in_f] = codes
+    panels = _panels(padded, lanes)  # [P, 4 * I4, lanes]
+    return panels.view(-1, i4, 4, lanes).transpose(2, 3).contiguous()
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's dynamic activation quantization, as the kernel does it: x [M, I] float32 -> codes
+    [M, G, group] (float32 integers in [-127, 127], zero past I) and scales [M, G], per row and group
+    symmetric: s = amax / 127, code = round-half-even(x / s), a group of zeros all codes 0."""
+    m, in_f = x.shape
+    g = _cdiv(in_f, group)
+    padded = torch.zeros(m, g * group, dtype=torch.float32)
+    padded[:, :in_f] = x
+    blocks = padded.view(m, g, group)
+    amax = blocks.abs().amax(-1)
+    s = amax / 127.0
+    codes = torch.where(amax[..., None] > 0, torch.round(blocks / s[..., None]), torch.zeros_like(blocks))
+    return codes, s
+
+
+def a8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, I] @ W^T in W8A8 / W4A8 arithmetic (W = code * scale + offset): exact integer sums per
+    group (float64 holds them), then y += sum * (scale * sx) + offset * (sx * sum(xq)), groups in
+    order, in float32."""
+    group = w.group
+    xq, sx = quantize_activations(x.float().cpu(), group)
+    g = xq.shape[1]
+    codes = _unquad(w.codes) if w.kind == "w8a8" else _unoct(w.codes)
+    wq = torch.zeros(w.out_features, g * group, dtype=torch.float64)
+    wq[:, : w.in_features] = decode_codes(
+        _unpanel(codes, w.out_features)[:, : w.in_features], w.kind
+    ).double()
+    isum = torch.einsum("mgk,ogk->mog", xq.double(), wq.view(w.out_features, g, group)).float()
+    xsum = sx * xq.sum(-1)  # [M, G]: integers, exact in float32
+    sw, mw = _unpanel(w.scales, w.out_features), _unpanel(w.offsets, w.out_features)  # [O, G]
+    y = torch.zeros(x.shape[0], w.out_features, dtype=torch.float32)
+    for j in range(g):
+        y += isum[:, :, j] * (sw[None, :, j] * sx[:, j, None]) + mw[None, :, j] * xsum[:, j, None]
+    return y.to(x.device)
+
+
+def _octs(codes: torch.Tensor, group: int, lanes: int) -> torch.Tensor:
+    """W4A8's layout: [O, I] uint4 codes -> [P, I8, lanes, 4] bytes, byte t of lane l in step k
+    holding input 8k + t in its low nibble and 8k + 4 + t in its high one."""
+    out_f, in_f = codes.shape
+    if group % 8 and group < in_f:
+        raise ValueError(f"w4a8 needs groups of a multiple of 8 inputs (or one a row), got group={group}")
+    i8 = _cdiv(in_f, 8)
+    padded = torch.zeros(out_f, 8 * i8, dtype=torch.uint8)
+    padded[:, :in_f] = codes
+    panels = _panels(padded, lanes).view(-1, i8, 2, 4, lanes).permute(0, 1, 4, 2, 3)  # [P, I8, lanes, 2, 4]
+    return (panels[..., 0, :] | (panels[..., 1, :] << 4)).contiguous()
+
+
+def _unoct(codes: torch.Tensor) -> torch.Tensor:
+    """[P, I8, lanes, 4] nibbles -> [P, 8 * I8, lanes] codes."""
+    p, i8, lanes, _ = codes.shape
+    halves = torch.stack((codes & 15, codes >> 4), dim=3)  # [P, I8, lanes, 2, 4]
+    return halves.permute(0, 1, 3, 4, 2).reshape(p, 8 * i8, lanes)
+
+
+def _unquad(codes: torch.Tensor) -> torch.Tensor:
+    """[P, I4, lanes, 4] -> [P, 4 * I4, lanes]."""
+    p, i4, lanes, _ = codes.shape
+    return codes.transpose(2, 3).reshape(p, 4 * i4, lanes)
 
 
 @dataclass
@@ -112,6 +190,10 @@ class QuantizedWeight:
         panels = _panels(codes, lanes)  # [P, I, lanes]
         if kind in NIBBLES:  # lane 2j in the low nibble of byte j
             panels = (panels[..., 0::2] | (panels[..., 1::2] << 4)).contiguous()
+        if kind == "w8a8":
+            panels = _quads(codes, group, lanes)
+        if kind == "w4a8":
+            panels = _octs(codes, group, lanes)
         s, m = _panels(scales.float(), lanes), _panels(offsets.float(), lanes)
         return cls(kind, panels, s, m, out_f, in_f, group, lanes, kernels)
 
@@ -124,6 +206,10 @@ class QuantizedWeight:
         codes = self.codes
         if self.kind in NIBBLES:
             codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+        if self.kind == "w8a8":  # [P, I4, lanes, 4] -> [P, I, lanes]
+            codes = _unquad(codes)[:, : self.in_features]
+        if self.kind == "w4a8":  # [P, I8, lanes, 4] nibbles -> [P, I, lanes]
+            codes = _unoct(codes)[:, : self.in_features]
         values = decode_codes(_unpanel(codes, self.out_features), self.kind)
         expand = lambda t: _unpanel(t, self.out_features).repeat_interleave(self.group, 1)[
             :, : self.in_features
@@ -136,7 +222,10 @@ class QuantizedWeight:
         shape, out_dtype = x.shape, out_dtype or x.dtype
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         b = None if bias is None else bias.to(torch.float32).contiguous()
-        if self.kernels is None or x.device.type != "cpu":
+        if self.kind in ACTIVATIONS_QUANTIZED and (self.kernels is None or x.device.type != "cpu"):
+            y = a8_reference(x2, self)
+            y = y if b is None else y + b
+        elif self.kernels is None or x.device.type != "cpu":
             y = F.linear(x2, self.dequantize().to(x2.device), b)
         else:
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)

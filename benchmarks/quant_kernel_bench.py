@@ -1,0 +1,133 @@
+"""A/B micro-benchmark of the quantized kernels (gemm_q, moe_q) against the float32 panel GEMM.
+
+Each kernel source given (`--source`, e.g. a saved copy of csrc/cpu_kernels.c; the working tree's
+is "ours") is built once; then every (product, rows, kind) case is timed for each source in turn,
+alternated A B A B over `--rounds` rounds, and the median is printed with GB/s of weights read
+(codes + scales + offsets) and the ratio to the float32 GEMM of the same source. One thread and
+process CPU time by default: on a shared machine CPU time does not count other processes' turns.
+
+    .venv/bin/python benchmarks/quant_kernel_bench.py --source /tmp/base.c --rows 1,4,32 --moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from expertmesh.layers import cpu_kernels
+from expertmesh.layers.quantization.packed import KINDS, QuantizedExperts, QuantizedMoE, QuantizedWeight
+
+PRODUCTS = {"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}  # the small MoE's shapes
+MOE = (512, 1024, 8, 2)  # hidden, inter, experts, top-k
+
+
+def timed(fn, clock, calls: int) -> float:
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    return (clock() - t0) / calls
+
+
+def calls_for(fn, clock, min_s: float) -> int:
+    fn()
+    n, t0 = 1, clock()
+    while clock() - t0 < min_s:
+        fn()
+        n += 1
+    return max(2, n)
+
+
+def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool) -> dict:
+    """{(label, rows, kind): {source: (callable, weight bytes, what it points into)}}; the products call
+    the C entry points with raw pointers (one thread), the routed experts go through QuantizedMoE."""
+    out: dict = {}
+    g = torch.Generator().manual_seed(0)
+    for name, (o, i) in PRODUCTS.items():
+        w = torch.randn(o, i, generator=g) * i**-0.5
+        for m in rows:
+            x = torch.randn(m, i, generator=g)
+            y = torch.empty(m, o)
+            for src, k in kernels.items():
+                p = k.pack(w)  # the entry points called directly: no Python around the kernel
+                f32 = partial(k.lib.gemm_f32, x.data_ptr(), p.data.data_ptr(), y.data_ptr(), m, o, i, None, 1)
+                out.setdefault((name, m, "f32"), {})[src] = (f32, o * i * 4, (p, x, y))
+                for kind in kinds:
+                    if kind not in k.quant_kinds:
+                        continue
+                    q = QuantizedWeight.quantize(w, kind, 128, k)
+                    ptrs = (q.codes.data_ptr(), q.scales.data_ptr(), q.offsets.data_ptr())
+                    fn = partial(
+                        k.lib.gemm_q, KINDS[kind], x.data_ptr(), *ptrs, 128, y.data_ptr(), m, o, i, None, 1
+                    )
+                    out.setdefault((name, m, kind), {})[src] = (fn, q.nbytes, (q, x, y))
+    if moe:
+        hidden, inter, experts, top_k = MOE
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+        w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+        for m in rows:
+            x = torch.randn(m, hidden, generator=g)
+            ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)]).int()
+            wts = torch.rand(m, top_k, generator=g)
+            touched = len(set(ids.flatten().tolist()))
+            for src, k in kernels.items():
+                for kind in kinds:
+                    if kind not in k.quant_kinds:
+                        continue
+                    a = QuantizedExperts.stack(
+                        [QuantizedWeight.quantize(w13[e], kind, 128, k) for e in range(experts)]
+                    )
+                    b = QuantizedExperts.stack(
+                        [QuantizedWeight.quantize(w2[e], kind, 128, k) for e in range(experts)]
+                    )
+                    nbytes = touched * (a.nbytes + b.nbytes) // experts
+                    fn = partial(QuantizedMoE(k).moe, x, ids, wts, a, b, inter, "silu")
+                    out.setdefault(("moe", m, kind), {})[src] = (fn, nbytes, None)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", action="append", default=[], help="another kernel source (A/B)")
+    ap.add_argument("--rows", default="1,4,32")
+    ap.add_argument("--kinds", default="int8,int4,w8a8,w4a8")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--min-s", type=float, default=0.05, help="seconds of calls per timing")
+    ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated products (w13,w2,qkv,moe)")
+    ap.add_argument("--wall", action="store_true", help="wall time instead of process CPU time")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.wall else time.process_time
+    kernels = {"ours": cpu_kernels.load()}
+    for n, src in enumerate(args.source):
+        out = Path("/tmp/expertmesh-kernel-ab") / f"{Path(src).stem}-{abs(hash(Path(src).read_bytes()))}.so"
+        kernels[f"src{n}"] = cpu_kernels.build(out, cpu_kernels._compiler(), source=Path(src))
+    rows = [int(r) for r in args.rows.split(",")]
+    table = cases(kernels, args.kinds.split(","), rows, args.moe)
+    only = set(args.only.split(",")) if args.only else None
+    results: dict = {}
+    for key, by_src in table.items():
+        if only and key[0] not in only:
+            continue
+        n = {s: calls_for(fn, clock, args.min_s) for s, (fn, *_) in by_src.items()}
+        for _ in range(args.rounds):  # A B A B ...
+            for s, (fn, *_) in by_src.items():
+                results.setdefault(key, {}).setdefault(s, []).append(timed(fn, clock, n[s]))
+    print(f"{'product':<8}{'rows':>5}{'kind':>6}{'source':>7}{'us':>10}{'GB/s':>8}{'x f32':>7}")
+    for (name, m, kind), by_src in results.items():
+        for s, ts in by_src.items():
+            t = statistics.median(ts)
+            f32 = results.get((name, m, "f32"), {}).get(s)
+            ratio = f"{statistics.median(f32) / t:>7.2f}" if f32 else f"{'':>7}"
+            nbytes = table[(name, m, kind)][s][1]
+            print(f"{name:<8}{m:>5}{kind:>6}{s:>7}{t * 1e6:>10.1f}{nbytes / t / 1e9:>8.2f}{ratio}")
+
+
+if __name__ == "__main__":
+    main()
