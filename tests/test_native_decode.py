@@ -1,7 +1,8 @@
 """Decode steps through whole decoder layers in one native call (layers/native_decode.py) against
 the per-op path they replace (EngineArgs(native_decode=False)), which stays the reference: the
 same tokens and logprobs, fp32 and bf16, over uneven batches and prompts crossing KV blocks;
-routing ties decided by torch.topk; the expert-load counts; and which layers are eligible."""
+routing ties decided by torch.topk; the expert-load counts; which layers are eligible; and quantized
+weights (online schemes) through the gemm_q / moe_q shims."""
 
 from __future__ import annotations
 
@@ -92,6 +93,66 @@ def test_native_decode_matches_per_op_path(checkpoint, monkeypatch, family, over
     assert calls.native >= sum(MAX_TOKENS) // 4 and calls.fallback <= calls.native  # it did run natively
     # Same kernels in the same order: equal up to the router's softmax (expf against torch's exp).
     _assert_same(ref, got, atol=1e-4 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "family, scheme",
+    [
+        ("mixtral", "int8"),
+        ("mixtral", "int4-g16"),  # asymmetric nibbles, groups smaller than the tiny widths
+        ("qwen3_moe", "w8a8-g16"),  # activations quantized in the kernel too
+        ("qwen3_moe", "w4a8"),
+        ("mixtral", "fp8-ch"),
+    ],
+)
+def test_quantized_native_decode_matches_per_op_path(checkpoint, monkeypatch, family, scheme, dtype):
+    """Quantized weights (online schemes) through the gemm_q / moe_q shims: the per-op path's
+    conversions and kernels, so its tokens and logprobs (bf16: the shims round where it does)."""
+    path = checkpoint(family)
+    ref = _generate(_llm(path, dtype, native=False, quantization=scheme))
+    llm = _llm(path, dtype, native=True, quantization=scheme)
+    assert all(native for native, _ in _plan_after_build(llm)), "every layer quantized and native"
+    calls = Calls(monkeypatch, llm)
+    got = _generate(llm)
+    assert calls.native >= sum(MAX_TOKENS) // 4 and calls.fallback <= calls.native
+    _assert_same(ref, got, atol=1e-4 if dtype == "float32" else 2e-2)
+
+
+def _plan_after_build(llm: LLM) -> list[tuple[bool, int]]:
+    """The plan of a fresh engine, after one short decode builds it."""
+    llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+    )
+    return _plan(llm)
+
+
+def test_quantized_native_forms_only_where_served():
+    """A quantized weight has a native form with our kernel and a float32 / bf16 model, never for
+    the torch fallback, float16, or a partial (TP / unreduced) product; quantized experts of two
+    kinds have none (moe_q takes one)."""
+    import torch
+
+    from expertmesh.distributed.group import Group
+    from expertmesh.layers.linear import RowParallelLinear
+    from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight, experts_native_form
+
+    kernels = cpu_kernels.load()
+    w = torch.randn(24, 32)
+    q = QuantizedWeight.quantize(w, "int8", 16, kernels)
+    keep: list = []
+    assert q.native_form(torch.float32, keep) is not None and q.native_form(torch.bfloat16, keep) is not None
+    assert q.native_form(torch.float16, keep) is None
+    assert QuantizedWeight.quantize(w, "int8", 16, None).native_form(torch.float32, keep) is None
+    for reduce, native in ((True, True), (False, False)):
+        layer = RowParallelLinear(32, 24, False, Group((0,), 0), reduce=reduce)
+        layer.hold_quantized(q)
+        assert (layer.native_form(keep) is not None) == native
+    a = QuantizedExperts.stack([q, q])
+    b = QuantizedExperts.stack([QuantizedWeight.quantize(w.T.contiguous(), "int4", 8, kernels)] * 2)
+    assert experts_native_form(kernels, a, a, torch.float32, keep) is not None
+    assert experts_native_form(kernels, a, b, torch.float32, keep) is None
 
 
 @pytest.mark.timeout(120)

@@ -1383,7 +1383,8 @@ int64_t q_kinds(void) { return 6; }
  *
  * by the same kernels the per-op path calls, in the same order and with the same roundings, so
  * the result equals that path's (the router's softmax is float32 like torch's, within an ulp).
- * Weights are the layer's packed panels; the descriptor (pointers and sizes) is built once by
+ * Weights are the layer's packed panels, or quantized ones through the gemm_q / moe_q shims below
+ * (q_weight_desc, q_experts_desc); the descriptor (pointers and sizes) is built once by
  * Python, the step's metadata (rotary tables, slots, block tables) once per step for all layers.
  *
  * Top-k's order among equal scores is torch.topk's business, not ours: when two of a token's
@@ -1395,6 +1396,68 @@ int64_t q_kinds(void) { return 6; }
  * Every field is 8 bytes (int64, double or a pointer), so the ctypes mirror has no padding. */
 typedef void (*gemm_fn_t)(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
                           const float* bias, int threads);
+
+/* Routed experts of a MoE block: x [n, H] model dtype -> out [n, H] float32 (as moe_f32 / moe_bf16). */
+typedef void (*experts_fn_t)(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w,
+                             int64_t k, const void* ew, int64_t E, int64_t I, int act, float* out,
+                             int threads);
+
+/* Quantized weights in a descriptor's GEMM slot (gemm_fn_t): wp points to one of these (built once by
+ * packed.py's QuantizedWeight.native_form). The shims do what QuantizedWeight.__call__ does: the
+ * input widened to float32 (exact), gemm_q, the float32 product rounded to the model dtype once. */
+typedef struct {
+  int64_t kind;
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;
+  int64_t group;
+} q_weight_desc;
+
+void gemm_q_desc_f32(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
+                     const float* bias, int threads) {
+  const q_weight_desc* q = (const q_weight_desc*)wp;
+  gemm_q((int)q->kind, (const float*)x, q->codes, q->scales, q->offsets, q->group, (float*)y, M, O, I, bias,
+         threads);
+}
+
+void gemm_q_desc_bf16(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
+                      const float* bias, int threads) {
+  const q_weight_desc* q = (const q_weight_desc*)wp;
+  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + M * O + 1));
+  float* yf = xf + M * I;
+  for (int64_t i = 0; i < M * I; i++) xf[i] = bf16_to_f32(((const bf16_t*)x)[i]);
+  gemm_q((int)q->kind, xf, q->codes, q->scales, q->offsets, q->group, yf, M, O, I, bias, threads);
+  for (int64_t i = 0; i < M * O; i++) ((bf16_t*)y)[i] = f32_to_bf16(yf[i]);
+  free(xf);
+}
+
+/* QuantizedExperts' w13 and w2 (packed.py) for moe_q, in a descriptor's experts slot. */
+typedef struct {
+  int64_t kind;
+  const uint8_t* q13;
+  const float* s13;
+  const float* m13;
+  int64_t gs13;
+  const uint8_t* q2;
+  const float* s2;
+  const float* m2;
+  int64_t gs2;
+} q_experts_desc;
+
+void moe_q_desc_f32(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+                    const void* ew, int64_t E, int64_t I, int act, float* out, int threads) {
+  const q_experts_desc* q = (const q_experts_desc*)ew;
+  moe_q((int)q->kind, (const float*)x, n, H, slot, w, k, q->q13, q->s13, q->m13, q->gs13, q->q2, q->s2, q->m2,
+        q->gs2, E, I, act, out, threads);
+}
+
+void moe_q_desc_bf16(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+                     const void* ew, int64_t E, int64_t I, int act, float* out, int threads) {
+  float* xf = (float*)malloc(sizeof(float) * (size_t)(n * H + 1));
+  for (int64_t i = 0; i < n * H; i++) xf[i] = bf16_to_f32(((const bf16_t*)x)[i]);
+  moe_q_desc_f32(xf, n, H, slot, w, k, ew, E, I, act, out, threads);
+  free(xf);
+}
 
 typedef struct {
   int64_t hidden;
@@ -1426,6 +1489,8 @@ typedef struct {
   const void* w2;
   int64_t inter, act;
   int64_t* load; /* [E] (token, expert) pairs routed to each expert (engine/expert_load.py), or NULL */
+  experts_fn_t experts_fn; /* routed experts held otherwise (quantized: moe_q_desc_*), or NULL: moe_* */
+  const void* experts_w;   /* experts_fn's weights (a q_experts_desc) */
 } decode_layer_desc;
 
 typedef struct {
@@ -1521,7 +1586,10 @@ static int route_softmax_topk(const float* logits, int64_t E, int64_t k, int ren
     if (ok && m->count_load && d->load)                                                          \
       for (int64_t q = 0; q < B * K; q++) d->load[slot[q]]++;                                    \
     if (ok) {                                                                                    \
-      moe_##SUFFIX(h_out, B, Hd, slot, w, K, d->w13, d->w2, E, d->inter, (int)d->act, out, threads); \
+      if (d->experts_fn)                                                                         \
+        d->experts_fn(h_out, B, Hd, slot, w, K, d->experts_w, E, d->inter, (int)d->act, out, threads); \
+      else                                                                                       \
+        moe_##SUFFIX(h_out, B, Hd, slot, w, K, d->w13, d->w2, E, d->inter, (int)d->act, out, threads); \
       for (int64_t i = 0; i < B * Hd; i++) y[i] = STORE(out[i]);                                 \
       residual_##SUFFIX(x, y, B * Hd, (float)d->residual_multiplier);                            \
     }                                                                                            \

@@ -23,7 +23,12 @@ from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm
 from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.cpu_kernels import CpuKernels
-from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.layers.quantization.packed import (
+    QuantizedExperts,
+    QuantizedMoE,
+    QuantizedWeight,
+    experts_native_form,
+)
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -149,11 +154,18 @@ class FusedExperts(nn.Module):
             ys *= pair_weights.float()
         return out.index_add_(0, token, ys)
 
-    def native_form(self) -> dict | None:
-        """The experts of a native decode layer: every expert here in our fused kernel's panels."""
-        if self.fused is None or not isinstance(self.fused[0], CpuKernels) or not self.all_local:
+    def native_form(self, keep: list) -> dict | None:
+        """The experts of a native decode layer: every expert here in our fused kernel's panels, or
+        quantized for moe_q (through its shim: experts_fn, experts_w)."""
+        if self.fused is None or not self.all_local:
             return None
         kernels, w13, w2, act = self.fused
+        if isinstance(kernels, QuantizedMoE):
+            form = experts_native_form(kernels.kernels, w13, w2, self.w13.dtype, keep)
+            act_id = kernels.kernels.MOE_ACTIVATIONS[act]
+            return None if form is None else dict(form, w13=None, w2=None, inter=self.inter, act=act_id)
+        if not isinstance(kernels, CpuKernels):
+            return None
         return dict(w13=w13.data_ptr(), w2=w2.data_ptr(), inter=self.inter, act=kernels.MOE_ACTIVATIONS[act])
 
     packed: list[tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight]] | None = None  # per local expert

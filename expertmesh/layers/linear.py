@@ -78,11 +78,11 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def native_form(self, keep: list) -> tuple[int, int, int | None] | None:
-        """(GEMM entry, panels, float32 bias) pointers for a native decode layer, if our panel GEMM
-        serves this weight and its product is the whole sum (no TP partial), else None."""
+        """(GEMM entry, weight, float32 bias) pointers for a native decode layer, if our panel GEMM
+        or gemm_q serves this weight and its product is the whole sum (no TP partial), else None."""
         from expertmesh.layers.native_decode import bias_ptr, gemm_form
 
-        form = None if self.partial_output else gemm_form(self.packed)
+        form = None if self.partial_output else gemm_form(self.packed, self.weight.dtype, keep)
         return None if form is None else (form["fn"], form["w"], bias_ptr(self.bias, keep))
 
 

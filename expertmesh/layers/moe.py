@@ -167,7 +167,7 @@ class MoE(nn.Module):
         local = self.dispatcher is None and not self.plan.sequence_parallel and self.tp.world_size == 1
         if not local or self.shared_expert is not None or self.prescale:
             return None
-        router, experts = self.gate.native_form(keep), self.experts.native_form()
+        router, experts = self.gate.native_form(keep), self.experts.native_form(keep)
         if router is None or experts is None or router["experts"] != self.experts.num_experts:
             return None
         load = self.load if self.load is not None and self.load.is_contiguous() else None

@@ -8,9 +8,11 @@ o_proj, residual; norm, router, softmax/top-k, routed experts, residual.
 
 Eligibility comes from the blocks: each block's `native_form()` returns its part of the
 descriptor, or None when it has no native form (LayerNorm, MLA, a projection or L2 q/k norm,
-clamped or biased experts, quantized or oneDNN weights, a shared expert, other routing rules,
+clamped or biased experts, oneDNN weights, a shared expert, other routing rules,
 EP dispatch, TP or SP collectives). A layer is native when all its blocks are; the others keep
-their torch path, which stays the reference (tests/test_native_decode.py).
+their torch path, which stays the reference (tests/test_native_decode.py). Quantized weights
+(layers/quantization/packed.py) take their GEMM and experts slots through C shims over gemm_q /
+moe_q that convert where QuantizedWeight / QuantizedMoE do, so they give the per-op path's roundings.
 
 The descriptor (pointers, sizes) is built once, at the first decode step after the KV cache is
 bound; per step only the metadata (rotary tables, slots, block tables) is built, once for all
@@ -43,7 +45,26 @@ class LayerDesc(ctypes.Structure):
         ("router_fn", _P), ("router_w", _P), ("router_bias", _P),
         ("experts", _I), ("top_k", _I), ("renormalize", _I),
         ("w13", _P), ("w2", _P), ("inter", _I), ("act", _I), ("load", _P),
+        ("experts_fn", _P), ("experts_w", _P),
     ]  # fmt: skip
+
+
+class QWeightDesc(ctypes.Structure):
+    """Mirror of q_weight_desc: a QuantizedWeight in a descriptor's GEMM slot (gemm_q_desc_*)."""
+
+    _fields_ = [("kind", _I), ("codes", _P), ("scales", _P), ("offsets", _P), ("group", _I)]
+
+
+class QExpertsDesc(ctypes.Structure):
+    """Mirror of q_experts_desc: QuantizedExperts w13 and w2 in the experts slot (moe_q_desc_*)."""
+
+    _fields_ = [
+        ("kind", _I), ("q13", _P), ("s13", _P), ("m13", _P), ("gs13", _I),
+        ("q2", _P), ("s2", _P), ("m2", _P), ("gs2", _I),
+    ]  # fmt: skip
+
+
+SHIM_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the model dtypes decode_layers serves
 
 
 class StepMeta(ctypes.Structure):
@@ -55,13 +76,29 @@ class StepMeta(ctypes.Structure):
     ]  # fmt: skip
 
 
-def gemm_form(packed: Any) -> dict | None:
-    """fn, weight and float32 bias pointers of a weight our panel GEMM serves, else None."""
+def gemm_form(packed: Any, dtype: torch.dtype, keep: list) -> dict | None:
+    """fn and weight pointers of a weight our panel GEMM or gemm_q serves (activations in `dtype`),
+    else None."""
     from expertmesh.layers.cpu_kernels import PanelWeight
+    from expertmesh.layers.quantization.packed import QuantizedWeight
 
+    if isinstance(packed, QuantizedWeight):
+        return packed.native_form(dtype, keep)
     if not isinstance(packed, PanelWeight) or packed.fn is None:
         return None
     return {"fn": ctypes.cast(packed.fn, ctypes.c_void_p).value, "w": packed.ptr}
+
+
+def c_entry(kernels: Any, name: str) -> int | None:
+    """The address of a C entry point (a descriptor's function slot), None in builds without it."""
+    fn = getattr(kernels.lib, name, None)
+    return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def held_struct(keep: list, struct: ctypes.Structure) -> int:
+    """The address of a descriptor-time struct, held alive by `keep` (as the descriptor's tensors)."""
+    keep.append(struct)
+    return ctypes.addressof(struct)
 
 
 def bias_ptr(bias: torch.Tensor | None, keep: list) -> int | None:

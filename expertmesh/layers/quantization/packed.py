@@ -237,6 +237,28 @@ class QuantizedWeight:
                 )  # fmt: skip
         return y.to(out_dtype).view(*shape[:-1], self.out_features)
 
+    def native_form(self, dtype: torch.dtype, keep: list) -> dict | None:
+        """This weight in a native decode layer's GEMM slot (layers/native_decode.py): the gemm_q
+        shim for activations in `dtype` and its q_weight_desc, held by `keep`; None without our
+        kernel (the torch fallback) or a shim for the dtype."""
+        from expertmesh.layers import native_decode as nd
+
+        suffix = nd.SHIM_SUFFIX.get(dtype)
+        if self.kernels is None or suffix is None or self.codes.device.type != "cpu":
+            return None
+        fn = nd.c_entry(self.kernels, f"gemm_q_desc_{suffix}")
+        if fn is None:
+            return None
+        desc = nd.QWeightDesc(
+            KINDS[self.kind],
+            self.codes.data_ptr(),
+            self.scales.data_ptr(),
+            self.offsets.data_ptr(),
+            self.group,
+        )
+        keep.append(self)  # the tensors the struct points into
+        return {"fn": fn, "w": nd.held_struct(keep, desc)}
+
 
 @dataclass
 class QuantizedExperts:
@@ -262,6 +284,23 @@ class QuantizedExperts:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+def experts_native_form(kernels: Any, w13: QuantizedExperts, w2: QuantizedExperts, dtype, keep: list):
+    """moe_q's shim and q_experts_desc for a native decode layer's experts slot, None where there
+    is none (no shim for the model dtype, an older build)."""
+    from expertmesh.layers import native_decode as nd
+
+    suffix = nd.SHIM_SUFFIX.get(dtype)
+    fn = None if suffix is None else nd.c_entry(kernels, f"moe_q_desc_{suffix}")
+    if fn is None or w13.kind != w2.kind:
+        return None
+    t13, t2 = (w13.codes, w13.scales, w13.offsets), (w2.codes, w2.scales, w2.offsets)
+    desc = nd.QExpertsDesc(
+        KINDS[w13.kind], *(t.data_ptr() for t in t13), w13.group, *(t.data_ptr() for t in t2), w2.group
+    )
+    keep += [w13, w2]
+    return {"experts_fn": fn, "experts_w": nd.held_struct(keep, desc)}
 
 
 class QuantizedMoE:
