@@ -11,6 +11,9 @@ greedy, the median of --repeats generate calls; on a shared machine read the per
 
     .venv/bin/python benchmarks/quantized.py --llama-python /work/peers/llama-venv/bin/python \\
         --threads 1 --json quantized.json
+    # native decode on against off (EngineArgs.native_decode), batch 1:
+    .venv/bin/python benchmarks/quantized.py --threads 1 --batch-sizes 1 --native-decode both \\
+        --runs "expertmesh int8,expertmesh int4,llama.cpp Q8_0,llama.cpp Q4_0" --llama-python ...
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--native-decode", default="on", choices=["on", "off", "both"],
+        help="expertmesh's EngineArgs.native_decode; both: each expertmesh run twice (A/B, alternated)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.runs = args.runs.split(",")
@@ -117,9 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     shape = roofline.MoEShape.from_model_dir(model)
     results, rows = {}, []
-    for name in args.runs:
+    for name, native in _schedule(args):
         engine, fmt, per_weight = RUNS[name]
         run_spec = dict(spec)
+        if native is not None:
+            run_spec["native_decode"] = native
+            name = name if args.native_decode != "both" else f"{name} native-{'on' if native else 'off'}"
         if engine == "llama.cpp":
             run_spec["gguf"] = gguf(args, model, fmt)
             python = args.llama_python
@@ -143,6 +153,19 @@ def main(argv: list[str] | None = None) -> None:
         )
 
 
+def _schedule(args: argparse.Namespace) -> list[tuple[str, bool | None]]:
+    """(run, native_decode or None for llama.cpp) in order; with both, on and off back to back."""
+    order = []
+    for name in args.runs:
+        if RUNS[name][0] != "expertmesh":
+            order.append((name, None))
+        elif args.native_decode == "both":
+            order += [(name, True), (name, False)]
+        else:
+            order.append((name, args.native_decode == "on"))
+    return order
+
+
 def _print(rows: list[dict], workloads: list[dict], args: argparse.Namespace) -> None:
     print(f"\n{args.shape} MoE, {args.threads} thread(s), median of {args.repeats}, "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens")  # fmt: skip
@@ -155,6 +178,9 @@ def _print(rows: list[dict], workloads: list[dict], args: argparse.Namespace) ->
     pairs = [("expertmesh int8", "llama.cpp Q8_0"), ("expertmesh w8a8", "llama.cpp Q8_0"),
              ("expertmesh int4", "llama.cpp Q4_0"), ("expertmesh w4a8", "llama.cpp Q4_0"),
              ("expertmesh fp32", "llama.cpp F32")]  # fmt: skip
+    if args.native_decode == "both":
+        pairs = [(f"{a} native-{s}", b) for a, b in pairs for s in ("on", "off")]
+        pairs += [(f"{r} native-on", f"{r} native-off") for r in args.runs if RUNS[r][0] == "expertmesh"]
     for ours, theirs in pairs:
         if ours in by and theirs in by:
             ratios = []

@@ -120,6 +120,23 @@ def test_quantized_native_decode_matches_per_op_path(checkpoint, monkeypatch, fa
     _assert_same(ref, got, atol=1e-4 if dtype == "float32" else 2e-2)
 
 
+@pytest.mark.timeout(120)
+def test_held_gptq_checkpoint_native_decode_matches_per_op_path(real_checkpoint, tmp_path, monkeypatch):
+    """A GPTQ int4 checkpoint held compressed as stored (codes straight into QuantizedWeight /
+    QuantizedExperts): native layers, the per-op path's tokens and logprobs."""
+    from quantized_checkpoints import to_int4_packed
+
+    src = real_checkpoint("qwen3-30b-a3b")
+    path = to_int4_packed(src, str(tmp_path / "gptq"), str(tmp_path / "ref"), "gptq", 16)
+    ref = _generate(_llm(path, "float32", native=False))
+    llm = _llm(path, "float32", native=True)
+    assert all(native for native, _ in _plan_after_build(llm))
+    calls = Calls(monkeypatch, llm)
+    got = _generate(llm)
+    assert calls.native >= sum(MAX_TOKENS) // 4
+    _assert_same(ref, got, atol=1e-4)
+
+
 def _plan_after_build(llm: LLM) -> list[tuple[bool, int]]:
     """The plan of a fresh engine, after one short decode builds it."""
     llm.generate(

@@ -60,6 +60,7 @@ class FusedExperts(nn.Module):
         self.act = GatedActivation(act) if isinstance(act, str) else act  # [.., 2I] -> [.., I]
         self.act_name = self.act.kernel_name  # None: the fused kernel does not compute it
         self.weight_on_input = weight_on_input
+        self.model_dtype = dtype  # its activations' (held checkpoints replace w13 / w2 by codes)
         self.shard_rank, self.inter = shard_rank, intermediate // shard_size
         self.full_inter = intermediate
         e = len(self.expert_ids)
@@ -161,7 +162,7 @@ class FusedExperts(nn.Module):
             return None
         kernels, w13, w2, act = self.fused
         if isinstance(kernels, QuantizedMoE):
-            form = experts_native_form(kernels.kernels, w13, w2, self.w13.dtype, keep)
+            form = experts_native_form(kernels.kernels, w13, w2, self.model_dtype, keep)
             act_id = kernels.kernels.MOE_ACTIVATIONS[act]
             return None if form is None else dict(form, w13=None, w2=None, inter=self.inter, act=act_id)
         if not isinstance(kernels, CpuKernels):

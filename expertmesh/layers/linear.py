@@ -29,6 +29,7 @@ def _divide(total: int, parts: int, what: str) -> int:
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        self.model_dtype = dtype  # its activations' (a held checkpoint's weight becomes its codes' dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -82,7 +83,7 @@ class LinearBase(nn.Module):
         or gemm_q serves this weight and its product is the whole sum (no TP partial), else None."""
         from expertmesh.layers.native_decode import bias_ptr, gemm_form
 
-        form = None if self.partial_output else gemm_form(self.packed, self.weight.dtype, keep)
+        form = None if self.partial_output else gemm_form(self.packed, self.model_dtype, keep)
         return None if form is None else (form["fn"], form["w"], bias_ptr(self.bias, keep))
 
 
