@@ -44,6 +44,8 @@ def load_expertmesh(spec: dict) -> GenerateFn:
         max_num_seqs=spec["max_num_seqs"],
         quantization=spec.get("quantization"),  # benchmarks/quantized.py: online int8 / int4
         native_decode=spec.get("native_decode", True),  # throughput.py --native-decode
+        # Repeats reuse the same prompts: a prefix cache would skip their prefill (as for vLLM).
+        enable_prefix_caching=False,
     )
 
     def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
