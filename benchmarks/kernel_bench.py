@@ -4,7 +4,7 @@ For each product (qkv, o_proj, expert gate+up, expert down, lm_head) and row cou
 ms per call, GFLOP/s and GB/s of weights streamed, for our panel GEMM and for torch (F.linear on
 the dense weight; oneDNN where it has a path for the dtype). `--moe` also times the routed
 experts of one layer in one call. Kernels can be A/B-compared by building another source
-(`--source`, e.g. a saved copy of csrc/cpu_kernels.c) in the same run.
+(`--source`, e.g. csrc/cpu_kernels.c in a saved copy of csrc/) in the same run.
 
     .venv/bin/python benchmarks/kernel_bench.py --dtype bfloat16 --rows 1,32,512 --moe
     .venv/bin/python benchmarks/kernel_bench.py --shape qwen3-30b-a3b --dtype bfloat16 --rows 1,32
@@ -136,7 +136,7 @@ def main() -> None:
 def build_from(source: Path) -> cpu_kernels.CpuKernels:
     """Kernels compiled from another source file (A/B runs), cached beside it."""
     compiler = cpu_kernels._compiler()
-    out = Path("/tmp/expertmesh-kernel-ab") / f"{source.stem}-{abs(hash(source.read_bytes()))}.so"
+    out = Path("/tmp/expertmesh-kernel-ab") / f"{source.stem}-{cpu_kernels.source_digest(source)[:16]}.so"
     return cpu_kernels.build(out, compiler, source=source)
 
 

@@ -1,12 +1,12 @@
 """A/B micro-benchmark of the quantized kernels (gemm_q, moe_q) against the float32 panel GEMM.
 
-Each kernel source given (`--source`, e.g. a saved copy of csrc/cpu_kernels.c; the working tree's
+Each kernel source given (`--source`, e.g. csrc/cpu_kernels.c in a saved copy of csrc/; the working tree's
 is "ours") is built once; then every (product, rows, kind) case is timed for each source in turn,
 alternated A B A B over `--rounds` rounds, and the median is printed with GB/s of weights read
 (codes + scales + offsets) and the ratio to the float32 GEMM of the same source. One thread and
 process CPU time by default: on a shared machine CPU time does not count other processes' turns.
 
-    .venv/bin/python benchmarks/quant_kernel_bench.py --source /tmp/base.c --rows 1,4,32 --moe
+    .venv/bin/python benchmarks/quant_kernel_bench.py --source /tmp/base/cpu_kernels.c --rows 1,4,32 --moe
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def main() -> None:
     clock = time.perf_counter if args.wall else time.process_time
     kernels = {"ours": cpu_kernels.load()}
     for n, src in enumerate(args.source):
-        out = Path("/tmp/expertmesh-kernel-ab") / f"{Path(src).stem}-{abs(hash(Path(src).read_bytes()))}.so"
+        digest = cpu_kernels.source_digest(Path(src))[:16]
+        out = Path("/tmp/expertmesh-kernel-ab") / f"{Path(src).stem}-{digest}.so"
         kernels[f"src{n}"] = cpu_kernels.build(out, cpu_kernels._compiler(), source=Path(src))
     rows = [int(r) for r in args.rows.split(",")]
     table = cases(kernels, args.kinds.split(","), rows, args.moe)

@@ -33,6 +33,17 @@ from expertmesh.layers import cpu_features, cpu_onednn
 log = logging.getLogger("expertmesh")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.c"
+
+
+def source_digest(source: Path = SOURCE) -> str:
+    """sha256 over a kernel source and the parts beside it: cpu_kernels.c includes the other .c / .h
+    files of its folder (one translation unit), so a build's cache key must cover them all."""
+    key = hashlib.sha256()
+    for part in sorted(p for p in source.parent.iterdir() if p.suffix in (".c", ".h")):
+        key.update(part.name.encode() + b"\0" + part.read_bytes())
+    return key.hexdigest()
+
+
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 _c = ctypes.c_void_p
@@ -466,7 +477,7 @@ def load() -> CpuKernels | None:
         log.warning("no C compiler found (set CC); CPU kernels unavailable, using torch ops (slower)")
         return None
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    key.update(source_digest().encode())
     key.update(" ".join([compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode())
     root = Path(os.environ.get("EXPERTMESH_CACHE", Path.home() / ".cache" / "expertmesh"))
     path = root / "kernels" / key.hexdigest()[:16] / "libexpertmesh_cpu.so"

@@ -1,0 +1,228 @@
+/* Part of cpu_kernels.c (one translation unit; see its list): panel GEMM, float32 and bf16 weights (LANES, MR, NP are defined here). */
+
+/* Matrix products y[M, O] = x[M, I] @ W[O, I]^T with W held in panels of LANES output rows:
+ * wp[P][I][LANES], P = ceil(O / LANES), rows past O zero (pack_panels in cpu_kernels.py).
+ *
+ * A tile is MR rows of x against NP panels: MR x NP vector accumulators stay in registers, each
+ * step loads NP weight vectors and broadcasts MR scalars of x. Panels are split over threads;
+ * within a thread each panel group is read from memory once and then from cache for the next
+ * MR rows of x, so small M (decode) streams the weights at memory speed and large M (prefill)
+ * runs from cache. bfloat16 weights are widened to float32 in registers; accumulation is float32.
+ */
+#if defined(__AVX512F__)
+#define LANES 16
+#define MR 8
+#define NP 3
+#else
+/* AVX2 (16 vector registers): 6 x 2 accumulators + 2 weight vectors + a broadcast = 15. Measured
+ * on Zen 3 against 4 x 2 (the previous shape), 4 x 3 and 3 x 4 at the small MoE's shapes, one
+ * thread: 6 x 2 is 1.2-1.5x 4 x 2 from 8 rows on, equal at 1 row (docs/benchmarks.md). */
+#define LANES 8
+#ifndef MR
+#define MR 6
+#endif
+#ifndef NP
+#define NP 2
+#endif
+#endif
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef float vf_unaligned __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+
+int64_t gemm_lanes(void) { return LANES; }
+
+static inline vf load_panel_f32(const float* p) { return *(const vf_unaligned*)p; }
+
+#if LANES == 8 && defined(__AVX2__)
+#include <immintrin.h>
+/* One vpmovzxwd from memory and a shift: gcc compiles the generic form below, on 8 lanes, into a
+ * 16-byte load, two 4-lane widenings, a byte shift and an insert (measured, kernel_bench.py: bf16
+ * at 1 row 1.2-1.5x faster with this one, at 32 rows 51-57 -> 72-82 GFLOP/s a core). */
+static inline vf load_panel_bf16(const bf16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return (vf)_mm256_slli_epi32(wide, 16);
+}
+#else
+static inline vf load_panel_bf16(const bf16_t* p) {
+  vu wide = __builtin_convertvector(*(const vh*)p, vu) << 16;
+  return (vf)wide;
+}
+#endif
+
+static inline void store_row_f32(float* y, const vf v, int64_t n) {
+  if (n == LANES) {
+    *(vf_unaligned*)y = v;
+  } else {
+    float tmp[LANES];
+    memcpy(tmp, &v, sizeof tmp);
+    memcpy(y, tmp, sizeof(float) * (size_t)n);
+  }
+}
+
+static inline void store_row_bf16(bf16_t* y, const vf v, int64_t n) {
+  float tmp[LANES];
+  memcpy(tmp, &v, sizeof tmp);
+  for (int64_t l = 0; l < n; l++) y[l] = f32_to_bf16(tmp[l]);
+}
+
+/* Bias (float32, may be NULL) is added before the output is rounded, as oneDNN does. */
+static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
+  float tmp[LANES] = {0};
+  if (bias) memcpy(tmp, bias + o, sizeof(float) * (size_t)n);
+  vf v;
+  memcpy(&v, tmp, sizeof v);
+  return v;
+}
+
+/* Panels a one-row product takes at once (row1_*): enough independent FMA chains to cover
+ * the FMA latency, where a tile's NP chains leave a one-row decode latency-bound. */
+#define NP1 8
+
+/* Rows [r, r1) in tiles: MR rows a tile, then one tile of the 1..7 left, the row count a
+ * constant in each case so every tile's loops unroll. The tile takes (..., rows, bias). */
+#define TILE_ROWS(r, r1, tile, bias, ...)                    \
+  for (; r + MR <= r1; r += MR) tile(__VA_ARGS__, MR, bias); \
+  switch (r1 - r) {                                          \
+    case 7: tile(__VA_ARGS__, 7, bias); break;               \
+    case 6: tile(__VA_ARGS__, 6, bias); break;               \
+    case 5: tile(__VA_ARGS__, 5, bias); break;               \
+    case 4: tile(__VA_ARGS__, 4, bias); break;               \
+    case 3: tile(__VA_ARGS__, 3, bias); break;               \
+    case 2: tile(__VA_ARGS__, 2, bias); break;               \
+    case 1: tile(__VA_ARGS__, 1, bias); break;               \
+    default: break;                                          \
+  }
+
+#define DEFINE_GEMM(SUFFIX, TW, TY, LOADW, STOREY)                                               \
+  static inline __attribute__((always_inline)) void tile_##SUFFIX(                              \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t p0, int64_t np,        \
+      const int rows, const float* bias) {                                                       \
+    vf acc[8][NP]; /* 8 >= MR: rows_* below calls tiles of up to 7 remainder rows */             \
+    for (int r = 0; r < rows; r++)                                                               \
+      for (int j = 0; j < NP; j++) acc[r][j] = (vf){0};                                          \
+    const TW* w = wp + p0 * I * LANES;                                                           \
+    if (np == NP) {                                                                              \
+      for (int64_t i = 0; i < I; i++) {                                                          \
+        vf wv[NP];                                                                               \
+        for (int j = 0; j < NP; j++) wv[j] = LOADW(w + (j * I + i) * LANES);                    \
+        for (int r = 0; r < rows; r++) {                                                         \
+          const float xs = x[r * I + i];                                                         \
+          for (int j = 0; j < NP; j++) acc[r][j] += wv[j] * xs;                                  \
+        }                                                                                        \
+      }                                                                                          \
+    } else {                                                                                     \
+      for (int64_t i = 0; i < I; i++)                                                            \
+        for (int j = 0; j < np; j++) {                                                           \
+          const vf wv = LOADW(w + (j * I + i) * LANES);                                         \
+          for (int r = 0; r < rows; r++) acc[r][j] += wv * x[r * I + i];                         \
+        }                                                                                        \
+    }                                                                                            \
+    for (int j = 0; j < np; j++) {                                                               \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
+      const vf b = bias_vec(bias, o, n);                                                         \
+      for (int r = 0; r < rows; r++) STOREY(y + r * O + o, acc[r][j] + b, n);                     \
+    }                                                                                            \
+  }                                                                                              \
+                                                                                                 \
+  /* Rows [r0, r1) of x against panel group g, in tiles (TILE_ROWS).                       */   \
+  static void rows_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
+                            int64_t g, int64_t r0, int64_t r1, const float* bias) {              \
+    const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
+    int64_t r = r0;                                                                              \
+    TILE_ROWS(r, r1, tile_##SUFFIX, bias, x + r * I, I, wp, y + r * O, O, p0, np);               \
+  }                                                                                              \
+                                                                                                 \
+  /* One row of x against panel group g of NP1 panels (decode): NP1 independent accumulator    \
+   * chains instead of a tile's NP, each summed in the same order as in a tile, so the result is \
+   * bit for bit the tiles' (a row's product does not depend on how many rows a call has). */   \
+  static void row1_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
+                            int64_t g, const float* bias) {                                      \
+    const int64_t p0 = g * NP1, np = P - p0 < NP1 ? P - p0 : NP1;                                \
+    if (np < NP1) {                                                                              \
+      for (int64_t q = p0; q < P; q += NP)                                                       \
+        tile_##SUFFIX(x, I, wp, y, O, q, P - q < NP ? P - q : NP, 1, bias);                      \
+      return;                                                                                    \
+    }                                                                                            \
+    vf acc[NP1];                                                                                 \
+    for (int j = 0; j < NP1; j++) acc[j] = (vf){0};                                              \
+    const TW* w = wp + p0 * I * LANES;                                                           \
+    for (int64_t i = 0; i < I; i++) {                                                            \
+      const float xs = x[i];                                                                     \
+      for (int j = 0; j < NP1; j++) acc[j] += LOADW(w + (j * I + i) * LANES) * xs;              \
+    }                                                                                            \
+    for (int j = 0; j < NP1; j++) {                                                              \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
+      STOREY(y + o, acc[j] + bias_vec(bias, o, n), n);                                           \
+    }                                                                                            \
+  }
+
+DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32)
+DEFINE_GEMM(bf16, bf16_t, bf16_t, load_panel_bf16, store_row_bf16)
+/* bf16 weights, float32 output: partial sums that other ranks add to (rounded after the sum),
+ * and the routed experts' intermediates (moe_bf16 without pairs). */
+DEFINE_GEMM(bf16_f32, bf16_t, float, load_panel_bf16, store_row_f32)
+
+/* Work items are (block of ROW_BLOCK rows, panel group): a thread's consecutive items share a
+ * row block, which stays in cache while the panel groups stream past it (long prefills). */
+#define ROW_BLOCK 256
+
+void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, int64_t I,
+              const float* bias, int threads) {
+  const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
+  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (M == 1) {
+    const int64_t g1 = (P + NP1 - 1) / NP1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < g1; g++) row1_f32(x, I, wp, y, O, P, g, bias);
+    return;
+  }
+  _Pragma("omp parallel for schedule(static) num_threads(threads)")
+  for (int64_t item = 0; item < blocks * groups; item++) {
+    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+    rows_f32(x, I, wp, y, O, P, item % groups, r0, r1, bias);
+  }
+}
+
+/* x is widened to float32 once, so the tiles broadcast plain floats. y: bf16, or float32 when
+ * y_f32 (gemm_bf16_f32: the same products, not rounded). */
+static void gemm_bf16_to(const bf16_t* x, const bf16_t* wp, void* y, int y_f32, int64_t M, int64_t O,
+                         int64_t I, const float* bias, int threads) {
+  const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
+  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
+  for (int64_t k = 0; k < M * I; k++) xf[k] = bf16_to_f32(x[k]);
+  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (M == 1) {
+    const int64_t g1 = (P + NP1 - 1) / NP1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t g = 0; g < g1; g++) {
+      if (y_f32)
+        row1_bf16_f32(xf, I, wp, (float*)y, O, P, g, bias);
+      else
+        row1_bf16(xf, I, wp, (bf16_t*)y, O, P, g, bias);
+    }
+    free(xf);
+    return;
+  }
+  _Pragma("omp parallel for schedule(static) num_threads(threads)")
+  for (int64_t item = 0; item < blocks * groups; item++) {
+    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+    if (y_f32)
+      rows_bf16_f32(xf, I, wp, (float*)y, O, P, item % groups, r0, r1, bias);
+    else
+      rows_bf16(xf, I, wp, (bf16_t*)y, O, P, item % groups, r0, r1, bias);
+  }
+  free(xf);
+}
+
+void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
+               const float* bias, int threads) {
+  gemm_bf16_to(x, wp, y, 0, M, O, I, bias, threads);
+}
+
+void gemm_bf16_f32(const bf16_t* x, const bf16_t* wp, float* y, int64_t M, int64_t O, int64_t I,
+                   const float* bias, int threads) {
+  gemm_bf16_to(x, wp, y, 1, M, O, I, bias, threads);
+}
+

@@ -1,0 +1,121 @@
+/* Part of cpu_kernels.c (one translation unit; see its list): gemm_q / moe_q: the quantized entry points over the tiles above. */
+
+/* Rows [r0, r1) of quantized activations (xq, sx, xsum) against panel group g (kind 4 or 5). */
+static void qrows_a8(int kind, const int8_t* xq, const float* sx, const float* xsum, int64_t I,
+                     const uint8_t* qp, const float* sp, const float* mp, int64_t gs, float* y, int64_t O,
+                     int64_t g, int64_t r0, int64_t r1, const float* bias) {
+  const int64_t P = (O + LANES - 1) / LANES, p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;
+  const int64_t G = (I + gs - 1) / gs, xs = A_STRIDE(kind, I);
+  int64_t r = r0;
+#define QA(rows) \
+  qtile_a(kind, xq + r * xs, sx + r * G, xsum ? xsum + r * G : NULL, I, qp, sp, mp, G, gs, y + r * O, O, p0, np, rows, bias)
+  for (; r + QMR_A <= r1; r += QMR_A) QA(QMR_A);
+  switch (r1 - r) {
+    case 3: QA(3); break;
+    case 2: QA(2); break;
+    case 1: QA(1); break;
+    default: break;
+  }
+#undef QA
+}
+
+#define Q_KIND_A8 4
+#define Q_KIND_A4 5
+
+/* y[M, O] = x[M, I] @ W^T (+ bias), W quantized as above (codes qp, scales sp, offsets mp). */
+void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const float* mp, int64_t gs,
+            float* y, int64_t M, int64_t O, int64_t I, const float* bias, int threads) {
+  const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
+  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (kind == Q_KIND_A8 || kind == Q_KIND_A4) {
+    const int64_t G = (I + gs - 1) / gs, stride = A_STRIDE(kind, I);
+    int8_t* xq = (int8_t*)malloc((size_t)(M * stride + 1));
+    float* sx = (float*)malloc(sizeof(float) * (size_t)(M * G + 1));
+    float* xsum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(M * G + 1)) : NULL;
+    _Pragma("omp parallel num_threads(threads)") {
+      _Pragma("omp for schedule(static)") for (int64_t r = 0; r < M; r++)
+        q_act_rows(x, I, gs, stride, xq, sx, xsum, r, r + 1);
+      _Pragma("omp for schedule(static)") for (int64_t item = 0; item < blocks * groups; item++) {
+        const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+        qrows_a8(kind, xq, sx, xsum, I, qp, sp, mp, gs, y, O, item % groups, r0, r1, bias);
+      }
+    }
+    free(xq); free(sx); free(xsum);
+    return;
+  }
+  const qrows_fn rows = q_rows(kind);
+  _Pragma("omp parallel for schedule(static) num_threads(threads)")
+  for (int64_t item = 0; item < blocks * groups; item++) {
+    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+    rows(x, I, qp, sp, mp, gs, y, O, item % groups, r0, r1, bias);
+  }
+}
+
+/* moe_f32's plan over quantized experts: w13 = codes/scales/offsets of E experts' [gate | up]
+ * ([2I, H] each, gs13 inputs a group), w2 of their down projections ([H, I], gs2). */
+void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+           const uint8_t* q13, const float* s13, const float* m13, int64_t gs13, const uint8_t* q2,
+           const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float* out,
+           int threads) {
+  const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
+  const qrows_fn rows = a8 ? NULL : q_rows(kind);
+  moe_plan p = moe_sort(slot, n, k, E);
+  const int64_t m = p.m;
+  const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
+  const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  const int64_t n13 = (H + gs13 - 1) / gs13, n2 = (I + gs2 - 1) / gs2; /* groups per row */
+  /* bytes of codes per (expert, panel): I * bytes a code for weight-only kinds; W8A8 4 * ceil(I / 4) a
+   * lane, W4A8 4 * ceil(I / 8) a lane (two nibbles a byte) */
+  const int64_t xs_a = A_STRIDE(kind, H), as_a = A_STRIDE(kind, I);
+  const int64_t c13 = !a8 ? H * Q_BYTES(kind) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
+  const int64_t c2 = !a8 ? I * Q_BYTES(kind) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
+  float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
+  float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
+  float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  /* quantized activations: the gathered rows and the activated intermediates quantized once, read by
+   * every panel group */
+  int8_t* xq = a8 ? (int8_t*)malloc((size_t)(m * xs_a + 1)) : NULL;
+  int8_t* aq = a8 ? (int8_t*)malloc((size_t)(m * as_a + 1)) : NULL;
+  float* xsc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
+  float* asc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
+  float* xsum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
+  float* asum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
+  _Pragma("omp parallel num_threads(threads)") {
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
+      if (a8) q_act_rows(xs, H, gs13, xs_a, xq, xsc, xsum, r, r + 1);
+    }
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
+      const int64_t e = p.active[item / G13];
+      if (a8)
+        qrows_a8(kind, xq, xsc, xsum, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
+                 m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13, p.start[e], p.start[e + 1], NULL);
+      else
+        rows(xs, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES, m13 + e * P13 * n13 * LANES, gs13, h,
+             2 * I, item % G13, p.start[e], p.start[e + 1], NULL);
+    }
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      gated_row(h + r * 2 * I, a + r * I, I, act);
+      if (a8) q_act_rows(a, I, gs2, as_a, aq, asc, asum, r, r + 1);
+    }
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
+      const int64_t e = p.active[item / G2];
+      if (a8)
+        qrows_a8(kind, aq, asc, asum, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
+                 gs2, ys, H, item % G2, p.start[e], p.start[e + 1], NULL);
+      else
+        rows(a, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES, gs2, ys, H,
+             item % G2, p.start[e], p.start[e + 1], NULL);
+    }
+    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
+      moe_combine_row(&p, ys, w, t, k, H, out + t * H);
+  }
+  free(xs); free(h); free(a); free(ys);
+  free(xq); free(aq); free(xsc); free(asc); free(xsum); free(asum);
+  moe_free(&p);
+}
+
+/* How many code kinds gemm_q / moe_q know (layers/cpu_kernels.py QUANT_KINDS). */
+int64_t q_kinds(void) { return 6; }
+
