@@ -168,6 +168,7 @@ def check(
             assert max(diffs) == 0.0, f"{where}: {diffs}"
 
 
+@pytest.mark.slow  # the CI budget: PP x TP stays covered by the float32 layout matrices
 @pytest.mark.timeout(200)
 def test_real_width_bf16_tp2_pp2(real_width):
     check(real_width, 2, WORLD2_TP_PP)

@@ -97,6 +97,7 @@ def test_dp2_tp2_naive_across_two_nodes(one_process):
     _check(outs, 4, 2, one_process)
 
 
+@pytest.mark.slow  # the CI budget: the two-node server test keeps collectives across the nodes (DP there)
 @pytest.mark.timeout(200)
 def test_tp4_across_two_nodes(one_process):
     """One replica whose TP all-reduces cross the link (KV heads replicated: 2 KV heads, TP 4)."""
