@@ -24,18 +24,9 @@ from make_small_moe import DEFAULT_CACHE, make_small_moe
 from safetensors.torch import load_file, save_file
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.layers.quantization.fp8 import quantize_blocks
 
 BLOCK = 128
-
-
-def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    o, i = w.shape
-    go, gi = -(-o // BLOCK), -(-i // BLOCK)
-    padded = torch.zeros(go * BLOCK, gi * BLOCK)
-    padded[:o, :i] = w.float()
-    scale = (padded.view(go, BLOCK, gi, BLOCK).abs().amax((1, 3)) / 448).clamp(min=1e-12)
-    full = scale.repeat_interleave(BLOCK, 0)[:o].repeat_interleave(BLOCK, 1)[:, :i]
-    return (w.float() / full).to(torch.float8_e4m3fn), scale
 
 
 def to_fp8(src: str, dst: Path) -> str:
@@ -48,7 +39,7 @@ def to_fp8(src: str, dst: Path) -> str:
         for key, t in load_file(f).items():
             quantize = key.endswith(".weight") and t.dim() == 2 and "embed" not in key and "norm" not in key
             if quantize and not key.endswith((".gate.weight", "lm_head.weight")):
-                out[key], out[key + "_scale_inv"] = _blocks(t)
+                out[key], out[key + "_scale_inv"] = quantize_blocks(t, (BLOCK, BLOCK))
             else:
                 out[key] = t
         save_file({k: v.contiguous() for k, v in out.items()}, str(f), metadata={"format": "pt"})

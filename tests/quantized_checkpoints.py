@@ -20,6 +20,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from expertmesh.layers.quantization.fp8 import quantize_blocks
+
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -49,21 +51,10 @@ def _rewrite(src: str, dst: str, convert, quantization_config: dict | None) -> N
     json.dump(config, open(config_path, "w"), indent=1)
 
 
-def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[O, I] float -> (e4m3 weight, float32 scales [ceil(O / bo), ceil(I / bi)])."""
-    (o, i), (bo, bi) = w.shape, block
-    go, gi = -(-o // bo), -(-i // bi)
-    padded = torch.zeros(go * bo, gi * bi)
-    padded[:o, :i] = w.float()
-    scale = (padded.view(go, bo, gi, bi).abs().amax((1, 3)) / 448).clamp(min=1e-12)
-    full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
-    return (w.float() / full).to(torch.float8_e4m3fn), scale
-
-
 def to_fp8(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
     def convert(key: str, t: torch.Tensor) -> dict:
         if key.endswith("_proj.weight") and t.dim() == 2:
-            q, s = fp8_blocks(t, block)
+            q, s = quantize_blocks(t, block)
             return {key: q, key + "_scale_inv": s}
         return {key: t}
 

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import one_thread, prompts_of_lengths
-from quantized_checkpoints import fake_quantized, fp8_blocks, from_fp8, to_fp8, to_int4_packed, to_mxfp4
+from quantized_checkpoints import fake_quantized, from_fp8, to_fp8, to_int4_packed, to_mxfp4
 from real_checkpoints import Sizes
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_kernels
-from expertmesh.layers.quantization.fp8 import Fp8Tensor
+from expertmesh.layers.quantization.fp8 import Fp8Tensor, quantize_blocks
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 from expertmesh.models.build import log_weight_bytes
 
@@ -67,7 +67,7 @@ def test_fp8_partial_blocks_and_rank_slices_follow_the_format(tmp_path):
     """A last partial block covers the remainder; a TP slice that cuts a block uses its one scale."""
     torch.manual_seed(0)
     w = torch.randn(20, 40)
-    q, s = fp8_blocks(w, (8, 16))  # 3 x 3 blocks, the last of each dim partial
+    q, s = quantize_blocks(w, (8, 16))  # 3 x 3 blocks, the last of each dim partial
     save_file({"w": q, "w_scale_inv": s}, str(tmp_path / "t.safetensors"))
     ref = torch.empty(20, 40)
     for o in range(20):

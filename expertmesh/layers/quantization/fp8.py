@@ -30,6 +30,21 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+E4M3_MAX = 448.0
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format's writer (checkpoints made by tests and benchmarks): [O, I] float -> (e4m3 weight,
+    float32 `weight_scale_inv` [ceil(O / bo), ceil(I / bi)]), each block scaled by its largest |w|."""
+    (o, i), (bo, bi) = w.shape, block
+    go, gi = _cdiv(o, bo), _cdiv(i, bi)
+    padded = torch.zeros(go * bo, gi * bi)
+    padded[:o, :i] = w.float()
+    scale = (padded.view(go, bo, gi, bi).abs().amax((1, 3)) / E4M3_MAX).clamp(min=1e-12)
+    full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
 @dataclass(frozen=True)
 class Fp8Format:
     """The parsed `quantization_config` of an FP8 checkpoint."""
