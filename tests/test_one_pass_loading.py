@@ -71,3 +71,16 @@ def test_peak_rss_while_loading_is_within_1_15x_of_steady_state(tmp_path, tokeni
     assert steady_kb * 1024 > size  # the weights are resident (and held once)
     print(f"peak {peak_kb / 1024:.0f} MB, steady {steady_kb / 1024:.0f} MB, {peak_kb / steady_kb:.3f}x")
     assert peak_kb <= 1.15 * steady_kb, f"peak {peak_kb / 1024:.0f} MB, steady {steady_kb / 1024:.0f} MB"
+
+
+def test_start_up_reads_config_json_once(checkpoint, monkeypatch):
+    """The engine builder's read of config.json serves the tokenizer too (it had read it again)."""
+    from expertmesh import LLM
+    from expertmesh.engine import builder
+
+    reads = []
+    real = builder.load_hf_config
+    monkeypatch.setattr(builder, "load_hf_config", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    llm = LLM(checkpoint("mixtral"), max_model_len=32, kv_cache_memory_bytes=1 << 22)
+    assert len(reads) == 1, reads
+    assert llm.get_tokenizer() is not None

@@ -123,13 +123,15 @@ def check_timeout(timeout_s: Any) -> None:
         raise ValueError(f"distributed_timeout_seconds={timeout_s!r} must be a number > 0")
 
 
-def check_request(args: EngineArgs, model_dir: str) -> None:
-    """The checks that need no process group: sizes, names, heads against TP (before any spawn)."""
+def check_request(args: EngineArgs, model_dir: str) -> Any:
+    """The checks that need no process group: sizes, names, heads against TP (before any spawn).
+    Returns the transformers config it read (the tokenizer can take it)."""
     parallel = args.parallel_config()
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
     check_model_fits(model_config, parallel)
     check_eplb_weights(model_config, parallel)
+    return hf
 
 
 def check_eplb_weights(model_config: ModelConfig, parallel: Any) -> None:
@@ -174,7 +176,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     net = build_model(config.model_config, env, model_dir, placement.device, args.allow_nonfinite_weights)
     set_native_decode(net, args.native_decode)
     runner = ModelRunner(config, net, placement.groups)
-    tok = load_tokenizer(config.tokenizer, args.trust_remote_code)
+    same_dir = config.tokenizer == model_dir  # then its config.json is the one read above
+    tok = load_tokenizer(config.tokenizer, args.trust_remote_code, hf if same_dir else None)
     if placement.groups.world.world_size > 1:  # ranks load at their own pace: wait while they beat
         watchdog.current().barrier("model loaded")
     engine = LLMEngine(config, runner, placement.groups, tok, env.dispatchers)
@@ -241,9 +244,12 @@ def _max_model_len(requested: int | None, mc: ModelConfig) -> int:
     return requested
 
 
-def load_tokenizer(path: str, trust_remote_code: bool):
+def load_tokenizer(path: str, trust_remote_code: bool, hf_config: Any = None):
+    """`hf_config`: the fixed config of `path` when the caller has read it already."""
     kwargs = {}
-    if os.path.isfile(os.path.join(path, "config.json")):
+    if hf_config is not None:
+        kwargs["config"] = hf_config
+    elif os.path.isfile(os.path.join(path, "config.json")):
         try:  # AutoTokenizer reads config.json too: hand it the fixed one (hf_config.py)
             kwargs["config"] = load_hf_config(path, trust_remote_code)
         except (OSError, ValueError):  # a tokenizer_config.json may name its class without it

@@ -69,9 +69,10 @@ class LLM:
             from expertmesh.executor.mp_executor import MPExecutor  # only this backend needs it
 
             model_dir = resolve_model(model, revision)  # a bad path fails here, before any spawn
-            check_request(args, model_dir)
+            hf = check_request(args, model_dir)
             self._executor = MPExecutor({**kwargs, "model": model_dir})
-            self._tokenizer = load_tokenizer(tokenizer or model_dir, trust_remote_code)
+            hf = None if tokenizer else hf  # another tokenizer directory has its own config.json
+            self._tokenizer = load_tokenizer(tokenizer or model_dir, trust_remote_code, hf)
             return
         self.llm_engine, self.model_env = build_engine(args)
         self._ids = itertools.count()
