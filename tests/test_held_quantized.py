@@ -127,3 +127,40 @@ def test_a_region_that_cuts_a_group_is_an_error_naming_the_sizes():
         ValueError, match=r"x \(int4, groups of 16\): a rank reads its inputs \[8, 40\) of 64"
     ):
         local_groups("x", ("int4", 16), 8, 40, 64)
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        [(0, 3), (0, 64), (0, 24)],  # every expert, whole
+        [(1, 2), (0, 64), (0, 24)],  # one expert (EP)
+        [(0, 3), (32, 64), (0, 24)],  # the inputs' second block (TP over a down projection)
+        [(2, 3), (0, 64), (5, 17)],  # outputs cut anywhere (TP over gate / up rows)
+    ],
+)
+def test_mxfp4_held_codes_and_exponents_rebuild_the_dequantized_experts(tmp_path, bounds):
+    """The int16 code | exponent << 4 of a region, transposed to [e, out, in] as the family's
+    picks do, splits into fp4 codes and 2^(e - 127) per 32 inputs that rebuild materialize()."""
+    from quantized_checkpoints import mxfp4_blocks
+
+    from expertmesh.layers.quantization.held import HeldParam, split_exponents
+    from expertmesh.layers.quantization.mxfp4 import Mxfp4Experts
+
+    torch.manual_seed(6)
+    w = torch.randn(3, 24, 64) * torch.logspace(-3, 2, 24)[:, None]  # [E, out, in]: scales 2^-13..2^5
+    blocks, scales = mxfp4_blocks(w)
+    save_file({"b": blocks, "s": scales}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        t = Mxfp4Experts("x", f.get_slice("b"), f.get_slice("s"))
+        (e0, e1), (i0, i1), (o0, o1) = bounds
+        ref = t.materialize(bounds).transpose(1, 2)  # [e, out, in]
+        region = t.held_region(bounds).transpose(1, 2).contiguous()
+        h = HeldParam("x", "fp4", 32, tuple(region.shape), exponents=True)
+        codes = split_exponents(region, h)
+        values = decode_codes(codes, "fp4") * h.scales.repeat_interleave(
+            32, -1
+        ) + h.offsets.repeat_interleave(32, -1)
+        torch.testing.assert_close(values, ref, rtol=0, atol=0)
+        half = t.held_region([(0, 1), (16, 48), (0, 24)]).transpose(1, 2).contiguous()  # cuts both blocks
+        with pytest.raises(RuntimeError, match=r"x: 32 inputs .*different scales|a cut block"):
+            split_exponents(half, HeldParam("x", "fp4", 32, tuple(half.shape), exponents=True))

@@ -145,11 +145,41 @@ def test_fp8_deepseek_v3_matches_transformers_dequantized(real_checkpoint, tmp_p
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
 
 
+GPT_OSS_HELD = Sizes(expert_inter=64)  # TP 2 keeps whole 32-blocks of the down projection's inputs
+
+
+def _held_fp4(model) -> list[QuantizedWeight]:
+    """The routed experts' weights held as fp4 (gpt-oss's biased experts: per-expert pairs)."""
+    return [
+        w
+        for m in model.modules()
+        if isinstance(getattr(m, "packed", None), list)
+        for p in m.packed
+        for w in p
+    ]
+
+
 @pytest.mark.timeout(180)
 def test_mxfp4_gpt_oss_matches_transformers_dequantized(real_checkpoint, tmp_path, engine_log):
-    path = to_mxfp4(real_checkpoint("gpt-oss-20b"), str(tmp_path / "mxfp4"))
+    """The experts held as fp4 codes and e8m0 scales (no float copy), run by gemm_q per expert with
+    the biases and the clamped SwiGLU in torch: greedy tokens equal transformers' dequantization,
+    and every expert weight is held at 0.625 bytes (offsets: one zero tensor a shape)."""
+    path = to_mxfp4(real_checkpoint("gpt-oss-20b", sizes=GPT_OSS_HELD), str(tmp_path / "mxfp4"))
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
-    assert "mxfp4 (e2m1, e8m0 scale per 32), dequantized" in engine_log.text
+    assert "mxfp4 (e2m1, e8m0 scale per 32), experts held as fp4" in engine_log.text
+    model = llm.llm_engine.runner.model
+    cfg = model.cfg
+    assert f"held compressed as stored: {2 * cfg.num_layers} parameters" in engine_log.text
+    held = _held_fp4(model)
+    assert len(held) == 2 * cfg.num_layers * cfg.num_experts and {w.kind for w in held} == {"fp4"}
+    weights = sum(w.codes.numel() * 2 for w in held)  # nibbles (panel rows past O included)
+    expected = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * 64
+    assert weights == expected  # 64 = the intermediate: rows fill whole panels
+    offsets = {w.offsets.data_ptr(): w.offsets.numel() * 4 for w in held}
+    assert len(offsets) == 2  # one zero tensor for every w13, one for every w2
+    counts = log_weight_bytes(model, cfg)
+    assert counts["quantized"] == weights * (0.5 + 4 / 32) + sum(offsets.values())
+    assert (counts["quantized"] - sum(offsets.values())) / weights == 0.625
     ref = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=4)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1

@@ -60,6 +60,7 @@ class HeldParam:
     scales: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     local_group: int = 0
+    exponents: bool = False  # int16 storage: code | e8m0 exponent << 4 (MXFP4, quantization/mxfp4.py)
 
     def place(self, dst: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> None:
         rows_in = self.shape[-1]
@@ -107,6 +108,7 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
     as is) pairs a checkpoint key fills; a picked part of a fused tensor is not held."""
     params = dict(model.named_parameters())
     kinds: dict[str, set] = {}
+    storage: dict[str, torch.dtype] = {}
     reasons: Counter = Counter()
     fills: dict[str, list[str]] = {}
     for key, _ in view.keys():
@@ -118,12 +120,16 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         kind = getattr(src, "held_kind", None)
         if isinstance(src, LogicalTensor) and kind is None:
             reasons["groups out of input order (desc_act's g_idx)"] += 1
+        full = getattr(src, "held_in", None) or src.get_shape()[-1]
         for name, as_is in targets:
-            cut = name in params and _cuts_groups(kind, params[name].shape[-1], src.get_shape()[-1])
+            as_is = as_is or getattr(src, "held_through_picks", False)
+            cut = name in params and _cuts_groups(kind, params[name].shape[-1], full)
             if cut:
-                local, full = params[name].shape[-1], src.get_shape()[-1]
+                local = params[name].shape[-1]
                 reasons[f"a rank's {local} of {full} inputs cut groups of {kind[1]}"] += 1
             kinds.setdefault(name, set()).add(kind if as_is and not cut else None)
+            if kind is not None:
+                storage[name] = getattr(src, "held_storage", torch.uint8)
     held = HeldWeights()
     for name, found in kinds.items():
         if name not in params or None in found:
@@ -137,8 +143,11 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
             continue
         (kind,) = found
         param = params[name]
-        param.data = torch.empty(param.shape, dtype=torch.uint8, device=param.device)
-        held.params[name] = HeldParam(name, kind[0], kind[1], tuple(param.shape))
+        dtype = storage.get(name, torch.uint8)
+        param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
+        held.params[name] = HeldParam(
+            name, kind[0], kind[1], tuple(param.shape), exponents=dtype == torch.int16
+        )
         held.by_storage[param.data.untyped_storage().data_ptr()] = held.params[name]
     _pair_experts(model, held, params)
     held.keys = {key for key, names in fills.items() if all(n in held.params for n in names)}
@@ -193,6 +202,10 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
     """After loading: each held module takes its codes, scales and offsets; returns their ids."""
     params = dict(model.named_parameters())
     done: set[int] = set()
+    zeros: dict[tuple, torch.Tensor] = {}
+    for name, h in held.params.items():
+        if h.exponents:
+            params[name].data = split_exponents(params[name].data, h)
     for name, h in held.params.items():
         module = _module_of(model, name)
         if id(module) in done or h.scales is None:
@@ -201,7 +214,7 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
             prefix = name.rpartition(".")[0]
             w13, w2 = held.params[prefix + ".w13"], held.params[prefix + ".w2"]
             pairs = [
-                tuple(_weight(params[p.name].data[e], p, kernels, e) for p in (w13, w2))
+                tuple(_weight(params[p.name].data[e], p, kernels, e, zeros) for p in (w13, w2))
                 for e in range(w13.shape[0])
             ]
             module.hold_quantized(pairs, kernels)
@@ -211,10 +224,32 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
     return done
 
 
-def _weight(codes: torch.Tensor, h: HeldParam, kernels: Any, e: int | None = None) -> QuantizedWeight:
+def _weight(
+    codes: torch.Tensor, h: HeldParam, kernels: Any, e: int | None = None, zeros: dict | None = None
+) -> QuantizedWeight:
     scales = h.scales if e is None else h.scales[e]
     offsets = h.offsets if e is None else h.offsets[e]
-    return QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
+    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
+    if h.exponents and zeros is not None:  # offsets all 0: one tensor serves every expert alike
+        w.offsets = zeros.setdefault(tuple(w.offsets.shape), w.offsets)
+    return w
+
+
+def split_exponents(data: torch.Tensor, h: HeldParam) -> torch.Tensor:
+    """int16 code | exponent << 4 [..., O, I] -> uint8 codes; h gets the scales 2^(e - 127) per
+    group and zero offsets. Every group of the rank's inputs starts at a block (plan() checked)."""
+    *lead, out_f, in_f = data.shape
+    group = in_f if in_f < h.group else h.group  # a row of one block: any slice keeps its scale
+    if in_f % group:
+        raise RuntimeError(f"{h.name}: {in_f} inputs a rank are not whole blocks of {group}")
+    exp = (data >> 4).view(*lead, out_f, in_f // group, group)
+    first = exp[..., 0]
+    if not bool((exp == first.unsqueeze(-1)).all()):
+        raise RuntimeError(f"{h.name}: a block's weights came with different scales (a cut block)")
+    h.scales = torch.ldexp(torch.ones(first.shape), first.to(torch.int32) - 127)  # exact in float32
+    h.offsets = torch.zeros(first.shape)
+    h.local_group = group
+    return (data & 15).to(torch.uint8)
 
 
 __all__ = ["CodesRegion", "HeldWeights", "QuantizedExperts", "hold", "local_groups", "plan"]

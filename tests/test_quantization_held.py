@@ -1,0 +1,53 @@
+"""Quantized checkpoints held compressed across parallel layouts (issue 14): gpt-oss's MXFP4
+experts held as fp4 under TP 2 and EP 2 equal one process; a TP size whose down-projection slice
+cuts a 32-block dequantizes those experts at load and still equals one process."""
+
+import pytest
+from checkpoints import prompts_of_lengths
+from distributed_utils import run_distributed
+from quantized_checkpoints import to_mxfp4
+from real_checkpoints import Sizes
+from test_quantization import _greedy
+
+from expertmesh import LLM
+
+LAYOUTS = [(2, False), (2, True)]  # (TP, expert parallel) over 2 ranks
+
+
+def _held_count(llm: LLM) -> int:
+    held = llm.llm_engine.runner.model.held_weights
+    return 0 if held is None else len(held.params)
+
+
+def _layouts_main(rank, world, paths, prompts):
+    out = []
+    for path in paths:
+        for tp, ep in LAYOUTS:
+            llm = LLM(
+                path, tensor_parallel_size=tp, enable_expert_parallel=ep,
+                distributed_executor_backend="external_launcher", max_model_len=64,
+                kv_cache_memory_bytes=1 << 21,
+            )  # fmt: skip
+            out.append(((path, tp, ep), _held_count(llm), _greedy(llm, prompts)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_mxfp4_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
+    """Intermediate 64: TP 2 gives each rank 32 of the down projection's inputs (one whole block),
+    held; 96: TP 2 gives each 48, which cuts a block, so TP 2 dequantizes the experts at load (EP
+    keeps them whole and held)."""
+    paths, expected, held_tp = [], {}, {}
+    prompts = prompts_of_lengths([3, 17, 1], seed=6)
+    for inter in (64, 96):
+        src = real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2, expert_inter=inter))
+        path = to_mxfp4(src, str(tmp_path / f"mxfp4-{inter}"))
+        one = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 21)
+        assert _held_count(one) == 4
+        paths.append(path)
+        expected[path], held_tp[path] = _greedy(one, prompts), inter == 64
+    for rank, results in enumerate(run_distributed(_layouts_main, 2, paths, prompts, timeout=100)):
+        for (path, tp, ep), held, tokens in results:
+            where = f"rank {rank}, {path}, (TP, EP)=({tp}, {ep})"
+            assert held == (4 if ep or held_tp[path] else 0), where
+            assert tokens == expected[path], where
