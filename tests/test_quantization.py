@@ -26,6 +26,7 @@ from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.fp8 import Fp8Tensor
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.layers.quantization.permuted import PermutedInputs
 from expertmesh.models.build import log_weight_bytes
 
 LENGTHS = [1, 5, 12, 33]
@@ -186,7 +187,9 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantized(real_checkpoint, tmp_pat
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method,desc_act", [("gptq", False), ("gptq", True), ("awq", False)])
+@pytest.mark.parametrize(
+    "method,desc_act", [("gptq", False), ("gptq", True), ("gptq", "independent"), ("awq", False)]
+)
 def test_gptq_and_awq_match_the_same_weights_dequantized(
     real_checkpoint, tmp_path, engine_log, method, desc_act
 ):
@@ -196,16 +199,29 @@ def test_gptq_and_awq_match_the_same_weights_dequantized(
     path = to_int4_packed(_qwen3(real_checkpoint), str(tmp_path / method), ref_path, method, 16, desc_act)
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     assert f"weights: {method} int4 (groups of 16" in engine_log.text
-    if desc_act:  # scattered groups: no exact mapping onto groups of consecutive inputs
-        assert (
-            "dequantized at load, not held compressed: 112 tensors (groups out of input order"
-            in engine_log.text
-        )
+    # desc_act's scattered groups: held with the inputs sorted by group (the activation gathered);
+    # q / k / v or gate / up in orders of their own cannot share one fused parameter's columns
+    if desc_act == "independent":
+        assert "held compressed as stored: 4 parameters" in engine_log.text  # o_proj
+        assert "(parts of one parameter in different input orders (desc_act))" in engine_log.text
     else:
         assert "held compressed as stored: 16 parameters" in engine_log.text
+    if desc_act is True:
+        model = llm.llm_engine.runner.model
+        permuted = [w for m in model.modules() for w in _held_weights(m) if isinstance(w, PermutedInputs)]
+        cfg = model.cfg
+        assert len(permuted) == cfg.num_layers * (2 + 2 * cfg.num_experts)  # qkv, o and every expert's pair
     ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=8)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+def _held_weights(m) -> list:
+    """A module's weights held compressed: a linear's, or its experts' per-expert pairs."""
+    packed = getattr(m, "packed", None)
+    if isinstance(packed, list):
+        return [w for pair in packed for w in pair]
+    return [packed] if isinstance(packed, (QuantizedWeight, PermutedInputs)) else []
 
 
 def _qwen3(real_checkpoint) -> str:

@@ -11,14 +11,19 @@ every checkpoint source is held (one kind and group), of a module that takes qua
 is swapped for uint8 storage of its shape; the loaders copy codes into it exactly as they would
 copy floats (any TP / EP slice), and `copy_into` hands each copy's destination to the codes'
 `on_copy`, which puts the scales and offsets at the same rows of the parameter's side tensors.
-After loading, each module holds them (`hold_quantized`). A rank whose slice of the inputs cuts a
-group is an error naming the sizes. Anything else (desc_act's scattered groups, mixed kinds in
-one fused parameter, a family hook after loading) is dequantized at load as before (logged).
+After loading, each module holds them (`hold_quantized`). A parameter whose rank slice of the
+inputs would cut a group is not held. GPTQ's desc_act is held with each rank's inputs sorted by
+group (the region carries the order; the weight gathers its activation: quantization/permuted.py)
+where every rank's groups are whole and a fused parameter's parts share one order. MXFP4's experts
+(quantization/mxfp4.py) load into int16 storage, code and block exponent together, split after
+loading (`split_exponents`). Anything else (mixed kinds in one fused parameter, a family hook
+after loading) is dequantized at load as before (logged with the reason).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
+from expertmesh.layers.quantization.permuted import PermutedInputs
 from expertmesh.layers.quantization.view import LogicalTensor
 
 log = logging.getLogger("expertmesh")
@@ -61,8 +67,11 @@ class HeldParam:
     offsets: torch.Tensor | None = None
     local_group: int = 0
     exponents: bool = False  # int16 storage: code | e8m0 exponent << 4 (MXFP4, quantization/mxfp4.py)
+    perms: dict[int, torch.Tensor] = field(default_factory=dict)  # desc_act: input order per expert
 
-    def place(self, dst: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> None:
+    def place(
+        self, dst: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, perm=None
+    ) -> None:
         rows_in = self.shape[-1]
         if dst.shape[-1] != rows_in or dst.stride(-1) != 1 or (dst.dim() > 1 and dst.stride(-2) != rows_in):
             raise RuntimeError(f"{self.name}: codes copied into a region that is not whole rows")
@@ -75,6 +84,8 @@ class HeldParam:
         n = dst.numel() // rows_in
         flat_s[row : row + n] = scales.reshape(n, -1)
         flat_m[row : row + n] = offsets.reshape(n, -1)
+        if perm is not None:  # desc_act: the inputs' order, one per expert (plan() made parts agree)
+            self.perms[row // self.shape[-2] if len(self.shape) > 2 else 0] = perm
 
 
 @dataclass
@@ -89,11 +100,13 @@ class HeldWeights:
         held = self.by_storage.get(dst.untyped_storage().data_ptr())
         if held is None:
             raise RuntimeError("held codes copied into a parameter that is not held")
-        held.place(dst, region.scales, region.offsets, region.group)
+        held.place(dst, region.scales, region.offsets, region.group, region.perm)
 
 
 class CodesRegion:
     """What a held logical tensor's slice returns in place of floats: codes with their scales."""
+
+    perm: torch.Tensor | None = None  # desc_act: input perm[j] held at column j (quantization/permuted.py)
 
     def __init__(self, held: HeldWeights, codes, scales, offsets, group: int) -> None:
         self.held, self.codes, self.scales, self.offsets, self.group = held, codes, scales, offsets, group
@@ -109,6 +122,7 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
     params = dict(model.named_parameters())
     kinds: dict[str, set] = {}
     storage: dict[str, torch.dtype] = {}
+    orders: dict[tuple, set] = {}  # (parameter, expert): the input orders its parts are held in
     reasons: Counter = Counter()
     fills: dict[str, list[str]] = {}
     for key, _ in view.keys():
@@ -130,6 +144,12 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
             kinds.setdefault(name, set()).add(kind if as_is and not cut else None)
             if kind is not None:
                 storage[name] = getattr(src, "held_storage", torch.uint8)
+            if kind is not None and name in params and hasattr(src, "held_input_order"):
+                order = src.held_input_order(params[name].shape[-1])
+                if order is None:
+                    reasons["desc_act groups a rank's slice of the inputs would cut"] += 1
+                    kinds[name].add(None)
+                orders.setdefault((name, _expert_of(key)), set()).add(order)
     held = HeldWeights()
     for name, found in kinds.items():
         if name not in params or None in found:
@@ -140,6 +160,9 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
             continue
         if len(found) > 1:
             reasons[f"one parameter from several schemes {sorted(found)}"] += 1
+            continue
+        if any(len(o) > 1 for (n, _), o in orders.items() if n == name):
+            reasons["parts of one parameter in different input orders (desc_act)"] += 1
             continue
         (kind,) = found
         param = params[name]
@@ -232,7 +255,14 @@ def _weight(
     w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
     if h.exponents and zeros is not None:  # offsets all 0: one tensor serves every expert alike
         w.offsets = zeros.setdefault(tuple(w.offsets.shape), w.offsets)
-    return w
+    perm = h.perms.get(0 if e is None else e)
+    return w if perm is None else PermutedInputs(w, perm)
+
+
+def _expert_of(key: str) -> int | None:
+    """The expert index a per-expert checkpoint key names (its parts share the expert's inputs)."""
+    m = re.search(r"\.experts\.(\d+)\.", key)
+    return None if m is None else int(m.group(1))
 
 
 def split_exponents(data: torch.Tensor, h: HeldParam) -> torch.Tensor:
