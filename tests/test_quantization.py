@@ -385,8 +385,8 @@ def _layouts_main(rank, world, path, quantization, prompts):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "case", ["int8-g16", "int4-g16", "fp8-checkpoint", "fp8-checkpoint-held", "gptq-checkpoint"]
-)
+    "case", ["int8-g16", "int4-g16", "fp8-checkpoint", "fp8-checkpoint-held"]
+)  # GPTQ desc_act under TP 2 / EP: tests/test_quantization_held.py
 def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoint, tmp_path, case):
     """Groups of 16 keep whole groups on each rank of a split input dim (TP 2 halves the experts'
     32-wide intermediate); the fp8 checkpoint's 128 x 128 blocks are cut by every TP slice."""
@@ -396,9 +396,6 @@ def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoi
     if case.startswith("fp8-checkpoint"):  # held: its e4m3 bytes and block scales as stored
         path = to_fp8(path, str(tmp_path / "fp8"), (128, 128))
         quantization = "fp8" if case.endswith("held") else None
-    if case == "gptq-checkpoint":  # desc_act: each rank's inputs use scattered groups
-        path = to_int4_packed(path, str(tmp_path / "gptq"), str(tmp_path / "ref"), "gptq", 16, True)
-        quantization = None
     prompts = prompts_of_lengths([3, 17, 1, 40], seed=6)
     expected = _greedy(
         LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22), prompts
