@@ -25,7 +25,12 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.fp8 import Fp8Tensor
-from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.layers.quantization.packed import (
+    QuantizedExperts,
+    QuantizedMoE,
+    QuantizedWeight,
+    decode_codes,
+)
 from expertmesh.layers.quantization.permuted import PermutedInputs
 from expertmesh.models.build import log_weight_bytes
 
@@ -104,6 +109,27 @@ def test_quantized_gemm_kernel_equals_its_dequantized_weight(kind, group):
         torch.testing.assert_close(qk(x, b), ref, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(qt(x, b), ref, rtol=1e-5, atol=1e-4)
         assert qk(x.bfloat16(), None, out_dtype=torch.float32).dtype == torch.float32
+
+
+def test_fp4_gemm_kernel_equals_its_dequantized_weight():
+    """MXFP4 held as fp4 (e2m1 codes, scales 2^k per 32 inputs, offsets 0) through gemm_q at uneven
+    shapes, a partial last group and 0 rows, against the same weights dequantized."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(9)
+    for out_f, in_f, rows in [(37, 96, 1), (10, 40, 7), (64, 256, 33), (8, 32, 0)]:
+        g = -(-in_f // 32)
+        codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8)
+        scales = torch.exp2(torch.randint(-8, 4, (out_f, g)).float())
+        x, b = torch.randn(rows, in_f), torch.randn(out_f)
+        qk = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, kernels)
+        qt = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, None)
+        dense = decode_codes(codes, "fp4") * scales.repeat_interleave(32, 1)[:, :in_f]
+        torch.testing.assert_close(qk.dequantize(), dense, rtol=0, atol=0)
+        ref = (x.double() @ dense.double().T + b.double()).float()
+        torch.testing.assert_close(qk(x, b), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(qt(x, b), ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
