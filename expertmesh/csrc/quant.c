@@ -73,12 +73,39 @@ static inline vf q_decode2(const uint8_t* p) {
   return v;
 #endif
 }
-static inline vf q_decode3(const uint8_t* p) { /* fp4 e2m1 by lookup */
+/* fp4 e2m1: the nibbles extracted as q_decode1 does, the magnitude of code & 7 by a permute over
+ * the 8 (16) table entries held in one register, bit 3 moved to bit 31 as the sign (so code 8 is
+ * -0.0, as in the table). Exact: the same float32 values as fp4_lut. */
+#if LANES == 16 && defined(__AVX512F__)
+#include <immintrin.h> /* gemm.c includes it for AVX2 only */
+#endif
+static inline vf q_decode3(const uint8_t* p) {
+#if LANES == 8 && defined(__AVX2__)
+  int32_t word;
+  memcpy(&word, p, 4);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i c = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
+  const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), c);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+  return (vf)_mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+#elif LANES == 16 && defined(__AVX512F__)
+  int32_t lo, hi; /* lanes 0..7 and 8..15 */
+  memcpy(&lo, p, 4);
+  memcpy(&hi, p + 4, 4);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i words =
+      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1);
+  const __m512i c = _mm512_srlv_epi32(words, shifts);
+  const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f,
+                                    -3.f, -4.f, -6.f);
+  return (vf)_mm512_permutexvar_ps(c, lut); /* the low 4 bits index: the code, sign included */
+#else
   float t[LANES];
   for (int l = 0; l < LANES; l++) t[l] = fp4_lut[(p[l >> 1] >> (4 * (l & 1))) & 15];
   vf v;
   memcpy(&v, t, sizeof v);
   return v;
+#endif
 }
 
 /* Bytes of codes per (panel, input): LANES for byte codes, LANES / 2 for nibbles. */
