@@ -57,7 +57,7 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool) -> dict:
                 f32 = partial(k.lib.gemm_f32, x.data_ptr(), p.data.data_ptr(), y.data_ptr(), m, o, i, None, 1)
                 out.setdefault((name, m, "f32"), {})[src] = (f32, o * i * 4, (p, x, y))
                 for kind in kinds:
-                    if kind not in k.quant_kinds:
+                    if kind not in k.quant_kinds or kind == "fp4":  # fp4: fp4_products
                         continue
                     q = QuantizedWeight.quantize(w, kind, 128, k)
                     ptrs = (q.codes.data_ptr(), q.scales.data_ptr(), q.offsets.data_ptr())
@@ -78,23 +78,51 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool) -> dict:
                 for kind in kinds:
                     if kind not in k.quant_kinds:
                         continue
-                    a = QuantizedExperts.stack(
-                        [QuantizedWeight.quantize(w13[e], kind, 128, k) for e in range(experts)]
-                    )
-                    b = QuantizedExperts.stack(
-                        [QuantizedWeight.quantize(w2[e], kind, 128, k) for e in range(experts)]
-                    )
+                    a = QuantizedExperts.stack([quantized(w13[e], kind, 128, k, g) for e in range(experts)])
+                    b = QuantizedExperts.stack([quantized(w2[e], kind, 128, k, g) for e in range(experts)])
                     nbytes = touched * (a.nbytes + b.nbytes) // experts
                     fn = partial(QuantizedMoE(k).moe, x, ids, wts, a, b, inter, "silu")
                     out.setdefault(("moe", m, kind), {})[src] = (fn, nbytes, None)
+    if "fp4" in kinds:
+        fp4_products(kernels, rows, "int4" in kinds, out)
     return out
+
+
+def quantized(w: torch.Tensor, kind: str, group: int, k, g: torch.Generator) -> QuantizedWeight:
+    """fp4 as MXFP4 holds it: e2m1 codes and a 2^k scale per 32 inputs (quantize_rows has no fp4; the
+    decode's cost does not depend on the values, so the codes are random); the other kinds quantized."""
+    if kind != "fp4":
+        return QuantizedWeight.quantize(w, kind, group, k)
+    o, i = w.shape
+    codes = torch.randint(0, 16, (o, i), generator=g, dtype=torch.uint8)
+    scales = torch.exp2(torch.randint(-9, -5, (o, -(-i // 32)), generator=g).float())
+    return QuantizedWeight.from_rows(codes, scales, torch.zeros_like(scales), "fp4", 32, k)
+
+
+def fp4_products(kernels: dict, rows: list[int], with_int4: bool, out: dict) -> None:
+    """The products with fp4 weights in MXFP4's groups of 32 inputs, and (with int4 asked) int4 in
+    groups of 32 too as "int4/32", which separates the decode's cost from the group size's."""
+    g = torch.Generator().manual_seed(1)
+    for name, (o, i) in PRODUCTS.items():
+        w = torch.randn(o, i, generator=g) * i**-0.5
+        for m in rows:
+            x, y = torch.randn(m, i, generator=g), torch.empty(m, o)
+            for src, k in kernels.items():
+                for kind in ("fp4", "int4") if with_int4 else ("fp4",):
+                    if kind not in k.quant_kinds:
+                        continue
+                    q = quantized(w, kind, 32, k, g)
+                    ptrs = (x.data_ptr(), q.codes.data_ptr(), q.scales.data_ptr(), q.offsets.data_ptr())
+                    fn = partial(k.lib.gemm_q, KINDS[kind], *ptrs, 32, y.data_ptr(), m, o, i, None, 1)
+                    label = "fp4" if kind == "fp4" else "int4/32"
+                    out.setdefault((name, m, label), {})[src] = (fn, q.nbytes, (q, x, y))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", action="append", default=[], help="another kernel source (A/B)")
     ap.add_argument("--rows", default="1,4,32")
-    ap.add_argument("--kinds", default="int8,int4,w8a8,w4a8")
+    ap.add_argument("--kinds", default="int8,int4,fp8,fp4,w8a8,w4a8", help="fp4 in groups of 32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-s", type=float, default=0.05, help="seconds of calls per timing")
@@ -120,14 +148,14 @@ def main() -> None:
         for _ in range(args.rounds):  # A B A B ...
             for s, (fn, *_) in by_src.items():
                 results.setdefault(key, {}).setdefault(s, []).append(timed(fn, clock, n[s]))
-    print(f"{'product':<8}{'rows':>5}{'kind':>6}{'source':>7}{'us':>10}{'GB/s':>8}{'x f32':>7}")
+    print(f"{'product':<8}{'rows':>5}{'kind':>8}{'source':>7}{'us':>10}{'GB/s':>8}{'x f32':>7}")
     for (name, m, kind), by_src in results.items():
         for s, ts in by_src.items():
             t = statistics.median(ts)
             f32 = results.get((name, m, "f32"), {}).get(s)
             ratio = f"{statistics.median(f32) / t:>7.2f}" if f32 else f"{'':>7}"
             nbytes = table[(name, m, kind)][s][1]
-            print(f"{name:<8}{m:>5}{kind:>6}{s:>7}{t * 1e6:>10.1f}{nbytes / t / 1e9:>8.2f}{ratio}")
+            print(f"{name:<8}{m:>5}{kind:>8}{s:>7}{t * 1e6:>10.1f}{nbytes / t / 1e9:>8.2f}{ratio}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -193,17 +194,31 @@ def _pack(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor
     return words.movedim(-1, dim)
 
 
-def to_int4_packed(src: str, dst: str, ref_dst: str, method: str, group: int, desc_act: bool = False) -> str:
+def to_int4_packed(
+    src: str, dst: str, ref_dst: str, method: str, group: int, desc_act: bool | str = False
+) -> str:
     """`method` "gptq" or "awq": every 2-D *_proj.weight packed as that format writes it; `ref_dst`
-    gets the same weights dequantized to fp32 (the reference)."""
+    gets the same weights dequantized to fp32 (the reference). desc_act: each input's group in a
+    random order (groups of scattered inputs), one order for the projections that share an input
+    (q / k / v, gate / up: GPTQ orders by the inputs' Hessian, which they share); "independent":
+    an order of its own for every tensor; "per-rank": shared, and within each half of the inputs
+    (a TP 2 rank of a row-parallel layer then holds whole groups)."""
     g = torch.Generator().manual_seed(11)
-    dequantized = {}
+    dequantized, orders = {}, {}
 
     def convert(key: str, t: torch.Tensor) -> dict:
         if not (key.endswith("_proj.weight") and t.dim() == 2):
             return {key: t}
         in_f = t.shape[1]
-        order = torch.randperm(in_f, generator=g) if desc_act else torch.arange(in_f)
+        shared = key if desc_act == "independent" else re.sub(r"\.(q|k|v|gate|up)_proj\.", ".in.", key)
+        if shared not in orders and desc_act == "per-rank":
+            half = in_f // 2
+            orders[shared] = torch.cat(
+                [torch.randperm(half, generator=g), half + torch.randperm(half, generator=g)]
+            )
+        if shared not in orders:
+            orders[shared] = torch.randperm(in_f, generator=g) if desc_act else torch.arange(in_f)
+        order = orders[shared]
         g_idx = torch.empty(in_f, dtype=torch.int64)
         g_idx[order] = torch.arange(in_f) // group  # with desc_act, groups of scattered inputs
         q, z, s = _int4_groups(t, group, g_idx)

@@ -127,3 +127,77 @@ def test_a_region_that_cuts_a_group_is_an_error_naming_the_sizes():
         ValueError, match=r"x \(int4, groups of 16\): a rank reads its inputs \[8, 40\) of 64"
     ):
         local_groups("x", ("int4", 16), 8, 40, 64)
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        [(0, 3), (0, 64), (0, 24)],  # every expert, whole
+        [(1, 2), (0, 64), (0, 24)],  # one expert (EP)
+        [(0, 3), (32, 64), (0, 24)],  # the inputs' second block (TP over a down projection)
+        [(2, 3), (0, 64), (5, 17)],  # outputs cut anywhere (TP over gate / up rows)
+    ],
+)
+def test_mxfp4_held_codes_and_exponents_rebuild_the_dequantized_experts(tmp_path, bounds):
+    """The int16 code | exponent << 4 of a region, transposed to [e, out, in] as the family's
+    picks do, splits into fp4 codes and 2^(e - 127) per 32 inputs that rebuild materialize()."""
+    from quantized_checkpoints import mxfp4_blocks
+
+    from expertmesh.layers.quantization.held import HeldParam, split_exponents
+    from expertmesh.layers.quantization.mxfp4 import Mxfp4Experts
+
+    torch.manual_seed(6)
+    w = torch.randn(3, 24, 64) * torch.logspace(-3, 2, 24)[:, None]  # [E, out, in]: scales 2^-13..2^5
+    blocks, scales = mxfp4_blocks(w)
+    save_file({"b": blocks, "s": scales}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        t = Mxfp4Experts("x", f.get_slice("b"), f.get_slice("s"))
+        (e0, e1), (i0, i1), (o0, o1) = bounds
+        ref = t.materialize(bounds).transpose(1, 2)  # [e, out, in]
+        region = t.held_region(bounds).transpose(1, 2).contiguous()
+        h = HeldParam("x", "fp4", 32, tuple(region.shape), exponents=True)
+        codes = split_exponents(region, h)
+        values = decode_codes(codes, "fp4") * h.scales.repeat_interleave(
+            32, -1
+        ) + h.offsets.repeat_interleave(32, -1)
+        torch.testing.assert_close(values, ref, rtol=0, atol=0)
+        half = t.held_region([(0, 1), (16, 48), (0, 24)]).transpose(1, 2).contiguous()  # cuts both blocks
+        with pytest.raises(RuntimeError, match=r"x: 32 inputs .*different scales|a cut block"):
+            split_exponents(half, HeldParam("x", "fp4", 32, tuple(half.shape), exponents=True))
+
+
+def test_gptq_desc_act_codes_in_group_order_rebuild_the_weights_and_refuse_cut_groups(tmp_path):
+    """desc_act: a rank's inputs sorted by group hold contiguous groups whose codes, scales and
+    offsets rebuild the dequantized weight's columns in that order; the activation gathered by
+    the same order gives W x exactly as the checkpoint's order; a slice cutting a group is named."""
+    from expertmesh.layers.quantization.packed import QuantizedWeight
+    from expertmesh.layers.quantization.permuted import PermutedInputs
+
+    torch.manual_seed(7)
+    half = IN // 2
+    order = torch.cat([torch.randperm(half), half + torch.randperm(half)])  # groups within each half
+    g_idx = torch.empty(IN, dtype=torch.int64)
+    g_idx[order] = torch.arange(IN) // GROUP
+    q, z, s = _int4_groups(torch.randn(OUT, IN), GROUP, g_idx)
+    parts = {"qweight": _pack(q, 0), "qzeros": _pack(z - 1, 1), "scales": s, "g_idx": g_idx.to(torch.int32)}
+    save_file({k: v.contiguous() for k, v in parts.items()}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        t = GptqTensor("x", {k: f.get_slice(k) for k in f.keys()}, GptqFormat(4, GROUP, desc_act=True))
+        assert t.held_kind == ("int4", GROUP) and t.permuted
+        assert t.held_input_order(IN) is not None and t.held_input_order(half) is not None
+        assert t.held_input_order(IN // 4) is None  # TP 4: a rank's 16 inputs cut groups
+        for rows, cols in [((0, OUT), (0, IN)), ((12, 24), (0, IN)), ((0, OUT), (half, IN))]:
+            perm = t._perm(*cols)
+            group, g0 = local_groups(t.base, t.held_kind, cols[0], cols[1], t.shape[1])
+            codes, scales, offsets = t.quantized(rows, cols, group, g0)
+            ref = t[rows[0] : rows[1], cols[0] : cols[1]]
+            expand = lambda v, group=group: v.repeat_interleave(group, 1)
+            torch.testing.assert_close(
+                decode_codes(codes, "int4") * expand(scales) + expand(offsets), ref[:, perm]
+            )
+            w = PermutedInputs(QuantizedWeight.from_rows(codes, scales, offsets, "int4", group, None), perm)
+            torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=1e-6)
+            x = torch.randn(3, cols[1] - cols[0])
+            torch.testing.assert_close(w(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"gptq x: inputs \[8, 24\) cut a desc_act group"):
+            t._perm(8, 24)

@@ -25,7 +25,13 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.fp8 import Fp8Tensor, quantize_blocks
-from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.layers.quantization.packed import (
+    QuantizedExperts,
+    QuantizedMoE,
+    QuantizedWeight,
+    decode_codes,
+)
+from expertmesh.layers.quantization.permuted import PermutedInputs
 from expertmesh.models.build import log_weight_bytes
 
 LENGTHS = [1, 5, 12, 33]
@@ -105,6 +111,27 @@ def test_quantized_gemm_kernel_equals_its_dequantized_weight(kind, group):
         assert qk(x.bfloat16(), None, out_dtype=torch.float32).dtype == torch.float32
 
 
+def test_fp4_gemm_kernel_equals_its_dequantized_weight():
+    """MXFP4 held as fp4 (e2m1 codes, scales 2^k per 32 inputs, offsets 0) through gemm_q at uneven
+    shapes, a partial last group and 0 rows, against the same weights dequantized."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(9)
+    for out_f, in_f, rows in [(37, 96, 1), (10, 40, 7), (64, 256, 33), (8, 32, 0)]:
+        g = -(-in_f // 32)
+        codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8)
+        scales = torch.exp2(torch.randint(-8, 4, (out_f, g)).float())
+        x, b = torch.randn(rows, in_f), torch.randn(out_f)
+        qk = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, kernels)
+        qt = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, None)
+        dense = decode_codes(codes, "fp4") * scales.repeat_interleave(32, 1)[:, :in_f]
+        torch.testing.assert_close(qk.dequantize(), dense, rtol=0, atol=0)
+        ref = (x.double() @ dense.double().T + b.double()).float()
+        torch.testing.assert_close(qk(x, b), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(qt(x, b), ref, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_moe_kernel_equals_per_expert_products(kind):
     kernels = cpu_kernels.load()
@@ -145,18 +172,50 @@ def test_fp8_deepseek_v3_matches_transformers_dequantized(real_checkpoint, tmp_p
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
 
 
+GPT_OSS_HELD = Sizes(expert_inter=64)  # TP 2 keeps whole 32-blocks of the down projection's inputs
+
+
+def _held_fp4(model) -> list[QuantizedWeight]:
+    """The routed experts' weights held as fp4 (gpt-oss's biased experts: per-expert pairs)."""
+    return [
+        w
+        for m in model.modules()
+        if isinstance(getattr(m, "packed", None), list)
+        for p in m.packed
+        for w in p
+    ]
+
+
 @pytest.mark.timeout(180)
 def test_mxfp4_gpt_oss_matches_transformers_dequantized(real_checkpoint, tmp_path, engine_log):
-    path = to_mxfp4(real_checkpoint("gpt-oss-20b"), str(tmp_path / "mxfp4"))
+    """The experts held as fp4 codes and e8m0 scales (no float copy), run by gemm_q per expert with
+    the biases and the clamped SwiGLU in torch: greedy tokens equal transformers' dequantization,
+    and every expert weight is held at 0.625 bytes (offsets: one zero tensor a shape)."""
+    path = to_mxfp4(real_checkpoint("gpt-oss-20b", sizes=GPT_OSS_HELD), str(tmp_path / "mxfp4"))
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
-    assert "mxfp4 (e2m1, e8m0 scale per 32), dequantized" in engine_log.text
+    assert "mxfp4 (e2m1, e8m0 scale per 32), experts held as fp4" in engine_log.text
+    model = llm.llm_engine.runner.model
+    cfg = model.cfg
+    assert f"held compressed as stored: {2 * cfg.num_layers} parameters" in engine_log.text
+    held = _held_fp4(model)
+    assert len(held) == 2 * cfg.num_layers * cfg.num_experts and {w.kind for w in held} == {"fp4"}
+    weights = sum(w.codes.numel() * 2 for w in held)  # nibbles (panel rows past O included)
+    expected = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * 64
+    assert weights == expected  # 64 = the intermediate: rows fill whole panels
+    offsets = {w.offsets.data_ptr(): w.offsets.numel() * 4 for w in held}
+    assert len(offsets) == 2  # one zero tensor for every w13, one for every w2
+    counts = log_weight_bytes(model, cfg)
+    assert counts["quantized"] == weights * (0.5 + 4 / 32) + sum(offsets.values())
+    assert (counts["quantized"] - sum(offsets.values())) / weights == 0.625
     ref = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=4)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method,desc_act", [("gptq", False), ("gptq", True), ("awq", False)])
+@pytest.mark.parametrize(
+    "method,desc_act", [("gptq", False), ("gptq", True), ("gptq", "independent"), ("awq", False)]
+)
 def test_gptq_and_awq_match_the_same_weights_dequantized(
     real_checkpoint, tmp_path, engine_log, method, desc_act
 ):
@@ -166,16 +225,29 @@ def test_gptq_and_awq_match_the_same_weights_dequantized(
     path = to_int4_packed(_qwen3(real_checkpoint), str(tmp_path / method), ref_path, method, 16, desc_act)
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     assert f"weights: {method} int4 (groups of 16" in engine_log.text
-    if desc_act:  # scattered groups: no exact mapping onto groups of consecutive inputs
-        assert (
-            "dequantized at load, not held compressed: 112 tensors (groups out of input order"
-            in engine_log.text
-        )
+    # desc_act's scattered groups: held with the inputs sorted by group (the activation gathered);
+    # q / k / v or gate / up in orders of their own cannot share one fused parameter's columns
+    if desc_act == "independent":
+        assert "held compressed as stored: 4 parameters" in engine_log.text  # o_proj
+        assert "(parts of one parameter in different input orders (desc_act))" in engine_log.text
     else:
         assert "held compressed as stored: 16 parameters" in engine_log.text
+    if desc_act is True:
+        model = llm.llm_engine.runner.model
+        permuted = [w for m in model.modules() for w in _held_weights(m) if isinstance(w, PermutedInputs)]
+        cfg = model.cfg
+        assert len(permuted) == cfg.num_layers * (2 + 2 * cfg.num_experts)  # qkv, o and every expert's pair
     ref = AutoModelForCausalLM.from_pretrained(ref_path).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=8)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+def _held_weights(m) -> list:
+    """A module's weights held compressed: a linear's, or its experts' per-expert pairs."""
+    packed = getattr(m, "packed", None)
+    if isinstance(packed, list):
+        return [w for pair in packed for w in pair]
+    return [packed] if isinstance(packed, (QuantizedWeight, PermutedInputs)) else []
 
 
 def _qwen3(real_checkpoint) -> str:
@@ -339,8 +411,8 @@ def _layouts_main(rank, world, path, quantization, prompts):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "case", ["int8-g16", "int4-g16", "fp8-checkpoint", "fp8-checkpoint-held", "gptq-checkpoint"]
-)
+    "case", ["int8-g16", "int4-g16", "fp8-checkpoint", "fp8-checkpoint-held"]
+)  # GPTQ desc_act under TP 2 / EP: tests/test_quantization_held.py
 def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoint, tmp_path, case):
     """Groups of 16 keep whole groups on each rank of a split input dim (TP 2 halves the experts'
     32-wide intermediate); the fp8 checkpoint's 128 x 128 blocks are cut by every TP slice."""
@@ -350,9 +422,6 @@ def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoi
     if case.startswith("fp8-checkpoint"):  # held: its e4m3 bytes and block scales as stored
         path = to_fp8(path, str(tmp_path / "fp8"), (128, 128))
         quantization = "fp8" if case.endswith("held") else None
-    if case == "gptq-checkpoint":  # desc_act: each rank's inputs use scattered groups
-        path = to_int4_packed(path, str(tmp_path / "gptq"), str(tmp_path / "ref"), "gptq", 16, True)
-        quantization = None
     prompts = prompts_of_lengths([3, 17, 1, 40], seed=6)
     expected = _greedy(
         LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22), prompts

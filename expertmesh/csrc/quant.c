@@ -73,12 +73,47 @@ static inline vf q_decode2(const uint8_t* p) {
   return v;
 #endif
 }
-static inline vf q_decode3(const uint8_t* p) { /* fp4 e2m1 by lookup */
+
+/* fp4 e2m1: the nibbles extracted as q_decode1 does, then a permute over a table held in one
+ * register (exact: the same float32 values as fp4_lut, -0.0 for code 8). AVX2 permutes 8 entries
+ * by the code's low 3 bits v, and the sign comes from shifting the nibble to bits 28..31 (bit 3 to
+ * bit 31; the other nibbles shift out): an xor with that sets the sign and also flips bits 28..30
+ * by v, which the table entry has flipped beforehand (entry v = bits of |value| ^ v << 28). */
+#if LANES == 16 && defined(__AVX512F__)
+#include <immintrin.h> /* gemm.c includes it for AVX2 only */
+#endif
+static inline vf q_decode3(const uint8_t* p) {
+#if LANES == 8 && defined(__AVX2__)
+#define FP4_ENTRY(bits, v) (int)((bits) ^ (v) << 28)
+  const __m256i table = _mm256_setr_epi32(FP4_ENTRY(0u, 0u), FP4_ENTRY(0x3f000000u, 1u), /* 0, .5 */
+                                          FP4_ENTRY(0x3f800000u, 2u), FP4_ENTRY(0x3fc00000u, 3u), /* 1, 1.5 */
+                                          FP4_ENTRY(0x40000000u, 4u), FP4_ENTRY(0x40400000u, 5u), /* 2, 3 */
+                                          FP4_ENTRY(0x40800000u, 6u), FP4_ENTRY(0x40c00000u, 7u)); /* 4, 6 */
+#undef FP4_ENTRY
+  int32_t word;
+  memcpy(&word, p, 4);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i c = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts); /* lane l: nibble l in bits 0..3 */
+  const __m256i v = _mm256_xor_si256(_mm256_permutevar8x32_epi32(table, c), _mm256_slli_epi32(c, 28));
+  return (vf)_mm256_castsi256_ps(v);
+#elif LANES == 16 && defined(__AVX512F__)
+  int32_t lo, hi; /* lanes 0..7 and 8..15 */
+  memcpy(&lo, p, 4);
+  memcpy(&hi, p + 4, 4);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i words =
+      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1);
+  const __m512i c = _mm512_srlv_epi32(words, shifts);
+  const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f,
+                                    -3.f, -4.f, -6.f);
+  return (vf)_mm512_permutexvar_ps(c, lut); /* the low 4 bits index: the code, sign included */
+#else
   float t[LANES];
   for (int l = 0; l < LANES; l++) t[l] = fp4_lut[(p[l >> 1] >> (4 * (l & 1))) & 15];
   vf v;
   memcpy(&v, t, sizeof v);
   return v;
+#endif
 }
 
 /* Bytes of codes per (panel, input): LANES for byte codes, LANES / 2 for nibbles. */

@@ -232,6 +232,7 @@ class FusedExperts(nn.Module):
         cpu_gemm.release(self.w13)
         cpu_gemm.release(self.w2)
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        plain = plain and all(isinstance(w, QuantizedWeight) for p in pairs for w in p)  # not desc_act's
         if kernels is not None and plain and self.act_name in kernels.MOE_ACTIVATIONS:
             stacks = [QuantizedExperts.stack([p[i] for p in pairs]) for i in (0, 1)]
             self.fused = (QuantizedMoE(kernels), stacks[0], stacks[1], self.act_name)

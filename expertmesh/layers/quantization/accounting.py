@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
+from expertmesh.layers.quantization.permuted import PermutedInputs
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -34,6 +35,9 @@ def resident_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             items = [*items, fused[1], fused[2]]
         for item in items:
             for w in item if isinstance(item, tuple) else (item,):
+                if isinstance(w, PermutedInputs):  # desc_act: the codes and the inputs' order
+                    add(w.perm, "quantized")
+                    w = w.weight
                 if isinstance(w, (QuantizedWeight, QuantizedExperts)):
                     for t in (w.codes, w.scales, w.offsets):
                         add(t, "quantized")

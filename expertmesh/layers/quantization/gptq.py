@@ -6,7 +6,9 @@ each input's group (arbitrary with desc_act; i // group_size without it).
 
 W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]. The logical tensor is `X.weight`
 [out, in]; a rank's slice reads the packed rows and columns it covers, the scales and zeros of
-every group its inputs use. Dequantized to the model dtype at load (logged).
+every group its inputs use. Held compressed as stored (layers/quantization/held.py) where groups
+are in input order; with desc_act's scattered groups, with the rank's inputs sorted by group and
+the activation gathered to match (layers/quantization/permuted.py); else dequantized at load.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from expertmesh.layers.quantization.permuted import input_order, slices_order_key
 from expertmesh.layers.quantization.view import CheckpointView, LogicalTensor
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -82,8 +85,36 @@ class GptqTensor(LogicalTensor):
         if sc[1] != qw[1] or qz != (sc[0], _cdiv(sc[1], p)):
             raise ValueError(f"gptq {base}: qweight {qw}, qzeros {qz} and scales {sc} do not fit together")
         self.groups = sc[0]
+        self.permuted = False  # desc_act: held with each rank's inputs sorted by group
         if self.groups_in_order():
             self.held_kind = (f"int{fmt.bits}", fmt.group_size if fmt.group_size > 0 else 0)
+        elif fmt.group_size > 0 and self._g_idx_fits():
+            self.held_kind, self.permuted = (f"int{fmt.bits}", fmt.group_size), True
+
+    def _g_idx_fits(self) -> bool:
+        g = self.parts["g_idx"][:].to(torch.int64)
+        return bool(g.numel() == self.shape[1] and g.min() >= 0 and g.max() < self.groups)
+
+    def held_input_order(self, local_in: int) -> bytes | None:
+        """desc_act: the order every rank's `local_in` inputs are held in (None: some rank's slice
+        cuts a group); plain groups: b"" (no reorder)."""
+        if not self.permuted:
+            return b""
+        g = self.parts["g_idx"][:].to(torch.int64)
+        return slices_order_key(g, local_in, self.fmt.group_size, self.groups)
+
+    def _perm(self, i0: int, i1: int) -> torch.Tensor:
+        g = self.parts["g_idx"][:].to(torch.int64)
+        perm = input_order(g, i0, i1, self.fmt.group_size, self.groups)
+        if perm is None:
+            raise ValueError(f"gptq {self.base}: inputs [{i0}, {i1}) cut a desc_act group")
+        return perm
+
+    def held_region(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        codes = super().held_region(bounds)
+        if self.permuted:
+            codes.held_region.perm = self._perm(*bounds[1])
+        return codes
 
     def groups_in_order(self) -> bool:
         """Without g_idx, or with one that is i // group_size (desc_act off, or a trivial order)."""
@@ -106,9 +137,14 @@ class GptqTensor(LogicalTensor):
             g0, g = 0, 1  # one scale a row (per channel), whatever part of the inputs is read
         q = unpack(self.parts["qweight"][i0 // p : _cdiv(i1, p), o0:o1], bits, 0)
         q = q[i0 - i0 // p * p :][: i1 - i0].t()  # [o, i]
-        z = unpack(self.parts["qzeros"][g0 : g0 + g, o0 // p : _cdiv(o1, p)], bits, 1)
+        picked = slice(g0, g0 + g)
+        if self.permuted:  # inputs sorted by group: the groups they touch, in increasing order
+            perm = self._perm(i0, i1)
+            q = q[:, perm]
+            picked = torch.unique(self.parts["g_idx"][i0:i1].to(torch.int64))
+        z = unpack(self.parts["qzeros"][:, o0 // p : _cdiv(o1, p)], bits, 1)[picked]
         z = (z[:, o0 - o0 // p * p :][:, : o1 - o0] + self.fmt.zero_offset).t().to(torch.float32)
-        s = self.parts["scales"][g0 : g0 + g, o0:o1].to(torch.float32).t()
+        s = self.parts["scales"][:, o0:o1][picked].to(torch.float32).t()
         if bits == 4:
             return q.to(torch.uint8), s, -z * s
         return (q - 128).to(torch.int8).view(torch.uint8), s, -(z - 128) * s

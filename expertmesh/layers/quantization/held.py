@@ -11,14 +11,19 @@ every checkpoint source is held (one kind and group), of a module that takes qua
 is swapped for uint8 storage of its shape; the loaders copy codes into it exactly as they would
 copy floats (any TP / EP slice), and `copy_into` hands each copy's destination to the codes'
 `on_copy`, which puts the scales and offsets at the same rows of the parameter's side tensors.
-After loading, each module holds them (`hold_quantized`). A rank whose slice of the inputs cuts a
-group is an error naming the sizes. Anything else (desc_act's scattered groups, mixed kinds in
-one fused parameter, a family hook after loading) is dequantized at load as before (logged).
+After loading, each module holds them (`hold_quantized`). A parameter whose rank slice of the
+inputs would cut a group is not held. GPTQ's desc_act is held with each rank's inputs sorted by
+group (the region carries the order; the weight gathers its activation: quantization/permuted.py)
+where every rank's groups are whole and a fused parameter's parts share one order. MXFP4's experts
+(quantization/mxfp4.py) load into int16 storage, code and block exponent together, split after
+loading (`split_exponents`). Anything else (mixed kinds in one fused parameter, a family hook
+after loading) is dequantized at load as before (logged with the reason).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
+from expertmesh.layers.quantization.permuted import PermutedInputs
 from expertmesh.layers.quantization.view import LogicalTensor
 
 log = logging.getLogger("expertmesh")
@@ -60,8 +66,12 @@ class HeldParam:
     scales: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     local_group: int = 0
+    exponents: bool = False  # int16 storage: code | e8m0 exponent << 4 (MXFP4, quantization/mxfp4.py)
+    perms: dict[int, torch.Tensor] = field(default_factory=dict)  # desc_act: input order per expert
 
-    def place(self, dst: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> None:
+    def place(
+        self, dst: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, perm=None
+    ) -> None:
         rows_in = self.shape[-1]
         if dst.shape[-1] != rows_in or dst.stride(-1) != 1 or (dst.dim() > 1 and dst.stride(-2) != rows_in):
             raise RuntimeError(f"{self.name}: codes copied into a region that is not whole rows")
@@ -74,6 +84,8 @@ class HeldParam:
         n = dst.numel() // rows_in
         flat_s[row : row + n] = scales.reshape(n, -1)
         flat_m[row : row + n] = offsets.reshape(n, -1)
+        if perm is not None:  # desc_act: the inputs' order, one per expert (plan() made parts agree)
+            self.perms[row // self.shape[-2] if len(self.shape) > 2 else 0] = perm
 
 
 @dataclass
@@ -88,11 +100,13 @@ class HeldWeights:
         held = self.by_storage.get(dst.untyped_storage().data_ptr())
         if held is None:
             raise RuntimeError("held codes copied into a parameter that is not held")
-        held.place(dst, region.scales, region.offsets, region.group)
+        held.place(dst, region.scales, region.offsets, region.group, region.perm)
 
 
 class CodesRegion:
     """What a held logical tensor's slice returns in place of floats: codes with their scales."""
+
+    perm: torch.Tensor | None = None  # desc_act: input perm[j] held at column j (quantization/permuted.py)
 
     def __init__(self, held: HeldWeights, codes, scales, offsets, group: int) -> None:
         self.held, self.codes, self.scales, self.offsets, self.group = held, codes, scales, offsets, group
@@ -107,6 +121,8 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
     as is) pairs a checkpoint key fills; a picked part of a fused tensor is not held."""
     params = dict(model.named_parameters())
     kinds: dict[str, set] = {}
+    storage: dict[str, torch.dtype] = {}
+    orders: dict[tuple, set] = {}  # (parameter, expert): the input orders its parts are held in
     reasons: Counter = Counter()
     fills: dict[str, list[str]] = {}
     for key, _ in view.keys():
@@ -118,12 +134,22 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         kind = getattr(src, "held_kind", None)
         if isinstance(src, LogicalTensor) and kind is None:
             reasons["groups out of input order (desc_act's g_idx)"] += 1
+        full = getattr(src, "held_in", None) or src.get_shape()[-1]
         for name, as_is in targets:
-            cut = name in params and _cuts_groups(kind, params[name].shape[-1], src.get_shape()[-1])
+            as_is = as_is or getattr(src, "held_through_picks", False)
+            cut = name in params and _cuts_groups(kind, params[name].shape[-1], full)
             if cut:
-                local, full = params[name].shape[-1], src.get_shape()[-1]
+                local = params[name].shape[-1]
                 reasons[f"a rank's {local} of {full} inputs cut groups of {kind[1]}"] += 1
             kinds.setdefault(name, set()).add(kind if as_is and not cut else None)
+            if kind is not None:
+                storage[name] = getattr(src, "held_storage", torch.uint8)
+            if kind is not None and name in params and hasattr(src, "held_input_order"):
+                order = src.held_input_order(params[name].shape[-1])
+                if order is None:
+                    reasons["desc_act groups a rank's slice of the inputs would cut"] += 1
+                    kinds[name].add(None)
+                orders.setdefault((name, _expert_of(key)), set()).add(order)
     held = HeldWeights()
     for name, found in kinds.items():
         if name not in params or None in found:
@@ -135,10 +161,16 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         if len(found) > 1:
             reasons[f"one parameter from several schemes {sorted(found)}"] += 1
             continue
+        if any(len(o) > 1 for (n, _), o in orders.items() if n == name):
+            reasons["parts of one parameter in different input orders (desc_act)"] += 1
+            continue
         (kind,) = found
         param = params[name]
-        param.data = torch.empty(param.shape, dtype=torch.uint8, device=param.device)
-        held.params[name] = HeldParam(name, kind[0], kind[1], tuple(param.shape))
+        dtype = storage.get(name, torch.uint8)
+        param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
+        held.params[name] = HeldParam(
+            name, kind[0], kind[1], tuple(param.shape), exponents=dtype == torch.int16
+        )
         held.by_storage[param.data.untyped_storage().data_ptr()] = held.params[name]
     _pair_experts(model, held, params)
     held.keys = {key for key, names in fills.items() if all(n in held.params for n in names)}
@@ -193,6 +225,10 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
     """After loading: each held module takes its codes, scales and offsets; returns their ids."""
     params = dict(model.named_parameters())
     done: set[int] = set()
+    zeros: dict[tuple, torch.Tensor] = {}
+    for name, h in held.params.items():
+        if h.exponents:
+            params[name].data = split_exponents(params[name].data, h)
     for name, h in held.params.items():
         module = _module_of(model, name)
         if id(module) in done or h.scales is None:
@@ -201,7 +237,7 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
             prefix = name.rpartition(".")[0]
             w13, w2 = held.params[prefix + ".w13"], held.params[prefix + ".w2"]
             pairs = [
-                tuple(_weight(params[p.name].data[e], p, kernels, e) for p in (w13, w2))
+                tuple(_weight(params[p.name].data[e], p, kernels, e, zeros) for p in (w13, w2))
                 for e in range(w13.shape[0])
             ]
             module.hold_quantized(pairs, kernels)
@@ -211,10 +247,39 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
     return done
 
 
-def _weight(codes: torch.Tensor, h: HeldParam, kernels: Any, e: int | None = None) -> QuantizedWeight:
+def _weight(
+    codes: torch.Tensor, h: HeldParam, kernels: Any, e: int | None = None, zeros: dict | None = None
+) -> QuantizedWeight:
     scales = h.scales if e is None else h.scales[e]
     offsets = h.offsets if e is None else h.offsets[e]
-    return QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
+    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
+    if h.exponents and zeros is not None:  # offsets all 0: one tensor serves every expert alike
+        w.offsets = zeros.setdefault(tuple(w.offsets.shape), w.offsets)
+    perm = h.perms.get(0 if e is None else e)
+    return w if perm is None else PermutedInputs(w, perm)
+
+
+def _expert_of(key: str) -> int | None:
+    """The expert index a per-expert checkpoint key names (its parts share the expert's inputs)."""
+    m = re.search(r"\.experts\.(\d+)\.", key)
+    return None if m is None else int(m.group(1))
+
+
+def split_exponents(data: torch.Tensor, h: HeldParam) -> torch.Tensor:
+    """int16 code | exponent << 4 [..., O, I] -> uint8 codes; h gets the scales 2^(e - 127) per
+    group and zero offsets. Every group of the rank's inputs starts at a block (plan() checked)."""
+    *lead, out_f, in_f = data.shape
+    group = in_f if in_f < h.group else h.group  # a row of one block: any slice keeps its scale
+    if in_f % group:
+        raise RuntimeError(f"{h.name}: {in_f} inputs a rank are not whole blocks of {group}")
+    exp = (data >> 4).view(*lead, out_f, in_f // group, group)
+    first = exp[..., 0]
+    if not bool((exp == first.unsqueeze(-1)).all()):
+        raise RuntimeError(f"{h.name}: a block's weights came with different scales (a cut block)")
+    h.scales = torch.ldexp(torch.ones(first.shape), first.to(torch.int32) - 127)  # exact in float32
+    h.offsets = torch.zeros(first.shape)
+    h.local_group = group
+    return (data & 15).to(torch.uint8)
 
 
 __all__ = ["CodesRegion", "HeldWeights", "QuantizedExperts", "hold", "local_groups", "plan"]

@@ -7,7 +7,14 @@ gpt-oss stores `experts.gate_up_proj_blocks` [E, 2I, H / 32, 16] and `_scales` [
 (likewise down [E, H, I / 32, 16]); the logical tensor is the unquantized checkpoint's
 `experts.gate_up_proj` [E, H, 2I] (input dim first), so the family's loader reads both alike. A
 slice (one expert, a TP range of the intermediate dim) decodes only the blocks it touches.
-Weights are dequantized to the model dtype at load (logged): there is no FP4 kernel yet.
+
+Held as FP4 (layers/quantization/held.py): the kernels' fp4 kind (e2m1 by lookup) with groups of
+32 and the e8m0 scale as a float32 scale (2^(s - 127) is exact), offset 0: 0.5 + 4 / 32 = 0.625
+bytes a weight. The family's loader picks experts, gate / up columns and TP ranges with tensor
+ops, so a held slice is an int16 tensor carrying each weight's code (bits 0-3) with its block's
+exponent (bits 4-11): every pick moves both alike, and after loading held.py splits them into
+codes and per-group scales. A rank whose inputs cut a 32-block (TP over a down projection whose
+intermediate a rank does not hold in whole blocks) is dequantized at load (logged).
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ class Mxfp4Format:
     modules_to_not_convert: tuple[str, ...] = ()
     method: str = "mxfp4"
     online: bool = False
+    holds_compressed = True  # experts held as fp4 codes and block scales (quantization/held.py)
 
     @classmethod
     def from_config(cls, cfg: dict) -> Mxfp4Format:
         return cls(tuple(cfg.get("modules_to_not_convert") or ()))
 
     def describe(self) -> str:
-        return "mxfp4 (e2m1, e8m0 scale per 32), dequantized to the model dtype at load (no fp4 kernel yet)"
+        return "mxfp4 (e2m1, e8m0 scale per 32), experts held as fp4 codes with a float32 scale per 32 inputs"
 
     def view(self, handles: dict[str, Any]) -> CheckpointView:
         return Mxfp4View(handles, self)
@@ -63,6 +71,10 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class Mxfp4Experts(LogicalTensor):
     """[E, in, out] from blocks [E, out, in / 32, 16] and scales [E, out, in / 32]."""
 
+    held_kind = ("fp4", BLOCK)
+    held_through_picks = True  # held slices carry their scales (see the module doc)
+    held_storage = torch.int16
+
     def __init__(self, key: str, blocks: Any, scales: Any) -> None:
         self.key, self.blocks, self.scales = key, blocks, scales
         b, s = tuple(blocks.get_shape()), tuple(scales.get_shape())
@@ -78,6 +90,22 @@ class Mxfp4Experts(LogicalTensor):
         g0, g1 = i0 // BLOCK, _cdiv(i1, BLOCK)
         w = decode(self.blocks[e0:e1, o0:o1, g0:g1], self.scales[e0:e1, o0:o1, g0:g1])  # [e, out, in]
         return w[:, :, i0 - g0 * BLOCK : i1 - g0 * BLOCK].transpose(1, 2)
+
+    @property
+    def held_in(self) -> int:
+        return self.shape[1]
+
+    def held_region(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """The region as int16: code | exponent << 4 per weight ([e, in, out], as materialize)."""
+        (e0, e1), (i0, i1), (o0, o1) = bounds
+        g0, g1 = i0 // BLOCK, _cdiv(i1, BLOCK)
+        s = self.scales[e0:e1, o0:o1, g0:g1]
+        if bool((s == 255).any()):
+            raise ValueError(f"mxfp4 {self.key}_scales holds 255 (e8m0 NaN)")
+        b = self.blocks[e0:e1, o0:o1, g0:g1].to(torch.int16)
+        codes = torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)  # [e, out, G, 32]
+        v = (codes | (s.to(torch.int16) << 4).unsqueeze(-1)).flatten(-2)
+        return v[:, :, i0 - g0 * BLOCK : i1 - g0 * BLOCK].transpose(1, 2)
 
 
 class Mxfp4View(CheckpointView):
@@ -110,4 +138,4 @@ class Mxfp4View(CheckpointView):
     def get_slice(self, key: str) -> Any:
         if key in self.file_of:
             return self.stored(key)
-        return Mxfp4Experts(key, self.stored(key + "_blocks"), self.stored(key + "_scales"))
+        return self.serve(key, Mxfp4Experts(key, self.stored(key + "_blocks"), self.stored(key + "_scales")))

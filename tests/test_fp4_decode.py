@@ -1,0 +1,76 @@
+"""The fp4 (e2m1) decode of the quantized kernels (csrc/quant.c q_decode3: a vector permute on AVX2
+and AVX-512, the table elsewhere) gives the table's float32 values, every code in every lane.
+
+Through gemm_q the values are checked exactly (x one-hot: each output is one product, no rounding) on
+both of gemm_q's paths (tiles of few rows decode per tile; from 8 rows a panel is decoded once);
+the sign of -0.0 (code 8) cannot be seen through a product (the sums start at +0.0), so the decode
+itself is also compiled into a small program and compared bit for bit with the table.
+"""
+
+import subprocess
+
+import pytest
+import torch
+
+from expertmesh.layers import cpu_kernels
+from expertmesh.layers.quantization.packed import QuantizedWeight, decode_codes
+
+HARNESS = r"""
+#include "%s"
+#include <stdio.h>
+int main(void) {
+  int bad = 0;
+  for (int lane = 0; lane < LANES; lane++)
+    for (int code = 0; code < 16; code++) {
+      uint8_t p[LANES / 2];
+      int want[LANES];
+      for (int l = 0; l < LANES; l++) want[l] = l == lane ? code : (code + 5 * l + 3) & 15;
+      for (int j = 0; j < LANES / 2; j++) p[j] = (uint8_t)(want[2 * j] | want[2 * j + 1] << 4);
+      const vf v = q_decode3(p);
+      float got[LANES];
+      memcpy(got, &v, sizeof got);
+      for (int l = 0; l < LANES; l++)
+        if (memcmp(&got[l], &fp4_lut[want[l]], 4)) {
+          printf("lane %%d code %%d: %%a, want %%a\n", l, want[l], got[l], fp4_lut[want[l]]);
+          bad = 1;
+        }
+    }
+  printf("lanes %%d\n", LANES);
+  return bad;
+}
+"""
+
+
+@pytest.mark.parametrize("flags", [["-march=native"], []], ids=["native", "portable"])
+def test_fp4_decode_is_the_table_bit_for_bit(tmp_path, flags):
+    """Every code (-0.0 included) in every lane position, next to other codes in the other lanes; with
+    -march=native the vector decode of this CPU, without (baseline x86-64 or any other) the table."""
+    compiler = cpu_kernels._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    src, exe = tmp_path / "fp4.c", tmp_path / "fp4"
+    src.write_text(HARNESS % cpu_kernels.SOURCE)
+    build = subprocess.run([compiler, "-O0", "-fopenmp", *flags, str(src), "-o", str(exe), "-lm"], text=True)
+    assert build.returncode == 0
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout
+    assert run.stdout.strip().startswith("lanes "), run.stdout
+
+
+def test_fp4_gemm_every_code_in_every_lane_is_exact():
+    """W[o, i] = code (o + i) mod 16 times 2^k: output row o (a lane of a panel) sees all 16 codes; x
+    one-hot, so y = W^T exactly. 16 rows take the panel-decode path, single rows and 3 the tiles."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    out_f, in_f = 40, 48  # 40 outputs: panels of 8 (AVX2) or 16 (AVX-512) with a partial last one
+    o, i = torch.arange(out_f)[:, None], torch.arange(in_f)[None, :]
+    codes = ((o + i) % 16).to(torch.uint8)
+    scales = torch.exp2(torch.arange(out_f * 2).view(out_f, 2) % 7 - 3.0)
+    w = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, 2), "fp4", 32, kernels)
+    dense = decode_codes(codes, "fp4") * scales.repeat_interleave(32, 1)[:, :in_f]
+    eye = torch.eye(in_f)
+    assert torch.equal(w(eye), dense.T)  # 48 rows: the panel is decoded once into float32
+    for r in range(in_f):
+        assert torch.equal(w(eye[r : r + 1]), dense.T[r : r + 1]), r
+    assert torch.equal(w(eye[5:8]), dense.T[5:8])

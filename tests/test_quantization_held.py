@@ -1,0 +1,115 @@
+"""Quantized checkpoints held compressed across parallel layouts (issue 14): gpt-oss's MXFP4
+experts held as fp4 under TP 2 and EP 2 equal one process; a TP size whose down-projection slice
+cuts a 32-block dequantizes those experts at load and still equals one process. GPTQ desc_act held
+with per-rank input orders under TP 2 and EP 2, and dequantized where a rank's slice cuts a group."""
+
+import pytest
+from checkpoints import prompts_of_lengths
+from distributed_utils import run_distributed
+from quantized_checkpoints import to_int4_packed, to_mxfp4
+from real_checkpoints import Sizes
+from test_quantization import _greedy, _held_weights
+
+from expertmesh import LLM
+from expertmesh.layers.quantization.permuted import PermutedInputs
+
+LAYOUTS = [(2, False), (2, True)]  # (TP, expert parallel) over 2 ranks
+
+
+def _held_count(llm: LLM) -> int:
+    held = llm.llm_engine.runner.model.held_weights
+    return 0 if held is None else len(held.params)
+
+
+def _layouts_main(rank, world, paths, prompts):
+    out = []
+    for path in paths:
+        for tp, ep in LAYOUTS:
+            llm = LLM(
+                path, tensor_parallel_size=tp, enable_expert_parallel=ep,
+                distributed_executor_backend="external_launcher", max_model_len=64,
+                kv_cache_memory_bytes=1 << 21,
+            )  # fmt: skip
+            out.append(((path, tp, ep), _held_count(llm), _greedy(llm, prompts)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_mxfp4_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
+    """Intermediate 64: TP 2 gives each rank 32 of the down projection's inputs (one whole block),
+    held; 96: TP 2 gives each 48, which cuts a block, so TP 2 dequantizes the experts at load (EP
+    keeps them whole and held)."""
+    paths, expected, held_tp = [], {}, {}
+    prompts = prompts_of_lengths([3, 17, 1], seed=6)
+    for inter in (64, 96):
+        src = real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2, expert_inter=inter))
+        path = to_mxfp4(src, str(tmp_path / f"mxfp4-{inter}"))
+        one = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 21)
+        assert _held_count(one) == 4
+        paths.append(path)
+        expected[path], held_tp[path] = _greedy(one, prompts), inter == 64
+    for rank, results in enumerate(run_distributed(_layouts_main, 2, paths, prompts, timeout=100)):
+        for (path, tp, ep), held, tokens in results:
+            where = f"rank {rank}, {path}, (TP, EP)=({tp}, {ep})"
+            assert held == (4 if ep or held_tp[path] else 0), where
+            assert tokens == expected[path], where
+
+
+def _gptq_main(rank, world, paths, prompts):
+    out = []
+    for path in paths:
+        for tp, ep in LAYOUTS:
+            llm = LLM(
+                path, tensor_parallel_size=tp, enable_expert_parallel=ep,
+                distributed_executor_backend="external_launcher", max_model_len=64,
+                kv_cache_memory_bytes=1 << 21,
+            )  # fmt: skip
+            model = llm.llm_engine.runner.model
+            permuted = sum(isinstance(w, PermutedInputs) for m in model.modules() for w in _held_weights(m))
+            out.append(((path, tp, ep), _held_count(llm), permuted, _greedy(llm, prompts)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_gptq_desc_act_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
+    """desc_act held under TP 2: column-parallel layers take every input (one order); a row-parallel
+    layer's rank holds its half of the inputs, sorted within it. Orders over all the inputs
+    ("shared") scatter groups over both halves, so o_proj and the experts' down projection (TP 2
+    splits its 32 inputs) are dequantized at load; orders within each half ("per-rank") keep every
+    rank's groups whole (groups of 8: two in a rank's 16 inputs, scattered) and all is held."""
+    src = real_checkpoint("qwen3-30b-a3b", sizes=Sizes(layers=2))
+    prompts = prompts_of_lengths([3, 17, 1], seed=6)
+    paths, expected = [], {}
+    for desc_act in ("shared", "per-rank"):
+        path = to_int4_packed(
+            src, str(tmp_path / desc_act), str(tmp_path / f"ref-{desc_act}"), "gptq", 8, desc_act
+        )
+        one = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 21)
+        assert _held_count(one) == 8
+        paths.append(path)
+        expected[path] = _greedy(one, prompts)
+    experts = 8  # Sizes' default
+    # (TP, EP) -> held parameters, permuted weights a rank; qkv + o per layer, a pair per local expert
+    held = {
+        (paths[0], 2, False): (2, 2),  # qkv only: o_proj and the experts' w2 cut groups, w13 follows w2
+        (paths[0], 2, True): (6, 2 * (1 + experts)),  # qkv, and experts EP 2 whole: 4 a rank
+        (paths[1], 2, False): (8, 2 * (2 + 2 * experts)),
+        (paths[1], 2, True): (8, 2 * (2 + experts)),
+    }
+    for rank, results in enumerate(run_distributed(_gptq_main, 2, paths, prompts, timeout=100)):
+        for layout, count, permuted, tokens in results:
+            where = f"rank {rank}, {layout}"
+            assert (count, permuted) == held[layout], where
+            assert tokens == expected[layout[0]], where
+
+
+def test_eplb_over_mxfp4_experts_held_as_fp4_is_a_clear_error(real_checkpoint, tmp_path):
+    path = to_mxfp4(real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2)), str(tmp_path / "mxfp4"))
+    with pytest.raises(ValueError, match=r"enable_eplb=True with a mxfp4 checkpoint is not supported yet"):
+        LLM(
+            path,
+            enable_eplb=True,
+            enable_expert_parallel=True,
+            max_model_len=32,
+            kv_cache_memory_bytes=1 << 20,
+        )
