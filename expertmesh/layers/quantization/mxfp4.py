@@ -8,12 +8,12 @@ gpt-oss stores `experts.gate_up_proj_blocks` [E, 2I, H / 32, 16] and `_scales` [
 `experts.gate_up_proj` [E, H, 2I] (input dim first), so the family's loader reads both alike. A
 slice (one expert, a TP range of the intermediate dim) decodes only the blocks it touches.
 
-Held as FP4 (layers/quantization/held.py): the kernels' fp4 kind (e2m1 by lookup) with groups of
-32 and the e8m0 scale as a float32 scale (2^(s - 127) is exact), offset 0: 0.5 + 4 / 32 = 0.625
-bytes a weight. The family's loader picks experts, gate / up columns and TP ranges with tensor
-ops, so a held slice is an int16 tensor carrying each weight's code (bits 0-3) with its block's
-exponent (bits 4-11): every pick moves both alike, and after loading held.py splits them into
-codes and per-group scales. A rank whose inputs cut a 32-block (TP over a down projection whose
+Held as FP4 (layers/quantization/held.py): the kernels' fp4 kind (e2m1, decoded by a vector permute)
+with groups of 32 and the e8m0 scale as a float32 scale (2^(s - 127) is exact), offset 0: 0.5 + 4 /
+32 = 0.625 bytes a weight. The family's loader picks experts, gate / up columns and TP ranges with
+tensor ops, so a held slice is an int16 tensor carrying each weight's code (bits 0-3) with its
+block's exponent (bits 4-11): every pick moves both alike, and after loading held.py splits them
+into codes and per-group scales. A rank whose inputs cut a 32-block (TP over a down projection whose
 intermediate a rank does not hold in whole blocks) is dequantized at load (logged).
 """
 
