@@ -21,8 +21,11 @@ static void q_act_rows(const float* x, int64_t I, int64_t gs, int64_t stride, in
     int8_t* q = xq + r * stride;
     for (int64_t g = 0; g < G; g++) {
       const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;
-      float amax = 0.f;
-      for (int64_t i = i0; i < i1; i++) amax = fmaxf(amax, fabsf(xr[i]));
+      float amax = 0.f; /* not fmaxf: a libm call per input here (perf: ~2% of a w8a8 decode step) */
+      _Pragma("omp simd reduction(max : amax)") for (int64_t i = i0; i < i1; i++) {
+        const float a = fabsf(xr[i]);
+        amax = a > amax ? a : amax;
+      }
       const float s = amax / 127.f;
       sx[r * G + g] = s;
       int32_t total = 0;
