@@ -119,18 +119,20 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
   const int64_t xs_a = A_STRIDE(kind, H), as_a = A_STRIDE(kind, I);
   const int64_t c13 = !a8 ? H * Q_BYTES(kind) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
   const int64_t c2 = !a8 ? I * Q_BYTES(kind) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
-  float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
-  float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
-  float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
-  float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  /* one allocation a call for every buffer (was ten): float32 rows and scales first, then the int8
+   * codes of the quantized activations (kinds 4, 5) */
+  const int64_t nf = m * (2 * H + 3 * I) + (a8 ? 2 * m * (n13 + n2) : 0) + 8;
+  float* buf = (float*)malloc(sizeof(float) * (size_t)nf + (a8 ? (size_t)(m * (xs_a + as_a)) : 0) + 16);
+  float *xs = buf, *h = xs + m * H, *a = h + m * 2 * I, *ys = a + m * I, *f = ys + m * H;
   /* quantized activations: the gathered rows and the activated intermediates quantized once, read by
    * every panel group */
-  int8_t* xq = a8 ? (int8_t*)malloc((size_t)(m * xs_a + 1)) : NULL;
-  int8_t* aq = a8 ? (int8_t*)malloc((size_t)(m * as_a + 1)) : NULL;
-  float* xsc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
-  float* asc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
-  float* xsum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
-  float* asum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
+  float *xsc = NULL, *asc = NULL, *xsum = NULL, *asum = NULL;
+  int8_t *xq = NULL, *aq = NULL;
+  if (a8) {
+    xsc = f, asc = xsc + m * n13, xsum = asc + m * n2, asum = xsum + m * n13;
+    xq = (int8_t*)(buf + nf), aq = xq + m * xs_a;
+  }
+  if (kind != Q_KIND_A4) xsum = asum = NULL;
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
@@ -153,8 +155,7 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
-  free(xs); free(h); free(a); free(ys);
-  free(xq); free(aq); free(xsc); free(asc); free(xsum); free(asum);
+  free(buf);
   moe_free(&p);
 }
 
