@@ -234,6 +234,11 @@ static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64
                      const float* bias) {
   const int64_t I8 = (I + 7) / 8, pb = I8 * LANES * 4;
   const uint8_t* q = qp + p0 * pb;
+  /* The next span (contiguous after this one) prefetched at the pace this one is read: a panel's
+   * stream is I / 2 bytes here, short for the hardware prefetcher (quant_kernel_bench.py --cold-mb 96,
+   * one row: w13 73 -> 58 us, qkv 41 -> 32, w2 36 -> 35; a decode step 3.52 -> 2.93 ms). W8A8's streams
+   * are twice as long and the same prefetch made qrow1_a8 slower (w13 72 -> 87 us), so it has none. */
+  const uint8_t* next = q + NQ1 * pb;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   vf acc[NQ1];
   for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};
@@ -245,6 +250,7 @@ static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64
       int32_t four[2];
       memcpy(four, xq + 8 * k, 8);
       const __m256i x0 = _mm256_set1_epi32(four[0]), x1 = _mm256_set1_epi32(four[1]);
+      for (int c = 0; c < NQ1 * 32; c += 64) __builtin_prefetch(next + k * NQ1 * 32 + c);
       for (int j = 0; j < NQ1; j++) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(q + j * pb + k * 32));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
