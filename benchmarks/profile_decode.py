@@ -6,6 +6,10 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
     .venv/bin/python benchmarks/profile_decode.py --batch 1 --tool pyinstrument
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool torch
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool kernels --prompt-len 384
+    .venv/bin/python benchmarks/profile_decode.py --quantization w8a8 --threads 1 --cpu-time --tool kernels
+    mkfifo /tmp/ctl; perf record -D -1 --control fifo:/tmp/ctl -F 4999 -o perf.data -- \
+        .venv/bin/python benchmarks/profile_decode.py --quantization int8 --threads 1 --tool perf \
+        --perf-fifo /tmp/ctl --steps 64; perf report -i perf.data --no-children --sort sym
 
 torch.profiler sees torch ops only; `--tool kernels` times each call into expertmesh's compiled CPU
 kernels (matmuls, routed experts, decode attention, norms, rotary) and attributes the rest of a
@@ -28,12 +32,16 @@ from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe  # noqa: E402
 from expertmesh import LLM, SamplingParams  # noqa: E402
 
 
-def prefilled_engine(model: str, dtype: str, batch: int, prompt_len: int, steps: int, native: bool = True):
+def prefilled_engine(
+    model: str, dtype: str, batch: int, prompt_len: int, steps: int, native: bool = True,
+    quantization: str | None = None,
+):  # fmt: skip
     """An engine with `batch` running requests, past their prefill, able to decode `steps` more;
-    `native`: EngineArgs.native_decode (whole decoder layers in one C call)."""
+    `native`: EngineArgs.native_decode (whole decoder layers in one C call); `quantization`:
+    EngineArgs.quantization (e.g. "int8", "w4a8"; None: the checkpoint's weights as they are)."""
     llm = LLM(
         model=model, dtype=dtype, max_model_len=2048, kv_cache_memory_bytes=1 << 30, max_num_seqs=batch,
-        native_decode=native,
+        native_decode=native, quantization=quantization,
     )  # fmt: skip
     engine = llm.llm_engine
     rng = random.Random(0)
@@ -126,6 +134,28 @@ def profile_kernels(engine, steps: int) -> None:
     print(f"{'torch ops + Python':<28}{rest / steps * 1e3:>10.2f}{'':>12}{rest / total:>8.0%}")
 
 
+def profile_perf(engine, steps: int, fifo: str, rounds: int, batch: int, prompt_len: int) -> None:
+    """`rounds` times: fresh requests, their prefill outside the window, then `steps` decode steps
+    inside it: the steps are bracketed by "enable" / "disable" on perf record's control fifo, so
+    `perf record -D -1 --control fifo:FIFO` samples decode steps only (prefill and loading left out)."""
+    rng = random.Random(1)
+    vocab = engine.config.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    with open(fifo, "w", buffering=1) as ctl:
+        for r in range(rounds):
+            while engine.has_unfinished_requests():
+                engine.step()
+            for i in range(batch):
+                engine.add_request(
+                    f"perf{r}-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], params
+                )
+            engine.step()  # the prefill, outside the window
+            ctl.write("enable\n")
+            time_steps(engine, steps)
+            ctl.write("disable\n")
+    print(f"perf: {rounds} x {steps} decode steps sampled")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -133,11 +163,20 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tool", default="pyinstrument", choices=["pyinstrument", "torch", "kernels", "none"])
+    ap.add_argument(
+        "--tool", default="pyinstrument", choices=["pyinstrument", "torch", "kernels", "perf", "none"]
+    )  # fmt: skip
+    ap.add_argument(
+        "--perf-fifo", default=None, help="--tool perf: perf record's control fifo (see profile_perf)"
+    )
+    ap.add_argument("--perf-rounds", type=int, default=10, help="--tool perf: rounds of fresh requests")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
     ap.add_argument("--cpu-time", action="store_true", help="CPU time, not wall time (see CLOCK)")
     ap.add_argument("--native-decode", default="on", choices=["on", "off"], help="EngineArgs.native_decode")
+    ap.add_argument(
+        "--quantization", default=None, help="EngineArgs.quantization: int8, int4, w8a8, w4a8, ..."
+    )
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
@@ -145,7 +184,9 @@ def main() -> None:
     model = make_small_moe(args.cache_dir, args.dtype, args.shape)
     warm = 3
     native = args.native_decode == "on"
-    engine = prefilled_engine(model, args.dtype, args.batch, args.prompt_len, warm + 2 * args.steps, native)
+    engine = prefilled_engine(
+        model, args.dtype, args.batch, args.prompt_len, warm + 2 * args.steps, native, args.quantization
+    )
     time_steps(engine, warm)
     times = time_steps(engine, args.steps)
     ms = statistics.median(times) * 1e3
@@ -157,6 +198,10 @@ def main() -> None:
         profile_torch(engine, args.steps)
     elif args.tool == "kernels":
         profile_kernels(engine, args.steps)
+    elif args.tool == "perf":
+        if not args.perf_fifo:
+            ap.error("--tool perf needs --perf-fifo (run under perf record -D -1 --control fifo:FIFO)")
+        profile_perf(engine, args.steps, args.perf_fifo, args.perf_rounds, args.batch, args.prompt_len)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ alternated A B A B over `--rounds` rounds, and the median is printed with GB/s o
 process CPU time by default: on a shared machine CPU time does not count other processes' turns.
 
     .venv/bin/python benchmarks/quant_kernel_bench.py --source /tmp/base/cpu_kernels.c --rows 1,4,32 --moe
+    # weights read from memory, not cache (a decode step's weights exceed L3):
+    .venv/bin/python benchmarks/quant_kernel_bench.py --rows 1 --only w13,w2,qkv --cold-mb 96
 """
 
 from __future__ import annotations
@@ -42,9 +44,26 @@ def calls_for(fn, clock, min_s: float) -> int:
     return max(2, n)
 
 
-def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool) -> dict:
+class Rotating:
+    """Calls fns in turn: with copies of a weight that together exceed the last-level cache, every
+    call reads its weight from memory, as a decode step does (its weights do not fit in L3)."""
+
+    def __init__(self, fns: list) -> None:
+        self.fns, self.n = fns, 0
+
+    def __call__(self) -> None:
+        self.fns[self.n % len(self.fns)]()
+        self.n += 1
+
+
+def copies_for(nbytes: int, cold_mb: float) -> int:
+    return max(1, -(-int(cold_mb * 2**20) // nbytes))
+
+
+def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: float = 0) -> dict:
     """{(label, rows, kind): {source: (callable, weight bytes, what it points into)}}; the products call
-    the C entry points with raw pointers (one thread), the routed experts go through QuantizedMoE."""
+    the C entry points with raw pointers (one thread), the routed experts go through QuantizedMoE.
+    cold_mb > 0: each product cycles through enough copies of its weight to read cold_mb a cycle."""
     out: dict = {}
     g = torch.Generator().manual_seed(0)
     for name, (o, i) in PRODUCTS.items():
@@ -53,18 +72,42 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool) -> dict:
             x = torch.randn(m, i, generator=g)
             y = torch.empty(m, o)
             for src, k in kernels.items():
-                p = k.pack(w)  # the entry points called directly: no Python around the kernel
-                f32 = partial(k.lib.gemm_f32, x.data_ptr(), p.data.data_ptr(), y.data_ptr(), m, o, i, None, 1)
-                out.setdefault((name, m, "f32"), {})[src] = (f32, o * i * 4, (p, x, y))
+                # the entry points called directly: no Python around the kernel
+                packs = [k.pack(w) for _ in range(copies_for(o * i * 4, cold_mb) if cold_mb else 1)]
+                f32s = [
+                    partial(k.lib.gemm_f32, x.data_ptr(), p.data.data_ptr(), y.data_ptr(), m, o, i, None, 1)
+                    for p in packs
+                ]
+                f32 = Rotating(f32s) if len(f32s) > 1 else f32s[0]
+                out.setdefault((name, m, "f32"), {})[src] = (f32, o * i * 4, (packs, x, y))
                 for kind in kinds:
                     if kind not in k.quant_kinds or kind == "fp4":  # fp4: fp4_products
                         continue
                     q = QuantizedWeight.quantize(w, kind, 128, k)
-                    ptrs = (q.codes.data_ptr(), q.scales.data_ptr(), q.offsets.data_ptr())
-                    fn = partial(
-                        k.lib.gemm_q, KINDS[kind], x.data_ptr(), *ptrs, 128, y.data_ptr(), m, o, i, None, 1
-                    )
-                    out.setdefault((name, m, kind), {})[src] = (fn, q.nbytes, (q, x, y))
+                    held = [q] + [
+                        QuantizedWeight.quantize(w, kind, 128, k)
+                        for _ in range(copies_for(q.nbytes, cold_mb) - 1 if cold_mb else 0)
+                    ]
+                    fns = [
+                        partial(
+                            k.lib.gemm_q,
+                            KINDS[kind],
+                            x.data_ptr(),
+                            c.codes.data_ptr(),
+                            c.scales.data_ptr(),
+                            c.offsets.data_ptr(),
+                            128,
+                            y.data_ptr(),
+                            m,
+                            o,
+                            i,
+                            None,
+                            1,
+                        )  # fmt: skip
+                        for c in held
+                    ]
+                    fn = Rotating(fns) if len(fns) > 1 else fns[0]
+                    out.setdefault((name, m, kind), {})[src] = (fn, q.nbytes, (held, x, y))
     if moe:
         hidden, inter, experts, top_k = MOE
         w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
@@ -129,6 +172,10 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated products (w13,w2,qkv,moe)")
     ap.add_argument("--wall", action="store_true", help="wall time instead of process CPU time")
+    ap.add_argument(
+        "--cold-mb", type=float, default=0,
+        help="products cycle through copies of their weight, this many MB a cycle (64: past a 32 MB L3)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall else time.process_time
@@ -138,7 +185,7 @@ def main() -> None:
         out = Path("/tmp/expertmesh-kernel-ab") / f"{Path(src).stem}-{digest}.so"
         kernels[f"src{n}"] = cpu_kernels.build(out, cpu_kernels._compiler(), source=Path(src))
     rows = [int(r) for r in args.rows.split(",")]
-    table = cases(kernels, args.kinds.split(","), rows, args.moe)
+    table = cases(kernels, args.kinds.split(","), rows, args.moe, args.cold_mb)
     only = set(args.only.split(",")) if args.only else None
     results: dict = {}
     for key, by_src in table.items():

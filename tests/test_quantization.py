@@ -100,7 +100,15 @@ def test_quantized_gemm_kernel_equals_its_dequantized_weight(kind, group):
     if kernels is None:
         pytest.skip("no C compiler: the torch fallback is the only path (tested below)")
     torch.manual_seed(1)
-    for out_f, in_f, rows in [(37, 200, 1), (10, 33, 7), (96, 256, 33), (8, 16, 0)]:
+    # (200, 200, 1), (75, 72, 1): one row over spans of the one-row kernels and a tail the tiles take
+    for out_f, in_f, rows in [
+        (37, 200, 1),
+        (10, 33, 7),
+        (96, 256, 33),
+        (8, 16, 0),
+        (200, 200, 1),
+        (75, 72, 1),
+    ]:
         w, x, b = torch.randn(out_f, in_f), torch.randn(rows, in_f), torch.randn(out_f)
         qk = QuantizedWeight.quantize(w, kind, group, kernels)
         qt = QuantizedWeight.quantize(w, kind, group, None)
@@ -132,18 +140,26 @@ def test_fp4_gemm_kernel_equals_its_dequantized_weight():
         torch.testing.assert_close(qt(x, b), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_quantized_moe_kernel_equals_per_expert_products(kind):
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("e,hidden,inter,n", [(5, 48, 24, 9), (5, 72, 40, 1), (5, 72, 40, 2)])
+def test_quantized_moe_kernel_equals_per_expert_products(kind, e, hidden, inter, n):
+    """Experts of many rows (9 tokens), and a decode step's experts of one row (1-2 tokens: the
+    one-row kernels over whole spans of panels and a tail), experts with no tokens among them."""
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C compiler")
     torch.manual_seed(2)
-    e, hidden, inter, n, k = 5, 48, 24, 9, 2
+    k = 2
     w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
     w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, kernels) for _ in range(e)]
     x = torch.randn(n, hidden)
     slot = torch.randint(-1, e, (n, k), dtype=torch.int32)  # -1: another rank's expert
-    slot[0] = -1  # a token none of whose experts is here
+    if n > 2:
+        slot[0] = -1  # a token none of whose experts is here
+    else:
+        slot[0] = torch.tensor([3, 1])
+        if n == 2:
+            slot[1] = torch.tensor([-1, 3])
     weights = torch.rand(n, k)
     out = QuantizedMoE(kernels).moe(
         x, slot, weights, QuantizedExperts.stack(w13), QuantizedExperts.stack(w2), inter, "silu"

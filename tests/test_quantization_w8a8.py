@@ -50,7 +50,9 @@ def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = N
     return (y if bias is None else y + bias.double()).float()
 
 
-SHAPES = [(37, 200, 1), (10, 33, 7), (96, 256, 33), (8, 16, 0), (130, 64, 4)]
+# (200, 200, 1) and (75, 72, 1): one row over whole spans of the one-row kernels and a tail of panels
+# the tiles take (8 lanes: 3 spans + 1 panel, 1 span + 2; 16 lanes: 1 span + 1, tail only)
+SHAPES = [(37, 200, 1), (10, 33, 7), (96, 256, 33), (8, 16, 0), (130, 64, 4), (200, 200, 1), (75, 72, 1)]
 
 
 WEIGHT_ONLY = {"w8a8": "int8", "w4a8": "int4"}  # the same weight codes, activations unrounded
@@ -71,6 +73,8 @@ def test_activation_quantized_gemm_kernel_equals_the_same_arithmetic_in_torch(ki
         if rows > 2:
             x[1, : min(16, in_f)] = 0  # a group (or part of one) of zeros: codes 0, no division by 0
             x[2] = 0
+        if out_f == 75:
+            x[0, :16] = 0  # the one-row kernels' zero group
         qk = QuantizedWeight.quantize(w, kind, group, kernels)
         qt = QuantizedWeight.quantize(w, kind, group, None)  # the torch fallback
         qi = QuantizedWeight.quantize(w, WEIGHT_ONLY[kind], group, None)  # the same weights, weight-only
@@ -86,17 +90,30 @@ def test_activation_quantized_gemm_kernel_equals_the_same_arithmetic_in_torch(ki
 
 
 @pytest.mark.parametrize("kind", ["w8a8", "w4a8"])
-def test_activation_quantized_moe_kernel_equals_per_expert_products(kind):
+@pytest.mark.parametrize(
+    "e,hidden,inter,n",
+    [
+        (6, 52, 20, 9),  # uneven: 52 inputs in groups of 16, 20 in groups of 8; experts of many rows
+        (6, 72, 40, 1),  # a decode step: experts of one row, one span of the one-row kernels + a tail
+        (6, 72, 40, 2),
+    ],
+)
+def test_activation_quantized_moe_kernel_equals_per_expert_products(kind, e, hidden, inter, n):
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C compiler")
     torch.manual_seed(12)
-    e, hidden, inter, n, k = 6, 52, 20, 9, 2  # uneven: 52 inputs in groups of 16, 20 in groups of 8
+    k = 2
     w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
     w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, kernels) for _ in range(e)]
     x = torch.randn(n, hidden)
     slot = torch.randint(-1, e - 1, (n, k), dtype=torch.int32)  # -1: another rank's; expert e-1 none
-    slot[0] = -1  # a token none of whose experts is here
+    if n > 2:
+        slot[0] = -1  # a token none of whose experts is here
+    else:
+        slot[0] = torch.tensor([3, 1])  # two experts of one row each
+        if n == 2:
+            slot[1] = torch.tensor([-1, 3])  # expert 3 with two rows, expert 1 with one
     weights = torch.rand(n, k)
     moe = QuantizedMoE(kernels)
     out = moe.moe(x, slot, weights, QuantizedExperts.stack(w13), QuantizedExperts.stack(w2), inter, "silu")

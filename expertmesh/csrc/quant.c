@@ -222,6 +222,61 @@ DEFINE_QGEMM(1)
 DEFINE_QGEMM(2)
 DEFINE_QGEMM(3)
 
+/* ---- one row (decode) against NQ1 panels at once ----
+ * A tile's NP panels are NP streams of codes: at one row the product is bound by memory, and a core
+ * reads more from memory with more streams in flight (measured here, Zen 3: 12.5 GB/s with one
+ * stream, 18 with eight; the float32 GEMM's 8-panel row1_f32 streams at ~20 GB/s, the NP-panel tiles
+ * at ~8). So one row takes NQ1 panels (a whole number of NP groups), each its own accumulator chain.
+ * (Software prefetch 512-2048 bytes ahead in each stream made it slower: quant_kernel_bench.py
+ * --cold-mb 96, w13 at one row, int8 120 -> 142-148 us.) Per group the sums fold in as in the tiles:
+ * acc += s * sum(code * x) + m * sum(x). */
+#define NQ1 (4 * NP)
+#define DEFINE_QROW1(KIND)                                                                         \
+  static void qrow1_##KIND(const float* x, int64_t I, const uint8_t* qp, const float* sp,          \
+                           const float* mp, int64_t gs, float* y, int64_t O, int64_t p0,            \
+                           const float* bias) {                                                    \
+    const int64_t G = (I + gs - 1) / gs, pb = I * Q_BYTES(KIND);                                   \
+    const uint8_t* q = qp + p0 * pb;                                                               \
+    vf acc[NQ1];                                                                                   \
+    for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};                                                \
+    for (int64_t g = 0; g < G; g++) {                                                              \
+      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;                                   \
+      vf d[NQ1];                                                                                   \
+      for (int j = 0; j < NQ1; j++) d[j] = (vf){0};                                                \
+      for (int64_t i = i0; i < i1; i++) {                                                          \
+        const float xs = x[i];                                                                     \
+        for (int j = 0; j < NQ1; j++) d[j] += q_decode##KIND(q + j * pb + i * Q_BYTES(KIND)) * xs;  \
+      }                                                                                            \
+      float xsum = 0.f;                                                                            \
+      _Pragma("omp simd reduction(+ : xsum)") for (int64_t t = i0; t < i1; t++) xsum += x[t];      \
+      for (int j = 0; j < NQ1; j++) {                                                              \
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES);                              \
+        const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);                              \
+        acc[j] += s * d[j] + m * xsum;                                                             \
+      }                                                                                            \
+    }                                                                                              \
+    for (int j = 0; j < NQ1; j++) {                                                                \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                       \
+      store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);                                      \
+    }                                                                                              \
+  }
+
+DEFINE_QROW1(0)
+DEFINE_QROW1(1)
+DEFINE_QROW1(2)
+DEFINE_QROW1(3)
+
+typedef void (*qrow1_fn)(const float*, int64_t, const uint8_t*, const float*, const float*, int64_t, float*,
+                         int64_t, int64_t, const float*);
+static qrow1_fn q_row1(int kind) {
+  switch (kind) {
+    case 0: return qrow1_0;
+    case 1: return qrow1_1;
+    case 2: return qrow1_2;
+    default: return qrow1_3;
+  }
+}
+
 typedef void (*qrows_fn)(const float*, int64_t, const uint8_t*, const float*, const float*, int64_t,
                          float*, int64_t, int64_t, int64_t, int64_t, const float*);
 static qrows_fn q_rows(int kind) {

@@ -21,8 +21,11 @@ static void q_act_rows(const float* x, int64_t I, int64_t gs, int64_t stride, in
     int8_t* q = xq + r * stride;
     for (int64_t g = 0; g < G; g++) {
       const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;
-      float amax = 0.f;
-      for (int64_t i = i0; i < i1; i++) amax = fmaxf(amax, fabsf(xr[i]));
+      float amax = 0.f; /* not fmaxf: a libm call per input here (perf: ~2% of a w8a8 decode step) */
+      _Pragma("omp simd reduction(max : amax)") for (int64_t i = i0; i < i1; i++) {
+        const float a = fabsf(xr[i]);
+        amax = a > amax ? a : amax;
+      }
       const float s = amax / 127.f;
       sx[r * G + g] = s;
       int32_t total = 0;
@@ -191,3 +194,82 @@ static inline __attribute__((always_inline)) void qtile_a(
   }
 }
 
+
+/* ---- one row of quantized activations against NQ1 panels at once (see qrow1_* in quant.c) ----
+ * The same arithmetic as the tiles (exact integer sums, folded in once a group). The portable build
+ * (no AVX2) takes the tiles. */
+#if LANES == 8 && defined(__AVX2__)
+static void qrow1_a8(const int8_t* xq, const float* sx, int64_t I, const uint8_t* qp, const float* sp,
+                     int64_t G, int64_t gs, float* y, int64_t O, int64_t p0, const float* bias) {
+  const int64_t I4 = (I + 3) / 4, pb = I4 * LANES * 4;
+  const uint8_t* q = qp + p0 * pb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  vf acc[NQ1];
+  for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t k0 = g * gs / 4, k1 = (g + 1) * gs >= I ? I4 : (g + 1) * gs / 4;
+    __m256i isum[NQ1];
+    for (int j = 0; j < NQ1; j++) isum[j] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k++) {
+      int32_t four;
+      memcpy(&four, xq + 4 * k, 4);
+      const __m256i xb = _mm256_set1_epi32(four);
+      for (int j = 0; j < NQ1; j++) { /* |w| * (x with w's sign) = w * x, as in qtile_a8_body */
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(q + j * pb + k * 32));
+        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xb, w));
+        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p16, ones));
+      }
+    }
+    for (int j = 0; j < NQ1; j++)
+      acc[j] += (vf)_mm256_cvtepi32_ps(isum[j]) * (load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[g]);
+  }
+  for (int j = 0; j < NQ1; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);
+  }
+}
+
+static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64_t I, const uint8_t* qp,
+                     const float* sp, const float* mp, int64_t G, int64_t gs, float* y, int64_t O, int64_t p0,
+                     const float* bias) {
+  const int64_t I8 = (I + 7) / 8, pb = I8 * LANES * 4;
+  const uint8_t* q = qp + p0 * pb;
+  /* The next span (contiguous after this one) prefetched at the pace this one is read: a panel's
+   * stream is I / 2 bytes here, short for the hardware prefetcher (quant_kernel_bench.py --cold-mb 96,
+   * one row: w13 73 -> 58 us, qkv 41 -> 32, w2 36 -> 35; a decode step 3.52 -> 2.93 ms). W8A8's streams
+   * are twice as long and the same prefetch made qrow1_a8 slower (w13 72 -> 87 us), so it has none. */
+  const uint8_t* next = q + NQ1 * pb;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  vf acc[NQ1];
+  for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t k0 = g * gs / 8, k1 = (g + 1) * gs >= I ? I8 : (g + 1) * gs / 8;
+    __m256i isum[NQ1];
+    for (int j = 0; j < NQ1; j++) isum[j] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k++) {
+      int32_t four[2];
+      memcpy(four, xq + 8 * k, 8);
+      const __m256i x0 = _mm256_set1_epi32(four[0]), x1 = _mm256_set1_epi32(four[1]);
+      for (int c = 0; c < NQ1 * 32; c += 64) __builtin_prefetch(next + k * NQ1 * 32 + c);
+      for (int j = 0; j < NQ1; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + j * pb + k * 32));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p16, ones));
+      }
+    }
+    for (int j = 0; j < NQ1; j++) {
+      const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[g];
+      const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
+      acc[j] += (vf)_mm256_cvtepi32_ps(isum[j]) * s + m * xsum[g];
+    }
+  }
+  for (int j = 0; j < NQ1; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);
+  }
+}
+#define Q_ROW1_A 1
+#else
+#define Q_ROW1_A 0
+#endif

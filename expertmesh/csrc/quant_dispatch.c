@@ -22,11 +22,59 @@ static void qrows_a8(int kind, const int8_t* xq, const float* sx, const float* x
 #define Q_KIND_A8 4
 #define Q_KIND_A4 5
 
+/* Rows [r0, r1) against the NQ1 panels from p0 (a multiple of NQ1; fewer at the end): one row of a
+ * whole span by the one-row kernels, anything else by the tiles, NP panels at a time. The activations
+ * are x (weight-only kinds) or their quantized form xq, sx, xsum (kinds 4, 5), all [rows, ...]. */
+static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, const float* xsum, int64_t I,
+                   const uint8_t* qp, const float* sp, const float* mp, int64_t gs, float* y, int64_t O,
+                   int64_t p0, int64_t r0, int64_t r1, const float* bias) {
+  const int64_t P = (O + LANES - 1) / LANES;
+  const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4;
+  if (r1 - r0 == 1 && P - p0 >= NQ1 && (!a8 || Q_ROW1_A)) {
+    if (!a8) {
+      q_row1(kind)(x + r0 * I, I, qp, sp, mp, gs, y + r0 * O, O, p0, bias);
+      return;
+    }
+#if Q_ROW1_A
+    const int64_t xs = A_STRIDE(kind, I), G = (I + gs - 1) / gs;
+    if (kind == Q_KIND_A8)
+      qrow1_a8(xq + r0 * xs, sx + r0 * G, I, qp, sp, G, gs, y + r0 * O, O, p0, bias);
+    else
+      qrow1_a4(xq + r0 * xs, sx + r0 * G, xsum + r0 * G, I, qp, sp, mp, G, gs, y + r0 * O, O, p0, bias);
+    return;
+#endif
+  }
+  const int64_t g1 = (p0 + NQ1 < P ? p0 + NQ1 : P + NP - 1) / NP;
+  for (int64_t g = p0 / NP; g < g1; g++) {
+    if (a8)
+      qrows_a8(kind, xq, sx, xsum, I, qp, sp, mp, gs, y, O, g, r0, r1, bias);
+    else
+      q_rows(kind)(x, I, qp, sp, mp, gs, y, O, g, r0, r1, bias);
+  }
+}
+
 /* y[M, O] = x[M, I] @ W^T (+ bias), W quantized as above (codes qp, scales sp, offsets mp). */
 void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const float* mp, int64_t gs,
             float* y, int64_t M, int64_t O, int64_t I, const float* bias, int threads) {
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  q_init();
+  if (M == 1) { /* decode: spans of NQ1 panels, the one-row kernels */
+    const int64_t spans = (P + NQ1 - 1) / NQ1;
+    int8_t* xq = NULL;
+    float *sx = NULL, *xsum = NULL;
+    if (kind == Q_KIND_A8 || kind == Q_KIND_A4) {
+      const int64_t G = (I + gs - 1) / gs;
+      xq = (int8_t*)malloc((size_t)A_STRIDE(kind, I) + 1);
+      sx = (float*)malloc(sizeof(float) * (size_t)(2 * G));
+      xsum = kind == Q_KIND_A4 ? sx + G : NULL;
+      q_act_rows(x, I, gs, A_STRIDE(kind, I), xq, sx, xsum, 0, 1);
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t s = 0; s < spans; s++) q_span(kind, x, xq, sx, xsum, I, qp, sp, mp, gs, y, O, s * NQ1, 0, 1, bias);
+    free(xq); free(sx);
+    return;
+  }
   if (kind == Q_KIND_A8 || kind == Q_KIND_A4) {
     const int64_t G = (I + gs - 1) / gs, stride = A_STRIDE(kind, I);
     int8_t* xq = (int8_t*)malloc((size_t)(M * stride + 1));
@@ -58,29 +106,33 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
            const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float* out,
            int threads) {
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
-  const qrows_fn rows = a8 ? NULL : q_rows(kind);
+  q_init();
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
-  const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
-  const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
+  /* work items: (active expert, span of NQ1 panels); a span of an expert with one row (decode) goes
+   * to the one-row kernels */
+  const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NQ1 - 1) / NQ1;
+  const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NQ1 - 1) / NQ1;
   const int64_t n13 = (H + gs13 - 1) / gs13, n2 = (I + gs2 - 1) / gs2; /* groups per row */
   /* bytes of codes per (expert, panel): I * bytes a code for weight-only kinds; W8A8 4 * ceil(I / 4) a
    * lane, W4A8 4 * ceil(I / 8) a lane (two nibbles a byte) */
   const int64_t xs_a = A_STRIDE(kind, H), as_a = A_STRIDE(kind, I);
   const int64_t c13 = !a8 ? H * Q_BYTES(kind) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
   const int64_t c2 = !a8 ? I * Q_BYTES(kind) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
-  float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
-  float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
-  float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
-  float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  /* one allocation a call for every buffer (was ten): float32 rows and scales first, then the int8
+   * codes of the quantized activations (kinds 4, 5) */
+  const int64_t nf = m * (2 * H + 3 * I) + (a8 ? 2 * m * (n13 + n2) : 0) + 8;
+  float* buf = (float*)malloc(sizeof(float) * (size_t)nf + (a8 ? (size_t)(m * (xs_a + as_a)) : 0) + 16);
+  float *xs = buf, *h = xs + m * H, *a = h + m * 2 * I, *ys = a + m * I, *f = ys + m * H;
   /* quantized activations: the gathered rows and the activated intermediates quantized once, read by
    * every panel group */
-  int8_t* xq = a8 ? (int8_t*)malloc((size_t)(m * xs_a + 1)) : NULL;
-  int8_t* aq = a8 ? (int8_t*)malloc((size_t)(m * as_a + 1)) : NULL;
-  float* xsc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
-  float* asc = a8 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
-  float* xsum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n13 + 1)) : NULL;
-  float* asum = kind == Q_KIND_A4 ? (float*)malloc(sizeof(float) * (size_t)(m * n2 + 1)) : NULL;
+  float *xsc = NULL, *asc = NULL, *xsum = NULL, *asum = NULL;
+  int8_t *xq = NULL, *aq = NULL;
+  if (a8) {
+    xsc = f, asc = xsc + m * n13, xsum = asc + m * n2, asum = xsum + m * n13;
+    xq = (int8_t*)(buf + nf), aq = xq + m * xs_a;
+  }
+  if (kind != Q_KIND_A4) xsum = asum = NULL;
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
@@ -88,12 +140,8 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
       const int64_t e = p.active[item / G13];
-      if (a8)
-        qrows_a8(kind, xq, xsc, xsum, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
-                 m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13, p.start[e], p.start[e + 1], NULL);
-      else
-        rows(xs, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES, m13 + e * P13 * n13 * LANES, gs13, h,
-             2 * I, item % G13, p.start[e], p.start[e + 1], NULL);
+      q_span(kind, xs, xq, xsc, xsum, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
+             m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13 * NQ1, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       gated_row(h + r * 2 * I, a + r * I, I, act);
@@ -101,18 +149,13 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
       const int64_t e = p.active[item / G2];
-      if (a8)
-        qrows_a8(kind, aq, asc, asum, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
-                 gs2, ys, H, item % G2, p.start[e], p.start[e + 1], NULL);
-      else
-        rows(a, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES, gs2, ys, H,
-             item % G2, p.start[e], p.start[e + 1], NULL);
+      q_span(kind, a, aq, asc, asum, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
+             gs2, ys, H, item % G2 * NQ1, p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
-  free(xs); free(h); free(a); free(ys);
-  free(xq); free(aq); free(xsc); free(asc); free(xsum); free(asum);
+  free(buf);
   moe_free(&p);
 }
 
