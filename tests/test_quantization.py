@@ -466,3 +466,10 @@ def test_tp2_with_groups_a_rank_would_cut_is_an_error_naming_the_sizes(real_chec
         assert message is not None and re.search(
             r"splits its input dim \d+ over 2 ranks, \d+ a rank", message
         )
+
+
+def test_rounding_to_fp4_codes_is_an_error():
+    """fp4 codes come from MXFP4 checkpoints only: rounding a float weight to them is not written, so
+    it must not pass silently as another kind's codes."""
+    with pytest.raises(ValueError, match="no rounding to 'fp4' codes"):
+        QuantizedWeight.quantize(torch.randn(8, 32), "fp4", 32, None)

@@ -29,8 +29,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+ROUNDED_KINDS = ("int8", "int4", "fp8", "w8a8", "w4a8")
+
+
 def quantize_rows(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[O, I] float -> codes [O, I] uint8, scales and offsets [O, G] float32 (group 0: G = 1)."""
+    if kind not in ROUNDED_KINDS:  # fp4 codes come from checkpoints (MXFP4) only
+        raise ValueError(f"quantize_rows: no rounding to {kind!r} codes; it rounds to {list(ROUNDED_KINDS)}")
     out_f, in_f = w.shape
     group = group or in_f
     g = _cdiv(in_f, group)
