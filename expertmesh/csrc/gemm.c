@@ -95,7 +95,15 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     default: break;                                          \
   }
 
-#define DEFINE_GEMM(SUFFIX, TW, TY, LOADW, STOREY)                                               \
+/* Rows a call may have and still take span_* below's few-row tiles; more take MR x NP tiles. */
+#define SPAN_ROWS 6
+/* Panels a span_* work item covers: a multiple of every few-row tile's width (and of NP). */
+#define SPAN_PANELS 12
+/* From this many rows bf16 weights are widened once per panel group into a float32 buffer that
+ * every row tile then reads (wide_rows_*), instead of widening in every tile. */
+#define WIDEN_ROWS 24
+
+#define DEFINE_GEMM(SUFFIX, TW, TY, LOADW, STOREY, MANY)                                         \
   static inline __attribute__((always_inline)) void tile_##SUFFIX(                              \
       const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t p0, int64_t np,        \
       const int rows, const float* bias) {                                                       \
@@ -126,19 +134,77 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     }                                                                                            \
   }                                                                                              \
                                                                                                  \
-  /* Rows [r0, r1) of x against panel group g, in tiles (TILE_ROWS).                       */   \
-  static void rows_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
-                            int64_t g, int64_t r0, int64_t r1, const float* bias) {              \
-    const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
+  /* `rows` x `npc` accumulators (both constants, rows * npc <= 12) over np <= npc panels from  \
+   * p0: the few-row tiles. Every output is the same chain of FMAs over i as in tile_*, so a    \
+   * row's result does not depend on the tile that computed it. */                              \
+  static inline __attribute__((always_inline)) void tilew_##SUFFIX(                             \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t p0, int64_t np,        \
+      const int rows, const int npc, const float* bias) {                                        \
+    vf acc[12];                                                                                  \
+    for (int a = 0; a < rows * npc; a++) acc[a] = (vf){0};                                       \
+    const TW* w = wp + p0 * I * LANES;                                                           \
+    if (np == npc) {                                                                             \
+      for (int64_t i = 0; i < I; i++) {                                                          \
+        vf wv[12];                                                                               \
+        for (int j = 0; j < npc; j++) wv[j] = LOADW(w + (j * I + i) * LANES);                   \
+        for (int r = 0; r < rows; r++) {                                                         \
+          const float xs = x[r * I + i];                                                         \
+          for (int j = 0; j < npc; j++) acc[r * npc + j] += wv[j] * xs;                          \
+        }                                                                                        \
+      }                                                                                          \
+    } else {                                                                                     \
+      for (int64_t i = 0; i < I; i++)                                                            \
+        for (int j = 0; j < np; j++) {                                                           \
+          const vf wv = LOADW(w + (j * I + i) * LANES);                                         \
+          for (int r = 0; r < rows; r++) acc[r * npc + j] += wv * x[r * I + i];                  \
+        }                                                                                        \
+    }                                                                                            \
+    for (int j = 0; j < np; j++) {                                                               \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
+      const vf b = bias_vec(bias, o, n);                                                         \
+      for (int r = 0; r < rows; r++) STOREY(y + r * O + o, acc[r * npc + j] + b, n);             \
+    }                                                                                            \
+  }                                                                                              \
+                                                                                                 \
+  /* Rows [r0, r1) of x against the NP panels from p0, in tiles (TILE_ROWS). */                  \
+  static __attribute__((unused)) void rows_at_##SUFFIX(                                         \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t p0,         \
+      int64_t r0, int64_t r1, const float* bias) {                                               \
+    const int64_t np = P - p0 < NP ? P - p0 : NP;                                                \
     int64_t r = r0;                                                                              \
     TILE_ROWS(r, r1, tile_##SUFFIX, bias, x + r * I, I, wp, y + r * O, O, p0, np);               \
+  }                                                                                              \
+                                                                                                 \
+  /* Rows [r0, r1) of x against panel group g (NP panels), in tiles (TILE_ROWS). */              \
+  static __attribute__((unused)) void rows_##SUFFIX(                                            \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t g,          \
+      int64_t r0, int64_t r1, const float* bias) {                                               \
+    rows_at_##SUFFIX(x, I, wp, y, O, P, g * NP, r0, r1, bias);                                   \
+  }                                                                                              \
+                                                                                                 \
+  /* Rows [r0, r1) against panels [q0, q1): a few rows (an expert's share of a batch, a small  \
+   * batch) in one pass over the weights with tiles as wide as the registers allow, so weights  \
+   * streamed from memory are read once and by enough independent chains (measured:            \
+   * docs/benchmarks.md); 7-12 rows one panel at a time, more rows in MR x NP tiles (MANY). */  \
+  static __attribute__((unused)) void span_##SUFFIX(                                            \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t q0,         \
+      int64_t q1, int64_t r0, int64_t r1, const float* bias) {                                   \
+    const int64_t n = r1 - r0;                                                                   \
+    if (n > SPAN_ROWS) {                                                                         \
+      for (int64_t p = q0; p < q1; p += NP) MANY(x, I, wp, y, O, P, p, r0, r1, bias);            \
+      return;                                                                                    \
+    }                                                                                            \
+    x += r0 * I;                                                                                 \
+    y += r0 * O;                                                                                 \
+    SPAN_CASES(tilew_##SUFFIX, n, q0, q1, x, I, wp, y, O, bias)                                  \
   }                                                                                              \
                                                                                                  \
   /* One row of x against panel group g of NP1 panels (decode): NP1 independent accumulator    \
    * chains instead of a tile's NP, each summed in the same order as in a tile, so the result is \
    * bit for bit the tiles' (a row's product does not depend on how many rows a call has). */   \
-  static void row1_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
-                            int64_t g, const float* bias) {                                      \
+  static __attribute__((unused)) void row1_##SUFFIX(                                            \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t g,          \
+      const float* bias) {                                                                       \
     const int64_t p0 = g * NP1, np = P - p0 < NP1 ? P - p0 : NP1;                                \
     if (np < NP1) {                                                                              \
       for (int64_t q = p0; q < P; q += NP)                                                       \
@@ -158,11 +224,60 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     }                                                                                            \
   }
 
-DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32)
-DEFINE_GEMM(bf16, bf16_t, bf16_t, load_panel_bf16, store_row_bf16)
+/* The few-row tiles for n rows (1..6) over panels [q0, q1), width by row count: 12 accumulators
+ * at most (AVX2 has 16 registers: the rest hold a weight vector and broadcasts). */
+#define SPAN_TILES(tile, rows, npc, q0, q1, x, I, wp, y, O, bias)                                    \
+  for (int64_t p = q0; p < q1; p += npc)                                                          \
+  tile(x, I, wp, y, O, p, q1 - p < npc ? q1 - p : npc, rows, npc, bias)
+#define SPAN_CASES(tile, n, q0, q1, ...)                         \
+  switch (n) {                                                   \
+    case 1: SPAN_TILES(tile, 1, 12, q0, q1, __VA_ARGS__); break; \
+    case 2: SPAN_TILES(tile, 2, 6, q0, q1, __VA_ARGS__); break;  \
+    case 3: SPAN_TILES(tile, 3, 4, q0, q1, __VA_ARGS__); break;  \
+    case 4: SPAN_TILES(tile, 4, 3, q0, q1, __VA_ARGS__); break;  \
+    case 5: SPAN_TILES(tile, 5, 2, q0, q1, __VA_ARGS__); break;  \
+    case 6: SPAN_TILES(tile, 6, 2, q0, q1, __VA_ARGS__); break;  \
+    default: break;                                              \
+  }
+static void wide_rows_bf16(const float* x, int64_t I, const bf16_t* wp, bf16_t* y, int64_t O, int64_t P,
+                           int64_t p0, int64_t r0, int64_t r1, const float* bias);
+static void wide_rows_bf16_f32(const float* x, int64_t I, const bf16_t* wp, float* y, int64_t O,
+                               int64_t P, int64_t p0, int64_t r0, int64_t r1, const float* bias);
+
+DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32, rows_at_f32)
+/* float32 weights (a widened bf16 panel group), bf16 output: wide_rows_bf16's tiles. */
+DEFINE_GEMM(f32_bf16, float, bf16_t, load_panel_f32, store_row_bf16, rows_at_f32_bf16)
+DEFINE_GEMM(bf16, bf16_t, bf16_t, load_panel_bf16, store_row_bf16, wide_rows_bf16)
 /* bf16 weights, float32 output: partial sums that other ranks add to (rounded after the sum),
  * and the routed experts' intermediates (moe_bf16 without pairs). */
-DEFINE_GEMM(bf16_f32, bf16_t, float, load_panel_bf16, store_row_f32)
+DEFINE_GEMM(bf16_f32, bf16_t, float, load_panel_bf16, store_row_f32, wide_rows_bf16_f32)
+
+/* The NP bf16 panels from p0 widened to float32 into buf ([NP][I][LANES]); returns the pointer
+ * that rows_at_* reads as panel p0 (the buffer, offset back by p0 panels). Widening is exact,
+ * so the products equal the in-register widening tiles' bit for bit. */
+static const float* widen_group(const bf16_t* wp, int64_t I, int64_t P, int64_t p0, float* buf) {
+  const int64_t np = P - p0 < NP ? P - p0 : NP;
+  const bf16_t* w = wp + p0 * I * LANES;
+  for (int64_t k = 0; k < np * I; k++) {
+    const vf v = load_panel_bf16(w + k * LANES);
+    memcpy(buf + k * LANES, &v, sizeof v);
+  }
+  return (const float*)((uintptr_t)buf - (uintptr_t)(p0 * I * LANES * (int64_t)sizeof(float)));
+}
+
+#define DEFINE_WIDE_ROWS(SUFFIX, TY, WIDE)                                                          \
+  static void wide_rows_##SUFFIX(const float* x, int64_t I, const bf16_t* wp, TY* y, int64_t O,     \
+                                 int64_t P, int64_t p0, int64_t r0, int64_t r1, const float* bias) { \
+    if (r1 - r0 < WIDEN_ROWS) {                                                                     \
+      rows_at_##SUFFIX(x, I, wp, y, O, P, p0, r0, r1, bias);                                        \
+      return;                                                                                       \
+    }                                                                                               \
+    float* buf = (float*)malloc(sizeof(float) * (size_t)(NP * I * LANES));                          \
+    rows_at_##WIDE(x, I, widen_group(wp, I, P, p0, buf), y, O, P, p0, r0, r1, bias);                \
+    free(buf);                                                                                      \
+  }
+DEFINE_WIDE_ROWS(bf16, bf16_t, f32_bf16)
+DEFINE_WIDE_ROWS(bf16_f32, float, f32)
 
 /* Work items are (block of ROW_BLOCK rows, panel group): a thread's consecutive items share a
  * row block, which stays in cache while the panel groups stream past it (long prefills). */
@@ -176,6 +291,15 @@ void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, i
     const int64_t g1 = (P + NP1 - 1) / NP1;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t g = 0; g < g1; g++) row1_f32(x, I, wp, y, O, P, g, bias);
+    return;
+  }
+  if (M <= SPAN_ROWS) {
+    const int64_t spans = (P + SPAN_PANELS - 1) / SPAN_PANELS;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t s = 0; s < spans; s++) {
+      const int64_t q0 = s * SPAN_PANELS, q1 = q0 + SPAN_PANELS < P ? q0 + SPAN_PANELS : P;
+      span_f32(x, I, wp, y, O, P, q0, q1, 0, M, bias);
+    }
     return;
   }
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
@@ -205,13 +329,26 @@ static void gemm_bf16_to(const bf16_t* x, const bf16_t* wp, void* y, int y_f32, 
     free(xf);
     return;
   }
+  if (M <= SPAN_ROWS) {
+    const int64_t spans = (P + SPAN_PANELS - 1) / SPAN_PANELS;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t s = 0; s < spans; s++) {
+      const int64_t q0 = s * SPAN_PANELS, q1 = q0 + SPAN_PANELS < P ? q0 + SPAN_PANELS : P;
+      if (y_f32)
+        span_bf16_f32(xf, I, wp, (float*)y, O, P, q0, q1, 0, M, bias);
+      else
+        span_bf16(xf, I, wp, (bf16_t*)y, O, P, q0, q1, 0, M, bias);
+    }
+    free(xf);
+    return;
+  }
   _Pragma("omp parallel for schedule(static) num_threads(threads)")
   for (int64_t item = 0; item < blocks * groups; item++) {
     const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
     if (y_f32)
-      rows_bf16_f32(xf, I, wp, (float*)y, O, P, item % groups, r0, r1, bias);
+      wide_rows_bf16_f32(xf, I, wp, (float*)y, O, P, item % groups * NP, r0, r1, bias);
     else
-      rows_bf16(xf, I, wp, (bf16_t*)y, O, P, item % groups, r0, r1, bias);
+      wide_rows_bf16(xf, I, wp, (bf16_t*)y, O, P, item % groups * NP, r0, r1, bias);
   }
   free(xf);
 }
