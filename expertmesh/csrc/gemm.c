@@ -102,6 +102,12 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
 /* From this many rows bf16 weights are widened once per panel group into a float32 buffer that
  * every row tile then reads (wide_rows_*), instead of widening in every tile. */
 #define WIDEN_ROWS 24
+/* The wide few-row tiles read 2-12 weight streams that are usually not in cache (experts with
+ * one to a few tokens each: the Qwen3-30B-A3B shape at batch 32); a software prefetch this far
+ * ahead of each stream measured 1.12x over none on that shape's experts (docs/benchmarks.md). */
+#ifndef PF_BYTES
+#define PF_BYTES 512
+#endif
 
 #define DEFINE_GEMM(SUFFIX, TW, TY, LOADW, STOREY, MANY)                                         \
   static inline __attribute__((always_inline)) void tile_##SUFFIX(                              \
@@ -143,13 +149,23 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     vf acc[12];                                                                                  \
     for (int a = 0; a < rows * npc; a++) acc[a] = (vf){0};                                       \
     const TW* w = wp + p0 * I * LANES;                                                           \
-    if (np == npc) {                                                                             \
+    if (np == npc && npc <= rows) { /* tall: the weight vectors in registers, rows broadcast */  \
       for (int64_t i = 0; i < I; i++) {                                                          \
         vf wv[12];                                                                               \
         for (int j = 0; j < npc; j++) wv[j] = LOADW(w + (j * I + i) * LANES);                   \
         for (int r = 0; r < rows; r++) {                                                         \
           const float xs = x[r * I + i];                                                         \
           for (int j = 0; j < npc; j++) acc[r * npc + j] += wv[j] * xs;                          \
+        }                                                                                        \
+      }                                                                                          \
+    } else if (np == npc) { /* wide: the row broadcasts in registers, one weight vector at a time */ \
+      for (int64_t i = 0; i < I; i++) {                                                          \
+        float xs[12];                                                                            \
+        for (int r = 0; r < rows; r++) xs[r] = x[r * I + i];                                     \
+        for (int j = 0; j < npc; j++) {                                                          \
+          if (PF_BYTES) __builtin_prefetch((const char*)(w + (j * I + i) * LANES) + PF_BYTES, 0, 0); \
+          const vf wv = LOADW(w + (j * I + i) * LANES);                                         \
+          for (int r = 0; r < rows; r++) acc[r * npc + j] += wv * xs[r];                         \
         }                                                                                        \
       }                                                                                          \
     } else {                                                                                     \
@@ -182,10 +198,10 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     rows_at_##SUFFIX(x, I, wp, y, O, P, g * NP, r0, r1, bias);                                   \
   }                                                                                              \
                                                                                                  \
-  /* Rows [r0, r1) against panels [q0, q1): a few rows (an expert's share of a batch, a small  \
-   * batch) in one pass over the weights with tiles as wide as the registers allow, so weights  \
-   * streamed from memory are read once and by enough independent chains (measured:            \
-   * docs/benchmarks.md); 7-12 rows one panel at a time, more rows in MR x NP tiles (MANY). */  \
+  /* Rows [r0, r1) against panels [q0, q1): 1-6 rows (a small batch, an expert's share of one) \
+   * in one pass over the weights, with tiles as wide as the registers allow, so weights        \
+   * streamed from memory are read once and by 4-12 independent chains; more rows in MR x NP    \
+   * tiles (MANY). Measured: docs/benchmarks.md, "Performance round 2". */                      \
   static __attribute__((unused)) void span_##SUFFIX(                                            \
       const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t q0,         \
       int64_t q1, int64_t r0, int64_t r1, const float* bias) {                                   \
