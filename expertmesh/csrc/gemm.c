@@ -289,7 +289,13 @@ static const float* widen_group(const bf16_t* wp, int64_t I, int64_t P, int64_t 
       return;                                                                                       \
     }                                                                                               \
     float* buf = (float*)malloc(sizeof(float) * (size_t)(NP * I * LANES));                          \
-    rows_at_##WIDE(x, I, widen_group(wp, I, P, p0, buf), y, O, P, p0, r0, r1, bias);                \
+    const float* wide = widen_group(wp, I, P, p0, buf);                                             \
+    if (p0 + NP < P) { /* the next group, read from memory while this one's tiles run from cache */ \
+      const char* next = (const char*)(wp + (p0 + NP) * I * LANES);                                 \
+      for (int64_t b = 0; b < (int64_t)(NP * I * LANES * sizeof(bf16_t)); b += 64)                  \
+        __builtin_prefetch(next + b, 0, 2);                                                         \
+    }                                                                                               \
+    rows_at_##WIDE(x, I, wide, y, O, P, p0, r0, r1, bias);                                          \
     free(buf);                                                                                      \
   }
 DEFINE_WIDE_ROWS(bf16, bf16_t, f32_bf16)
