@@ -100,3 +100,20 @@ def test_experts_every_row_count_per_expert(kernels, dtype, k):
         torch.testing.assert_close(
             got[t : t + 1], fused(x[t : t + 1], ids[t : t + 1], w[t : t + 1]), atol=1e-5, rtol=1e-5
         )
+
+
+def test_bf16_output_rounded_as_torch_rounds(kernels):
+    """bf16 outputs are the float32 products rounded once to nearest even (as torch's .to rounds),
+    NaN kept NaN, at every tile's row count; the float32-output call gives the same products."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(203, 37, generator=g).to(torch.bfloat16)
+    packed = kernels.pack(w)
+    for m in ROW_COUNTS:
+        x = torch.randn(m, 37, generator=g).to(torch.bfloat16)
+        if m:
+            x[0, 0] = float("nan")  # row 0 all NaN: the NaN path of the rounding
+            x[-1] *= 2.0**125  # large products: some overflow to infinity
+        got = kernels.linear(x, packed)
+        unrounded = kernels.linear(x, packed, out_dtype=torch.float32)
+        assert torch.equal(got.isnan(), unrounded.isnan())
+        assert torch.equal(got.nan_to_num(), unrounded.to(torch.bfloat16).nan_to_num()), m

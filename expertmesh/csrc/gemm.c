@@ -61,10 +61,14 @@ static inline void store_row_f32(float* y, const vf v, int64_t n) {
   }
 }
 
+/* f32_to_bf16 on a whole vector (round to nearest even, NaN kept quiet) without its branch: the
+ * scalar loop was about a tenth of a bf16 prefill's dense products (2,000 rows, o_proj). */
 static inline void store_row_bf16(bf16_t* y, const vf v, int64_t n) {
-  float tmp[LANES];
-  memcpy(tmp, &v, sizeof tmp);
-  for (int64_t l = 0; l < n; l++) y[l] = f32_to_bf16(tmp[l]);
+  const vu u = (vu)v;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  const vh h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), vh);
+  memcpy(y, &h, sizeof(bf16_t) * (size_t)n);
 }
 
 /* Bias (float32, may be NULL) is added before the output is rounded, as oneDNN does. */
