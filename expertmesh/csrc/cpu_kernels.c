@@ -8,7 +8,8 @@
  *
  * One translation unit, in parts (each part may use what the parts before it define):
  *   attention.c        decode attention over the paged KV cache; per-head products (MLA)
- *   gemm.c             panel GEMM, float32 and bf16 weights (LANES, MR, NP are defined here)
+ *   gemm.c             panel GEMM tiles, float32 and bf16 weights (LANES, MR, NP are defined here)
+ *   gemm_entry.c       gemm_f32 / gemm_bf16 entry points; bf16 panel groups widened once (many rows)
  *   token_ops.c        RMSNorm, rotary embedding + paged cache writes
  *   moe.c              routed experts in one call (the float32 plan the bf16 ones follow)
  *   bf16_pairs.c       bf16 pair products (AVX512-BF16) and the AVX2 bf16 experts plan
@@ -21,6 +22,7 @@
 
 #include "attention.c"
 #include "gemm.c"
+#include "gemm_entry.c"
 #include "token_ops.c"
 #include "moe.c"
 #include "bf16_pairs.c"

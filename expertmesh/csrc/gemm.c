@@ -61,10 +61,14 @@ static inline void store_row_f32(float* y, const vf v, int64_t n) {
   }
 }
 
+/* f32_to_bf16 on a whole vector (round to nearest even, NaN kept quiet) without its branch: the
+ * scalar loop was about a tenth of a bf16 prefill's dense products (2,000 rows, o_proj). */
 static inline void store_row_bf16(bf16_t* y, const vf v, int64_t n) {
-  float tmp[LANES];
-  memcpy(tmp, &v, sizeof tmp);
-  for (int64_t l = 0; l < n; l++) y[l] = f32_to_bf16(tmp[l]);
+  const vu u = (vu)v;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  const vh h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), vh);
+  memcpy(y, &h, sizeof(bf16_t) * (size_t)n);
 }
 
 /* Bias (float32, may be NULL) is added before the output is rounded, as oneDNN does. */
@@ -95,7 +99,21 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     default: break;                                          \
   }
 
-#define DEFINE_GEMM(SUFFIX, TW, TY, LOADW, STOREY)                                               \
+/* Rows a call may have and still take span_* below's few-row tiles; more take MR x NP tiles. */
+#define SPAN_ROWS 6
+/* Panels a span_* work item covers: a multiple of every few-row tile's width (and of NP). */
+#define SPAN_PANELS 12
+/* From this many rows bf16 weights are widened once per panel group into a float32 buffer that
+ * every row tile then reads (wide_rows_*), instead of widening in every tile. */
+#define WIDEN_ROWS 24
+/* The wide few-row tiles read 2-12 weight streams that are usually not in cache (experts with
+ * one to a few tokens each: the Qwen3-30B-A3B shape at batch 32); a software prefetch this far
+ * ahead of each stream measured 1.12x over none on that shape's experts (docs/benchmarks.md). */
+#ifndef PF_BYTES
+#define PF_BYTES 512
+#endif
+
+#define DEFINE_GEMM(SUFFIX, TW, TY, LOADW, STOREY, MANY)                                         \
   static inline __attribute__((always_inline)) void tile_##SUFFIX(                              \
       const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t p0, int64_t np,        \
       const int rows, const float* bias) {                                                       \
@@ -126,19 +144,87 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     }                                                                                            \
   }                                                                                              \
                                                                                                  \
-  /* Rows [r0, r1) of x against panel group g, in tiles (TILE_ROWS).                       */   \
-  static void rows_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
-                            int64_t g, int64_t r0, int64_t r1, const float* bias) {              \
-    const int64_t p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;                                   \
+  /* `rows` x `npc` accumulators (both constants, rows * npc <= 12) over np <= npc panels from  \
+   * p0: the few-row tiles. Every output is the same chain of FMAs over i as in tile_*, so a    \
+   * row's result does not depend on the tile that computed it. */                              \
+  static inline __attribute__((always_inline)) void tilew_##SUFFIX(                             \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t p0, int64_t np,        \
+      const int rows, const int npc, const float* bias) {                                        \
+    vf acc[12];                                                                                  \
+    for (int a = 0; a < rows * npc; a++) acc[a] = (vf){0};                                       \
+    const TW* w = wp + p0 * I * LANES;                                                           \
+    if (np == npc && npc <= rows) { /* tall: the weight vectors in registers, rows broadcast */  \
+      for (int64_t i = 0; i < I; i++) {                                                          \
+        vf wv[12];                                                                               \
+        for (int j = 0; j < npc; j++) wv[j] = LOADW(w + (j * I + i) * LANES);                   \
+        for (int r = 0; r < rows; r++) {                                                         \
+          const float xs = x[r * I + i];                                                         \
+          for (int j = 0; j < npc; j++) acc[r * npc + j] += wv[j] * xs;                          \
+        }                                                                                        \
+      }                                                                                          \
+    } else if (np == npc) { /* wide: the row broadcasts in registers, one weight vector at a time */ \
+      for (int64_t i = 0; i < I; i++) {                                                          \
+        float xs[12];                                                                            \
+        for (int r = 0; r < rows; r++) xs[r] = x[r * I + i];                                     \
+        for (int j = 0; j < npc; j++) {                                                          \
+          if (PF_BYTES) __builtin_prefetch((const char*)(w + (j * I + i) * LANES) + PF_BYTES, 0, 0); \
+          const vf wv = LOADW(w + (j * I + i) * LANES);                                         \
+          for (int r = 0; r < rows; r++) acc[r * npc + j] += wv * xs[r];                         \
+        }                                                                                        \
+      }                                                                                          \
+    } else {                                                                                     \
+      for (int64_t i = 0; i < I; i++)                                                            \
+        for (int j = 0; j < np; j++) {                                                           \
+          const vf wv = LOADW(w + (j * I + i) * LANES);                                         \
+          for (int r = 0; r < rows; r++) acc[r * npc + j] += wv * x[r * I + i];                  \
+        }                                                                                        \
+    }                                                                                            \
+    for (int j = 0; j < np; j++) {                                                               \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                     \
+      const vf b = bias_vec(bias, o, n);                                                         \
+      for (int r = 0; r < rows; r++) STOREY(y + r * O + o, acc[r * npc + j] + b, n);             \
+    }                                                                                            \
+  }                                                                                              \
+                                                                                                 \
+  /* Rows [r0, r1) of x against the NP panels from p0, in tiles (TILE_ROWS). */                  \
+  static __attribute__((unused)) void rows_at_##SUFFIX(                                         \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t p0,         \
+      int64_t r0, int64_t r1, const float* bias) {                                               \
+    const int64_t np = P - p0 < NP ? P - p0 : NP;                                                \
     int64_t r = r0;                                                                              \
     TILE_ROWS(r, r1, tile_##SUFFIX, bias, x + r * I, I, wp, y + r * O, O, p0, np);               \
+  }                                                                                              \
+                                                                                                 \
+  /* Rows [r0, r1) of x against panel group g (NP panels), in tiles (TILE_ROWS). */              \
+  static __attribute__((unused)) void rows_##SUFFIX(                                            \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t g,          \
+      int64_t r0, int64_t r1, const float* bias) {                                               \
+    rows_at_##SUFFIX(x, I, wp, y, O, P, g * NP, r0, r1, bias);                                   \
+  }                                                                                              \
+                                                                                                 \
+  /* Rows [r0, r1) against panels [q0, q1): 1-6 rows (a small batch, an expert's share of one) \
+   * in one pass over the weights, with tiles as wide as the registers allow, so weights        \
+   * streamed from memory are read once and by 4-12 independent chains; more rows in MR x NP    \
+   * tiles (MANY). Measured: docs/benchmarks.md, "Performance round 2". */                      \
+  static __attribute__((unused)) void span_##SUFFIX(                                            \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t q0,         \
+      int64_t q1, int64_t r0, int64_t r1, const float* bias) {                                   \
+    const int64_t n = r1 - r0;                                                                   \
+    if (n > SPAN_ROWS) {                                                                         \
+      for (int64_t p = q0; p < q1; p += NP) MANY(x, I, wp, y, O, P, p, r0, r1, bias);            \
+      return;                                                                                    \
+    }                                                                                            \
+    x += r0 * I;                                                                                 \
+    y += r0 * O;                                                                                 \
+    SPAN_CASES(tilew_##SUFFIX, n, q0, q1, x, I, wp, y, O, bias)                                  \
   }                                                                                              \
                                                                                                  \
   /* One row of x against panel group g of NP1 panels (decode): NP1 independent accumulator    \
    * chains instead of a tile's NP, each summed in the same order as in a tile, so the result is \
    * bit for bit the tiles' (a row's product does not depend on how many rows a call has). */   \
-  static void row1_##SUFFIX(const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P,\
-                            int64_t g, const float* bias) {                                      \
+  static __attribute__((unused)) void row1_##SUFFIX(                                            \
+      const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t g,          \
+      const float* bias) {                                                                       \
     const int64_t p0 = g * NP1, np = P - p0 < NP1 ? P - p0 : NP1;                                \
     if (np < NP1) {                                                                              \
       for (int64_t q = p0; q < P; q += NP)                                                       \
@@ -158,71 +244,30 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
     }                                                                                            \
   }
 
-DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32)
-DEFINE_GEMM(bf16, bf16_t, bf16_t, load_panel_bf16, store_row_bf16)
+/* The few-row tiles for n rows (1..6) over panels [q0, q1), width by row count: 12 accumulators
+ * at most (AVX2 has 16 registers: the rest hold a weight vector and broadcasts). */
+#define SPAN_TILES(tile, rows, npc, q0, q1, x, I, wp, y, O, bias)                                    \
+  for (int64_t p = q0; p < q1; p += npc)                                                          \
+  tile(x, I, wp, y, O, p, q1 - p < npc ? q1 - p : npc, rows, npc, bias)
+#define SPAN_CASES(tile, n, q0, q1, ...)                         \
+  switch (n) {                                                   \
+    case 1: SPAN_TILES(tile, 1, 12, q0, q1, __VA_ARGS__); break; \
+    case 2: SPAN_TILES(tile, 2, 6, q0, q1, __VA_ARGS__); break;  \
+    case 3: SPAN_TILES(tile, 3, 4, q0, q1, __VA_ARGS__); break;  \
+    case 4: SPAN_TILES(tile, 4, 3, q0, q1, __VA_ARGS__); break;  \
+    case 5: SPAN_TILES(tile, 5, 2, q0, q1, __VA_ARGS__); break;  \
+    case 6: SPAN_TILES(tile, 6, 2, q0, q1, __VA_ARGS__); break;  \
+    default: break;                                              \
+  }
+static void wide_rows_bf16(const float* x, int64_t I, const bf16_t* wp, bf16_t* y, int64_t O, int64_t P,
+                           int64_t p0, int64_t r0, int64_t r1, const float* bias);
+static void wide_rows_bf16_f32(const float* x, int64_t I, const bf16_t* wp, float* y, int64_t O,
+                               int64_t P, int64_t p0, int64_t r0, int64_t r1, const float* bias);
+
+DEFINE_GEMM(f32, float, float, load_panel_f32, store_row_f32, rows_at_f32)
+/* float32 weights (a widened bf16 panel group), bf16 output: wide_rows_bf16's tiles. */
+DEFINE_GEMM(f32_bf16, float, bf16_t, load_panel_f32, store_row_bf16, rows_at_f32_bf16)
+DEFINE_GEMM(bf16, bf16_t, bf16_t, load_panel_bf16, store_row_bf16, wide_rows_bf16)
 /* bf16 weights, float32 output: partial sums that other ranks add to (rounded after the sum),
  * and the routed experts' intermediates (moe_bf16 without pairs). */
-DEFINE_GEMM(bf16_f32, bf16_t, float, load_panel_bf16, store_row_f32)
-
-/* Work items are (block of ROW_BLOCK rows, panel group): a thread's consecutive items share a
- * row block, which stays in cache while the panel groups stream past it (long prefills). */
-#define ROW_BLOCK 256
-
-void gemm_f32(const float* x, const float* wp, float* y, int64_t M, int64_t O, int64_t I,
-              const float* bias, int threads) {
-  const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
-  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-  if (M == 1) {
-    const int64_t g1 = (P + NP1 - 1) / NP1;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t g = 0; g < g1; g++) row1_f32(x, I, wp, y, O, P, g, bias);
-    return;
-  }
-  _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t item = 0; item < blocks * groups; item++) {
-    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
-    rows_f32(x, I, wp, y, O, P, item % groups, r0, r1, bias);
-  }
-}
-
-/* x is widened to float32 once, so the tiles broadcast plain floats. y: bf16, or float32 when
- * y_f32 (gemm_bf16_f32: the same products, not rounded). */
-static void gemm_bf16_to(const bf16_t* x, const bf16_t* wp, void* y, int y_f32, int64_t M, int64_t O,
-                         int64_t I, const float* bias, int threads) {
-  const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
-  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
-  for (int64_t k = 0; k < M * I; k++) xf[k] = bf16_to_f32(x[k]);
-  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-  if (M == 1) {
-    const int64_t g1 = (P + NP1 - 1) / NP1;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t g = 0; g < g1; g++) {
-      if (y_f32)
-        row1_bf16_f32(xf, I, wp, (float*)y, O, P, g, bias);
-      else
-        row1_bf16(xf, I, wp, (bf16_t*)y, O, P, g, bias);
-    }
-    free(xf);
-    return;
-  }
-  _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t item = 0; item < blocks * groups; item++) {
-    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
-    if (y_f32)
-      rows_bf16_f32(xf, I, wp, (float*)y, O, P, item % groups, r0, r1, bias);
-    else
-      rows_bf16(xf, I, wp, (bf16_t*)y, O, P, item % groups, r0, r1, bias);
-  }
-  free(xf);
-}
-
-void gemm_bf16(const bf16_t* x, const bf16_t* wp, bf16_t* y, int64_t M, int64_t O, int64_t I,
-               const float* bias, int threads) {
-  gemm_bf16_to(x, wp, y, 0, M, O, I, bias, threads);
-}
-
-void gemm_bf16_f32(const bf16_t* x, const bf16_t* wp, float* y, int64_t M, int64_t O, int64_t I,
-                   const float* bias, int threads) {
-  gemm_bf16_to(x, wp, y, 1, M, O, I, bias, threads);
-}
-
+DEFINE_GEMM(bf16_f32, bf16_t, float, load_panel_bf16, store_row_f32, wide_rows_bf16_f32)

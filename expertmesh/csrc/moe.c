@@ -92,11 +92,9 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
              int threads) {
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
-  const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NP - 1) / NP;
-  const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NP - 1) / NP;
-  /* every active expert has one row (a decode at batch 1): row1 items of NP1 panels */
-  const int one = m == p.na;
-  const int64_t O13 = (P13 + NP1 - 1) / NP1, O2 = (P2 + NP1 - 1) / NP1;
+  const int64_t P13 = (2 * I + LANES - 1) / LANES, P2 = (H + LANES - 1) / LANES;
+  /* items: (active expert, SPAN_PANELS panels); span_f32 picks the tiles for the expert's rows */
+  const int64_t S13 = (P13 + SPAN_PANELS - 1) / SPAN_PANELS, S2 = (P2 + SPAN_PANELS - 1) / SPAN_PANELS;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
@@ -104,29 +102,17 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
-    if (one) {
-      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O13; item++) {
-        const int64_t e = p.active[item / O13], r = p.start[e];
-        row1_f32(xs + r * H, H, w13 + e * P13 * H * LANES, h + r * 2 * I, 2 * I, P13, item % O13, NULL);
-      }
-    } else {
-      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
-        const int64_t e = p.active[item / G13];
-        rows_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, item % G13, p.start[e], p.start[e + 1], NULL);
-      }
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S13; item++) {
+      const int64_t e = p.active[item / S13], q0 = item % S13 * SPAN_PANELS;
+      span_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, q0, q0 + SPAN_PANELS < P13 ? q0 + SPAN_PANELS : P13,
+               p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       gated_row(h + r * 2 * I, a + r * I, I, act);
-    if (one) {
-      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * O2; item++) {
-        const int64_t e = p.active[item / O2], r = p.start[e];
-        row1_f32(a + r * I, I, w2 + e * P2 * I * LANES, ys + r * H, H, P2, item % O2, NULL);
-      }
-    } else {
-      _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
-        const int64_t e = p.active[item / G2];
-        rows_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, item % G2, p.start[e], p.start[e + 1], NULL);
-      }
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S2; item++) {
+      const int64_t e = p.active[item / S2], q0 = item % S2 * SPAN_PANELS;
+      span_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, q0, q0 + SPAN_PANELS < P2 ? q0 + SPAN_PANELS : P2,
+               p.start[e], p.start[e + 1], NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
