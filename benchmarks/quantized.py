@@ -29,17 +29,24 @@ import roofline
 import throughput
 from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe
 
-# name -> (engine, expertmesh quantization or GGUF type, bytes a weight of the quantized matmuls)
+# name -> (engine, expertmesh quantization or GGUF type, bytes a weight of the quantized matmuls,
+# bytes a weight of the LM head: float32 for ours unless "+head"; llama.cpp's Q8_0 stores output.weight
+# as Q8_0, its Q4_0 as Q6_K, 210 bytes per 256)
+Q6_K = 210 / 256
 RUNS = {
-    "expertmesh fp32": ("expertmesh", None, 4.0),
-    "expertmesh int8": ("expertmesh", "int8", 1.0625),
-    "expertmesh int4": ("expertmesh", "int4", 0.5625),
-    "expertmesh w8a8": ("expertmesh", "w8a8", 1.0625),
-    "expertmesh w4a8": ("expertmesh", "w4a8", 0.5625),
-    "llama.cpp F32": ("llama.cpp", "f32", 4.0),
-    "llama.cpp Q8_0": ("llama.cpp", "q8_0", 1.0625),
-    "llama.cpp Q4_0": ("llama.cpp", "q4_0", 0.5625),
+    "expertmesh fp32": ("expertmesh", None, 4.0, 4.0),
+    "expertmesh int8": ("expertmesh", "int8", 1.0625, 4.0),
+    "expertmesh int4": ("expertmesh", "int4", 0.5625, 4.0),
+    "expertmesh w8a8": ("expertmesh", "w8a8", 1.0625, 4.0),
+    "expertmesh w4a8": ("expertmesh", "w4a8", 0.5625, 4.0),
+    "expertmesh int8+head": ("expertmesh", "int8+head", 1.0625, 1.0625),
+    "expertmesh w8a8+head": ("expertmesh", "w8a8+head", 1.0625, 1.0625),
+    "expertmesh w4a8+head": ("expertmesh", "w4a8+head", 0.5625, 0.5625),
+    "llama.cpp F32": ("llama.cpp", "f32", 4.0, 4.0),
+    "llama.cpp Q8_0": ("llama.cpp", "q8_0", 1.0625, 1.0625),
+    "llama.cpp Q4_0": ("llama.cpp", "q4_0", 0.5625, Q6_K),
 }
+DEFAULT_RUNS = [r for r in RUNS if "+head" not in r]
 LLAMA_FTYPE_Q4_0 = 2  # llama.h's LLAMA_FTYPE_MOSTLY_Q4_0
 QUANTIZE = """
 import sys, llama_cpp as L
@@ -57,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {list(RUNS)}")
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, of {list(RUNS)}")
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--llama-converter", default=throughput.LLAMA_CONVERTER)
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
@@ -103,13 +110,12 @@ def gguf(args: argparse.Namespace, model: str, kind: str) -> str:
     return str(out)
 
 
-def weight_mb_per_token(shape: roofline.MoEShape, per_weight: float) -> float:
-    """Weights read by one batch-1 decode step: the quantized matmuls at `per_weight` bytes, the
-    router, norms, embedding row and lm_head in float32 (llama.cpp keeps its head in the file's
-    type; ours stays float32)."""
+def weight_mb_per_token(shape: roofline.MoEShape, per_weight: float, head: float) -> float:
+    """Weights read by one batch-1 decode step: the quantized matmuls at `per_weight` bytes, the LM
+    head at `head`, the router, norms and embedding row in float32."""
     quantized = shape.layers * (shape.attn_params + shape.top_k * shape.expert_params)
-    rest = shape.layers * (shape.hidden * shape.experts + 2 * shape.hidden) + (shape.vocab + 1) * shape.hidden
-    return (quantized * per_weight + rest * 4) / 1e6
+    rest = shape.layers * (shape.hidden * shape.experts + 2 * shape.hidden) + shape.hidden
+    return (quantized * per_weight + shape.vocab * shape.hidden * head + rest * 4) / 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = roofline.MoEShape.from_model_dir(model)
     results, rows = {}, []
     for name, native in _schedule(args):
-        engine, fmt, per_weight = RUNS[name]
+        engine, fmt, per_weight, head = RUNS[name]
         run_spec = dict(spec)
         if native is not None:
             run_spec["native_decode"] = native
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         sub = workdir / name.replace(" ", "-")
         sub.mkdir(exist_ok=True)
         results[name] = throughput.run_engine(engine, python, run_spec, sub, args.timeout)
-        row = {"run": name, "MB/token b1": weight_mb_per_token(shape, per_weight)}
+        row = {"run": name, "MB/token b1": weight_mb_per_token(shape, per_weight, head)}
         for w in workloads:
             row[f"{w['name']} tok/s"] = throughput.tokens_per_s(results[name], w["name"])
             row[f"{w['name']} tok/cpu-s"] = throughput.tokens_per_s(results[name], w["name"], "median_cpu_s")

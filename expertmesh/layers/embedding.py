@@ -20,6 +20,7 @@ from torch import nn
 
 from expertmesh.layers import cpu_gemm
 from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -57,12 +58,20 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias = nn.Parameter(torch.zeros(self.shard, dtype=dtype), requires_grad=False)
             set_loader(self.bias, self._load)
 
-    packed: cpu_gemm.PackedWeight | None = None
+    packed: cpu_gemm.PackedWeight | QuantizedWeight | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=True, in_place=True)
         if self.packed is not None:
             cpu_gemm.release(self.weight)
+
+    quantizable = True  # by online quantization only when the scheme asks ("+head")
+
+    def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
+        if not getattr(scheme, "lm_head", False):
+            return self.use_cpu_kernels(kernels)
+        self.packed = QuantizedWeight.quantize(self.weight.data, scheme.kind, scheme.group_size, kernels)
+        cpu_gemm.release(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, vocab] float32 logits on every TP rank."""

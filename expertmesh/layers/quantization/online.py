@@ -17,6 +17,9 @@ inputs of an output row:
 The first three are weight-only: activations stay in the model dtype.
 
 A suffix picks another group: "int4-g32" (32 inputs), "int8-ch" (one scale per output channel).
+"+head" quantizes the LM head too, with the same scheme ("int8+head", "w4a8-g32+head"): it is
+float32 by default, as vLLM keeps it; llama.cpp's Q8_0 holds it as Q8_0. A tied head gets its own
+compressed copy (the embedding's rows stay float for the lookup).
 
 Groups are laid in the checkpoint tensor's frame, so every parallel layout quantizes a weight
 alike: a layer whose input dim is split over ranks (row-parallel under TP, experts' down
@@ -38,16 +41,18 @@ class OnlineScheme:
     method: str  # a key of METHODS
     group_size: int = DEFAULT_GROUP  # inputs per scale; 0: one scale per output channel
     online: bool = True
+    lm_head: bool = False  # "+head": the LM head quantized too
 
     METHODS: ClassVar[tuple[str, ...]] = ("fp8", "int4", "int8", "w4a8", "w8a8")
 
     @classmethod
     def parse(cls, name: str) -> OnlineScheme:
-        m = re.fullmatch(r"(\w+?)(?:-(?:g(\d+)|(ch)))?", str(name))
+        m = re.fullmatch(r"(\w+?)(?:-(?:g(\d+)|(ch)))?(\+head)?", str(name))
         if m is None or m.group(1) not in cls.METHODS or (m.group(2) is not None and int(m.group(2)) < 1):
             raise ValueError(
                 f"quantization={name!r} is not known; known: {list(cls.METHODS)}, optionally with a group "
-                "suffix ('-g32': 32 inputs a scale, '-ch': one scale per output channel)"
+                "suffix ('-g32': 32 inputs a scale, '-ch': one scale per output channel) and '+head' (the "
+                "LM head quantized too)"
             )
         group = 0 if m.group(3) else int(m.group(2) or DEFAULT_GROUP)
         step = {"w8a8": 4, "w4a8": 8}.get(m.group(1), 1)  # inputs the kernel's integer products take at once
@@ -55,7 +60,7 @@ class OnlineScheme:
             raise ValueError(
                 f"quantization={name!r}: {m.group(1)} needs groups of a multiple of {step} inputs (or '-ch')"
             )
-        return cls(m.group(1), group)
+        return cls(m.group(1), group, lm_head=m.group(4) is not None)
 
     @property
     def kind(self) -> str:
@@ -63,16 +68,18 @@ class OnlineScheme:
 
     @property
     def name(self) -> str:
-        return self.method + ("-ch" if not self.group_size else f"-g{self.group_size}")
+        group = "-ch" if not self.group_size else f"-g{self.group_size}"
+        return self.method + group + ("+head" if self.lm_head else "")
 
     def describe(self) -> str:
         group = "per output channel" if not self.group_size else f"groups of {self.group_size}"
+        head = ", the LM head too" if self.lm_head else ""
         if self.method in ("w8a8", "w4a8"):
             return (
                 f"online {self.method} (int{self.method[1]} weights, {group}; activations int8 per token and "
-                "group), held compressed"
+                f"group{head}), held compressed"
             )
-        return f"online {self.method} weight-only ({group}), held compressed"
+        return f"online {self.method} weight-only ({group}{head}), held compressed"
 
     def check_split(self, what: str, local_in: int, shards: int) -> None:
         """A rank holding 1/shards of the input dim must hold whole groups."""

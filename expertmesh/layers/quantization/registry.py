@@ -51,6 +51,10 @@ class Requantized:
         return self.scheme.group_size
 
     @property
+    def lm_head(self) -> bool:
+        return self.scheme.lm_head
+
+    @property
     def holds_compressed(self) -> bool:
         """An fp8 checkpoint asked as fp8 with its blocks' input width as the group: its e4m3
         bytes and block scales are held as stored (layers/quantization/held.py), not re-rounded."""
