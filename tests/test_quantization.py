@@ -485,3 +485,17 @@ def test_rounding_to_fp4_codes_is_an_error():
     it must not pass silently as another kind's codes."""
     with pytest.raises(ValueError, match="no rounding to 'fp4' codes"):
         QuantizedWeight.quantize(torch.randn(8, 32), "fp4", 32, None)
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_cli_quantization_takes_every_scheme_and_names_a_bad_one(command, capsys):
+    """--quantization takes what LLM(quantization=...) takes, suffixes included; a bad one exits with
+    the scheme parser's message."""
+    from expertmesh.entrypoints.cli import _engine_kwargs, build_parser
+
+    for name in ("int8", "int4-g32", "w8a8-ch", "w4a8+head", "fp8-g64+head"):
+        args = build_parser().parse_args([*command, "--quantization", name])
+        assert _engine_kwargs(args, None)["quantization"] == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--quantization", "int3"])
+    assert "quantization='int3' is not known" in capsys.readouterr().err

@@ -13,6 +13,17 @@ from expertmesh.entrypoints import stats_cli
 from expertmesh.model_source import DEFAULT_MODEL_DIR
 
 
+def _quantization(name: str) -> str:
+    """A scheme LLM(quantization=...) takes, suffixes included ("int4-g32", "int8+head")."""
+    from expertmesh.layers.quantization.online import OnlineScheme
+
+    try:
+        OnlineScheme.parse(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="local HF directory or hub id (default: the embedded tiny PhiMoE)"
@@ -23,10 +34,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["int8", "int4", "fp8", "w8a8", "w4a8"],
+        type=_quantization,
         help="online quantization of an unquantized checkpoint: weight-only int8 / int4 / fp8, or w8a8 / "
-        "w4a8 (int8 / int4 weights, int8 activations); a quantized checkpoint's own format is read from "
-        "its config.json",
+        "w4a8 (int8 / int4 weights, int8 activations); suffixes -g32 (inputs a scale), -ch (one a "
+        "channel), +head (the LM head too); a quantized checkpoint's own format is read from its config.json",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per replica")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data-parallel replicas")
