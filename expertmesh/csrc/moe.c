@@ -87,6 +87,19 @@ static inline void gated_row(const float* h, float* a, int64_t I, int act) {
   }
 }
 
+/* gated_row, or act 3: GPT-OSS's clamped SwiGLU, gate clamped above at limit and up to [-limit,
+ * limit], then (up + 1) * gate * sigmoid(alpha * gate) (layers/activation.py ClampedSwiGLU). */
+static inline void act_row(const float* h, float* a, int64_t I, int act, float limit, float alpha) {
+  if (act != 3) {
+    gated_row(h, a, I, act);
+    return;
+  }
+  _Pragma("omp simd") for (int64_t i = 0; i < I; i++) {
+    const float g = fminf(h[i], limit), u = fminf(fmaxf(h[I + i], -limit), limit);
+    a[i] = (u + 1.f) * (g * (1.f / (1.f + exp_vec(-(g * alpha)))));
+  }
+}
+
 void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
              const float* w13, const float* w2, int64_t E, int64_t I, int act, float* out,
              int threads) {

@@ -127,6 +127,10 @@ _SIGNATURES = {
     "gemm_q": [_INT, _c, _c, _c, _c, _i64, _c, _i64, _i64, _i64, _c, _INT],
     # kind, x, n, H, slot, weights, k, w13 codes/scales/offsets/group, w2 ditto, E, I, act, out, threads
     "moe_q": [_INT, _c, _i64, _i64, _c, _c, _i64] + [_c, _c, _c, _i64] * 2 + [_i64, _i64, _INT, _c, _INT],
+    # moe_q's, then after act: its limit and alpha (act 3), the biases b13 [E, 2I], b2 [E, H] or NULL
+    "moe_q_ex": [_INT, _c, _i64, _i64, _c, _c, _i64]
+    + [_c, _c, _c, _i64] * 2
+    + [_i64, _i64, _INT, _F32, _F32, _c, _c, _c, _INT],
 }
 
 
@@ -139,6 +143,8 @@ class CpuKernels:
     """Typed entry points of the compiled library."""
 
     MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
+    # moe_q_ex's: the gated ones and GPT-OSS's clamped SwiGLU (not in moe_* nor native decode)
+    MOE_Q_ACTIVATIONS = {**MOE_ACTIVATIONS, "swiglu_clamped": 3}
     MOE_CHUNK = 512
 
     def __init__(self, lib: ctypes.CDLL, path: Path, onednn_bf16_rows: int | None = None) -> None:
@@ -164,6 +170,9 @@ class CpuKernels:
         for name in ("gemm_q", "moe_q"):  # quantized weights: one entry point each, the code kind an argument
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = None, _SIGNATURES[name]
+        self.moe_q_ex = getattr(lib, "moe_q_ex", None)  # None: an older build (no biases, act 0-2)
+        if self.moe_q_ex is not None:
+            self.moe_q_ex.restype, self.moe_q_ex.argtypes = None, _SIGNATURES["moe_q_ex"]
         # code kinds gemm_q / moe_q know, in their numbering (packed.KINDS); older builds: the first 4
         lib_kinds = getattr(lib, "q_kinds", None)
         if lib_kinds is not None:
