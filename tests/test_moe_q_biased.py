@@ -4,7 +4,9 @@ codes: uneven shapes, experts with no rows, one row, top-4, biases on and off, t
 
 import pytest
 import torch
+from real_checkpoints import Sizes
 
+from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.activation import ClampedSwiGLU, GatedActivation
 from expertmesh.layers.fused_moe import FusedExperts
@@ -89,3 +91,61 @@ def test_moe_q_ex_refuses_biases_it_cannot_read():
         pytest.skip("no C compiler")
     with pytest.raises(ValueError, match=r"contiguous float32 biases, not torch.bfloat16 \(8, 80\)"):
         QuantizedMoE(kernels, torch.zeros(8, 80, dtype=torch.bfloat16))
+
+
+def _float_pair(dtype, act, bias, shard_rank, e=8, local=(0, 2, 3, 5, 6, 7), hidden=72, inter=40):
+    """Two copies of the same float experts: one left on the per-expert torch path (the reference)."""
+    made = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        fe = FusedExperts(e, list(local), hidden, 2 * inter, shard_rank, 2, act, dtype=dtype, bias=bias)
+        for p in fe.parameters():
+            p.data.copy_(torch.randn(p.shape) * 0.2)
+        made.append(fe)
+    return made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", [ClampedSwiGLU(LIMIT, 1.702), GatedActivation("silu")])
+@pytest.mark.parametrize("bias,shard_rank", [(True, 0), (True, 1), (False, 0)])
+def test_float_biased_clamped_experts_in_one_call_equal_the_torch_path(dtype, act, bias, shard_rank):
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C compiler")
+    fe, ref = _float_pair(dtype, act, bias, shard_rank)
+    fe.use_cpu_kernels(kernels)
+    if not bias and isinstance(act, GatedActivation):
+        assert fe.fused[0] is kernels  # plain: moe_f32 / moe_bf16 as before
+    elif kernels.moe_ex[dtype] is None:  # bf16 on pairs (AVX512-BF16) has no moe_bf16_ex: per expert
+        assert fe.fused is None
+        return
+    else:
+        assert fe.fused is not None and fe.fused[0] is not kernels and fe.native_form([]) is None
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    for n in (0, 1, 2, 9):
+        x = (torch.randn(n, 72) * 2).to(dtype)
+        ids = torch.tensor([0, 1, 2, 3, 4, 5, 7])[torch.rand(n, 7).argsort(dim=1)[:, :4]]
+        if n == 1:
+            ids[0] = torch.tensor([7, 1, 4, 3])
+        weights = torch.rand(n, 4)
+        out, want = fe.forward(x, ids, weights), ref.forward(x, ids, weights)
+        assert out.shape == (n, 72) and out.dtype == torch.float32
+        scale = max(1.0, want.abs().amax().item() if n else 0.0)
+        torch.testing.assert_close(out, want, rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+def test_gpt_oss_float_experts_run_in_one_call_and_never_natively(real_checkpoint):
+    """gpt-oss's biased, clamped experts in float (its checkpoint dtype): moe_*_ex, not per expert,
+    and no native decode form (the native layers' shims take neither biases nor the clamp)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    llm = LLM(
+        real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2)), max_model_len=64, kv_cache_memory_bytes=1 << 21
+    )
+    experts = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    assert len(experts) == 2 and all(m.fused is not None and m.fused[3] == "swiglu_clamped" for m in experts)
+    assert all(m.native_form([]) is None for m in experts)
+    out = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 3

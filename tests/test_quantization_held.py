@@ -23,7 +23,8 @@ def _held_count(llm: LLM) -> int:
 
 
 def _fused_count(llm: LLM) -> int:
-    """Expert blocks in one kernel call (gpt-oss's biased, clamped experts held: moe_q_ex)."""
+    """Expert blocks in one kernel call (gpt-oss's biased, clamped experts: moe_q_ex held, else
+    moe_f32_ex / moe_bf16_ex)."""
     modules = llm.llm_engine.runner.model.modules()
     return sum(isinstance(m, FusedExperts) and m.fused is not None for m in modules)
 
@@ -58,8 +59,8 @@ def test_mxfp4_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
     for rank, results in enumerate(run_distributed(_layouts_main, 2, paths, prompts, timeout=100)):
         for (path, tp, ep), held, tokens in results:
             where = f"rank {rank}, {path}, (TP, EP)=({tp}, {ep})"
-            held_here = ep or held_tp[path]  # else dequantized at load: the per-expert torch path
-            assert held == ((4, 2) if held_here else (0, 0)), where
+            # held or dequantized at load (TP cutting a block), the experts run in one call
+            assert held == (4 if ep or held_tp[path] else 0, 2), where
             assert tokens == expected[path], where
 
 
