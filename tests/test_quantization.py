@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.layers import cpu_kernels
+from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.fp8 import Fp8Tensor, quantize_blocks
 from expertmesh.layers.quantization.packed import (
     QuantizedExperts,
@@ -191,15 +192,12 @@ def test_fp8_deepseek_v3_matches_transformers_dequantized(real_checkpoint, tmp_p
 GPT_OSS_HELD = Sizes(expert_inter=64)  # TP 2 keeps whole 32-blocks of the down projection's inputs
 
 
-def _held_fp4(model) -> list[QuantizedWeight]:
-    """The routed experts' weights held as fp4 (gpt-oss's biased experts: per-expert pairs)."""
-    return [
-        w
-        for m in model.modules()
-        if isinstance(getattr(m, "packed", None), list)
-        for p in m.packed
-        for w in p
-    ]
+def _held_fp4(model) -> list[QuantizedExperts]:
+    """The routed experts' weights held as fp4, stacked for moe_q_ex (gpt-oss's biased experts and
+    clamped SwiGLU in one call, not per-expert pairs on the torch path)."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.fused is not None and m.packed is None for m in experts)
+    return [w for m in experts for w in m.fused[1:3]]
 
 
 @pytest.mark.timeout(180)
@@ -214,12 +212,13 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantized(real_checkpoint, tmp_pat
     cfg = model.cfg
     assert f"held compressed as stored: {2 * cfg.num_layers} parameters" in engine_log.text
     held = _held_fp4(model)
-    assert len(held) == 2 * cfg.num_layers * cfg.num_experts and {w.kind for w in held} == {"fp4"}
+    assert len(held) == 2 * cfg.num_layers and {w.kind for w in held} == {"fp4"}
+    assert {w.codes.shape[0] for w in held} == {cfg.num_experts}
     weights = sum(w.codes.numel() * 2 for w in held)  # nibbles (panel rows past O included)
     expected = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * 64
     assert weights == expected  # 64 = the intermediate: rows fill whole panels
     offsets = {w.offsets.data_ptr(): w.offsets.numel() * 4 for w in held}
-    assert len(offsets) == 2  # one zero tensor for every w13, one for every w2
+    assert len(offsets) == 2  # one zero stack for every layer's w13, one for every w2
     counts = log_weight_bytes(model, cfg)
     assert counts["quantized"] == weights * (0.5 + 4 / 32) + sum(offsets.values())
     assert (counts["quantized"] - sum(offsets.values())) / weights == 0.625

@@ -11,6 +11,7 @@ from real_checkpoints import Sizes
 from test_quantization import _greedy, _held_weights
 
 from expertmesh import LLM
+from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.permuted import PermutedInputs
 
 LAYOUTS = [(2, False), (2, True)]  # (TP, expert parallel) over 2 ranks
@@ -19,6 +20,13 @@ LAYOUTS = [(2, False), (2, True)]  # (TP, expert parallel) over 2 ranks
 def _held_count(llm: LLM) -> int:
     held = llm.llm_engine.runner.model.held_weights
     return 0 if held is None else len(held.params)
+
+
+def _fused_count(llm: LLM) -> int:
+    """Expert blocks in one kernel call (gpt-oss's biased, clamped experts: moe_q_ex held, else
+    moe_f32_ex / moe_bf16_ex)."""
+    modules = llm.llm_engine.runner.model.modules()
+    return sum(isinstance(m, FusedExperts) and m.fused is not None for m in modules)
 
 
 def _layouts_main(rank, world, paths, prompts):
@@ -30,7 +38,7 @@ def _layouts_main(rank, world, paths, prompts):
                 distributed_executor_backend="external_launcher", max_model_len=64,
                 kv_cache_memory_bytes=1 << 21,
             )  # fmt: skip
-            out.append(((path, tp, ep), _held_count(llm), _greedy(llm, prompts)))
+            out.append(((path, tp, ep), (_held_count(llm), _fused_count(llm)), _greedy(llm, prompts)))
     return out
 
 
@@ -45,13 +53,14 @@ def test_mxfp4_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
         src = real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2, expert_inter=inter))
         path = to_mxfp4(src, str(tmp_path / f"mxfp4-{inter}"))
         one = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 21)
-        assert _held_count(one) == 4
+        assert _held_count(one) == 4 and _fused_count(one) == 2
         paths.append(path)
         expected[path], held_tp[path] = _greedy(one, prompts), inter == 64
     for rank, results in enumerate(run_distributed(_layouts_main, 2, paths, prompts, timeout=100)):
         for (path, tp, ep), held, tokens in results:
             where = f"rank {rank}, {path}, (TP, EP)=({tp}, {ep})"
-            assert held == (4 if ep or held_tp[path] else 0), where
+            # held or dequantized at load (TP cutting a block), the experts run in one call
+            assert held == (4 if ep or held_tp[path] else 0, 2), where
             assert tokens == expected[path], where
 
 

@@ -96,9 +96,9 @@ void gemm_bf16_pairs_f32(const bf16_t* x, const bf16_t* wp, float* y, int64_t M,
  * bf16 and the activation's output rounded to bf16 (what a bf16 model's projections return and
  * its down projection receives); the weighted sum written in float32, not rounded: it is a
  * partial sum other ranks may add to, rounded to bf16 once, by the caller, after that. */
-void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float* out,
-              int threads) {
+void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+                 const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float limit, float alpha,
+                 const float* b13, const float* b2, float* out, int threads) {
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
   const int64_t H2 = (H + 1) / 2, I2 = (I + 1) / 2;
@@ -115,19 +115,19 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
       const int64_t e = p.active[item / G13];
       rows_pairs(xs, H2, w13 + e * P13 * H2 * 2 * LANES, h, 0, 2 * I, P13, item % G13, p.start[e],
-                 p.start[e + 1], NULL);
+                 p.start[e + 1], b13 ? b13 + e * 2 * I : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       float* hr = h + r * 2 * I;
       bf16_t* ar = (bf16_t*)(a + r * I2);
       for (int64_t i = 0; i < 2 * I; i++) hr[i] = bf16_to_f32(f32_to_bf16(hr[i]));
-      gated_row(hr, af + r * I, I, act);
+      act_row(hr, af + r * I, I, act, limit, alpha);
       for (int64_t i = 0; i < I; i++) ar[i] = f32_to_bf16(af[r * I + i]);
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
       const int64_t e = p.active[item / G2];
       rows_pairs(a, I2, w2 + e * P2 * I2 * 2 * LANES, ys, 0, H, P2, item % G2, p.start[e],
-                 p.start[e + 1], NULL);
+                 p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
@@ -154,9 +154,9 @@ static inline float round_bf16(float f) {
  * rounding is the pair version's: gate and up outputs and the activation's output rounded to
  * bf16, the weighted sum kept in float32 and returned unrounded (a partial sum, as the pair
  * version: whoever adds the partials of other ranks rounds once, after that sum). */
-void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float* out,
-              int threads) {
+void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+                 const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float limit, float alpha,
+                 const float* b13, const float* b2, float* out, int threads) {
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, P2 = (H + LANES - 1) / LANES;
@@ -174,19 +174,20 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S13; item++) {
       const int64_t e = p.active[item / S13], q0 = item % S13 * SPAN_PANELS;
       span_bf16_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, q0,
-                    q0 + SPAN_PANELS < P13 ? q0 + SPAN_PANELS : P13, p.start[e], p.start[e + 1], NULL);
+                    q0 + SPAN_PANELS < P13 ? q0 + SPAN_PANELS : P13, p.start[e], p.start[e + 1],
+                    b13 ? b13 + e * 2 * I : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       float* hr = h + r * 2 * I;
       float* ar = a + r * I;
       _Pragma("omp simd") for (int64_t i = 0; i < 2 * I; i++) hr[i] = round_bf16(hr[i]);
-      gated_row(hr, ar, I, act);
+      act_row(hr, ar, I, act, limit, alpha);
       _Pragma("omp simd") for (int64_t i = 0; i < I; i++) ar[i] = round_bf16(ar[i]);
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S2; item++) {
       const int64_t e = p.active[item / S2], q0 = item % S2 * SPAN_PANELS;
       span_bf16_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, q0, q0 + SPAN_PANELS < P2 ? q0 + SPAN_PANELS : P2,
-                    p.start[e], p.start[e + 1], NULL);
+                    p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
@@ -196,3 +197,9 @@ void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const 
 }
 #endif
 
+/* moe_bf16_ex without biases, for the gated activations 0-2 (native decode calls it). */
+void moe_bf16(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+              const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float* out,
+              int threads) {
+  moe_bf16_ex(x, n, H, slot, w, k, w13, w2, E, I, act, 0.f, 0.f, NULL, NULL, out, threads);
+}

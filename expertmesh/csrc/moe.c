@@ -87,9 +87,25 @@ static inline void gated_row(const float* h, float* a, int64_t I, int act) {
   }
 }
 
-void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-             const float* w13, const float* w2, int64_t E, int64_t I, int act, float* out,
-             int threads) {
+/* gated_row, or act 3: GPT-OSS's clamped SwiGLU, gate clamped above at limit and up to [-limit,
+ * limit], then (up + 1) * gate * sigmoid(alpha * gate) (layers/activation.py ClampedSwiGLU). */
+static inline void act_row(const float* h, float* a, int64_t I, int act, float limit, float alpha) {
+  if (act != 3) {
+    gated_row(h, a, I, act);
+    return;
+  }
+  _Pragma("omp simd") for (int64_t i = 0; i < I; i++) {
+    const float g = fminf(h[i], limit), u = fminf(fmaxf(h[I + i], -limit), limit);
+    a[i] = (u + 1.f) * (g * (1.f / (1.f + exp_vec(-(g * alpha)))));
+  }
+}
+
+/* moe_f32 with moe_q_ex's extras: float32 biases b13 [E, 2I] and b2 [E, H] (NULL: none) added to
+ * the products before the activation and before the routing weight; act 3 (act_row) with limit and
+ * alpha. */
+void moe_f32_ex(const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+                const float* w13, const float* w2, int64_t E, int64_t I, int act, float limit, float alpha,
+                const float* b13, const float* b2, float* out, int threads) {
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, P2 = (H + LANES - 1) / LANES;
@@ -105,14 +121,14 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S13; item++) {
       const int64_t e = p.active[item / S13], q0 = item % S13 * SPAN_PANELS;
       span_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, q0, q0 + SPAN_PANELS < P13 ? q0 + SPAN_PANELS : P13,
-               p.start[e], p.start[e + 1], NULL);
+               p.start[e], p.start[e + 1], b13 ? b13 + e * 2 * I : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
-      gated_row(h + r * 2 * I, a + r * I, I, act);
+      act_row(h + r * 2 * I, a + r * I, I, act, limit, alpha);
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S2; item++) {
       const int64_t e = p.active[item / S2], q0 = item % S2 * SPAN_PANELS;
       span_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, q0, q0 + SPAN_PANELS < P2 ? q0 + SPAN_PANELS : P2,
-               p.start[e], p.start[e + 1], NULL);
+               p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
@@ -121,3 +137,9 @@ void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const fl
   moe_free(&p);
 }
 
+/* moe_f32_ex without biases, for the gated activations 0-2 (native decode calls it). */
+void moe_f32(const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+             const float* w13, const float* w2, int64_t E, int64_t I, int act, float* out,
+             int threads) {
+  moe_f32_ex(x, n, H, slot, w, k, w13, w2, E, I, act, 0.f, 0.f, NULL, NULL, out, threads);
+}

@@ -100,11 +100,13 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
 }
 
 /* moe_f32's plan over quantized experts: w13 = codes/scales/offsets of E experts' [gate | up]
- * ([2I, H] each, gs13 inputs a group), w2 of their down projections ([H, I], gs2). */
-void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-           const uint8_t* q13, const float* s13, const float* m13, int64_t gs13, const uint8_t* q2,
-           const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float* out,
-           int threads) {
+ * ([2I, H] each, gs13 inputs a group), w2 of their down projections ([H, I], gs2). Optional float32
+ * biases b13 [E, 2I] and b2 [E, H] (NULL: none) join the products before the activation and before
+ * the routing weight, as FusedExperts._expert adds them; act 3 (act_row) takes limit and alpha. */
+void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+              const uint8_t* q13, const float* s13, const float* m13, int64_t gs13, const uint8_t* q2,
+              const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float limit,
+              float alpha, const float* b13, const float* b2, float* out, int threads) {
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
   q_init();
   moe_plan p = moe_sort(slot, n, k, E);
@@ -141,22 +143,32 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
       const int64_t e = p.active[item / G13];
       q_span(kind, xs, xq, xsc, xsum, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
-             m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13 * NQ1, p.start[e], p.start[e + 1], NULL);
+             m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13 * NQ1, p.start[e], p.start[e + 1],
+             b13 ? b13 + e * 2 * I : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
-      gated_row(h + r * 2 * I, a + r * I, I, act);
+      act_row(h + r * 2 * I, a + r * I, I, act, limit, alpha);
       if (a8) q_act_rows(a, I, gs2, as_a, aq, asc, asum, r, r + 1);
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
       const int64_t e = p.active[item / G2];
       q_span(kind, a, aq, asc, asum, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
-             gs2, ys, H, item % G2 * NQ1, p.start[e], p.start[e + 1], NULL);
+             gs2, ys, H, item % G2 * NQ1, p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
   free(buf);
   moe_free(&p);
+}
+
+/* moe_q_ex without biases, for the gated activations 0-2 (native decode's shims call it). */
+void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+           const uint8_t* q13, const float* s13, const float* m13, int64_t gs13, const uint8_t* q2,
+           const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float* out,
+           int threads) {
+  moe_q_ex(kind, x, n, H, slot, w, k, q13, s13, m13, gs13, q2, s2, m2, gs2, E, I, act, 0.f, 0.f, NULL, NULL, out,
+           threads);
 }
 
 /* How many code kinds gemm_q / moe_q know (layers/cpu_kernels.py QUANT_KINDS). */

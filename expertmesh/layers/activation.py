@@ -37,6 +37,11 @@ class GatedActivation:
     def kernel_name(self) -> str | None:
         return self.act
 
+    @property
+    def moe_q_form(self) -> tuple[str, float, float]:
+        """moe_q_ex's activation: its name (CpuKernels.MOE_Q_ACTIVATIONS), limit and alpha (unused)."""
+        return self.act, 0.0, 0.0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return gated(x, _ACTS[self.act])
 
@@ -44,11 +49,16 @@ class GatedActivation:
 @dataclass(frozen=True)
 class ClampedSwiGLU:
     """GPT-OSS: gate clamped above at `limit`, up to [-limit, limit];
-    (up + 1) * gate * sigmoid(alpha * gate). Not in the fused kernel: the torch expert path."""
+    (up + 1) * gate * sigmoid(alpha * gate). In moe_q_ex (quantized experts held), not in the float
+    experts kernel (kernel_name None: the torch expert path) nor native decode."""
 
     limit: float = 7.0
     alpha: float = 1.702
     kernel_name = None
+
+    @property
+    def moe_q_form(self) -> tuple[str, float, float]:
+        return "swiglu_clamped", self.limit, self.alpha
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2

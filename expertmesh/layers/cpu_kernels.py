@@ -122,11 +122,17 @@ _SIGNATURES = {
     "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 5 + [_INT, _INT],
     # x, n, H, slot, weights, k, w13, w2, E, I, act, out, threads
     "moe": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _c, _INT],
+    # moe's, then after act: its limit and alpha (act 3), the biases b13 [E, 2I], b2 [E, H] or NULL
+    "moe_ex": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _F32, _F32, _c, _c, _c, _INT],
     # quantized weights (layers/quantization/packed.py): kind, x, codes, scales, offsets, group,
     # y, M, O, I, bias or NULL, threads
     "gemm_q": [_INT, _c, _c, _c, _c, _i64, _c, _i64, _i64, _i64, _c, _INT],
     # kind, x, n, H, slot, weights, k, w13 codes/scales/offsets/group, w2 ditto, E, I, act, out, threads
     "moe_q": [_INT, _c, _i64, _i64, _c, _c, _i64] + [_c, _c, _c, _i64] * 2 + [_i64, _i64, _INT, _c, _INT],
+    # moe_q's, then after act: its limit and alpha (act 3), the biases b13 [E, 2I], b2 [E, H] or NULL
+    "moe_q_ex": [_INT, _c, _i64, _i64, _c, _c, _i64]
+    + [_c, _c, _c, _i64] * 2
+    + [_i64, _i64, _INT, _F32, _F32, _c, _c, _c, _INT],
 }
 
 
@@ -139,6 +145,8 @@ class CpuKernels:
     """Typed entry points of the compiled library."""
 
     MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
+    # moe_q_ex's: the gated ones and GPT-OSS's clamped SwiGLU (not in moe_* nor native decode)
+    MOE_Q_ACTIVATIONS = {**MOE_ACTIVATIONS, "swiglu_clamped": 3}
     MOE_CHUNK = 512
 
     def __init__(self, lib: ctypes.CDLL, path: Path, onednn_bf16_rows: int | None = None) -> None:
@@ -164,6 +172,15 @@ class CpuKernels:
         for name in ("gemm_q", "moe_q"):  # quantized weights: one entry point each, the code kind an argument
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = None, _SIGNATURES[name]
+        # None: an older build (no biases, act 0-2)
+        self.moe_q_ex = getattr(lib, "moe_q_ex", None)
+        self.moe_ex = {
+            t: getattr(lib, f"moe_{n}_ex", None)
+            for t, n in ((torch.float32, "f32"), (torch.bfloat16, "bf16"))
+        }
+        for fn, sig in [(self.moe_q_ex, "moe_q_ex")] + [(f, "moe_ex") for f in self.moe_ex.values()]:
+            if fn is not None:
+                fn.restype, fn.argtypes = None, _SIGNATURES[sig]
         # code kinds gemm_q / moe_q know, in their numbering (packed.KINDS); older builds: the first 4
         lib_kinds = getattr(lib, "q_kinds", None)
         if lib_kinds is not None:
@@ -241,7 +258,10 @@ class CpuKernels:
         return y if len(shape) == 2 else y.view(*shape[:-1], w.out_features)
 
     # ---- routed experts --------------------------------------------------------------------------
-    def moe_supports(self, dtype: torch.dtype, act: str) -> bool:
+    def moe_supports(self, dtype: torch.dtype, act: str, extras: bool = False) -> bool:
+        """Whether `moe` serves these experts; extras: with biases or the clamped SwiGLU (moe_*_ex)."""
+        if extras:
+            return self.moe_ex.get(dtype) is not None and act in self.MOE_Q_ACTIVATIONS
         return self.supports(dtype) and act in self.MOE_ACTIVATIONS
 
     def moe(
@@ -253,13 +273,16 @@ class CpuKernels:
         w2: torch.Tensor,
         inter: int,
         act: str,
+        extras: tuple | None = None,
     ) -> torch.Tensor:
         """Routed experts in one call: x [n, H], slot [n, k] int32 (local expert or -1), weights
         [n, k]; w13 / w2 the experts' [gate | up] and down weights, each packed by `pack`, stacked
         -> [n, H] float32, this rank's partial sum, not rounded to x's dtype (whoever sums the
-        partials over ranks rounds once, after that sum)."""
+        partials over ranks rounds once, after that sum). extras: (b13 [E, 2I] or None, b2 [E, H]
+        or None, float32 contiguous; limit, alpha) for moe_*_ex, our kernel only (not oneDNN's)."""
         n, hidden = x.shape
-        if not self.moe_supports(x.dtype, act) or slot.dtype != torch.int32 or slot.shape[0] != n:
+        ok = self.moe_supports(x.dtype, act, extras is not None)
+        if not ok or slot.dtype != torch.int32 or slot.shape[0] != n:
             raise ValueError(f"moe: unsupported input {x.dtype} / slot {slot.dtype} / activation {act!r}")
         e = w13.shape[0]
         want13 = (e, *self.panel_shape(2 * inter, hidden, x.dtype))
@@ -271,10 +294,18 @@ class CpuKernels:
             )
         x, slot = x.contiguous(), slot.contiguous()
         weights = weights.to(torch.float32).contiguous()
-        if self._to_onednn(n * slot.shape[1] // max(e, 1), x.dtype):  # rows an expert gets on average
+        if extras is None and self._to_onednn(n * slot.shape[1] // max(e, 1), x.dtype):  # rows an expert gets
             return cpu_onednn.moe(x, slot, weights, w13, w2, inter, act)
         out = torch.empty(n, hidden, dtype=torch.float32)
         fn = self.lib.moe_f32 if x.dtype == torch.float32 else self.lib.moe_bf16
+        if extras is not None:
+            b13, b2, limit, alpha = extras
+            ptrs = [None if b is None else b.data_ptr() for b in (b13, b2)]
+            ex = self.moe_ex[x.dtype]
+
+            def fn(*a):  # noqa: ANN002 - moe's arguments with the extras before out
+                ex(*a[:11], limit, alpha, *ptrs, *a[11:])
+
         k, row_bytes = slot.shape[1], hidden * x.element_size()
         xp, sp, wp, op = x.data_ptr(), slot.data_ptr(), weights.data_ptr(), out.data_ptr()
         # Long prefills go MOE_CHUNK tokens a call, so the block's intermediates stay in cache
@@ -293,7 +324,7 @@ class CpuKernels:
                 w2.data_ptr(),
                 e,
                 inter,
-                self.MOE_ACTIVATIONS[act],
+                self.MOE_Q_ACTIVATIONS[act],
                 op + i * hidden * 4,  # float32 out
                 _threads(),
             )

@@ -7,8 +7,9 @@ the partials is the MoE plan's business, and the block rounds once, after the la
 
 Variants: biases on gate/up and down (the down bias joins on shard 0 only, so the sum over
 shards adds it once), any activation of layers/activation.py, and the routing weight applied to
-the expert's input instead of its output. Our fused CPU kernel serves plain gated experts; the
-variants take the per-expert torch path (correct first; docs/architectures.md).
+the expert's input instead of its output. Our fused CPU kernel serves plain gated experts, and
+held quantized experts with biases or GPT-OSS's clamped SwiGLU too (moe_q_ex); the other variants
+take the per-expert torch path (correct first; docs/architectures.md).
 """
 
 from __future__ import annotations
@@ -158,9 +159,12 @@ class FusedExperts(nn.Module):
     def native_form(self, keep: list) -> dict | None:
         """The experts of a native decode layer: every expert here in our fused kernel's panels, or
         quantized for moe_q (through its shim: experts_fn, experts_w)."""
-        if self.fused is None or not self.all_local:
+        # biases and the clamped SwiGLU are moe_q_ex's only: the native layer's shims take neither
+        if self.fused is None or not self.all_local or self.w13_bias is not None:
             return None
         kernels, w13, w2, act = self.fused
+        if act not in CpuKernels.MOE_ACTIVATIONS:
+            return None
         if isinstance(kernels, QuantizedMoE):
             form = experts_native_form(kernels.kernels, w13, w2, self.model_dtype, keep)
             act_id = kernels.kernels.MOE_ACTIVATIONS[act]
@@ -175,11 +179,13 @@ class FusedExperts(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        form = getattr(self.act, "moe_q_form", None)  # biases / clamped SwiGLU: moe_*_ex
+        extras = not plain and not self.weight_on_input and form is not None
         if (
             kernels is not None
-            and plain
-            and kernels.moe_supports(self.w13.dtype, self.act_name)
             and self.expert_ids
+            and (plain or extras)
+            and kernels.moe_supports(self.w13.dtype, form[0] if extras else self.act_name, extras)
         ):
             # One expert at a time into the stacked panels, over the dense weights' own storage
             # where the panels are the same size (cpu_gemm.pack_in_place): one expert's copy at a
@@ -193,7 +199,10 @@ class FusedExperts(nn.Module):
                     out[e] = kernels.pack(param.data[e]).data  # packs a copy, then overwrites slot e
                 cpu_gemm.release(param)
                 packed.append(out)
-            self.fused = (kernels, packed[0], packed[1], self.act_name)
+            if extras:
+                self.fused = (_MoeEx(kernels, *self._float_biases(), *form[1:]), *packed, form[0])
+            else:
+                self.fused = (kernels, packed[0], packed[1], self.act_name)
             return
         pairs = [
             (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels, float32_out=True))
@@ -228,16 +237,42 @@ class FusedExperts(nn.Module):
 
     def hold_quantized(self, pairs: list[tuple[QuantizedWeight, QuantizedWeight]], kernels: Any) -> None:
         """Serve the experts from compressed (w13, w2) pairs, one a local expert (online, or a
-        checkpoint's codes as stored): with our kernel and plain gated experts in one moe_q call."""
+        checkpoint's codes as stored): with our kernel in one moe_q_ex call (biases and the clamped
+        SwiGLU included), except experts weighted on their input."""
         cpu_gemm.release(self.w13)
         cpu_gemm.release(self.w2)
-        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
-        plain = plain and all(isinstance(w, QuantizedWeight) for p in pairs for w in p)  # not desc_act's
-        if kernels is not None and plain and self.act_name in kernels.MOE_ACTIVATIONS:
+        form = self._moe_q_form(kernels)
+        if form is not None and all(isinstance(w, QuantizedWeight) for p in pairs for w in p):  # not desc_act
             stacks = [QuantizedExperts.stack([p[i] for p in pairs]) for i in (0, 1)]
-            self.fused = (QuantizedMoE(kernels), stacks[0], stacks[1], self.act_name)
+            name, limit, alpha = form
+            self.fused = (
+                QuantizedMoE(kernels, *self._float_biases(), limit, alpha),
+                stacks[0],
+                stacks[1],
+                name,
+            )
         else:
             self.packed = pairs
+
+    def _float_biases(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+        """(b13, b2) for moe_*_ex, made float32 in place (slot_tensors' views stay the kernel's); the
+        down bias joins once across the shards of the intermediate dim: on shard 0 (None elsewhere)."""
+        if self.w13_bias is None:
+            return None, None
+        for b in (self.w13_bias, self.w2_bias):
+            b.data = b.data.to(torch.float32).contiguous()
+        return self.w13_bias, None if self.shard_rank else self.w2_bias
+
+    def _moe_q_form(self, kernels: Any) -> tuple[str, float, float] | None:
+        """moe_q(_ex)'s activation (name, limit, alpha) for these experts, None: the per-expert path
+        (input weighting, an activation it lacks, or biases / clamped SwiGLU on an older build)."""
+        form = getattr(self.act, "moe_q_form", None)
+        if kernels is None or self.weight_on_input or form is None:
+            return None
+        if getattr(kernels, "moe_q_ex", None) is None:
+            plain = self.w13_bias is None and form[0] in kernels.MOE_ACTIVATIONS
+            return form if plain else None
+        return form if form[0] in kernels.MOE_Q_ACTIVATIONS else None
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """[m, H] -> [m, H] float32: the down projection's product is not rounded."""
@@ -263,3 +298,15 @@ class FusedExperts(nn.Module):
                 y = self._expert(slot, x) * w.float()
             out = y if out is None else out + y
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device) if out is None else out
+
+
+class _MoeEx:
+    """The `kernels.moe(...)` of the fused path for float experts with biases or the clamped SwiGLU:
+    CpuKernels.moe with its extras (the biases read at each call, so copies into them are seen)."""
+
+    def __init__(self, kernels: CpuKernels, b13, b2, limit: float, alpha: float) -> None:
+        self.kernels, self.b13, self.b2, self.limit, self.alpha = kernels, b13, b2, limit, alpha
+
+    def moe(self, x, slot, weights, w13, w2, inter: int, act: str) -> torch.Tensor:
+        biases = tuple(None if b is None else b.data for b in (self.b13, self.b2))
+        return self.kernels.moe(x, slot, weights, w13, w2, inter, act, (*biases, self.limit, self.alpha))

@@ -13,6 +13,7 @@ Routed experts are stacked per expert (`QuantizedExperts`: codes [E, P, I, .], s
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,17 +279,30 @@ class QuantizedExperts:
     @classmethod
     def stack(cls, weights: list[QuantizedWeight]) -> QuantizedExperts:
         w = weights[0]
-        return cls(
-            w.kind,
-            torch.stack([q.codes for q in weights]),
-            torch.stack([q.scales for q in weights]),
-            torch.stack([q.offsets for q in weights]),
-            w.group,
-        )
+        shared = all(q.offsets is w.offsets for q in weights) and not w.offsets.any()
+        codes, scales = (torch.stack([getattr(q, a) for q in weights]) for a in ("codes", "scales"))
+        if shared:
+            offsets = _zero_stack(len(weights), w.offsets)
+        else:
+            offsets = torch.stack([q.offsets for q in weights])
+        return cls(w.kind, codes, scales, offsets, w.group)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+# Offsets all zero (MXFP4's, one tensor for every expert): one stack of zeros a shape serves every
+# layer, as long as some layer holds it, so the held experts stay at 0.625 bytes a weight.
+_ZERO_STACKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _zero_stack(experts: int, offsets: torch.Tensor) -> torch.Tensor:
+    key = (experts, *offsets.shape, offsets.dtype)
+    out = _ZERO_STACKS.get(key)
+    if out is None:
+        out = _ZERO_STACKS[key] = torch.zeros(experts, *offsets.shape, dtype=offsets.dtype)
+    return out
 
 
 def experts_native_form(kernels: Any, w13: QuantizedExperts, w2: QuantizedExperts, dtype, keep: list):
@@ -309,21 +323,38 @@ def experts_native_form(kernels: Any, w13: QuantizedExperts, w2: QuantizedExpert
 
 
 class QuantizedMoE:
-    """The `kernels.moe(...)` of FusedExperts' fused path, over QuantizedExperts."""
+    """The `kernels.moe(...)` of FusedExperts' fused path, over QuantizedExperts: moe_q_ex with the
+    experts' float32 biases ([E, 2I], [E, H]; None: none, read at each call so that copies into
+    them are seen) and the activation's limit and alpha (activation.py moe_q_form)."""
 
-    def __init__(self, kernels: Any) -> None:
-        self.kernels = kernels
+    def __init__(
+        self,
+        kernels: Any,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        limit: float = 0.0,
+        alpha: float = 0.0,
+    ) -> None:
+        for b in (b13, b2):
+            if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
+                raise ValueError(f"moe_q_ex takes contiguous float32 biases, not {b.dtype} {tuple(b.shape)}")
+        self.kernels, self.b13, self.b2, self.limit, self.alpha = kernels, b13, b2, limit, alpha
 
     def moe(self, x, slot, weights, w13: QuantizedExperts, w2: QuantizedExperts, inter: int, act: str):
         n, hidden = x.shape
         xf = x.to(torch.float32).contiguous()
         slot, weights = slot.contiguous(), weights.to(torch.float32).contiguous()
         out = torch.empty(n, hidden, dtype=torch.float32)
-        self.kernels.lib.moe_q(
+        lib = self.kernels.lib
+        head = (
             KINDS[w13.kind], xf.data_ptr(), n, hidden, slot.data_ptr(), weights.data_ptr(), slot.shape[1],
             w13.codes.data_ptr(), w13.scales.data_ptr(), w13.offsets.data_ptr(), w13.group,
             w2.codes.data_ptr(), w2.scales.data_ptr(), w2.offsets.data_ptr(), w2.group,
-            w13.codes.shape[0], inter, self.kernels.MOE_ACTIVATIONS[act], out.data_ptr(),
-            torch.get_num_threads(),
+            w13.codes.shape[0], inter, self.kernels.MOE_Q_ACTIVATIONS[act],
         )  # fmt: skip
+        if self.kernels.moe_q_ex is None:  # an older build: FusedExperts sends it plain experts only
+            lib.moe_q(*head, out.data_ptr(), torch.get_num_threads())
+            return out
+        biases = [None if b is None else b.data_ptr() for b in (self.b13, self.b2)]
+        self.kernels.moe_q_ex(*head, self.limit, self.alpha, *biases, out.data_ptr(), torch.get_num_threads())
         return out
