@@ -1,5 +1,5 @@
 """A gpt-oss MXFP4 checkpoint run two ways: its experts held as fp4 (the default: e2m1 codes and a
-float32 scale per 32 inputs, gemm_q per expert with the biases and the clamped SwiGLU in torch)
+float32 scale per 32 inputs, the routed experts in one moe_q call with their biases and the clamped SwiGLU)
 and the same weights dequantized, stored as float32 (what loading did before fp4 was held). Batch 1
 and 32 decode tokens/s and tokens per CPU second, the two alternated (ABAB), median taken, since
 the machine may be shared.
