@@ -74,3 +74,13 @@ def real_checkpoint(tmp_path_factory, tokenizer_dir):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """expertmesh's compiled CPU kernels (this machine image has a C compiler: a build failure fails)."""
+    from expertmesh.layers import cpu_kernels
+
+    k = cpu_kernels.load()
+    assert k is not None, "the CPU kernels did not build; see the warning logged by cpu_kernels.load()"
+    return k

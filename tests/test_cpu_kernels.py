@@ -22,13 +22,6 @@ from expertmesh.layers.norm import RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    assert k is not None, "the CPU kernels did not build; see the warning logged by cpu_kernels.load()"
-    return k
-
-
 def _tolerance(dtype):
     return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 

@@ -22,13 +22,6 @@ from expertmesh.layers.linear import RowParallelLinear
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels.load()
-    assert k is not None, "the CPU kernels did not build"
-    return k
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
