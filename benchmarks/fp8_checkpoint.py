@@ -65,8 +65,9 @@ def _decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> tuple[flo
     return batch * new_tokens / wall, batch * new_tokens / cpu
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str) -> argparse.Namespace:
+    """The options of a held-against-dequantized benchmark (this one and mxfp4_checkpoint.py)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-sizes", default="1,32")
@@ -76,11 +77,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.cache_dir, exist_ok=True)
-    path = to_fp8(make_small_moe(args.cache_dir), Path(args.cache_dir) / "small-moe-fp8-128")
-    runs = {
-        "dequantized (fp32)": LLM(path, max_model_len=256),
-        "held as fp8": LLM(path, quantization="fp8", max_model_len=256),
-    }
+    return args
+
+
+def compare(runs: dict[str, LLM], args: argparse.Namespace) -> None:
+    """Two runs (dequantized, then held) alternated ABAB per batch size; medians and their ratio."""
     print(f"{'run':<20} {'batch':>5} {'tok/s':>8} {'tok/CPU-s':>10}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         results: dict[str, list] = {name: [] for name in runs}
@@ -92,6 +93,18 @@ def main() -> None:
             print(f"{name:<20} {batch:>5} {tps:>8.1f} {cps:>10.1f}")
         a, b = med.values()
         print(f"{'held / dequantized':<20} {batch:>5} {b[0] / a[0]:>8.2f} {b[1] / a[1]:>10.2f}")
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    path = to_fp8(make_small_moe(args.cache_dir), Path(args.cache_dir) / "small-moe-fp8-128")
+    compare(
+        {
+            "dequantized (fp32)": LLM(path, max_model_len=256),
+            "held as fp8": LLM(path, quantization="fp8", max_model_len=256),
+        },
+        args,
+    )
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ its experts quantized to MXFP4 (scale 2^ceil(log2(amax / 6)) per 32, nearest e2m
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
-import statistics
 from pathlib import Path
 
 import torch
-from fp8_checkpoint import _decode
-from make_small_moe import DEFAULT_CACHE, _save_tokenizer
+from fp8_checkpoint import compare, parse_args
+from make_small_moe import _save_tokenizer
 from safetensors.torch import load_file, save_file
 
 from expertmesh import LLM
@@ -94,16 +91,7 @@ def make(cache_dir: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch-sizes", default="1,32")
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    os.makedirs(args.cache_dir, exist_ok=True)
+    args = parse_args(__doc__)
     held, plain = make(args.cache_dir)
     runs = {
         "dequantized (fp32)": LLM(plain, dtype="float32", max_model_len=256),
@@ -114,17 +102,7 @@ def main() -> None:
         counts = log_weight_bytes(model, model.cfg)
         total, fp4 = counts["total"] / 1e6, counts["quantized"] / 1e6
         print(f"{name:<20} resident weights {total:.1f} MB ({fp4:.1f} MB fp4)")
-    print(f"{'run':<20} {'batch':>5} {'tok/s':>8} {'tok/CPU-s':>10}")
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        results: dict[str, list] = {name: [] for name in runs}
-        for _ in range(args.repeats):  # ABAB
-            for name, llm in runs.items():
-                results[name].append(_decode(llm, batch, args.prompt_len, args.new_tokens))
-        med = {n: [statistics.median(x[k] for x in r) for k in (0, 1)] for n, r in results.items()}
-        for name, (tps, cps) in med.items():
-            print(f"{name:<20} {batch:>5} {tps:>8.1f} {cps:>10.1f}")
-        a, b = med.values()
-        print(f"{'held / dequantized':<20} {batch:>5} {b[0] / a[0]:>8.2f} {b[1] / a[1]:>10.2f}")
+    compare(runs, args)
 
 
 if __name__ == "__main__":
