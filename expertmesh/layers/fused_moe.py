@@ -7,9 +7,9 @@ the partials is the MoE plan's business, and the block rounds once, after the la
 
 Variants: biases on gate/up and down (the down bias joins on shard 0 only, so the sum over
 shards adds it once), any activation of layers/activation.py, and the routing weight applied to
-the expert's input instead of its output. Our fused CPU kernel serves plain gated experts, and
-held quantized experts with biases or GPT-OSS's clamped SwiGLU too (moe_q_ex); the other variants
-take the per-expert torch path (correct first; docs/architectures.md).
+the expert's input instead of its output. Our fused CPU kernels serve gated experts, with biases
+and GPT-OSS's clamped SwiGLU too (moe_f32_ex / moe_bf16_ex / moe_q_ex); input-weighted experts
+(top-k > 1) take the per-expert torch path (correct first; docs/architectures.md).
 """
 
 from __future__ import annotations
