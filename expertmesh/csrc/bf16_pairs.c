@@ -138,62 +138,13 @@ void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, con
 #else
 int64_t bf16_pairs(void) { return 0; }
 
-/* bf16_to_f32(f32_to_bf16(f)) without a branch, so its loops vectorise: the same rounding to
- * nearest even, and a NaN stays a (quiet) NaN. */
-static inline float round_bf16(float f) {
-  union { uint32_t u; float f; } v;
-  v.f = f;
-  const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
-  const uint32_t nan = (v.u & 0xffff0000u) | 0x00400000u;
-  v.u = (v.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
-  return v.f;
-}
-
-/* moe_f32's plan with bf16 weights, input and output on CPUs without pair products (AVX2): the
- * weights are widened to float32 in registers (rows_bf16_f32), the inputs once when gathered. The
- * rounding is the pair version's: gate and up outputs and the activation's output rounded to
- * bf16, the weighted sum kept in float32 and returned unrounded (a partial sum, as the pair
- * version: whoever adds the partials of other ranks rounds once, after that sum). */
+/* moe_widened's bf16 plan: on CPUs without pair products (AVX2) the weights are widened to
+ * float32 in registers (span_bf16_f32), the inputs once when gathered; the rounding is the pair
+ * version's above. */
 void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
                  const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float limit, float alpha,
                  const float* b13, const float* b2, float* out, int threads) {
-  moe_plan p = moe_sort(slot, n, k, E);
-  const int64_t m = p.m;
-  const int64_t P13 = (2 * I + LANES - 1) / LANES, P2 = (H + LANES - 1) / LANES;
-  /* items: (active expert, SPAN_PANELS panels), as moe_f32 */
-  const int64_t S13 = (P13 + SPAN_PANELS - 1) / SPAN_PANELS, S2 = (P2 + SPAN_PANELS - 1) / SPAN_PANELS;
-  float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
-  float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
-  float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
-  float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
-  _Pragma("omp parallel num_threads(threads)") {
-    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
-      const bf16_t* xr = x + (p.pair_of_row[r] / k) * H;
-      for (int64_t c = 0; c < H; c++) xs[r * H + c] = bf16_to_f32(xr[c]);
-    }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S13; item++) {
-      const int64_t e = p.active[item / S13], q0 = item % S13 * SPAN_PANELS;
-      span_bf16_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, q0,
-                    q0 + SPAN_PANELS < P13 ? q0 + SPAN_PANELS : P13, p.start[e], p.start[e + 1],
-                    b13 ? b13 + e * 2 * I : NULL);
-    }
-    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
-      float* hr = h + r * 2 * I;
-      float* ar = a + r * I;
-      _Pragma("omp simd") for (int64_t i = 0; i < 2 * I; i++) hr[i] = round_bf16(hr[i]);
-      act_row(hr, ar, I, act, limit, alpha);
-      _Pragma("omp simd") for (int64_t i = 0; i < I; i++) ar[i] = round_bf16(ar[i]);
-    }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S2; item++) {
-      const int64_t e = p.active[item / S2], q0 = item % S2 * SPAN_PANELS;
-      span_bf16_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, q0, q0 + SPAN_PANELS < P2 ? q0 + SPAN_PANELS : P2,
-                    p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
-    }
-    _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
-      moe_combine_row(&p, ys, w, t, k, H, out + t * H);
-  }
-  free(xs); free(h); free(a); free(ys);
-  moe_free(&p);
+  moe_widened(1, x, n, H, slot, w, k, w13, w2, E, I, act, limit, alpha, b13, b2, out, threads);
 }
 #endif
 

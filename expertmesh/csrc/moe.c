@@ -100,41 +100,82 @@ static inline void act_row(const float* h, float* a, int64_t I, int act, float l
   }
 }
 
-/* moe_f32 with moe_q_ex's extras: float32 biases b13 [E, 2I] and b2 [E, H] (NULL: none) added to
- * the products before the activation and before the routing weight; act 3 (act_row) with limit and
- * alpha. */
-void moe_f32_ex(const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-                const float* w13, const float* w2, int64_t E, int64_t I, int act, float limit, float alpha,
-                const float* b13, const float* b2, float* out, int threads) {
+/* bf16_to_f32(f32_to_bf16(f)) without a branch, so its loops vectorise: the same rounding to
+ * nearest even, and a NaN stays a (quiet) NaN. */
+static inline float round_bf16(float f) {
+  union { uint32_t u; float f; } v;
+  v.f = f;
+  const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t nan = (v.u & 0xffff0000u) | 0x00400000u;
+  v.u = (v.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+  return v.f;
+}
+
+/* span_f32, or span_bf16_f32 when the weights are bf16: `off` weights into w. */
+static inline void span_widened(int bf16, const float* x, int64_t I, const void* w, int64_t off, float* y,
+                                int64_t O, int64_t P, int64_t q0, int64_t r0, int64_t r1, const float* bias) {
+  const int64_t q1 = q0 + SPAN_PANELS < P ? q0 + SPAN_PANELS : P;
+  if (bf16)
+    span_bf16_f32(x, I, (const bf16_t*)w + off, y, O, P, q0, q1, r0, r1, bias);
+  else
+    span_f32(x, I, (const float*)w + off, y, O, P, q0, q1, r0, r1, bias);
+}
+
+/* The experts plan over float32 rows, with moe_q_ex's extras: float32 biases b13 [E, 2I] and
+ * b2 [E, H] (NULL: none) added to the products before the activation and before the routing
+ * weight; act 3 (act_row) with limit and alpha. bf16 = 0: float32 x, weights. bf16 = 1 (CPUs
+ * without pair products): bf16 x and weights, widened to float32 (the input once when gathered,
+ * the weights in registers), with the pair version's rounding: gate and up outputs and the
+ * activation's output rounded to bf16, the weighted sum kept in float32 and returned unrounded
+ * (a partial sum: whoever adds the partials of other ranks rounds once, after that sum). */
+static void moe_widened(int bf16, const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w,
+                        int64_t k, const void* w13, const void* w2, int64_t E, int64_t I, int act, float limit,
+                        float alpha, const float* b13, const float* b2, float* out, int threads) {
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, P2 = (H + LANES - 1) / LANES;
-  /* items: (active expert, SPAN_PANELS panels); span_f32 picks the tiles for the expert's rows */
+  /* items: (active expert, SPAN_PANELS panels); span_* picks the tiles for the expert's rows */
   const int64_t S13 = (P13 + SPAN_PANELS - 1) / SPAN_PANELS, S2 = (P2 + SPAN_PANELS - 1) / SPAN_PANELS;
   float* xs = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   float* h = (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* a = (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
   float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
   _Pragma("omp parallel num_threads(threads)") {
-    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
-      memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S13; item++) {
-      const int64_t e = p.active[item / S13], q0 = item % S13 * SPAN_PANELS;
-      span_f32(xs, H, w13 + e * P13 * H * LANES, h, 2 * I, P13, q0, q0 + SPAN_PANELS < P13 ? q0 + SPAN_PANELS : P13,
-               p.start[e], p.start[e + 1], b13 ? b13 + e * 2 * I : NULL);
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      const int64_t t = p.pair_of_row[r] / k;
+      if (bf16)
+        for (int64_t c = 0; c < H; c++) xs[r * H + c] = bf16_to_f32(((const bf16_t*)x)[t * H + c]);
+      else
+        memcpy(xs + r * H, (const float*)x + t * H, sizeof(float) * (size_t)H);
     }
-    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
-      act_row(h + r * 2 * I, a + r * I, I, act, limit, alpha);
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S13; item++) {
+      const int64_t e = p.active[item / S13];
+      span_widened(bf16, xs, H, w13, e * P13 * H * LANES, h, 2 * I, P13, item % S13 * SPAN_PANELS, p.start[e],
+                   p.start[e + 1], b13 ? b13 + e * 2 * I : NULL);
+    }
+    _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      float* hr = h + r * 2 * I;
+      float* ar = a + r * I;
+      if (bf16) _Pragma("omp simd") for (int64_t i = 0; i < 2 * I; i++) hr[i] = round_bf16(hr[i]);
+      act_row(hr, ar, I, act, limit, alpha);
+      if (bf16) _Pragma("omp simd") for (int64_t i = 0; i < I; i++) ar[i] = round_bf16(ar[i]);
+    }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S2; item++) {
-      const int64_t e = p.active[item / S2], q0 = item % S2 * SPAN_PANELS;
-      span_f32(a, I, w2 + e * P2 * I * LANES, ys, H, P2, q0, q0 + SPAN_PANELS < P2 ? q0 + SPAN_PANELS : P2,
-               p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
+      const int64_t e = p.active[item / S2];
+      span_widened(bf16, a, I, w2, e * P2 * I * LANES, ys, H, P2, item % S2 * SPAN_PANELS, p.start[e],
+                   p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
   free(xs); free(h); free(a); free(ys);
   moe_free(&p);
+}
+
+void moe_f32_ex(const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
+                const float* w13, const float* w2, int64_t E, int64_t I, int act, float limit, float alpha,
+                const float* b13, const float* b2, float* out, int threads) {
+  moe_widened(0, x, n, H, slot, w, k, w13, w2, E, I, act, limit, alpha, b13, b2, out, threads);
 }
 
 /* moe_f32_ex without biases, for the gated activations 0-2 (native decode calls it). */
