@@ -160,5 +160,43 @@ def test_bad_requests_and_ctrl_c_leave_the_workers_serving(reference, monkeypatc
     start = time.monotonic()
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected  # the interrupted requests are gone
     took = time.monotonic() - start
+    # Ctrl-C (a real SIGINT) after rank 0 was sent the call and before rank 1 was: held until
+    # every rank has it, then the call is aborted as above; the workers stay in lockstep.
+    real_send, sent = mp_executor.send, []
+
+    def interrupted_send(conn, message):
+        real_send(conn, message)
+        sent.append(message[0])
+        if len(sent) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(mp_executor, "send", interrupted_send)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS * 24, long)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        monkeypatch.setattr(mp_executor, "send", real_send)
+    assert sent == ["generate", "generate", "abort", "abort"]
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
+    # A second Ctrl-C while the workers abort (in the abort's own wait): every worker is ended and
+    # the LLM says so, rather than waiting on an abort that may never come.
+    waits.clear()
+
+    def twice_interrupted_wait(*args, **kwargs):
+        waits.append(1)
+        if len(waits) in (2, 3):  # the call's second wait, then the abort's first
+            raise KeyboardInterrupt
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(mp_executor, "wait", twice_interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            llm.generate(PROMPTS * 24, long)
+    monkeypatch.setattr(mp_executor, "wait", real_wait)
+    _wait_no_workers()
+    with pytest.raises(WorkerError, match="shut down; create a new LLM"):
+        llm.generate(PROMPTS, GREEDY)
     llm.shutdown()
     assert took < 5, f"the next call took {took:.1f} s: it finished the interrupted requests first"

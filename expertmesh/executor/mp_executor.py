@@ -11,13 +11,18 @@ reported with its rank within a second and the others are shut down, never waite
 process hosts the workers' rendezvous store (as torchrun's agent does), so it also reads their
 watchdog heartbeats: a worker that stops beating for `distributed_timeout_seconds` (frozen) is
 named and every worker is ended. Ctrl-C during `generate` asks the workers to abort that call's
-requests (they agree on the step, see worker.py) before it is re-raised.
+requests (they agree on the step, see worker.py) before it is re-raised; one that lands while
+the call is being sent is held until every worker has it, and a second one while they abort
+shuts them down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -97,13 +102,18 @@ class MPExecutor:
         self._check_open()
         split = [list(range(d, len(prompts), self.dp_size)) for d in range(self.dp_size)]
         self.last_split = split
-        for rank in range(self.world_size):
-            mine = split[self.layout.coords(rank)[0]]
-            self._send(rank, ("generate", [prompts[i] for i in mine], [params[i] for i in mine]))
         try:
+            with _interrupts_after():  # every rank gets the call, or none: lockstep
+                for rank in range(self.world_size):
+                    mine = split[self.layout.coords(rank)[0]]
+                    self._send(rank, ("generate", [prompts[i] for i in mine], [params[i] for i in mine]))
             replies = self._wait_for("done")
         except KeyboardInterrupt:
-            self._abort_call()
+            try:
+                self._abort_call()
+            except KeyboardInterrupt:  # a second Ctrl-C while the workers abort: stop them all
+                log.warning("interrupted again: shutting the workers down")
+                self.shutdown()
             raise
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         for d, indices in enumerate(split):
@@ -119,8 +129,9 @@ class MPExecutor:
     def expert_load(self) -> dict[str, Any]:
         """The workers' expert load statistics (every rank computes them together; rank 0's)."""
         self._check_open()
-        for rank in range(self.world_size):
-            self._send(rank, ("expert_load",))
+        with _interrupts_after():
+            for rank in range(self.world_size):
+                self._send(rank, ("expert_load",))
         return self._wait_for("expert_load")[0]
 
     def step(self, adds: list[tuple], aborts: list[str]) -> dict[int, Any]:
@@ -130,8 +141,9 @@ class MPExecutor:
         them all and takes its replica's; `aborts` go to every worker.
         """
         self._check_open()
-        for rank in range(self.world_size):
-            self._send(rank, ("step", adds, aborts))
+        with _interrupts_after():
+            for rank in range(self.world_size):
+                self._send(rank, ("step", adds, aborts))
         return self._wait_for("stepped")
 
     def check_workers(self) -> None:
@@ -152,8 +164,9 @@ class MPExecutor:
     def _abort_call(self) -> None:
         """Ctrl-C during a call: the workers drop its requests at one agreed step and answer."""
         log.warning("interrupted: asking the workers to abort this call's requests")
-        for rank in range(self.world_size):
-            self._send(rank, ("abort",))
+        with _interrupts_after():
+            for rank in range(self.world_size):
+                self._send(rank, ("abort",))
         self._wait_for("done")  # what they answer (the aborted call) is dropped
 
     def _check_open(self) -> None:
@@ -225,6 +238,25 @@ class MPExecutor:
             f"mp executor: worker rank {rank} of {self.world_size} (pid {pid}) {what}; "
             f"every other worker was shut down{hint}"
         )
+
+
+@contextlib.contextmanager
+def _interrupts_after():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block and hand it to the handler it was for
+    (Python's default raises KeyboardInterrupt) when the block ends: a message sent to some ranks
+    and not others would leave the workers out of lockstep. Outside the main thread, where Python
+    runs no signal handler, the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):
+        previous(signal.SIGINT, held[0])
 
 
 def _last_words(conn: Connection) -> str | None:
