@@ -84,3 +84,18 @@ def kernels():
     k = cpu_kernels.load()
     assert k is not None, "the CPU kernels did not build; see the warning logged by cpu_kernels.load()"
     return k
+
+
+@pytest.fixture(scope="session")
+def generic_kernels(tmp_path_factory):
+    """The kernels built with -mno-avx512f: the 8-lane (AVX2) tiles and widening bf16 that CPUs
+    without AVX-512 take, built once for the tests that check that path on any x86 CPU."""
+    import platform
+
+    from expertmesh.layers import cpu_kernels
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx512f is an x86 flag")
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None, "this machine image has a C compiler"
+    return cpu_kernels.build(tmp_path_factory.mktemp("generic") / "generic.so", compiler, ("-mno-avx512f",))
