@@ -4,6 +4,7 @@ different_prompts   rank 1 passes other prompts of the same lengths
 different_counts    rank 1 passes one prompt more
 sigstop             rank 1 stops itself (SIGSTOP) inside its third forward pass
 stuck               rank 1 sleeps, alive, inside its third forward pass
+sigkill             rank 1 kills itself (SIGKILL) inside its third forward pass
 none                no fault: both ranks print their tokens
 """
 
@@ -30,15 +31,15 @@ if rank == 1 and fault == "different_prompts":
     prompts[1] = {"prompt_token_ids": [9, 11]}
 if rank == 1 and fault == "different_counts":
     prompts.append({"prompt_token_ids": [3]})
-if rank == 1 and fault in ("sigstop", "stuck"):
+if rank == 1 and fault in ("sigstop", "stuck", "sigkill"):
     forward, calls = ModelRunner.forward, [0]
 
     def faulty(self, *args):
         calls[0] += 1
         if calls[0] == 3:
             print(f"rank 1 freezes ({fault}) at {time.time():.3f}", flush=True)
-            if fault == "sigstop":
-                os.kill(os.getpid(), signal.SIGSTOP)
+            if fault in ("sigstop", "sigkill"):
+                os.kill(os.getpid(), signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
             time.sleep(600)
         return forward(self, *args)
 

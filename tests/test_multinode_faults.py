@@ -1,0 +1,74 @@
+"""Faults across two nodes (network namespaces joined by a veth pair, torchrun's static
+rendezvous, TP2 with one rank a node, gloo over the link): a rank on node 1 that is killed or
+frozen in its third forward pass ends the job on both nodes within seconds, and node 0's rank
+names it (test_faults.py checks the same faults on one host)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from netns import skip_reason, torchrun_on, two_nodes
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fault_script.py")
+WATCHDOG_S = 3
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": os.path.dirname(__file__),
+}
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+
+
+def _two_node_fault(path: str, fault: str, port: int, limit: float = 100) -> tuple[list, list, float]:
+    """fault_script.py on both nodes; (exit codes, outputs) by node, and when rank 1 froze."""
+    with two_nodes() as (n0, n1):
+        script = [SCRIPT, path, fault, str(WATCHDOG_S)]
+        procs = [
+            subprocess.Popen(
+                torchrun_on(node, k, n0, port, 1, script, ENV),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # so a hang can be killed with every rank under it
+            )
+            for k, node in enumerate((n0, n1))
+        ]
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=limit)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        ended = time.time()
+    frozen = re.search(rf"rank 1 freezes \({fault}\) at ([\d.]+)", outs[1])
+    assert frozen, outs[1][-3000:]
+    return [p.returncode for p in procs], outs, ended - float(frozen.group(1))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_on_the_other_node_ends_the_job_naming_it(checkpoint):
+    codes, outs, after = _two_node_fault(checkpoint("mixtral"), "sigkill", 29561)
+    assert codes[0] != 0 and codes[1] != 0, outs
+    # Node 0's rank sees the link close under its all-reduce and names the rank that went.
+    named = re.search(r"rank 0: tp\.all_reduce failed .*rank\(s\) \[1\] stopped beating", outs[0])
+    assert named, outs[0][-3000:]
+    assert after < WATCHDOG_S + 20, f"the job ended {after:.1f} s after rank 1 was killed"
+
+
+@pytest.mark.slow  # the CI budget: the killed rank above crosses the nodes too
+@pytest.mark.timeout(120)
+def test_a_rank_frozen_on_the_other_node_ends_the_job_naming_it(checkpoint):
+    codes, outs, after = _two_node_fault(checkpoint("mixtral"), "sigstop", 29562)
+    assert codes[0] != 0 and codes[1] != 0, outs
+    assert re.search(r"watchdog, rank 0: rank 1 stopped responding: no heartbeat", outs[0]), outs[0][-3000:]
+    assert after < WATCHDOG_S + 20, f"the job ended {after:.1f} s after rank 1 froze"
