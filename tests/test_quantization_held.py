@@ -29,7 +29,8 @@ def _fused_count(llm: LLM) -> int:
     return sum(isinstance(m, FusedExperts) and m.fused is not None for m in modules)
 
 
-def _layouts_main(rank, world, paths, prompts):
+def _layouts_main(rank, world, paths, prompts, probe):
+    """Every checkpoint at every (TP, EP) layout: (checkpoint, TP, EP), probe(llm), greedy tokens."""
     out = []
     for path in paths:
         for tp, ep in LAYOUTS:
@@ -38,8 +39,17 @@ def _layouts_main(rank, world, paths, prompts):
                 distributed_executor_backend="external_launcher", max_model_len=64,
                 kv_cache_memory_bytes=1 << 21,
             )  # fmt: skip
-            out.append(((path, tp, ep), (_held_count(llm), _fused_count(llm)), _greedy(llm, prompts)))
+            out.append(((path, tp, ep), probe(llm), _greedy(llm, prompts)))
     return out
+
+
+def _held_and_fused(llm: LLM) -> tuple[int, int]:
+    return _held_count(llm), _fused_count(llm)
+
+
+def _held_and_permuted(llm: LLM) -> tuple[int, int]:
+    modules = llm.llm_engine.runner.model.modules()
+    return _held_count(llm), sum(isinstance(w, PermutedInputs) for m in modules for w in _held_weights(m))
 
 
 @pytest.mark.timeout(120)
@@ -56,27 +66,13 @@ def test_mxfp4_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
         assert _held_count(one) == 4 and _fused_count(one) == 2
         paths.append(path)
         expected[path], held_tp[path] = _greedy(one, prompts), inter == 64
-    for rank, results in enumerate(run_distributed(_layouts_main, 2, paths, prompts, timeout=100)):
-        for (path, tp, ep), held, tokens in results:
+    results = run_distributed(_layouts_main, 2, paths, prompts, _held_and_fused, timeout=100)
+    for rank, ranks_results in enumerate(results):
+        for (path, tp, ep), held, tokens in ranks_results:
             where = f"rank {rank}, {path}, (TP, EP)=({tp}, {ep})"
             # held or dequantized at load (TP cutting a block), the experts run in one call
             assert held == (4 if ep or held_tp[path] else 0, 2), where
             assert tokens == expected[path], where
-
-
-def _gptq_main(rank, world, paths, prompts):
-    out = []
-    for path in paths:
-        for tp, ep in LAYOUTS:
-            llm = LLM(
-                path, tensor_parallel_size=tp, enable_expert_parallel=ep,
-                distributed_executor_backend="external_launcher", max_model_len=64,
-                kv_cache_memory_bytes=1 << 21,
-            )  # fmt: skip
-            model = llm.llm_engine.runner.model
-            permuted = sum(isinstance(w, PermutedInputs) for m in model.modules() for w in _held_weights(m))
-            out.append(((path, tp, ep), _held_count(llm), permuted, _greedy(llm, prompts)))
-    return out
 
 
 @pytest.mark.timeout(120)
@@ -105,10 +101,11 @@ def test_gptq_desc_act_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
         (paths[1], 2, False): (8, 2 * (2 + 2 * experts)),
         (paths[1], 2, True): (8, 2 * (2 + experts)),
     }
-    for rank, results in enumerate(run_distributed(_gptq_main, 2, paths, prompts, timeout=100)):
-        for layout, count, permuted, tokens in results:
+    results = run_distributed(_layouts_main, 2, paths, prompts, _held_and_permuted, timeout=100)
+    for rank, ranks_results in enumerate(results):
+        for layout, counts, tokens in ranks_results:
             where = f"rank {rank}, {layout}"
-            assert (count, permuted) == held[layout], where
+            assert counts == held[layout], where
             assert tokens == expected[layout[0]], where
 
 
