@@ -13,15 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cpu_kernels import _tolerance
 
 from expertmesh.layers.fused_moe import FusedExperts
 
 # 0-6: few-row tiles; 7, 13: MR x NP with remainders; 23 / 24 / 25: either side of WIDEN_ROWS.
 ROW_COUNTS = [0, 1, 2, 3, 4, 5, 6, 7, 13, 23, 24, 25]
-
-
-def _tolerance(dtype):
-    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
