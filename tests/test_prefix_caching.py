@@ -205,3 +205,41 @@ def test_check_invariants_catches_a_shared_block_with_a_wrong_count(checkpoint):
     engine.blocks.ref_counts[block] += 1
     with pytest.raises(AssertionError, match=f"block {block} has reference count"):
         engine.check_invariants()
+
+
+@pytest.mark.timeout(120)
+def test_samples_of_one_request_compute_its_prompt_once(checkpoint):
+    """n > 1: samples 1..n-1 wait for sample 0's prompt and start from its cached full blocks (a
+    70-token prompt: 4 full blocks of 16 each), with the tokens and logprobs of recomputing; with
+    one output token, sample 0 is finished when the others start (its blocks still cached); an
+    abort while sample 0 prefills in chunks takes the waiting samples too, leaking nothing."""
+    path = checkpoint("phimoe")
+    (prompt,) = prompts_of_lengths([70], seed=9)
+    kw = dict(max_model_len=128, kv_cache_memory_bytes=1 << 24)
+    off = LLM(path, enable_prefix_caching=False, **kw)
+    for sp in (
+        SamplingParams(n=4, temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+        SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True, logprobs=2),
+        SamplingParams(n=3, temperature=0.8, seed=12, max_tokens=1, ignore_eos=True),
+    ):
+        on = LLM(path, **kw)  # a fresh cache: the prompt's blocks come from sample 0 only
+        (want,) = _run(off, [prompt], sp)
+        (got,) = _run(on, [prompt], sp)
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], sp
+        for a, b in zip(got.outputs, want.outputs):
+            for x, y in zip(a.logprobs or [], b.logprobs or []):
+                assert all(abs(lp.logprob - y[t].logprob) < 1e-4 for t, lp in x.items())
+        assert on.llm_engine.stats()["prefix_cache_hits"] == (sp.n - 1) * 64, sp
+    chunked = LLM(path, max_num_batched_tokens=32, max_num_seqs=8, **kw)
+    engine = chunked.llm_engine
+    engine.add_request("aborted", prompt, SamplingParams(n=3, max_tokens=4))
+    engine.add_request("kept", prompt[:40], SamplingParams(n=2, temperature=0.0, max_tokens=4))
+    engine.step()  # sample 0 of "aborted" computes its first chunk; its other samples wait
+    assert [s.index for s in engine.scheduler.waiting if s.request_id == "aborted"] == [1, 2]
+    engine.abort_request("aborted")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step()})
+        engine.check_invariants()
+    assert "aborted" not in done and [len(c.token_ids) for c in done["kept"].outputs] == [4, 4]
+    assert engine.scheduler.first_samples == {} and engine.blocks.num_free == engine.blocks.num_blocks

@@ -8,6 +8,10 @@ cache hits (block_manager.py). Only a step that computes a sequence's last token
 When a running sequence needs a block and none is free, the newest running sequence not yet in
 the step is preempted: its blocks are freed and it returns to the front of the queue, to be
 recomputed (from whatever of it the prefix cache still holds).
+
+The samples of an `n > 1` request share its prompt: with prefix caching, samples 1..n-1 wait
+until sample 0 has computed the prompt, then start from its cached full blocks and compute only
+the last partial block (without it each would compute the whole prompt again).
 """
 
 from __future__ import annotations
@@ -57,9 +61,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.first_samples: dict[str, Sequence] = {}  # request id -> sample 0 of an n > 1 request
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.index == 0 and seq.params.n > 1:
+            self.first_samples[seq.request_id] = seq
+
+    def _waits_for_its_prompt(self, seq: Sequence) -> bool:
+        """A later sample whose sample 0 is still computing a prompt of at least one full block."""
+        if seq.index == 0 or seq.scheduled_once or not self.blocks.enable_prefix_caching:
+            return False
+        first = self.first_samples.get(seq.request_id)
+        if first is None or first.is_finished or first.num_computed_tokens >= len(first.prompt_token_ids):
+            return False
+        return (len(seq.prompt_token_ids) - 1) // self.blocks.block_size > 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,8 +117,12 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        held: list[Sequence] = []  # later samples waiting for their prompt: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self._waits_for_its_prompt(seq):
+                held.append(self.waiting.popleft())
+                continue
             hits = self.blocks.cached_prefix(seq)
             start = len(hits) * self.blocks.block_size
             n = self._chunk(seq.num_tokens - start, budget)
@@ -116,6 +136,7 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
             self.running.append(seq)
+        self.waiting.extendleft(reversed(held))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -128,6 +149,8 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Return a finished (or aborted) sequence's blocks and forget it."""
         self.blocks.free(seq)
+        if self.first_samples.get(seq.request_id) is seq:
+            del self.first_samples[seq.request_id]
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
