@@ -20,19 +20,40 @@ class EPLBConfig:
 
     num_redundant_experts: physical expert slots beyond the logical experts (replicas of the
     hottest). step_interval: rebalance online every this many forward passes (vLLM's default,
-    3000; 0 = never, ours), from the load counted since the previous rebalance. load_path: an
-    `--expert-stats` JSON file whose per-layer counts place the experts at start-up.
+    3000; 0 = never, ours). window_size: a rebalance places the experts by the load of the last
+    this many forward passes (vLLM's key; its default is 1000); None (ours): the load counted
+    since the previous rebalance. load_path: an `--expert-stats` JSON file whose per-layer counts
+    place the experts at start-up. log_balancedness: log each EP rank's share every
+    log_balancedness_interval forward passes (a collective, as in vLLM). use_async and policy
+    are vLLM's keys too: moves here are always synchronous (use_async=True logs that), and the
+    policy is "default" (the placement rule in docs/expert_parallel.md).
     """
 
     num_redundant_experts: int = 0
     step_interval: int = 3000
     load_path: str | None = None
+    window_size: int | None = None
+    log_balancedness: bool = False
+    log_balancedness_interval: int = 1
+    use_async: bool = False
+    policy: str = "default"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts={self.num_redundant_experts!r} must be an int >= 0")
         if not isinstance(self.step_interval, int) or self.step_interval < 0:
             raise ValueError(f"eplb step_interval={self.step_interval!r} must be an int >= 0 (0 = never)")
+        if self.window_size is not None and (not isinstance(self.window_size, int) or self.window_size < 1):
+            raise ValueError(f"eplb window_size={self.window_size!r} must be an int >= 1 (or None)")
+        if not isinstance(self.log_balancedness_interval, int) or self.log_balancedness_interval < 1:
+            raise ValueError(
+                f"eplb log_balancedness_interval={self.log_balancedness_interval!r} must be an int >= 1"
+            )
+        for name in ("log_balancedness", "use_async"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"eplb {name}={getattr(self, name)!r} must be true or false")
+        if self.policy != "default":
+            raise ValueError(f"eplb policy={self.policy!r} is not supported; supported: ['default']")
 
     @staticmethod
     def of(value: EPLBConfig | dict | None, num_redundant_experts: int | None = None) -> EPLBConfig:

@@ -107,6 +107,56 @@ def test_eplb_config_errors():
         EPLBConfig.of({"window": 3})
     assert EPLBConfig.of({"step_interval": 5}, 2) == EPLBConfig(2, 5)
     assert EPLBConfig.of(None).step_interval == 3000  # vLLM's default
+    # vLLM's own keys are taken (a config written for vLLM works), with its value rules
+    vllm = {"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 0, "log_balancedness": True}
+    assert EPLBConfig.of({**vllm, "log_balancedness_interval": 10, "use_async": True, "policy": "default"})
+    for bad, message in [
+        ({"window_size": 0}, "window_size=0 must be an int >= 1"),
+        ({"log_balancedness_interval": 0}, "log_balancedness_interval=0 must be an int >= 1"),
+        ({"log_balancedness": "yes"}, "log_balancedness='yes' must be true or false"),
+        ({"policy": "flashlb"}, r"policy='flashlb' is not supported; supported: \['default'\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EPLBConfig.of(bad)
+
+
+@pytest.mark.timeout(60)
+def test_eplb_window_holds_the_last_forwards_and_a_rebalance_places_by_it(checkpoint, monkeypatch, caplog):
+    """window_size 2: the window holds the last two forwards' pairs per logical expert (what
+    expert_load()'s last_step said after each), and the rebalance every 3 forwards is handed the
+    window's sum, not the load since the start; balancedness is logged every 2 forwards."""
+    import logging
+
+    from expertmesh.engine import expert_load
+
+    handed = []
+    real = expert_load.balanced_placement
+    monkeypatch.setattr(
+        expert_load, "balanced_placement", lambda load, *a: handed.append(load) or real(load, *a)
+    )
+    config = {"step_interval": 3, "window_size": 2, "log_balancedness": True, "log_balancedness_interval": 2}
+    llm = LLM(checkpoint("mixtral"), enable_expert_parallel=True, enable_eplb=True, eplb_config=config, **KW)
+    engine, load = llm.llm_engine, llm.llm_engine.expert_load
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    log = logging.getLogger("expertmesh")
+    log.addHandler(caplog.handler)
+    per_forward = []
+    try:
+        while engine.has_unfinished_requests() and len(per_forward) < 3:
+            engine.step()
+            last = llm.expert_load()["last_step"]
+            per_forward.append([last[layer] for layer in sorted(last)])
+        assert handed == [] and load.steps == 3
+        want = [[a + b for a, b in zip(x, y)] for x, y in zip(per_forward[-2], per_forward[-1])]
+        assert load.window_load().tolist() == want
+        engine.step()  # its begin_step rebalances, from the last two forwards' pairs
+    finally:
+        log.removeHandler(caplog.handler)
+    assert len(handed) == len(want) and [list(h) for h in handed] == want
+    since_start = [[a + b for a, b in zip(x, y)] for x, y in zip(want, per_forward[0])]
+    assert since_start != want  # (the first forward, the prefill, routed pairs too)
+    assert "EPLB balancedness (mean / max pairs of an EP rank, 2 MoE layers) after 2 forwards" in caplog.text
 
 
 # ---- counts in one process ----------------------------------------------------------------------
@@ -180,6 +230,7 @@ EP_LAYOUTS = [  # (DP, TP, backend): EP over TP (DP=1), over DP (TP=1), and sequ
 
 def _ep_runs(rank, world, path, stats_file, layouts):
     skew_router()
+    online, window = {"num_redundant_experts": 2, "step_interval": 2}, {"alltoall": {"window_size": 3}}
     results = []
     for dp, tp, backend in layouts:
         row = {}
@@ -192,7 +243,9 @@ def _ep_runs(rank, world, path, stats_file, layouts):
                     eplb_config={"num_redundant_experts": 2, "load_path": stats_file, "step_interval": 0},
                 ),
             ),
-            ("online", dict(enable_eplb=True, eplb_config={"num_redundant_experts": 2, "step_interval": 2})),
+            # alltoall layouts rebalance by a window of the last 3 forwards (summed over DP), the
+            # others by the load since the last rebalance
+            ("online", dict(enable_eplb=True, eplb_config={**online, **window.get(backend, {})})),
         ):
             llm = LLM(
                 path, data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=True,

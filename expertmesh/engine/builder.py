@@ -184,8 +184,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     mc = config.model_config
     if mc.is_moe:
         load = ExpertLoad(net, env.moe_plan, placement.groups, mc.top_k, mc.num_experts)
-        load.step_interval = parallel.eplb_config.step_interval if parallel.enable_eplb else 0
         engine.expert_load = load.to(placement.device)
+        load.configure(parallel.eplb_config if parallel.enable_eplb else None)
     log.info(
         "Loaded %s (%s) on rank %d of %d",
         config.model_config.architecture,

@@ -52,21 +52,89 @@ class ExpertLoad:
             moe.load = self.counts[i, : moe.placement.num_slots]
         self.steps = self.rebalances = self.bytes_moved = 0
         self.step_interval = 0  # EPLB online: rebalance every N counted forwards (0 = never)
+        self.log_interval = 0  # log the balancedness every N forwards (0 = never)
+        # EPLB's window_size: the last W forwards' pairs per logical expert, [W, layers, experts]
+        # (a ring; logical experts, so it keeps its meaning across rebalances). None: no window.
+        self.window: torch.Tensor | None = None
+        self.window_filled = 0
+        self._index_slots()
+
+    def configure(self, eplb: Any | None) -> None:
+        """EPLB's online settings from an EPLBConfig (None: counting only, no EPLB)."""
+        self.step_interval = eplb.step_interval if eplb is not None else 0
+        self.log_interval = (
+            eplb.log_balancedness_interval if eplb is not None and eplb.log_balancedness else 0
+        )
+        size = eplb.window_size if eplb is not None else None
+        shape = (size or 0, len(self.moes), self.num_experts)
+        self.window = (
+            None if size is None else torch.zeros(shape, dtype=torch.int64, device=self.counts.device)
+        )
+        if eplb is not None and eplb.use_async:
+            log.info("EPLB use_async=True: expert weights move synchronously here, at the rebalance step")
 
     def to(self, device: str | torch.device) -> ExpertLoad:
-        for name in ("counts", "before_step"):
+        for name in ("counts", "before_step", "slot_expert"):
             setattr(self, name, getattr(self, name).to(device))
+        if self.window is not None:
+            self.window = self.window.to(device)
         for i, moe in enumerate(self.moes):
             moe.load = self.counts[i, : moe.placement.num_slots]
         return self
 
+    def _index_slots(self) -> None:
+        """slot_expert [layers, slots]: each slot's logical expert (padding slots: num_experts)."""
+        index = torch.full(tuple(self.counts.shape), self.num_experts, dtype=torch.int64)
+        for i, moe in enumerate(self.moes):
+            index[i, : moe.placement.num_slots] = torch.tensor(moe.placement.slot_expert, dtype=torch.int64)
+        self.slot_expert = index.to(self.counts.device)
+
     # ---- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Before a counted forward: note where the step starts; rebalance when it is time."""
+        """Before every forward (dummies too, so the ranks agree on when): log the balancedness
+        and rebalance when it is time; note where the step starts."""
+        if self.log_interval and self.steps and self.steps % self.log_interval == 0:
+            self._log_balancedness()
         if self.step_interval and self.steps and self.steps % self.step_interval == 0:
             self.rebalance()
         self.before_step.copy_(self.counts)
         self.steps += 1
+
+    def end_step(self) -> None:
+        """After a forward: its pairs per logical expert into EPLB's window (when it keeps one)."""
+        if self.window is None:
+            return
+        step = self.counts - self.before_step
+        per_expert = torch.zeros(step.shape[0], self.num_experts + 1, dtype=step.dtype, device=step.device)
+        per_expert.scatter_add_(1, self.slot_expert, step)
+        self.window[self.window_filled % self.window.shape[0]] = per_expert[:, : self.num_experts]
+        self.window_filled += 1
+
+    def window_load(self) -> torch.Tensor:
+        """[layers, experts]: the pairs of the window's forwards, summed over the ranks that route
+        different tokens. A collective."""
+        assert self.window is not None, "EPLB keeps no window (window_size=None)"
+        load = self.window.sum(0)
+        if self.count_group is not None and self.count_group.world_size > 1:
+            load = self.count_group.all_reduce(load)
+        return load.cpu()
+
+    def _log_balancedness(self) -> None:
+        """vLLM's balancedness, mean / max pairs of an EP rank (1.0 = even), averaged over this
+        stage's MoE layers: for the last forward and since the start. A collective."""
+        total, step, _, f_ranks = self._split(self._summed())
+        last, overall = [], []
+        for i, moe in enumerate(self.moes):
+            p, n = moe.placement, moe.placement.num_slots
+            now = p.expert_load_per_rank(total[i, :n].tolist())
+            last.append(_balancedness(p.expert_load_per_rank(step[i, :n].tolist())))
+            overall.append(_balancedness([a + int(b) for a, b in zip(now, f_ranks[i])]))
+        if self.groups.world.rank_in_group == 0 and self.moes:
+            log.info(
+                "EPLB balancedness (mean / max pairs of an EP rank, %d MoE layers) after %d forwards: "
+                "last %.3f, since the start %.3f",
+                len(self.moes), self.steps, sum(last) / len(last), sum(overall) / len(overall),
+            )  # fmt: skip
 
     # ---- reading --------------------------------------------------------------------------
     def _local(self) -> torch.Tensor:
@@ -132,17 +200,25 @@ class ExpertLoad:
     # ---- EPLB -----------------------------------------------------------------------------
     def rebalance(self) -> int:
         """Online EPLB on every rank of the EP group at once: a new placement per layer from the
-        load counted since the last rebalance (summed over the ranks routing different tokens),
-        the expert weights moved to it. Returns the bytes this rank sent."""
-        total = self._split(self._summed())[0]  # since the last rebalance (the last fold)
+        load of the window's forwards, or (no window) counted since the last rebalance, summed
+        over the ranks routing different tokens; the expert weights moved to it. Returns the bytes
+        this rank sent."""
+        if self.window is not None:  # the window's forwards, per logical expert
+            by_expert = self.window_load().tolist()
+        else:  # since the last rebalance (the last fold)
+            total = self._split(self._summed())[0]
+            by_expert = [
+                self._per_expert(total[i, : m.placement.num_slots], m.placement)
+                for i, m in enumerate(self.moes)
+            ]
         sent = 0
         self._fold()
         for i, moe in enumerate(self.moes):
             p = moe.placement
-            load = self._per_expert(total[i, : p.num_slots], p)
-            new = balanced_placement(load, p.ep_size, p.num_slots)
+            new = balanced_placement(by_expert[i], p.ep_size, p.num_slots)
             if new != p:
                 sent += moe.apply_placement(new)
+        self._index_slots()
         self.rebalances += 1
         self.bytes_moved += sent
         log.info("EPLB rebalance %d after %d steps: %d bytes sent", self.rebalances, self.steps, sent)
@@ -156,6 +232,10 @@ class ExpertLoad:
             self.folded_experts[i] += torch.tensor(self._per_expert(local, p))
             self.folded_ranks[i] += torch.tensor(p.expert_load_per_rank(local.tolist()))
         self.counts.zero_()
+
+
+def _balancedness(per_rank: list[int]) -> float:
+    return sum(per_rank) / len(per_rank) / max(per_rank) if max(per_rank) else 1.0
 
 
 def summarize(

@@ -252,6 +252,8 @@ class LLMEngine:
             self.expert_load.begin_step()
         before = self.traffic()
         logits = self.runner.forward(ids, pos, ctx, last)
+        if self.expert_load is not None:
+            self.expert_load.end_step()
         after = self.traffic()
         self.last_step_traffic = {k: after[k] - before[k] for k in after}
         return logits

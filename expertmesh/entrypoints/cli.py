@@ -86,7 +86,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         help='EPLB as JSON: {"num_redundant_experts": R, "step_interval": N (default 3000; 0 = never), '
-        '"load_path": "an --expert-stats file to place experts at start-up"}',
+        '"window_size": W (place by the last W forwards; default: since the last rebalance), '
+        '"load_path": "an --expert-stats file to place experts at start-up", "log_balancedness": true}',
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
     p.add_argument(
