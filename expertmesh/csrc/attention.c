@@ -206,10 +206,18 @@ DEFINE_HEAD_MATMUL(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 #else
 #define PF_LANES 8 /* AVX2; plain vectors elsewhere */
 #endif
-#define PF_KEYS (4 * PF_LANES)
+#define PF_TILE (4 * PF_LANES) /* keys of one scores tile */
+#define PF_KEYS (2 * PF_TILE)
 #define PF_ROWS 64
 typedef float pf_v __attribute__((vector_size(PF_LANES * 4)));
 typedef float pf_vu __attribute__((vector_size(PF_LANES * 4), aligned(4)));
+/* A vector loaded once into a register for the 3 products that use it: gcc folds the load into
+ * each FMA instead (3 loads of it per step), and 15 loads for 12 FMAs made the tiles load-bound. */
+#if defined(__x86_64__)
+#define PF_IN_REGISTER(x) __asm__("" : "+x"(x))
+#else
+#define PF_IN_REGISTER(x) (void)0
+#endif
 
 static inline int64_t pf_first_key(int64_t p, int64_t window, int64_t chunk) {
   int64_t first = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
@@ -219,7 +227,7 @@ static inline int64_t pf_first_key(int64_t p, int64_t window, int64_t chunk) {
 
 /* Three query vectors at a time (AVX2's 16 registers: 3 x 4 accumulators, a loaded vector and
  * a broadcast); a missing third or second is passed as a repeat of the first. */
-/* s[n][0, PF_KEYS) = q[n] . Kt[:, j], n < 3 */
+/* s[n][0, PF_TILE) = q[n] . Kt[:, j], n < 3 (Kt rows PF_KEYS apart) */
 static inline void pf_scores3(const float* q0, const float* q1, const float* q2, const float* kt,
                               int64_t D, float* s0, float* s1, float* s2) {
   pf_v a[4] = {0}, b[4] = {0}, c[4] = {0};
@@ -227,7 +235,8 @@ static inline void pf_scores3(const float* q0, const float* q1, const float* q2,
     const float x0 = q0[d], x1 = q1[d], x2 = q2[d];
     const float* kr = kt + d * PF_KEYS;
     for (int u = 0; u < 4; u++) {
-      const pf_v kv = *(const pf_vu*)(kr + u * PF_LANES);
+      pf_v kv = *(const pf_vu*)(kr + u * PF_LANES);
+      PF_IN_REGISTER(kv);
       a[u] += x0 * kv;
       b[u] += x1 * kv;
       c[u] += x2 * kv;
@@ -255,7 +264,8 @@ static inline void pf_values3(const float* p0, const float* p1, const float* p2,
       const float x0 = p0[j], x1 = p1[j], x2 = p2[j];
       const float* vr = vf + j * Dp + d0;
       for (int u = 0; u < 4; u++) {
-        const pf_v x = *(const pf_vu*)(vr + u * PF_LANES);
+        pf_v x = *(const pf_vu*)(vr + u * PF_LANES);
+        PF_IN_REGISTER(x);
         a[u] += x0 * x;
         b[u] += x1 * x;
         c[u] += x2 * x;
@@ -282,14 +292,15 @@ static inline void pf_values3(const float* p0, const float* p1, const float* p2,
 }
 
 typedef int32_t pf_i __attribute__((vector_size(PF_LANES * 4)));
-static const int32_t pf_iota[PF_KEYS] = {
-    0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
-    22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
-#if PF_KEYS == 64
-    32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53,
-    54, 55, 56, 57, 58, 59, 60, 61, 62, 63,
-#endif
-};
+static const int32_t pf_iota[128] = {
+    0,   1,   2,   3,   4,   5,   6,   7,   8,   9,   10,  11,  12,  13,  14,  15,  16,  17,  18,
+    19,  20,  21,  22,  23,  24,  25,  26,  27,  28,  29,  30,  31,  32,  33,  34,  35,  36,  37,
+    38,  39,  40,  41,  42,  43,  44,  45,  46,  47,  48,  49,  50,  51,  52,  53,  54,  55,  56,
+    57,  58,  59,  60,  61,  62,  63,  64,  65,  66,  67,  68,  69,  70,  71,  72,  73,  74,  75,
+    76,  77,  78,  79,  80,  81,  82,  83,  84,  85,  86,  87,  88,  89,  90,  91,  92,  93,  94,
+    95,  96,  97,  98,  99,  100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113,
+    114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127,
+}; /* >= PF_KEYS */
 
 static inline pf_v pf_select(pf_i mask, pf_v a, pf_v b) { return (pf_v)(((pf_i)a & mask) | ((pf_i)b & ~mask)); }
 
@@ -320,16 +331,17 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
     return;
   }
   const int32_t a = (int32_t)(lo > j0 ? lo - j0 : 0), b = (int32_t)(hi - j0 + 1 < nk ? hi - j0 + 1 : nk);
-  pf_v sv[4], best = {0};
-  pf_i seen[4];
+  enum { NV = PF_KEYS / PF_LANES };
+  pf_v sv[NV], best = {0};
+  pf_i seen[NV];
   best += -INFINITY;
-  for (int u = 0; u < 4; u++) {
+  for (int u = 0; u < NV; u++) {
     const pf_i j = *(const pf_i*)(pf_iota + u * PF_LANES);
     seen[u] = (j >= a) & (j < b);
     sv[u] = pf_select(seen[u], *(const pf_vu*)(s + u * PF_LANES), best);
   }
   pf_v top = best;
-  for (int u = 0; u < 4; u++) top = pf_select(sv[u] > top, sv[u], top);
+  for (int u = 0; u < NV; u++) top = pf_select(sv[u] > top, sv[u], top);
   float mx = m[0];
   for (int e = 0; e < PF_LANES; e++) mx = top[e] > mx ? top[e] : mx;
   if (mx > m[0]) {
@@ -339,7 +351,7 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
     m[0] = mx;
   }
   pf_v sum = {0};
-  for (int u = 0; u < 4; u++) {
+  for (int u = 0; u < NV; u++) {
     const pf_v p = (pf_v)((pf_i)pf_exp(sv[u] - mx) & seen[u]);
     *(pf_vu*)(s + u * PF_LANES) = p;
     sum += p;
@@ -390,8 +402,9 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
       /* per 3 query vectors: scores, softmax, values, while Kt and Vf stay in L1 */              \
       for (int64_t i = 0; i < nq; i += 3) {                                                       \
         const int64_t i1 = i + 1 < nq ? i + 1 : i, i2 = i + 2 < nq ? i + 2 : i;                   \
-        pf_scores3(qf + i * D, qf + i1 * D, qf + i2 * D, kt, D, s + i * PF_KEYS, s + i1 * PF_KEYS, \
-                   s + i2 * PF_KEYS);                                                             \
+        for (int64_t c = 0; c < nk; c += PF_TILE)                                                 \
+          pf_scores3(qf + i * D, qf + i1 * D, qf + i2 * D, kt + c, D, s + i * PF_KEYS + c,         \
+                     s + i1 * PF_KEYS + c, s + i2 * PF_KEYS + c);                                 \
         for (int64_t n = i; n < i + 3 && n < nq; n++) {                                           \
           const int64_t p = ctx + r0 + n / G;                                                     \
           pf_softmax_step(s + n * PF_KEYS, j0, nk, pf_first_key(p, window, chunk), p, m + n, l + n, \
