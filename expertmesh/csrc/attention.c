@@ -213,7 +213,7 @@ typedef float pf_v __attribute__((vector_size(PF_LANES * 4)));
 typedef float pf_vu __attribute__((vector_size(PF_LANES * 4), aligned(4)));
 /* A vector loaded once into a register for the 3 products that use it: gcc folds the load into
  * each FMA instead (3 loads of it per step), and 15 loads for 12 FMAs made the tiles load-bound. */
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__AVX__) /* a register that holds the whole vector */
 #define PF_IN_REGISTER(x) __asm__("" : "+x"(x))
 #else
 #define PF_IN_REGISTER(x) (void)0
