@@ -359,6 +359,20 @@ def test_generic_path_without_avx512(generic_kernels):
         torch.testing.assert_close(
             got, _reference_decode(q, kc, vc, tables, lt, 0.125, None), **_tolerance(dtype)
         )
+    # prefill attention's 8-lane vectors (a head dim of 9 of them, a tail block of keys) and rotary
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(45, n, 72, generator=g).to(dtype) for n in (4, 2, 2))
+        want = F.scaled_dot_product_attention(
+            *(t.float().transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, enable_gqa=True
+        )[0].transpose(0, 1)
+        tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+        torch.testing.assert_close(generic.paged_prefill(q, k, v, 72**-0.5).float(), want, **tol)
+        rotary = RotaryEmbedding(RopeConfig(head_dim=64, max_position_embeddings=64))
+        tables = rotary.lookup(torch.arange(37) % 64, dtype)
+        q, k = (torch.randn(37, n, 64, generator=g).to(dtype) for n in (4, 2))
+        no_cache = torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0)
+        q_got, k_got, _ = generic.rope_cache(q, k, k, tables.cos, tables.sin, *no_cache)
+        assert all(torch.equal(a, b) for a, b in zip((q_got, k_got), tables.apply(q, k)))
 
 
 # ---- per-head products (multi-head latent attention's absorbed projections) -----------------

@@ -184,3 +184,269 @@ DEFINE_PAGED_DECODE(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_HEAD_MATMUL(f32, float, f32_id, f32_id)
 DEFINE_HEAD_MATMUL(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 
+
+/* Prefill attention: the new rows of one sequence against every key they see, flash-attention
+ * style (online softmax over key blocks: no [L, S] score matrix), causal.
+ *
+ * q:      [L, H, D] rows with token stride q_stride (elements); row r is position ctx + r
+ * k, v:   with `table`: one layer's paged cache [blocks, bs, Hk, D], position p at row
+ *         table[p / bs] * bs + p % bs; without (NULL): the sequence's own rows, position p at
+ *         row p; a row's heads are contiguous and rows kv_stride elements apart
+ * out:    [L, H, D] contiguous
+ * window, chunk, sinks: as paged_decode's, for each row's own position.
+ *
+ * A task is one KV head and a block of PF_ROWS query rows: its G query heads and rows (nq query
+ * vectors) share each loaded block of PF_KEYS keys, transposed (and widened) once into float32
+ * Kt [D, PF_KEYS] and Vf [PF_KEYS, Dp] (Dp = D rounded up to whole vectors, zero-padded, so any
+ * head_dim runs on whole vectors). Scores are 2 query vectors x PF_KEYS keys in registers, the
+ * values' sums 2 vectors x 4 register vectors of D; accumulation is float32 throughout.
+ */
+#if defined(__AVX512F__)
+#define PF_LANES 16
+#else
+#define PF_LANES 8 /* AVX2; plain vectors elsewhere */
+#endif
+#define PF_TILE (4 * PF_LANES) /* keys of one scores tile */
+#define PF_KEYS (2 * PF_TILE)
+#define PF_ROWS 64
+typedef float pf_v __attribute__((vector_size(PF_LANES * 4)));
+typedef float pf_vu __attribute__((vector_size(PF_LANES * 4), aligned(4)));
+/* A vector loaded once into a register for the 3 products that use it: gcc folds the load into
+ * each FMA instead (3 loads of it per step), and 15 loads for 12 FMAs made the tiles load-bound. */
+#if defined(__x86_64__) && defined(__AVX__) /* a register that holds the whole vector */
+#define PF_IN_REGISTER(x) __asm__("" : "+x"(x))
+#else
+#define PF_IN_REGISTER(x) (void)0
+#endif
+
+static inline int64_t pf_first_key(int64_t p, int64_t window, int64_t chunk) {
+  int64_t first = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
+  if (chunk > 0 && p / chunk * chunk > first) first = p / chunk * chunk;
+  return first;
+}
+
+/* Three query vectors at a time (AVX2's 16 registers: 3 x 4 accumulators, a loaded vector and
+ * a broadcast); a missing third or second is passed as a repeat of the first. */
+/* s[n][0, PF_TILE) = q[n] . Kt[:, j], n < 3 (Kt rows PF_KEYS apart) */
+static inline void pf_scores3(const float* q0, const float* q1, const float* q2, const float* kt,
+                              int64_t D, float* s0, float* s1, float* s2) {
+  pf_v a[4] = {0}, b[4] = {0}, c[4] = {0};
+  for (int64_t d = 0; d < D; d++) {
+    const float x0 = q0[d], x1 = q1[d], x2 = q2[d];
+    const float* kr = kt + d * PF_KEYS;
+    for (int u = 0; u < 4; u++) {
+      pf_v kv = *(const pf_vu*)(kr + u * PF_LANES);
+      PF_IN_REGISTER(kv);
+      a[u] += x0 * kv;
+      b[u] += x1 * kv;
+      c[u] += x2 * kv;
+    }
+  }
+  for (int u = 0; u < 4; u++) {
+    *(pf_vu*)(s0 + u * PF_LANES) = a[u];
+    *(pf_vu*)(s1 + u * PF_LANES) = b[u];
+    *(pf_vu*)(s2 + u * PF_LANES) = c[u];
+  }
+}
+
+/* o[n][0, Dp) += sum_j p[n][j] * Vf[j, :], nk keys, n < 3 */
+static inline void pf_values3(const float* p0, const float* p1, const float* p2, const float* vf, int64_t nk,
+                              int64_t Dp, float* o0, float* o1, float* o2) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * PF_LANES <= Dp; d0 += 4 * PF_LANES) {
+    pf_v a[4], b[4], c[4];
+    for (int u = 0; u < 4; u++) {
+      a[u] = *(const pf_vu*)(o0 + d0 + u * PF_LANES);
+      b[u] = *(const pf_vu*)(o1 + d0 + u * PF_LANES);
+      c[u] = *(const pf_vu*)(o2 + d0 + u * PF_LANES);
+    }
+    for (int64_t j = 0; j < nk; j++) {
+      const float x0 = p0[j], x1 = p1[j], x2 = p2[j];
+      const float* vr = vf + j * Dp + d0;
+      for (int u = 0; u < 4; u++) {
+        pf_v x = *(const pf_vu*)(vr + u * PF_LANES);
+        PF_IN_REGISTER(x);
+        a[u] += x0 * x;
+        b[u] += x1 * x;
+        c[u] += x2 * x;
+      }
+    }
+    for (int u = 0; u < 4; u++) {
+      *(pf_vu*)(o0 + d0 + u * PF_LANES) = a[u];
+      *(pf_vu*)(o1 + d0 + u * PF_LANES) = b[u];
+      *(pf_vu*)(o2 + d0 + u * PF_LANES) = c[u];
+    }
+  }
+  for (; d0 < Dp; d0 += PF_LANES) {
+    pf_v a = *(const pf_vu*)(o0 + d0), b = *(const pf_vu*)(o1 + d0), c = *(const pf_vu*)(o2 + d0);
+    for (int64_t j = 0; j < nk; j++) {
+      const pf_v x = *(const pf_vu*)(vf + j * Dp + d0);
+      a += p0[j] * x;
+      b += p1[j] * x;
+      c += p2[j] * x;
+    }
+    *(pf_vu*)(o0 + d0) = a;
+    *(pf_vu*)(o1 + d0) = b;
+    *(pf_vu*)(o2 + d0) = c;
+  }
+}
+
+typedef int32_t pf_i __attribute__((vector_size(PF_LANES * 4)));
+static const int32_t pf_iota[128] = {
+    0,   1,   2,   3,   4,   5,   6,   7,   8,   9,   10,  11,  12,  13,  14,  15,  16,  17,  18,
+    19,  20,  21,  22,  23,  24,  25,  26,  27,  28,  29,  30,  31,  32,  33,  34,  35,  36,  37,
+    38,  39,  40,  41,  42,  43,  44,  45,  46,  47,  48,  49,  50,  51,  52,  53,  54,  55,  56,
+    57,  58,  59,  60,  61,  62,  63,  64,  65,  66,  67,  68,  69,  70,  71,  72,  73,  74,  75,
+    76,  77,  78,  79,  80,  81,  82,  83,  84,  85,  86,  87,  88,  89,  90,  91,  92,  93,  94,
+    95,  96,  97,  98,  99,  100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113,
+    114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127,
+}; /* >= PF_KEYS */
+
+static inline pf_v pf_select(pf_i mask, pf_v a, pf_v b) { return (pf_v)(((pf_i)a & mask) | ((pf_i)b & ~mask)); }
+
+/* exp_vec on whole vectors (gcc leaves exp_vec's clamps as branches in this loop's scalar form) */
+static inline pf_v pf_exp(pf_v v) {
+  const pf_v zero = {0};
+  v = pf_select(v < zero - 87.3f, zero - 87.3f, v);
+  v = pf_select(v > zero + 88.7f, zero + 88.7f, v);
+  const pf_v n = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const pf_v r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  pf_v p = zero + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  return p * (pf_v)((__builtin_convertvector(n, pf_i) + 127) << 23);
+}
+
+/* One query vector's online-softmax step over keys [j0, j0 + nk) of which it sees [lo, hi]:
+ * s (its scores) becomes its probabilities against the running max m; o and l are rescaled when
+ * the max grows. */
+static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo, int64_t hi, float* m,
+                                   float* l, float* o, int64_t Dp) {
+  if (hi < j0 || lo >= j0 + nk) {
+    memset(s, 0, sizeof(float) * PF_KEYS);
+    return;
+  }
+  const int32_t a = (int32_t)(lo > j0 ? lo - j0 : 0), b = (int32_t)(hi - j0 + 1 < nk ? hi - j0 + 1 : nk);
+  enum { NV = PF_KEYS / PF_LANES };
+  pf_v sv[NV], best = {0};
+  pf_i seen[NV];
+  best += -INFINITY;
+  for (int u = 0; u < NV; u++) {
+    const pf_i j = *(const pf_i*)(pf_iota + u * PF_LANES);
+    seen[u] = (j >= a) & (j < b);
+    sv[u] = pf_select(seen[u], *(const pf_vu*)(s + u * PF_LANES), best);
+  }
+  pf_v top = best;
+  for (int u = 0; u < NV; u++) top = pf_select(sv[u] > top, sv[u], top);
+  float mx = m[0];
+  for (int e = 0; e < PF_LANES; e++) mx = top[e] > mx ? top[e] : mx;
+  if (mx > m[0]) {
+    const float c = exp_vec(m[0] - mx); /* m = -inf at first: o and l are still 0 */
+    l[0] *= c;
+    for (int64_t d = 0; d < Dp; d++) o[d] *= c;
+    m[0] = mx;
+  }
+  pf_v sum = {0};
+  for (int u = 0; u < NV; u++) {
+    const pf_v p = (pf_v)((pf_i)pf_exp(sv[u] - mx) & seen[u]);
+    *(pf_vu*)(s + u * PF_LANES) = p;
+    sum += p;
+  }
+  float total = 0.f;
+  for (int e = 0; e < PF_LANES; e++) total += sum[e];
+  l[0] += total;
+}
+
+#define DEFINE_PAGED_PREFILL(SUFFIX, T, LOAD, STORE)                                              \
+  static void prefill_task_##SUFFIX(const T* q, int64_t q_stride, const T* k, const T* v,          \
+                                    int64_t kv_stride, const int32_t* table, int64_t bs, int64_t ctx, \
+                                    int64_t r0, int64_t r1, int64_t hk, T* out, int64_t H, int64_t G, \
+                                    int64_t D, float scale, int64_t window, int64_t chunk,        \
+                                    const float* sinks, float* work) {                            \
+    const int64_t Dp = (D + PF_LANES - 1) / PF_LANES * PF_LANES, nq = (r1 - r0) * G;               \
+    float* qf = work;                 /* [nq, D], scaled */                                       \
+    float* o = qf + PF_ROWS * G * D;  /* [nq, Dp] */                                              \
+    float* s = o + PF_ROWS * G * Dp;  /* [nq, PF_KEYS] */                                         \
+    float* kt = s + PF_ROWS * G * PF_KEYS; /* [D, PF_KEYS] */                                     \
+    float* vf = kt + D * PF_KEYS;     /* [PF_KEYS, Dp] */                                         \
+    float* m = vf + PF_KEYS * Dp;     /* [nq] */                                                  \
+    float* l = m + PF_ROWS * G;       /* [nq] */                                                  \
+    /* Query vector i: row r0 + i / G, head hk * G + i % G. */                                     \
+    for (int64_t i = 0; i < nq; i++) {                                                            \
+      const T* qr = q + (r0 + i / G) * q_stride + (hk * G + i % G) * D;                           \
+      for (int64_t d = 0; d < D; d++) qf[i * D + d] = LOAD(qr[d]) * scale;                        \
+      m[i] = -INFINITY;                                                                           \
+      l[i] = 0.f;                                                                                 \
+    }                                                                                             \
+    memset(o, 0, sizeof(float) * (size_t)(nq * Dp));                                              \
+    memset(vf, 0, sizeof(float) * (size_t)(PF_KEYS * Dp));                                        \
+    const int64_t first = pf_first_key(ctx + r0, window, chunk), end = ctx + r1;                  \
+    for (int64_t j0 = first; j0 < end; j0 += PF_KEYS) {                                           \
+      const int64_t nk = end - j0 < PF_KEYS ? end - j0 : PF_KEYS;                                 \
+      for (int64_t j = 0; j < PF_KEYS; j++) {                                                     \
+        if (j >= nk) {                                                                            \
+          for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = 0.f;                              \
+          continue;                                                                               \
+        }                                                                                         \
+        const int64_t p = j0 + j;                                                                 \
+        const int64_t row = table ? (int64_t)table[p / bs] * bs + p % bs : p;                     \
+        const T* kr = k + row * kv_stride + hk * D;                                               \
+        const T* vr = v + row * kv_stride + hk * D;                                               \
+        for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = LOAD(kr[d]);                        \
+        for (int64_t d = 0; d < D; d++) vf[j * Dp + d] = LOAD(vr[d]);                             \
+      }                                                                                           \
+      /* per 3 query vectors: scores, softmax, values, while Kt and Vf stay in L1 */              \
+      for (int64_t i = 0; i < nq; i += 3) {                                                       \
+        const int64_t i1 = i + 1 < nq ? i + 1 : i, i2 = i + 2 < nq ? i + 2 : i;                   \
+        for (int64_t c = 0; c < nk; c += PF_TILE)                                                 \
+          pf_scores3(qf + i * D, qf + i1 * D, qf + i2 * D, kt + c, D, s + i * PF_KEYS + c,         \
+                     s + i1 * PF_KEYS + c, s + i2 * PF_KEYS + c);                                 \
+        for (int64_t n = i; n < i + 3 && n < nq; n++) {                                           \
+          const int64_t p = ctx + r0 + n / G;                                                     \
+          pf_softmax_step(s + n * PF_KEYS, j0, nk, pf_first_key(p, window, chunk), p, m + n, l + n, \
+                          o + n * Dp, Dp);                                                        \
+        }                                                                                         \
+        pf_values3(s + i * PF_KEYS, s + i1 * PF_KEYS, s + i2 * PF_KEYS, vf, nk, Dp, o + i * Dp,    \
+                   o + i1 * Dp, o + i2 * Dp);                                                     \
+      }                                                                                           \
+    }                                                                                             \
+    for (int64_t i = 0; i < nq; i++) {                                                            \
+      const int64_t h = hk * G + i % G;                                                           \
+      float sum = l[i], c = 1.f;                                                                  \
+      if (sinks) { /* the sink joins the denominator only */                                      \
+        const float mx = sinks[h] > m[i] ? sinks[h] : m[i];                                       \
+        c = exp_vec(m[i] - mx);                                                                   \
+        sum = sum * c + exp_vec(sinks[h] - mx);                                                   \
+      }                                                                                           \
+      const float inv = c / sum;                                                                  \
+      T* orow = out + ((r0 + i / G) * H + h) * D;                                                 \
+      for (int64_t d = 0; d < D; d++) orow[d] = STORE(o[i * Dp + d] * inv);                       \
+    }                                                                                             \
+  }                                                                                               \
+                                                                                                  \
+  void paged_prefill_##SUFFIX(const T* q, int64_t q_stride, const T* k, const T* v,               \
+                              int64_t kv_stride, const int32_t* table, int64_t bs, int64_t ctx,   \
+                              int64_t L, T* out, int64_t H, int64_t Hk, int64_t D, float scale,   \
+                              int64_t window, int64_t chunk, const float* sinks, int threads) {   \
+    const int64_t G = H / Hk, blocks = (L + PF_ROWS - 1) / PF_ROWS, tasks = blocks * Hk;          \
+    const int64_t Dp = (D + PF_LANES - 1) / PF_LANES * PF_LANES;                                  \
+    const size_t floats = (size_t)(PF_ROWS * G * (D + Dp + PF_KEYS + 2) + PF_KEYS * (D + Dp));    \
+    _Pragma("omp parallel num_threads(threads) if (tasks > 1)") {                                 \
+      float* work = (float*)malloc(sizeof(float) * floats);                                       \
+      /* the last rows see the most keys: they go first */                                        \
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t t = 0; t < tasks; t++) {               \
+        const int64_t b = blocks - 1 - t / Hk, hk = t % Hk;                                       \
+        const int64_t r0 = b * PF_ROWS, r1 = r0 + PF_ROWS < L ? r0 + PF_ROWS : L;                 \
+        prefill_task_##SUFFIX(q, q_stride, k, v, kv_stride, table, bs, ctx, r0, r1, hk, out, H, G, D, \
+                              scale, window, chunk, sinks, work);                                 \
+      }                                                                                           \
+      free(work);                                                                                 \
+    }                                                                                             \
+  }
+
+DEFINE_PAGED_PREFILL(f32, float, f32_id, f32_id)
+DEFINE_PAGED_PREFILL(bf16, bf16_t, bf16_to_f32, f32_to_bf16)

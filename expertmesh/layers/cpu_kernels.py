@@ -111,6 +111,10 @@ _SIGNATURES = {
     # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, Dv, W, block_size, scale, window, chunk,
     # sinks or NULL, threads
     "paged_decode": [_c] * 6 + [_i64] * 7 + [_F32, _i64, _i64, _c, _INT],
+    # q, its token stride, k, v, their token stride, table or NULL, block_size, context, L, out,
+    # H, Hk, D, scale, window, chunk, sinks or NULL, threads
+    "paged_prefill": [_c, _i64, _c, _c, _i64, _c, _i64, _i64, _i64, _c, _i64, _i64, _i64]
+    + [_F32, _i64, _i64, _c, _INT],
     # x, its batch and head strides, w, out, B, H, K, N, trans, threads
     "head_matmul": [_c, _i64, _i64, _c, _c] + [_i64] * 4 + [_INT, _INT],
     # x, panels, y, M, O, I, bias or NULL, threads
@@ -160,7 +164,7 @@ class CpuKernels:
         # bfloat16 products on pairs (AVX512-BF16); without them bf16 weights are widened to
         # float32 in registers (gemm_bf16, and moe_bf16 built on it).
         self.bf16_pairs = bool(lib.bf16_pairs())
-        kinds = ("paged_decode", "head_matmul", "gemm", "rms_norm", "rope_cache", "moe")
+        kinds = ("paged_decode", "paged_prefill", "head_matmul", "gemm", "rms_norm", "rope_cache", "moe")
         variants = {kind: ("f32", "bf16") for kind in kinds}
         variants["gemm"] += ("bf16_f32",)  # bf16 weights, float32 output (partial sums)
         if self.bf16_pairs:
@@ -494,6 +498,61 @@ class CpuKernels:
             None if sinks is None else sinks.data_ptr(),
             torch.get_num_threads(),
         )
+        return out
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        chunk: int | None = None,
+        sinks: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        context: int = 0,
+    ) -> torch.Tensor:
+        """Causal attention of q [L, H, D] (rows may be token-strided), row r at position
+        context + r, over every key it sees -> [L, H, D]. With `block_table` (int32, the
+        sequence's blocks) k and v are the paged caches [blocks, block_size, Hk, D] holding every
+        position up to context + L - 1; without, k and v [context + L, Hk, D] are the sequence's
+        own rows (token-strided views allowed, the same stride for both). Window, chunk and sinks
+        as in `paged_decode`, for each row's own position."""
+        length, h, d = q.shape
+        paged = block_table is not None
+        hk = k.shape[-2]
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        strided = k.stride() != v.stride() or k.stride(-1) != 1 or k.stride(-2) != d
+        if strided or (paged and not k.is_contiguous()):
+            k, v = k.contiguous(), v.contiguous()
+        if k.dtype != q.dtype or v.dtype != q.dtype or not self.supports(q.dtype):
+            raise ValueError(f"paged_prefill: q {q.dtype}, k {k.dtype}, v {v.dtype}: one float32/bf16 dtype")
+        if k.shape[-1] != d or v.shape != k.shape or h % hk or (not paged and k.shape[0] != context + length):
+            raise ValueError(
+                f"paged_prefill: q {tuple(q.shape)} and k / v {tuple(k.shape)} / {tuple(v.shape)} do not fit "
+                f"(context {context}; without a block table k / v hold context + L rows)"
+            )
+        bs = k.shape[1] if paged else 1
+        if paged and (block_table.dtype != torch.int32 or block_table.numel() * bs < context + length):
+            raise ValueError(
+                f"paged_prefill: block_table must be int32 covering {context + length} positions, got "
+                f"{block_table.dtype} of {block_table.numel()} blocks of {bs}"
+            )
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+            if sinks.shape != (h,):
+                raise ValueError(f"paged_prefill: sinks must be [{h}], got {tuple(sinks.shape)}")
+        out = torch.empty(length, h, d, dtype=q.dtype)
+        if not length:
+            return out
+        table = block_table.contiguous() if paged else None
+        fn = self.lib.paged_prefill_f32 if q.dtype == torch.float32 else self.lib.paged_prefill_bf16
+        fn(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), hk * d if paged else k.stride(0),
+            None if table is None else table.data_ptr(), bs, context, length, out.data_ptr(), h, hk, d,
+            scale, sliding_window or 0, chunk or 0, None if sinks is None else sinks.data_ptr(), _threads(),
+        )  # fmt: skip
         return out
 
 
