@@ -1,7 +1,8 @@
-"""Peak RSS while loading within 1.15x of the steady state (issue 15, item 1). Float weights on a
-checkpoint of 1.45 GB: Phi-mini-MoE's published config at its real width (hidden 4,096, 16 experts of 960, the
-whole 32,064 vocabulary, bf16) shrunk to 2 of its 32 layers, loaded in a fresh subprocess that
-reports its VmHWM (the peak) and VmRSS (after loading and packing) from /proc/self/status.
+"""Peak RSS while loading within 1.15x of the steady state (issue 15, item 1). Float weights on
+a checkpoint of 1.45 GB: Phi-mini-MoE's published config at its real width (hidden 4,096, 16
+experts of 960, the whole 32,064 vocabulary, bf16) shrunk to 2 of its 32 layers, loaded in a fresh
+subprocess that reports its VmHWM (the peak) and VmRSS (after loading and packing) from
+/proc/self/status.
 
 Measured when written: 1,833 MB peak and steady (1.000x). Before one-pass loading the memory-mapped
 file's pages stayed resident until it was closed and packing copied each weight: the benchmarks'
