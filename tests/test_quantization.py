@@ -486,6 +486,21 @@ def test_rounding_to_fp4_codes_is_an_error():
         QuantizedWeight.quantize(torch.randn(8, 32), "fp4", 32, None)
 
 
+def test_rounding_a_block_of_rows_at_a_time_equals_rounding_the_whole_weight(monkeypatch):
+    """quantize_rows rounds VALUES_AT_ONCE values a step (one-pass loading keeps its float32
+    temporaries small): every kind and group, a partial last group, gives the whole weight's codes."""
+    from expertmesh.layers.quantization import packed
+
+    w = torch.randn(301, 70, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for kind in packed.ROUNDED_KINDS:
+        for group in (0, 16, 32):
+            whole = packed.quantize_rows(w, kind, group)
+            monkeypatch.setattr(packed, "VALUES_AT_ONCE", 6 * 70)  # 6 rows a step, the last one row
+            blocks = packed.quantize_rows(w, kind, group)
+            monkeypatch.undo()
+            assert all(torch.equal(a, b) for a, b in zip(whole, blocks, strict=True)), (kind, group)
+
+
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
 def test_cli_quantization_takes_every_scheme_and_names_a_bad_one(command, capsys):
     """--quantization takes what LLM(quantization=...) takes, suffixes included; a bad one exits with

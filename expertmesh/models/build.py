@@ -108,21 +108,22 @@ def build_model(
     cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, env)
-    load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights)
+    # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
+    # routed experts (weights packed below, or compressed while loading), RMSNorm, rotary + KV
+    # store and decode attention; model.cpu_kernels tells the runner to lay out decode metadata.
+    kernels = cpu_kernels.load() if device == "cpu" else None
+    if kernels is not None and not kernels.supports(cfg.dtype):
+        kernels = None
+    model.cpu_kernels = kernels
+    # Compressed weights are quantized or packed as they load (one pass); the rest after.
+    streamed = load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights, kernels=kernels)
     # Modules that lay out loaded weights another way (MLA splits kv_b_proj per head) do it once,
     # before any weight is packed for a kernel.
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
-    # routed experts (weights packed below, after loading), RMSNorm, rotary + KV store and decode
-    # attention; model.cpu_kernels tells the runner to lay out decode metadata for them.
-    kernels = cpu_kernels.load() if device == "cpu" else None
-    if kernels is not None and not kernels.supports(cfg.dtype):
-        kernels = None
-    model.cpu_kernels = kernels
     scheme = cfg.quantization if cfg.quantization is not None and cfg.quantization.online else None
-    held = _hold_quantized(model, kernels)
+    held = _hold_quantized(model, kernels) | streamed
     for module in model.modules():
         if id(module) in held:
             continue  # a quantized checkpoint's codes, held compressed as stored

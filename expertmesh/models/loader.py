@@ -65,14 +65,36 @@ def _open(path: str):
 
 
 def load_weights(
-    model: Any, model_dir: str, show_progress: bool = False, allow_nonfinite: bool = False
-) -> None:
+    model: Any,
+    model_dir: str,
+    show_progress: bool = False,
+    allow_nonfinite: bool = False,
+    kernels: Any = None,
+) -> set[int]:
+    """Fill every parameter; returns the ids of the modules that took their weights compressed while
+    loading (one pass: layers/quantization/streaming.py), which the build then leaves alone."""
     files = safetensors_files(model_dir)
     with opened(files, _open) as handles:
         view = _view(model, handles)
         check_against_twin(model, view)
         model.held_weights = _plan_held(model, view)
-        _load_view(model, view, show_progress, allow_nonfinite)
+        stream = _streaming(model, kernels)
+        _load_view(model, view, show_progress, allow_nonfinite, stream)
+    return set() if stream is None else stream.finish()
+
+
+def _streaming(model: Any, kernels: Any) -> Any:
+    """Compressed weights converted as they load: online quantization and held checkpoint codes."""
+    fmt = model.cfg.quantization
+    scheme = fmt if fmt is not None and fmt.online else None
+    if scheme is None and not (model.held_weights is not None and model.held_weights.params):
+        return None
+    from expertmesh.layers.quantization.streaming import Streaming
+
+    try:
+        return Streaming(model, model.held_weights, scheme, kernels)
+    except ValueError as exc:  # a layout that cuts a quantization group (online.check_split)
+        raise WeightLoadError(str(exc)) from exc
 
 
 def _plan_held(model: Any, view: CheckpointView) -> Any:
@@ -110,7 +132,9 @@ def _view(model: Any, handles: dict) -> CheckpointView:
         raise WeightLoadError(str(exc)) from exc
 
 
-def _load_view(model: Any, view: CheckpointView, show_progress: bool, allow_nonfinite: bool) -> None:
+def _load_view(
+    model: Any, view: CheckpointView, show_progress: bool, allow_nonfinite: bool, stream: Any = None
+) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     local_layers = set(model.model.layer_range)
@@ -126,7 +150,7 @@ def _load_view(model: Any, view: CheckpointView, show_progress: bool, allow_nonf
                 skipped[rule] += 1
                 continue
             try:
-                _load_key(view, key, params, loaded, local_layers, experts, model, tie)
+                _load_key(view, key, params, loaded, local_layers, experts, model, tie, stream)
             except SafetensorError as exc:
                 raise WeightLoadError(f"cannot read {key!r} from {path}: {exc}") from exc
     for rule, count in sorted(skipped.items()):
@@ -209,7 +233,7 @@ def _check_key(key: str, path: str, shape: tuple[int, ...], dtype: str, targets:
         )
 
 
-def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, tie) -> None:
+def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, tie, stream=None) -> None:
     checkpoint_key, key = key, model.family.names.canonical(key)
     layer = layer_index(key)
     if layer is not None and not 0 <= layer < model.cfg.num_layers:
@@ -235,6 +259,8 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
         if shard in loaded[name]:
             raise WeightLoadError(f"parameter {name!r} shard {shard!r} is filled twice (last by {key!r})")
         try:
+            if stream is not None:
+                stream.before(name, shard)
             param.weight_loader(param, pick(f.get_slice(checkpoint_key)), shard)
         except NonFinite as exc:
             raise WeightLoadError(
@@ -244,6 +270,8 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
         except ValueError as exc:  # name the checkpoint key, not just the shapes
             raise WeightLoadError(f"checkpoint key {key!r} does not fit parameter {name!r}: {exc}") from exc
         loaded[name].add(shard)
+        if stream is not None:
+            stream.after(name, shard)
 
 
 def _owned_elsewhere(name: str, model: Any) -> bool:

@@ -95,6 +95,7 @@ class HeldWeights:
     params: dict[str, HeldParam] = field(default_factory=dict)
     by_storage: dict[int, HeldParam] = field(default_factory=dict)
     keys: set[str] = field(default_factory=set)  # checkpoint keys served as codes
+    streamed: set[str] = field(default_factory=set)  # held by their modules while loading (streaming.py)
 
     def on_copy(self, dst: torch.Tensor, region: Any) -> None:
         held = self.by_storage.get(dst.untyped_storage().data_ptr())
@@ -227,11 +228,11 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
     done: set[int] = set()
     zeros: dict[tuple, torch.Tensor] = {}
     for name, h in held.params.items():
-        if h.exponents:
+        if h.exponents and name not in held.streamed:
             params[name].data = split_exponents(params[name].data, h)
     for name, h in held.params.items():
         module = _module_of(model, name)
-        if id(module) in done or h.scales is None:
+        if id(module) in done or h.scales is None or name in held.streamed:
             continue
         if name.endswith((".w13", ".w2")):
             prefix = name.rpartition(".")[0]

@@ -33,10 +33,31 @@ def _cdiv(a: int, b: int) -> int:
 ROUNDED_KINDS = ("int8", "int4", "fp8", "w8a8", "w4a8")
 
 
+VALUES_AT_ONCE = (
+    1 << 18
+)  # values rounded per step: the float32 temporaries stay about 1 MB each (one-pass loading)
+
+
 def quantize_rows(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[O, I] float -> codes [O, I] uint8, scales and offsets [O, G] float32 (group 0: G = 1)."""
+    """[O, I] float -> codes [O, I] uint8, scales and offsets [O, G] float32 (group 0: G = 1).
+    Rows are rounded a block at a time (each row's codes depend on that row alone)."""
     if kind not in ROUNDED_KINDS:  # fp4 codes come from checkpoints (MXFP4) only
         raise ValueError(f"quantize_rows: no rounding to {kind!r} codes; it rounds to {list(ROUNDED_KINDS)}")
+    out_f, in_f = w.shape
+    step = max(1, VALUES_AT_ONCE // max(in_f, 1))
+    if out_f <= step:
+        return _quantize_rows(w, kind, group)
+    g = _cdiv(in_f, group or in_f)
+    codes = torch.empty(out_f, in_f, dtype=torch.uint8)
+    scales, offsets = torch.empty(out_f, g), torch.empty(out_f, g)
+    for r in range(0, out_f, step):
+        codes[r : r + step], scales[r : r + step], offsets[r : r + step] = _quantize_rows(
+            w[r : r + step], kind, group
+        )
+    return codes, scales, offsets
+
+
+def _quantize_rows(w: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out_f, in_f = w.shape
     group = group or in_f
     g = _cdiv(in_f, group)
@@ -280,16 +301,30 @@ class QuantizedExperts:
     def stack(cls, weights: list[QuantizedWeight]) -> QuantizedExperts:
         w = weights[0]
         shared = all(q.offsets is w.offsets for q in weights) and not w.offsets.any()
-        codes, scales = (torch.stack([getattr(q, a) for q in weights]) for a in ("codes", "scales"))
+        codes, scales = (_stacked([getattr(q, a) for q in weights]) for a in ("codes", "scales"))
         if shared:
             offsets = _zero_stack(len(weights), w.offsets)
         else:
-            offsets = torch.stack([q.offsets for q in weights])
+            offsets = _stacked([q.offsets for q in weights])
         return cls(w.kind, codes, scales, offsets, w.group)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(parts), or without a copy the stack they are already index e of (one-pass
+    loading writes each expert into its slot: quantization/streaming.py)."""
+    base = parts[0]._base
+    if (
+        base is not None
+        and base.is_contiguous()
+        and tuple(base.shape) == (len(parts), *parts[0].shape)
+        and all(p._base is base and p.data_ptr() == base[e].data_ptr() for e, p in enumerate(parts))
+    ):
+        return base
+    return torch.stack(parts)
 
 
 # Offsets all zero (MXFP4's, one tensor for every expert): one stack of zeros a shape serves every
