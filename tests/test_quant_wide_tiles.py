@@ -90,3 +90,23 @@ def test_routed_experts_every_row_count_per_expert(kernels, kind, k, counts):
             a = torch.nn.functional.silu(h[:inter]) * h[inter:]
             ref[t] += weights[t, j].double() * (a @ w2[s].dequantize().double().T)
     torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,group", [("w4a8", 128), ("w4a8", 16), ("w4a8", 0), ("w8a8", 32)])
+def test_activation_quantized_tiles_every_row_count(kernels, kind, group):
+    """W4A8 and W8A8 tiles (4 rows x NP panels) at every remainder and the activations' rounding
+    (half to even, in vectors), 203 outputs (a panel group of one panel at the end), 200 inputs; a
+    row of zeros (codes 0, no division by 0), against the exact integer arithmetic in float64."""
+    from test_quantization_w8a8 import reference
+
+    g = torch.Generator().manual_seed(13)
+    w = QuantizedWeight.quantize(torch.randn(203, 200, generator=g) * 200**-0.5, kind, group, kernels)
+    b = torch.randn(203, generator=g)
+    x_all = torch.randn(19, 200, generator=g) * 3
+    x_all[3] = 0
+    y_all = w(x_all, b)
+    for m in [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 19]:
+        got = w(x_all[:m], b)
+        torch.testing.assert_close(got, reference(x_all[:m], w, b), rtol=1e-5, atol=1e-4)
+        if m >= 2:  # a row's exact integer sums do not depend on the tile that took it
+            torch.testing.assert_close(got, y_all[:m], rtol=0, atol=0)
