@@ -6,11 +6,8 @@
  * KIND 2 fp8 e4m3) or a nibble each (KIND 1 uint4, KIND 3 fp4 e2m1; lane 2j in the low nibble of
  * byte j). Each (panel, group of gs inputs) has LANES scales s and offsets m in float32:
  * W[o, i] = code(o, i) * s + m (int8 symmetric: m = 0; int4: m = -zero * s). The weight vector is
- * rebuilt in registers with one FMA and used for every row of the tile; x and y are float32. */
-#define QMR 4
-/* From this many rows in a work item the panel group is dequantized into a float32 buffer first
- * (its decode then costs once per group instead of once per QMR rows). */
-#define Q_PANEL_ROWS 8
+ * rebuilt with one FMA (in registers, or into a buffer at many rows) and used for every row of a tile;
+ * one row folds the scale and offset in once a group instead (qrow1_*). x and y are float32. */
 
 #if LANES == 8 && defined(__AVX2__)
 static inline vf q_decode0(const uint8_t* p) { /* int8 */
@@ -119,108 +116,147 @@ static inline vf q_decode3(const uint8_t* p) {
 /* Bytes of codes per (panel, input): LANES for byte codes, LANES / 2 for nibbles. */
 #define Q_BYTES(KIND) ((KIND) & 1 ? LANES / 2 : LANES)
 
-/* A tile of rows <= QMR rows: per group the products with the bare codes are summed, then folded
- * in once a group as acc += s * sum(code * x) + m * sum(x): the scale and offset leave the inner
- * loop (one FMA a vector instead of two). At 1 and 2 rows the sums are split over QU(rows) sets
- * of accumulators (inputs i, i + 1, ...), so the FMAs of a panel are not one dependency chain. */
-#define QU(rows) ((rows) == 1 ? 4 : (rows) == 2 ? 2 : 1)
+/* Many rows (QW_ROWS and more, quant_dispatch.c): panel group g is dequantized into a float32 buffer
+ * once (W = code * s + m) and read by the float32 tiles, its decode paid once per group. */
 #define DEFINE_QGEMM(KIND)                                                                         \
-  static inline __attribute__((always_inline)) void qtile_body##KIND(                            \
-      const float* x, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t G,   \
-      int64_t gs, float* y, int64_t O, int64_t p0, const int npc, const int rows, const float* bias) { \
-    vf acc[QMR][NP];                                                                               \
-    for (int r = 0; r < rows; r++)                                                                 \
-      for (int j = 0; j < NP; j++) acc[r][j] = (vf){0};                                            \
-    const int64_t pb = I * Q_BYTES(KIND);                                                          \
-    const int U = QU(rows);                                                                        \
-    for (int64_t g = 0; g < G; g++) {                                                              \
-      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;                                   \
-      vf d[4][QMR][NP];                                                                            \
-      for (int u = 0; u < U; u++)                                                                  \
-        for (int r = 0; r < rows; r++)                                                             \
-          for (int j = 0; j < NP; j++) d[u][r][j] = (vf){0};                                       \
-      int64_t i = i0;                                                                              \
-      for (; i + U <= i1; i += U)                                                                  \
-        for (int u = 0; u < U; u++) {                                                              \
-          vf c[NP];                                                                                \
-          for (int j = 0; j < npc; j++) c[j] = q_decode##KIND(qp + (p0 + j) * pb + (i + u) * Q_BYTES(KIND)); \
-          for (int r = 0; r < rows; r++) {                                                         \
-            const float xs = x[r * I + i + u];                                                     \
-            for (int j = 0; j < npc; j++) d[u][r][j] += c[j] * xs;                                 \
-          }                                                                                        \
-        }                                                                                          \
-      for (; i < i1; i++) {                                                                        \
-        vf c[NP];                                                                                  \
-        for (int j = 0; j < npc; j++) c[j] = q_decode##KIND(qp + (p0 + j) * pb + i * Q_BYTES(KIND)); \
-        for (int r = 0; r < rows; r++) {                                                           \
-          const float xs = x[r * I + i];                                                           \
-          for (int j = 0; j < npc; j++) d[0][r][j] += c[j] * xs;                                   \
-        }                                                                                          \
-      }                                                                                            \
-      for (int r = 0; r < rows; r++) {                                                             \
-        float xsum = 0.f;                                                                          \
-        _Pragma("omp simd reduction(+ : xsum)") for (int64_t t = i0; t < i1; t++) xsum += x[r * I + t]; \
-        for (int j = 0; j < npc; j++) {                                                            \
-          vf dot = d[0][r][j];                                                                     \
-          for (int u = 1; u < U; u++) dot += d[u][r][j];                                           \
-          const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES);                            \
-          const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);                            \
-          acc[r][j] += s * dot + m * xsum;                                                         \
-        }                                                                                          \
-      }                                                                                            \
-    }                                                                                              \
-    for (int j = 0; j < npc; j++) {                                                                \
-      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                       \
-      const vf b = bias_vec(bias, o, n);                                                           \
-      for (int r = 0; r < rows; r++) store_row_f32(y + r * O + o, acc[r][j] + b, n);               \
-    }                                                                                              \
-  }                                                                                                \
-  static inline __attribute__((always_inline)) void qtile##KIND(                                 \
-      const float* x, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t G,   \
-      int64_t gs, float* y, int64_t O, int64_t p0, int64_t np, const int rows, const float* bias) { \
-    if (np == NP)                                                                                  \
-      qtile_body##KIND(x, I, qp, sp, mp, G, gs, y, O, p0, NP, rows, bias);                         \
-    else                                                                                           \
-      qtile_body##KIND(x, I, qp, sp, mp, G, gs, y, O, p0, (int)np, rows, bias);                    \
-  }                                                                                                \
   static void qrows##KIND(const float* x, int64_t I, const uint8_t* qp, const float* sp,           \
                           const float* mp, int64_t gs, float* y, int64_t O, int64_t g, int64_t r0, \
                           int64_t r1, const float* bias) {                                         \
     const int64_t P = (O + LANES - 1) / LANES, p0 = g * NP, np = P - p0 < NP ? P - p0 : NP;        \
     const int64_t G = (I + gs - 1) / gs;                                                           \
-    if (r1 - r0 >= Q_PANEL_ROWS) { /* many rows: dequantize once, then float32 tiles from cache */   \
-      float* buf = (float*)malloc(sizeof(float) * (size_t)(NP * I * LANES));                       \
-      for (int64_t j = 0; j < np; j++)                                                             \
-        for (int64_t gg = 0; gg < G; gg++) {                                                       \
-          const vf s = load_panel_f32(sp + ((p0 + j) * G + gg) * LANES);                           \
-          const vf m = load_panel_f32(mp + ((p0 + j) * G + gg) * LANES);                           \
-          const int64_t i1 = (gg + 1) * gs < I ? (gg + 1) * gs : I;                                \
-          for (int64_t i = gg * gs; i < i1; i++) {                                                 \
-            const vf wv = q_decode##KIND(qp + ((p0 + j) * I + i) * Q_BYTES(KIND)) * s + m;         \
-            memcpy(buf + (j * I + i) * LANES, &wv, sizeof wv);                                     \
-          }                                                                                        \
+    float* buf = (float*)malloc(sizeof(float) * (size_t)(NP * I * LANES));                         \
+    for (int64_t j = 0; j < np; j++)                                                               \
+      for (int64_t gg = 0; gg < G; gg++) {                                                         \
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + gg) * LANES);                             \
+        const vf m = load_panel_f32(mp + ((p0 + j) * G + gg) * LANES);                             \
+        const int64_t i1 = (gg + 1) * gs < I ? (gg + 1) * gs : I;                                  \
+        for (int64_t i = gg * gs; i < i1; i++) {                                                   \
+          const vf wv = q_decode##KIND(qp + ((p0 + j) * I + i) * Q_BYTES(KIND)) * s + m;           \
+          memcpy(buf + (j * I + i) * LANES, &wv, sizeof wv);                                       \
         }                                                                                          \
-      /* rows_f32 reads panel group g at wp + g * NP * I * LANES: point it so that lands on buf */ \
-      const float* wp = (const float*)((uintptr_t)buf - (uintptr_t)(p0 * I * LANES * sizeof(float))); \
-      rows_f32(x, I, wp, y, O, P, g, r0, r1, bias);                                                \
-      free(buf);                                                                                   \
-      return;                                                                                      \
-    }                                                                                              \
-    int64_t r = r0;                                                                                \
-    for (; r + QMR <= r1; r += QMR)                                                                \
-      qtile##KIND(x + r * I, I, qp, sp, mp, G, gs, y + r * O, O, p0, np, QMR, bias);               \
-    switch (r1 - r) {                                                                              \
-      case 3: qtile##KIND(x + r * I, I, qp, sp, mp, G, gs, y + r * O, O, p0, np, 3, bias); break;  \
-      case 2: qtile##KIND(x + r * I, I, qp, sp, mp, G, gs, y + r * O, O, p0, np, 2, bias); break;  \
-      case 1: qtile##KIND(x + r * I, I, qp, sp, mp, G, gs, y + r * O, O, p0, np, 1, bias); break;  \
-      default: break;                                                                              \
-    }                                                                                              \
+      }                                                                                            \
+    /* rows_f32 reads panel group g at wp + g * NP * I * LANES: point it so that lands on buf */   \
+    const float* wp = (const float*)((uintptr_t)buf - (uintptr_t)(p0 * I * LANES * sizeof(float))); \
+    rows_f32(x, I, wp, y, O, P, g, r0, r1, bias);                                                  \
+    free(buf);                                                                                     \
   }
 
 DEFINE_QGEMM(0)
 DEFINE_QGEMM(1)
 DEFINE_QGEMM(2)
 DEFINE_QGEMM(3)
+
+/* ---- a few to some tens of rows: each weight vector rebuilt once per tile, in registers ----
+ * A tile of `rows` x `npc` panels (rows * npc <= QW_ACC accumulators) rebuilds W = code * s + m for
+ * each (panel, input) once and multiplies it into every row of the tile: the decode is neither paid
+ * once per 4 rows (the group-folded tiles before) nor written to a buffer and read back (qrows' panel
+ * buffer). An expert of a batch-32 step has ~8 rows: one 8 x 1 tile decodes each weight once for
+ * 8 FMAs (the buffer path measured 0.63-0.66x the float32 GEMM at 8 rows, these 0.77-1.03x). Every output is the float32 tiles' FMA chain over
+ * the dequantized panel (acc += W * x over the inputs in order, then the bias), so a row's result is
+ * bit for bit the panel-buffer path's, whatever tile or row count computed it. */
+#define QW_ACC 12
+/* Panels a tile of n rows takes: 4 for 1-3 rows, 2 for 4-6, 1 for 7-12 (enough independent chains
+ * to cover the FMA latency; a divisor of NQ1 on both builds, so a span's tiles are whole but at the
+ * matrix end). */
+#define QW_NPC(n) ((n) <= 3 ? 4 : (n) <= 6 ? 2 : 1)
+/* Rows a wide tile takes out of `left`: tiles of at most QW_ACC rows, the rows split evenly (13:
+ * 7 + 6, 32: 11 + 11 + 10). */
+static inline int qw_tile_rows(int64_t left) {
+  const int64_t tiles = (left + QW_ACC - 1) / QW_ACC;
+  return (int)((left + tiles - 1) / tiles);
+}
+
+/* x's rows [r0, r1) in the wide tiles' order: a tile of n rows from row r stored [input][n] at
+ * xt + r * I, so its broadcasts are one stream. Read row-major, a tile's rows are I floats apart: at
+ * I = 1,024 (4 KB) 7-12 of them share one L1 set of 8 ways, and the tiles ran at half speed
+ * (measured: w2 at 32 rows 1,051 us against the panel buffer's 510). Copied once a call, not per span. */
+static void qw_interleave(const float* x, int64_t I, int64_t r0, int64_t r1, float* xt) {
+  for (int64_t r = r0; r < r1;) {
+    const int n = qw_tile_rows(r1 - r);
+    for (int64_t i = 0; i < I; i++)
+      for (int t = 0; t < n; t++) xt[r * I + i * n + t] = x[(r + t) * I + i];
+    r += n;
+  }
+}
+
+#define DEFINE_QWIDE(KIND)                                                                         \
+  static inline __attribute__((always_inline)) void qwide_body##KIND(                            \
+      const float* x, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t G,   \
+      int64_t gs, float* y, int64_t O, int64_t p0, const int npc, const int rows, const float* bias) { \
+    vf acc[QW_ACC];                                                                                \
+    for (int a = 0; a < rows * npc; a++) acc[a] = (vf){0};                                         \
+    const int64_t pb = I * Q_BYTES(KIND);                                                          \
+    for (int64_t g = 0; g < G; g++) {                                                              \
+      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;                                   \
+      vf s[4], m[4];                                                                               \
+      for (int j = 0; j < npc; j++) {                                                              \
+        s[j] = load_panel_f32(sp + ((p0 + j) * G + g) * LANES);                                    \
+        m[j] = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);                                    \
+      }                                                                                            \
+      for (int64_t i = i0; i < i1; i++) {                                                          \
+        vf wv[4];                                                                                  \
+        for (int j = 0; j < npc; j++) wv[j] = q_decode##KIND(qp + (p0 + j) * pb + i * Q_BYTES(KIND)) * s[j] + m[j]; \
+        for (int r = 0; r < rows; r++) {                                                           \
+          const float xs = x[i * rows + r];                                                        \
+          for (int j = 0; j < npc; j++) acc[r * npc + j] += wv[j] * xs;                            \
+        }                                                                                          \
+      }                                                                                            \
+    }                                                                                              \
+    for (int j = 0; j < npc; j++) {                                                                \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                       \
+      const vf b = bias_vec(bias, o, n);                                                           \
+      for (int r = 0; r < rows; r++) store_row_f32(y + r * O + o, acc[r * npc + j] + b, n);        \
+    }                                                                                              \
+  }                                                                                                \
+  /* the matrix's last panels, fewer than a tile's width: one generic body */                      \
+  static __attribute__((noinline)) void qwide_tail##KIND(                                         \
+      const float* x, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t G,   \
+      int64_t gs, float* y, int64_t O, int64_t p0, int npc, int rows, const float* bias) {         \
+    qwide_body##KIND(x, I, qp, sp, mp, G, gs, y, O, p0, npc, rows, bias);                          \
+  }                                                                                                \
+  /* Rows [r0, r1) against panels [p0, q1), x in qw_interleave's order (xt) */                    \
+  static void qwide##KIND(const float* x, int64_t I, const uint8_t* qp, const float* sp,           \
+                          const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1, \
+                          int64_t r0, int64_t r1, const float* bias) {                             \
+    const int64_t G = (I + gs - 1) / gs;                                                           \
+    for (int64_t r = r0; r < r1;) {                                                                \
+      const int n = qw_tile_rows(r1 - r);                                                          \
+      const float* xr = x + r * I;                                                                 \
+      float* yr = y + r * O;                                                                       \
+      for (int64_t p = p0; p < q1; p += QW_NPC(n)) {                                               \
+        if (q1 - p < QW_NPC(n)) {                                                                  \
+          qwide_tail##KIND(xr, I, qp, sp, mp, G, gs, yr, O, p, (int)(q1 - p), n, bias);            \
+          continue;                                                                                \
+        }                                                                                          \
+        switch (n) {                                                                               \
+          QW_CASE(KIND, 1) QW_CASE(KIND, 2) QW_CASE(KIND, 3) QW_CASE(KIND, 4) QW_CASE(KIND, 5)     \
+          QW_CASE(KIND, 6) QW_CASE(KIND, 7) QW_CASE(KIND, 8) QW_CASE(KIND, 9) QW_CASE(KIND, 10)    \
+          QW_CASE(KIND, 11) QW_CASE(KIND, 12) default: break;                                      \
+        }                                                                                          \
+      }                                                                                            \
+      r += n;                                                                                      \
+    }                                                                                              \
+  }
+#define QW_CASE(KIND, n)                                                                           \
+  case n:                                                                                          \
+    qwide_body##KIND(xr, I, qp, sp, mp, G, gs, yr, O, p, QW_NPC(n), n, bias);                      \
+    break;
+
+DEFINE_QWIDE(0)
+DEFINE_QWIDE(1)
+DEFINE_QWIDE(2)
+DEFINE_QWIDE(3)
+
+typedef void (*qwide_fn)(const float*, int64_t, const uint8_t*, const float*, const float*, int64_t, float*,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, const float*);
+static qwide_fn q_wide(int kind) {
+  switch (kind) {
+    case 0: return qwide0;
+    case 1: return qwide1;
+    case 2: return qwide2;
+    default: return qwide3;
+  }
+}
 
 /* ---- one row (decode) against NQ1 panels at once ----
  * A tile's NP panels are NP streams of codes: at one row the product is bound by memory, and a core

@@ -29,9 +29,17 @@ static void q_act_rows(const float* x, int64_t I, int64_t gs, int64_t stride, in
       const float s = amax / 127.f;
       sx[r * G + g] = s;
       int32_t total = 0;
-      for (int64_t i = i0; i < i1; i++) {
-        q[i] = amax > 0.f ? (int8_t)nearbyintf(xr[i] / s) : 0;
-        total += q[i];
+      if (amax > 0.f) {
+        /* round half to even by adding and taking away 1.5 * 2^23 (exact for |v| <= 127.x): what
+         * nearbyintf gives, in vectors (nearbyintf was a scalar call with a scalar divide an input:
+         * perf, w4a8 batch 32: 8% of a decode step) */
+        _Pragma("omp simd reduction(+ : total)") for (int64_t i = i0; i < i1; i++) {
+          const int8_t c = (int8_t)(int32_t)((xr[i] / s + 12582912.f) - 12582912.f);
+          q[i] = c;
+          total += c;
+        }
+      } else {
+        for (int64_t i = i0; i < i1; i++) q[i] = 0;
       }
       if (xsum) xsum[r * G + g] = s * (float)total;
     }

@@ -19,12 +19,28 @@ static void qrows_a8(int kind, const int8_t* xq, const float* sx, const float* x
 #undef QA
 }
 
+/* Weight-only rows a span takes in the wide tiles (qwide_*); from this many the panel group is
+ * dequantized into a buffer once and read by the float32 tiles (qrows_*). */
+#ifndef QW_ROWS
+#define QW_ROWS 24
+#endif
+
+/* Weight-only rows [r0, r1) as q_span reads them: interleaved for the wide tiles, else as they are. */
+static void qw_layout(const float* x, int64_t I, int64_t r0, int64_t r1, float* xt) {
+  if (r1 - r0 < QW_ROWS)
+    qw_interleave(x, I, r0, r1, xt);
+  else
+    memcpy(xt + r0 * I, x + r0 * I, sizeof(float) * (size_t)((r1 - r0) * I));
+}
+
 #define Q_KIND_A8 4
 #define Q_KIND_A4 5
 
 /* Rows [r0, r1) against the NQ1 panels from p0 (a multiple of NQ1; fewer at the end): one row of a
- * whole span by the one-row kernels, anything else by the tiles, NP panels at a time. The activations
- * are x (weight-only kinds) or their quantized form xq, sx, xsum (kinds 4, 5), all [rows, ...]. */
+ * whole span by the one-row kernels, weight-only kinds at 2 to QW_ROWS - 1 rows by the wide tiles, anything
+ * else by the tiles, NP panels at a time. The activations are x (weight-only kinds; in qw_interleave's
+ * order where the wide tiles take them, see qw_layout) or their quantized form xq, sx, xsum (kinds 4,
+ * 5), all [rows, ...]. */
 static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, const float* xsum, int64_t I,
                    const uint8_t* qp, const float* sp, const float* mp, int64_t gs, float* y, int64_t O,
                    int64_t p0, int64_t r0, int64_t r1, const float* bias) {
@@ -43,6 +59,10 @@ static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, 
       qrow1_a4(xq + r0 * xs, sx + r0 * G, xsum + r0 * G, I, qp, sp, mp, G, gs, y + r0 * O, O, p0, bias);
     return;
 #endif
+  }
+  if (!a8 && r1 - r0 < QW_ROWS) { /* weight-only, a few to some tens of rows: the wide tiles */
+    q_wide(kind)(x, I, qp, sp, mp, gs, y, O, p0, p0 + NQ1 < P ? p0 + NQ1 : P, r0, r1, bias);
+    return;
   }
   const int64_t g1 = (p0 + NQ1 < P ? p0 + NQ1 : P + NP - 1) / NP;
   for (int64_t g = p0 / NP; g < g1; g++) {
@@ -91,12 +111,19 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
     free(xq); free(sx); free(xsum);
     return;
   }
-  const qrows_fn rows = q_rows(kind);
-  _Pragma("omp parallel for schedule(static) num_threads(threads)")
-  for (int64_t item = 0; item < blocks * groups; item++) {
-    const int64_t r0 = item / groups * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
-    rows(x, I, qp, sp, mp, gs, y, O, item % groups, r0, r1, bias);
+  /* weight-only: items (block of rows, span of NQ1 panels); q_span picks the wide tiles or the panel
+   * buffer by the block's rows, the wide tiles' blocks interleaved first */
+  const int64_t spans = (P + NQ1 - 1) / NQ1;
+  float* xt = (float*)malloc(sizeof(float) * (size_t)(M * I));
+  _Pragma("omp parallel num_threads(threads)") {
+    _Pragma("omp for schedule(static)") for (int64_t b = 0; b < blocks; b++)
+      qw_layout(x, I, b * ROW_BLOCK, (b + 1) * ROW_BLOCK < M ? (b + 1) * ROW_BLOCK : M, xt);
+    _Pragma("omp for schedule(static)") for (int64_t item = 0; item < blocks * spans; item++) {
+      const int64_t r0 = item / spans * ROW_BLOCK, r1 = r0 + ROW_BLOCK < M ? r0 + ROW_BLOCK : M;
+      q_span(kind, xt, NULL, NULL, NULL, I, qp, sp, mp, gs, y, O, item % spans * NQ1, r0, r1, bias);
+    }
   }
+  free(xt);
 }
 
 /* moe_f32's plan over quantized experts: w13 = codes/scales/offsets of E experts' [gate | up]
@@ -123,7 +150,8 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   const int64_t c2 = !a8 ? I * Q_BYTES(kind) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
   /* one allocation a call for every buffer (was ten): float32 rows and scales first, then the int8
    * codes of the quantized activations (kinds 4, 5) */
-  const int64_t nf = m * (2 * H + 3 * I) + (a8 ? 2 * m * (n13 + n2) : 0) + 8;
+  /* weight-only: also the gathered rows and the intermediates in the layout q_span reads (qw_layout) */
+  const int64_t nf = m * (2 * H + 3 * I) + (a8 ? 2 * m * (n13 + n2) : m * (H + I)) + 8;
   float* buf = (float*)malloc(sizeof(float) * (size_t)nf + (a8 ? (size_t)(m * (xs_a + as_a)) : 0) + 16);
   float *xs = buf, *h = xs + m * H, *a = h + m * 2 * I, *ys = a + m * I, *f = ys + m * H;
   /* quantized activations: the gathered rows and the activated intermediates quantized once, read by
@@ -135,14 +163,22 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     xq = (int8_t*)(buf + nf), aq = xq + m * xs_a;
   }
   if (kind != Q_KIND_A4) xsum = asum = NULL;
+  float *xw = xs, *aw = a; /* what the w13 / w2 products read */
+  if (!a8) xw = f, aw = xw + m * H;
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
       if (a8) q_act_rows(xs, H, gs13, xs_a, xq, xsc, xsum, r, r + 1);
     }
+    if (!a8) {
+      _Pragma("omp for schedule(static)") for (int64_t j = 0; j < p.na; j++) {
+        const int64_t e = p.active[j];
+        qw_layout(xs, H, p.start[e], p.start[e + 1], xw);
+      }
+    }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
       const int64_t e = p.active[item / G13];
-      q_span(kind, xs, xq, xsc, xsum, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
+      q_span(kind, xw, xq, xsc, xsum, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
              m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13 * NQ1, p.start[e], p.start[e + 1],
              b13 ? b13 + e * 2 * I : NULL);
     }
@@ -150,9 +186,15 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
       act_row(h + r * 2 * I, a + r * I, I, act, limit, alpha);
       if (a8) q_act_rows(a, I, gs2, as_a, aq, asc, asum, r, r + 1);
     }
+    if (!a8) {
+      _Pragma("omp for schedule(static)") for (int64_t j = 0; j < p.na; j++) {
+        const int64_t e = p.active[j];
+        qw_layout(a, I, p.start[e], p.start[e + 1], aw);
+      }
+    }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
       const int64_t e = p.active[item / G2];
-      q_span(kind, a, aq, asc, asum, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
+      q_span(kind, aw, aq, asc, asum, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
              gs2, ys, H, item % G2 * NQ1, p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
