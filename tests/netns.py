@@ -90,3 +90,40 @@ def torchrun_on(
         *script,
     ]
     return node.command(argv, env)
+
+
+def run_on_both(
+    nodes: tuple[Node, Node],
+    port: int,
+    nproc: int,
+    script: list[str],
+    env=None,
+    timeout: float = 150,
+    stderr: int = subprocess.PIPE,
+) -> list[tuple[int, str, str | None]]:
+    """`script` under torchrun on both nodes (node 0 the master): each node's (exit code, stdout,
+    stderr). Each torchrun runs in its own session, so on a timeout (which raises) every rank
+    under it is killed too."""
+    import signal
+
+    procs = [
+        subprocess.Popen(
+            torchrun_on(node, k, nodes[0], port, nproc, script, env),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for k, node in enumerate(nodes)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return results

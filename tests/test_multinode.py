@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from netns import skip_reason, torchrun_on, two_nodes
+from netns import run_on_both, skip_reason, torchrun_on, two_nodes
 from serve_utils import CLI, ENGINE_FLAGS, one_process_refs
 
 from expertmesh import LLM, SamplingParams
@@ -44,29 +44,11 @@ def one_process() -> dict[str, str]:
 
 def _run_two_nodes(args: list[str], env: dict[str, str], timeout: float = 150) -> list[str]:
     """Both nodes' torchrun, each in its namespace; returns their stdouts (node 0, node 1)."""
-    with two_nodes() as (n0, n1):
-        procs = [
-            subprocess.Popen(
-                torchrun_on(node, k, n0, 29555, 2, [SCRIPT, *args], env),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,  # so a hang can be killed with every rank under it
-            )
-            for k, node in enumerate((n0, n1))
-        ]
-        outs = []
-        try:
-            for p in procs:
-                out, err = p.communicate(timeout=timeout)
-                assert p.returncode == 0, f"torchrun exited {p.returncode}:\n{err[-3000:]}"
-                outs.append(out)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        return outs
+    with two_nodes() as nodes:
+        results = run_on_both(nodes, 29555, 2, [SCRIPT, *args], env, timeout)
+    for code, _, err in results:
+        assert code == 0, f"torchrun exited {code}:\n{err[-3000:]}"
+    return [out for _, out, _ in results]
 
 
 def _check(stdouts: list[str], world: int, dp: int, expected: dict[str, str]) -> None:

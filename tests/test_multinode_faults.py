@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import time
 
 import pytest
-from netns import skip_reason, torchrun_on, two_nodes
+from netns import run_on_both, skip_reason, two_nodes
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fault_script.py")
 WATCHDOG_S = 3
@@ -28,31 +27,14 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reaso
 
 def _two_node_fault(path: str, fault: str, port: int, limit: float = 100) -> tuple[list, list, float]:
     """fault_script.py on both nodes; (exit codes, outputs) by node, and when rank 1 froze."""
-    with two_nodes() as (n0, n1):
+    with two_nodes() as nodes:
         script = [SCRIPT, path, fault, str(WATCHDOG_S)]
-        procs = [
-            subprocess.Popen(
-                torchrun_on(node, k, n0, port, 1, script, ENV),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # so a hang can be killed with every rank under it
-            )
-            for k, node in enumerate((n0, n1))
-        ]
-        outs = []
-        try:
-            for p in procs:
-                outs.append(p.communicate(timeout=limit)[0])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        results = run_on_both(nodes, port, 1, script, ENV, limit, stderr=subprocess.STDOUT)
         ended = time.time()
+    outs = [out for _, out, _ in results]
     frozen = re.search(rf"rank 1 freezes \({fault}\) at ([\d.]+)", outs[1])
     assert frozen, outs[1][-3000:]
-    return [p.returncode for p in procs], outs, ended - float(frozen.group(1))
+    return [code for code, _, _ in results], outs, ended - float(frozen.group(1))
 
 
 @pytest.mark.timeout(120)

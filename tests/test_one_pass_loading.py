@@ -18,25 +18,13 @@ code | exponent copy of every expert); docs/quantization.md, "Peak RSS while loa
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from loading_memory import peak_and_steady
 from real_checkpoints import Sizes, published, shrink
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
-
-PROBE = """
-import sys
-from expertmesh import LLM
-def status():
-    lines = (line.split(":", 1) for line in open("/proc/self/status"))
-    return {k: int(v.split()[0]) for k, v in lines if k.startswith("Vm")}
-before = status()["VmRSS"]
-LLM(sys.argv[1], max_model_len=64, kv_cache_memory_bytes=1 << 20, quantization=sys.argv[2] or None)
-print(status()["VmHWM"], status()["VmRSS"], before)
-"""
 
 
 def _meta_state(path: str, config: dict) -> dict:
@@ -80,12 +68,7 @@ def _write_checkpoint(path: str, tokenizer_dir: str) -> int:
 
 def _peak_and_steady(path: str, quantization: str | None = None) -> tuple[int, int, int]:
     """(peak, steady after loading, RSS before loading: the imports) in kB, of a fresh process."""
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, path, quantization or ""],
-        capture_output=True, text=True, timeout=230, env=env, check=True,
-    )  # fmt: skip
-    peak_kb, steady_kb, before_kb = map(int, out.stdout.split()[-3:])
+    peak_kb, steady_kb, before_kb = peak_and_steady(path, quantization)
     print(f"peak {peak_kb / 1024:.0f} MB, steady {steady_kb / 1024:.0f} MB, {peak_kb / steady_kb:.3f}x")
     return peak_kb, steady_kb, before_kb
 
