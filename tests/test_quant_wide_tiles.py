@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_quantization import moe_reference
 
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
@@ -82,14 +83,7 @@ def test_routed_experts_every_row_count_per_expert(kernels, kind, k, counts):
     out = QuantizedMoE(kernels).moe(
         x, slot, weights, QuantizedExperts.stack(w13), QuantizedExperts.stack(w2), inter, "silu"
     )
-    ref = torch.zeros(n, hidden, dtype=torch.float64)
-    for t in range(n):
-        for j in range(k):
-            s = int(slot[t, j])
-            h = x[t].double() @ w13[s].dequantize().double().T
-            a = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            ref[t] += weights[t, j].double() * (a @ w2[s].dequantize().double().T)
-    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, moe_reference(x, slot, weights, w13, w2, inter), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind,group", [("w4a8", 128), ("w4a8", 16), ("w4a8", 0), ("w8a8", 32)])

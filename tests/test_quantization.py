@@ -165,15 +165,20 @@ def test_quantized_moe_kernel_equals_per_expert_products(kind, e, hidden, inter,
     out = QuantizedMoE(kernels).moe(
         x, slot, weights, QuantizedExperts.stack(w13), QuantizedExperts.stack(w2), inter, "silu"
     )
-    ref = torch.zeros(n, hidden, dtype=torch.float64)
-    for t in range(n):
-        for j in range(k):
+    torch.testing.assert_close(out, moe_reference(x, slot, weights, w13, w2, inter), rtol=1e-4, atol=1e-4)
+
+
+def moe_reference(x, slot, weights, w13, w2, inter: int) -> torch.Tensor:
+    """The routed experts block in float64 over the dequantized weights (slot -1: not held here)."""
+    ref = torch.zeros(x.shape[0], w2[0].out_features, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(slot.shape[1]):
             s = int(slot[t, j])
             if s >= 0:
                 h = x[t].double() @ w13[s].dequantize().double().T
                 a = torch.nn.functional.silu(h[:inter]) * h[inter:]
                 ref[t] += weights[t, j].double() * (a @ w2[s].dequantize().double().T)
-    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
+    return ref.float()
 
 
 # ---- checkpoints in quantized formats against transformers' dequantization -------------------------
