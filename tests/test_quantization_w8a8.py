@@ -79,7 +79,8 @@ def test_activation_quantized_gemm_kernel_equals_the_same_arithmetic_in_torch(ki
         qt = QuantizedWeight.quantize(w, kind, group, None)  # the torch fallback
         qi = QuantizedWeight.quantize(w, WEIGHT_ONLY[kind], group, None)  # the same weights, weight-only
         torch.testing.assert_close(qk.dequantize(), qi.dequantize(), rtol=0, atol=0)
-        assert qk.codes.shape == (qi.codes.shape[0], -(-in_f // STEP[kind]), qk.lanes, 4)
+        # panels of the kernels' lanes (8 on AVX2, 16 on AVX-512; qi, built without kernels, has 8)
+        assert qk.codes.shape == (-(-out_f // qk.lanes), -(-in_f // STEP[kind]), qk.lanes, 4)
         ref = reference(x, qi, b)
         torch.testing.assert_close(qk(x, b), ref, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(qt(x, b), ref, rtol=1e-5, atol=1e-4)
