@@ -21,7 +21,7 @@ from test_quantization import LENGTHS, _greedy, _online_quantized_key, _qwen3, a
 from transformers import AutoModelForCausalLM
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers import cpu_kernels
+from expertmesh.layers import cpu_features, cpu_kernels
 from expertmesh.layers.quantization.online import OnlineScheme
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 
@@ -213,19 +213,36 @@ def test_w8a8_tp2_and_ep_layouts_equal_one_process_up_to_rounding_ties(real_chec
     assert divergences <= 2 * 2  # one prompt at most for each (rank, layout); 4 seen (margin 4.8e-4)
 
 
-@pytest.mark.slow  # a second build of the kernels: ~30 s on the shared cores
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx2 is an x86 flag")
-def test_generic_build_without_avx2_equals_the_reference(tmp_path):
-    """The portable loops (CPUs without AVX2; with AVX-512 the 16-lane build takes them for W8A8, so
-    there the tests above run them) compute the same integer sums and scaled folds as AVX2's."""
-    compiler = cpu_kernels._compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    generic = cpu_kernels.build(tmp_path / "generic.so", compiler, ("-mno-avx2",))
+def _build_equals_the_reference(kernels) -> None:
     torch.manual_seed(13)
     for kind, group in [("w8a8", 16), ("w8a8", 0), ("w4a8", 16), ("w4a8", 0), ("int8", 32), ("int4", 16)]:
         for out_f, in_f, rows in SHAPES:
             w, x = torch.randn(out_f, in_f), torch.randn(rows, in_f)
-            q = QuantizedWeight.quantize(w, kind, group, generic)
+            q = QuantizedWeight.quantize(w, kind, group, kernels)
             ref = reference(x, q) if kind in WEIGHT_ONLY else (x.double() @ q.dequantize().double().T).float()
             torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow  # a second build of the kernels: ~30 s on the shared cores
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx2 is an x86 flag")
+def test_generic_build_without_avx2_equals_the_reference(tmp_path):
+    """The portable loops (CPUs without AVX2) compute the same integer sums and scaled folds as
+    AVX2's and AVX-512's."""
+    compiler = cpu_kernels._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    _build_equals_the_reference(cpu_kernels.build(tmp_path / "generic.so", compiler, ("-mno-avx2",)))
+
+
+@pytest.mark.skipif(
+    not {"avx512f", "avx512bw"} <= cpu_features.cpu_flags(), reason="runs the 16-lane build: needs AVX-512"
+)
+def test_avx512_build_without_vnni_equals_the_reference(tmp_path):
+    """AVX-512 CPUs without VNNI (Skylake-SP/X) take maddubs for W8A8 (|w| times x with w's sign)
+    and W4A8; with VNNI (the tests above, on such a CPU) vpdpbusd on x + 128. -O1: a quicker build,
+    the same arithmetic."""
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None, "this machine image has a C compiler"
+    built = cpu_kernels.build(tmp_path / "no-vnni.so", compiler, ("-mno-avx512vnni", "-O1"))
+    assert built.lanes == 16
+    _build_equals_the_reference(built)

@@ -20,6 +20,16 @@ static inline vf q_decode1(const uint8_t* p) { /* uint4: lane l = bits 4l..4l+3 
   const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(15));
   return (vf)_mm256_cvtepi32_ps(v);
 }
+#elif LANES == 16 && defined(__AVX512F__)
+#include <immintrin.h> /* gemm.c includes it for AVX2 only */
+static inline vf q_decode0(const uint8_t* p) { /* int8 */
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline vf q_decode1(const uint8_t* p) { /* uint4: 8 bytes, lane 2j the low nibble of byte j */
+  const __m128i b = _mm_loadl_epi64((const __m128i*)p), low = _mm_set1_epi8(15);
+  const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
+}
 #else
 static inline vf q_decode0(const uint8_t* p) {
   float t[LANES];
@@ -62,6 +72,11 @@ static inline vf q_decode2(const uint8_t* p) {
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
   const __m256i rest = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
   return (vf)_mm256_or_si256(sign, rest) * 0x1p120f;
+#elif LANES == 16 && defined(__AVX512F__)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  const __m512i rest = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
+  return (vf)_mm512_or_si512(sign, rest) * 0x1p120f;
 #else
   float t[LANES];
   for (int l = 0; l < LANES; l++) t[l] = fp8_lut[p[l]];
@@ -76,9 +91,6 @@ static inline vf q_decode2(const uint8_t* p) {
  * by the code's low 3 bits v, and the sign comes from shifting the nibble to bits 28..31 (bit 3 to
  * bit 31; the other nibbles shift out): an xor with that sets the sign and also flips bits 28..30
  * by v, which the table entry has flipped beforehand (entry v = bits of |value| ^ v << 28). */
-#if LANES == 16 && defined(__AVX512F__)
-#include <immintrin.h> /* gemm.c includes it for AVX2 only */
-#endif
 static inline vf q_decode3(const uint8_t* p) {
 #if LANES == 8 && defined(__AVX2__)
 #define FP4_ENTRY(bits, v) (int)((bits) ^ (v) << 28)

@@ -8,6 +8,60 @@
  * exact int32 sum of code * xq is taken, then acc += float(sum) * (s * sx), groups in order. */
 #define QMR_A 4
 
+/* AVX-512 (16 lanes): 4 products of unsigned bytes u and signed bytes s summed into each 32-bit lane
+ * of acc. AVX512-VNNI's vpdpbusd is exact in int32 (wrapping, so a sum that ends in range is right
+ * even where a partial one was not); without VNNI, maddubs sums pairs in int16 with saturation, so
+ * callers keep |u * s| pairs below 2^15 there (W8A8 takes |w| and x with w's sign, W4A8's codes are
+ * at most 15). */
+#if LANES == 16 && defined(__AVX512BW__)
+#define Q_A512 1
+#include <immintrin.h>
+static inline __m512i dot4_512(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* W8A8's signed x signed products on AVX-512, for one step k of NPC panels (w) and R rows (xb[r]: the
+ * row's 4 activations broadcast). With VNNI, x + 128 (unsigned) times w costs one instruction a
+ * (row, panel) and 128 * sum(w), counted once per panel in comp, is taken off when the group folds
+ * (q8_fold_512); without VNNI, |w| times x with w's sign, as the AVX2 tiles do. */
+static inline __attribute__((always_inline)) void q8_step_512(__m512i isum[][NP], __m512i comp[NP],
+                                                              const __m512i w[NP], const __m512i xb[],
+                                                              const int npc, const int rows) {
+#if defined(__AVX512VNNI__)
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  for (int j = 0; j < npc; j++) comp[j] = _mm512_dpbusd_epi32(comp[j], _mm512_set1_epi8(1), w[j]);
+  for (int r = 0; r < rows; r++) {
+    const __m512i xu = _mm512_xor_si512(xb[r], flip);
+    for (int j = 0; j < npc; j++) isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], xu, w[j]);
+  }
+#else
+  (void)comp;
+  for (int j = 0; j < npc; j++) {
+    const __m512i aw = _mm512_abs_epi8(w[j]);
+    const __mmask64 neg = _mm512_movepi8_mask(w[j]);
+    for (int r = 0; r < rows; r++)
+      isum[r][j] = dot4_512(isum[r][j], aw, _mm512_mask_sub_epi8(xb[r], neg, _mm512_setzero_si512(), xb[r]));
+  }
+#endif
+}
+
+/* A group's exact integer sum of code * xq as float32 (VNNI: less the 128 * sum(w) of q8_step_512). */
+static inline vf q8_fold_512(__m512i isum, __m512i comp) {
+#if defined(__AVX512VNNI__)
+  isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(comp, 7));
+#else
+  (void)comp;
+#endif
+  return (vf)_mm512_cvtepi32_ps(isum);
+}
+#else
+#define Q_A512 0
+#endif
+
 /* Bytes of one row of quantized activations: W8A8 reads 4 inputs a step, W4A8 8 (two nibble quads). */
 #define A_STRIDE(kind, I) ((kind) == 5 ? 8 * (((I) + 7) / 8) : 4 * (((I) + 3) / 4))
 
@@ -81,6 +135,26 @@ static inline __attribute__((always_inline)) void qtile_a8_body(
       for (int j = 0; j < npc; j++) {
         const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g];
         acc[r][j] += (vf)_mm256_cvtepi32_ps(isum[r][j]) * s;
+      }
+#elif Q_A512
+    __m512i isum[QMR_A][NP], comp[NP];
+    for (int j = 0; j < NP; j++) comp[j] = _mm512_setzero_si512();
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < NP; j++) isum[r][j] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k++) {
+      __m512i w[NP], xb[QMR_A];
+      for (int j = 0; j < npc; j++) w[j] = _mm512_loadu_si512((const void*)(qp + ((p0 + j) * I4 + k) * LANES * 4));
+      for (int r = 0; r < rows; r++) {
+        int32_t four;
+        memcpy(&four, xq + r * 4 * I4 + 4 * k, 4);
+        xb[r] = _mm512_set1_epi32(four);
+      }
+      q8_step_512(isum, comp, w, xb, npc, rows);
+    }
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < npc; j++) {
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g];
+        acc[r][j] += q8_fold_512(isum[r][j], comp[j]) * s;
       }
 #else
     for (int r = 0; r < rows; r++)
@@ -159,6 +233,31 @@ static inline __attribute__((always_inline)) void qtile_a4_body(
         const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g];
         const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
         acc[r][j] += (vf)_mm256_cvtepi32_ps(isum[r][j]) * s + m * xsum[r * G + g];
+      }
+#elif Q_A512
+    __m512i isum[QMR_A][NP];
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < NP; j++) isum[r][j] = _mm512_setzero_si512();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t k = k0; k < k1; k++) {
+      __m512i lo[NP], hi[NP];
+      for (int j = 0; j < npc; j++) {
+        const __m512i v = _mm512_loadu_si512((const void*)(qp + ((p0 + j) * I8 + k) * LANES * 4));
+        lo[j] = _mm512_and_si512(v, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < rows; r++) {
+        int32_t four[2];
+        memcpy(four, xq + r * 8 * I8 + 8 * k, 8);
+        const __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
+        for (int j = 0; j < npc; j++) isum[r][j] = dot4_512(dot4_512(isum[r][j], lo[j], x0), hi[j], x1);
+      }
+    }
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < npc; j++) {
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[r * G + g];
+        const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
+        acc[r][j] += (vf)_mm512_cvtepi32_ps(isum[r][j]) * s + m * xsum[r * G + g];
       }
 #else
     for (int r = 0; r < rows; r++)
@@ -270,6 +369,71 @@ static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64
       const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[g];
       const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
       acc[j] += (vf)_mm256_cvtepi32_ps(isum[j]) * s + m * xsum[g];
+    }
+  }
+  for (int j = 0; j < NQ1; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);
+  }
+}
+#define Q_ROW1_A 1
+#elif Q_A512
+/* The one-row kernels on AVX-512: the AVX2 ones' plan, products as in the tiles above. */
+static void qrow1_a8(const int8_t* xq, const float* sx, int64_t I, const uint8_t* qp, const float* sp,
+                     int64_t G, int64_t gs, float* y, int64_t O, int64_t p0, const float* bias) {
+  const int64_t I4 = (I + 3) / 4, pb = I4 * LANES * 4;
+  const uint8_t* q = qp + p0 * pb;
+  vf acc[NQ1];
+  for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t k0 = g * gs / 4, k1 = (g + 1) * gs >= I ? I4 : (g + 1) * gs / 4;
+    __m512i isum[NQ1], comp[NQ1];
+    for (int j = 0; j < NQ1; j++) isum[j] = comp[j] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k++) {
+      int32_t four;
+      memcpy(&four, xq + 4 * k, 4);
+      const __m512i xb[1] = {_mm512_set1_epi32(four)};
+      for (int h = 0; h < NQ1; h += NP) { /* NP panels a step: q8_step_512's shape, one row */
+        __m512i w[NP];
+        for (int j = 0; j < NP; j++) w[j] = _mm512_loadu_si512((const void*)(q + (h + j) * pb + k * 64));
+        q8_step_512((__m512i(*)[NP])(isum + h), comp + h, w, xb, NP, 1);
+      }
+    }
+    for (int j = 0; j < NQ1; j++)
+      acc[j] += q8_fold_512(isum[j], comp[j]) * (load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[g]);
+  }
+  for (int j = 0; j < NQ1; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);
+  }
+}
+
+static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64_t I, const uint8_t* qp,
+                     const float* sp, const float* mp, int64_t G, int64_t gs, float* y, int64_t O, int64_t p0,
+                     const float* bias) {
+  const int64_t I8 = (I + 7) / 8, pb = I8 * LANES * 4;
+  const uint8_t* q = qp + p0 * pb;
+  const __m512i low = _mm512_set1_epi8(15);
+  vf acc[NQ1];
+  for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t k0 = g * gs / 8, k1 = (g + 1) * gs >= I ? I8 : (g + 1) * gs / 8;
+    __m512i isum[NQ1];
+    for (int j = 0; j < NQ1; j++) isum[j] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k++) {
+      int32_t four[2];
+      memcpy(four, xq + 8 * k, 8);
+      const __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
+      for (int j = 0; j < NQ1; j++) {
+        const __m512i v = _mm512_loadu_si512((const void*)(q + j * pb + k * 64));
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        isum[j] = dot4_512(dot4_512(isum[j], lo, x0), hi, x1);
+      }
+    }
+    for (int j = 0; j < NQ1; j++) {
+      const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[g];
+      const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
+      acc[j] += (vf)_mm512_cvtepi32_ps(isum[j]) * s + m * xsum[g];
     }
   }
   for (int j = 0; j < NQ1; j++) {
