@@ -225,69 +225,70 @@ static inline int64_t pf_first_key(int64_t p, int64_t window, int64_t chunk) {
   return first;
 }
 
-/* Three query vectors at a time (AVX2's 16 registers: 3 x 4 accumulators, a loaded vector and
- * a broadcast); a missing third or second is passed as a repeat of the first. */
-/* s[n][0, PF_TILE) = q[n] . Kt[:, j], n < 3 (Kt rows PF_KEYS apart) */
-static inline void pf_scores3(const float* q0, const float* q1, const float* q2, const float* kt,
-                              int64_t D, float* s0, float* s1, float* s2) {
-  pf_v a[4] = {0}, b[4] = {0}, c[4] = {0};
+/* PF_NQ query vectors at a time, each against 4 vectors of keys (scores) or of D (values): AVX2's
+ * 16 registers hold 3 x 4 accumulators, a loaded vector and a broadcast; AVX-512's 32 hold 6 x 4
+ * (its FMAs broadcast x from memory). Measured with 6 on AVX-512 (benchmarks/attention_bench.py,
+ * Zen 5, 2,000 tokens): 1.2-1.4x the 3-vector tiles. A missing vector at the end is passed as a
+ * repeat of the first (the same values computed and stored twice). */
+#if PF_LANES == 16
+#define PF_NQ 6
+#else
+#define PF_NQ 3
+#endif
+
+/* s[n][0, PF_TILE) = q[n] . Kt[:, j], n < PF_NQ (Kt rows PF_KEYS apart) */
+static inline __attribute__((always_inline)) void pf_scores(const float* const q[PF_NQ], const float* kt,
+                                                            int64_t D, float* const s[PF_NQ]) {
+  pf_v a[PF_NQ][4];
+  for (int n = 0; n < PF_NQ; n++)
+    for (int u = 0; u < 4; u++) a[n][u] = (pf_v){0};
   for (int64_t d = 0; d < D; d++) {
-    const float x0 = q0[d], x1 = q1[d], x2 = q2[d];
     const float* kr = kt + d * PF_KEYS;
+    pf_v kv[4];
     for (int u = 0; u < 4; u++) {
-      pf_v kv = *(const pf_vu*)(kr + u * PF_LANES);
-      PF_IN_REGISTER(kv);
-      a[u] += x0 * kv;
-      b[u] += x1 * kv;
-      c[u] += x2 * kv;
+      kv[u] = *(const pf_vu*)(kr + u * PF_LANES);
+      PF_IN_REGISTER(kv[u]);
+    }
+    for (int n = 0; n < PF_NQ; n++) {
+      const float x = q[n][d];
+      for (int u = 0; u < 4; u++) a[n][u] += x * kv[u];
     }
   }
-  for (int u = 0; u < 4; u++) {
-    *(pf_vu*)(s0 + u * PF_LANES) = a[u];
-    *(pf_vu*)(s1 + u * PF_LANES) = b[u];
-    *(pf_vu*)(s2 + u * PF_LANES) = c[u];
-  }
+  for (int n = 0; n < PF_NQ; n++)
+    for (int u = 0; u < 4; u++) *(pf_vu*)(s[n] + u * PF_LANES) = a[n][u];
 }
 
-/* o[n][0, Dp) += sum_j p[n][j] * Vf[j, :], nk keys, n < 3 */
-static inline void pf_values3(const float* p0, const float* p1, const float* p2, const float* vf, int64_t nk,
-                              int64_t Dp, float* o0, float* o1, float* o2) {
+/* o[n][0, Dp) += sum_j p[n][j] * Vf[j, :], nk keys, n < PF_NQ */
+static inline __attribute__((always_inline)) void pf_values(const float* const p[PF_NQ], const float* vf,
+                                                            int64_t nk, int64_t Dp, float* const o[PF_NQ]) {
   int64_t d0 = 0;
   for (; d0 + 4 * PF_LANES <= Dp; d0 += 4 * PF_LANES) {
-    pf_v a[4], b[4], c[4];
-    for (int u = 0; u < 4; u++) {
-      a[u] = *(const pf_vu*)(o0 + d0 + u * PF_LANES);
-      b[u] = *(const pf_vu*)(o1 + d0 + u * PF_LANES);
-      c[u] = *(const pf_vu*)(o2 + d0 + u * PF_LANES);
-    }
+    pf_v a[PF_NQ][4];
+    for (int n = 0; n < PF_NQ; n++)
+      for (int u = 0; u < 4; u++) a[n][u] = *(const pf_vu*)(o[n] + d0 + u * PF_LANES);
     for (int64_t j = 0; j < nk; j++) {
-      const float x0 = p0[j], x1 = p1[j], x2 = p2[j];
       const float* vr = vf + j * Dp + d0;
+      pf_v x[4];
       for (int u = 0; u < 4; u++) {
-        pf_v x = *(const pf_vu*)(vr + u * PF_LANES);
-        PF_IN_REGISTER(x);
-        a[u] += x0 * x;
-        b[u] += x1 * x;
-        c[u] += x2 * x;
+        x[u] = *(const pf_vu*)(vr + u * PF_LANES);
+        PF_IN_REGISTER(x[u]);
+      }
+      for (int n = 0; n < PF_NQ; n++) {
+        const float pn = p[n][j];
+        for (int u = 0; u < 4; u++) a[n][u] += pn * x[u];
       }
     }
-    for (int u = 0; u < 4; u++) {
-      *(pf_vu*)(o0 + d0 + u * PF_LANES) = a[u];
-      *(pf_vu*)(o1 + d0 + u * PF_LANES) = b[u];
-      *(pf_vu*)(o2 + d0 + u * PF_LANES) = c[u];
-    }
+    for (int n = 0; n < PF_NQ; n++)
+      for (int u = 0; u < 4; u++) *(pf_vu*)(o[n] + d0 + u * PF_LANES) = a[n][u];
   }
   for (; d0 < Dp; d0 += PF_LANES) {
-    pf_v a = *(const pf_vu*)(o0 + d0), b = *(const pf_vu*)(o1 + d0), c = *(const pf_vu*)(o2 + d0);
+    pf_v a[PF_NQ];
+    for (int n = 0; n < PF_NQ; n++) a[n] = *(const pf_vu*)(o[n] + d0);
     for (int64_t j = 0; j < nk; j++) {
       const pf_v x = *(const pf_vu*)(vf + j * Dp + d0);
-      a += p0[j] * x;
-      b += p1[j] * x;
-      c += p2[j] * x;
+      for (int n = 0; n < PF_NQ; n++) a[n] += p[n][j] * x;
     }
-    *(pf_vu*)(o0 + d0) = a;
-    *(pf_vu*)(o1 + d0) = b;
-    *(pf_vu*)(o2 + d0) = c;
+    for (int n = 0; n < PF_NQ; n++) *(pf_vu*)(o[n] + d0) = a[n];
   }
 }
 
@@ -399,19 +400,25 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
         for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = LOAD(kr[d]);                        \
         for (int64_t d = 0; d < D; d++) vf[j * Dp + d] = LOAD(vr[d]);                             \
       }                                                                                           \
-      /* per 3 query vectors: scores, softmax, values, while Kt and Vf stay in L1 */              \
-      for (int64_t i = 0; i < nq; i += 3) {                                                       \
-        const int64_t i1 = i + 1 < nq ? i + 1 : i, i2 = i + 2 < nq ? i + 2 : i;                   \
-        for (int64_t c = 0; c < nk; c += PF_TILE)                                                 \
-          pf_scores3(qf + i * D, qf + i1 * D, qf + i2 * D, kt + c, D, s + i * PF_KEYS + c,         \
-                     s + i1 * PF_KEYS + c, s + i2 * PF_KEYS + c);                                 \
-        for (int64_t n = i; n < i + 3 && n < nq; n++) {                                           \
+      /* per PF_NQ query vectors: scores, softmax, values, while Kt and Vf stay in L1 */          \
+      for (int64_t i = 0; i < nq; i += PF_NQ) {                                                   \
+        const float *qs[PF_NQ], *ps[PF_NQ];                                                       \
+        float *ss[PF_NQ], *os[PF_NQ];                                                             \
+        for (int t = 0; t < PF_NQ; t++) {                                                         \
+          const int64_t n = i + t < nq ? i + t : i;                                               \
+          qs[t] = qf + n * D, ps[t] = ss[t] = s + n * PF_KEYS, os[t] = o + n * Dp;                \
+        }                                                                                         \
+        for (int64_t c = 0; c < nk; c += PF_TILE) {                                               \
+          float* sc[PF_NQ];                                                                       \
+          for (int t = 0; t < PF_NQ; t++) sc[t] = ss[t] + c;                                      \
+          pf_scores(qs, kt + c, D, sc);                                                           \
+        }                                                                                         \
+        for (int64_t n = i; n < i + PF_NQ && n < nq; n++) {                                       \
           const int64_t p = ctx + r0 + n / G;                                                     \
           pf_softmax_step(s + n * PF_KEYS, j0, nk, pf_first_key(p, window, chunk), p, m + n, l + n, \
                           o + n * Dp, Dp);                                                        \
         }                                                                                         \
-        pf_values3(s + i * PF_KEYS, s + i1 * PF_KEYS, s + i2 * PF_KEYS, vf, nk, Dp, o + i * Dp,    \
-                   o + i1 * Dp, o + i2 * Dp);                                                     \
+        pf_values(ps, vf, nk, Dp, os);                                                            \
       }                                                                                           \
     }                                                                                             \
     for (int64_t i = 0; i < nq; i++) {                                                            \

@@ -199,15 +199,19 @@ class Attention(nn.Module):
         """One prefill chunk's attention: our kernel reads a cached context from the blocks in place
         (the torch path gathers it) and masks windows, chunks and sinks per row (torch: an [L, S]
         mask, and sinks on the plain-matmul path: 4x slower at 2,000 tokens). A fresh prompt seen
-        whole and unmasked stays on torch's flash kernel, as fast as ours here or faster
-        (docs/benchmarks.md)."""
+        whole and unmasked goes to whichever of ours and torch's flash kernel is faster on this
+        build (CpuKernels.prefill_fresh; docs/benchmarks.md)."""
         rows = chunk.rows
         n = chunk.context + chunk.length
         cut = (self.sliding_window is not None and n > self.sliding_window) or (
             self.chunk is not None and n > self.chunk
         )
         masked = bool(chunk.context) or cut or self.sinks is not None
-        if masked and self.kernels is not None and self.kernels.supports(q.dtype):
+        if (
+            self.kernels is not None
+            and self.kernels.supports(q.dtype)
+            and (masked or self.kernels.prefill_fresh)
+        ):
             cached = bool(chunk.context)
             return self.kernels.paged_prefill(
                 q[rows], self.k_cache if cached else k[rows], self.v_cache if cached else v[rows],
