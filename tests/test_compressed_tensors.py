@@ -220,18 +220,13 @@ def test_compressed_tensors_parts_that_do_not_fit_are_errors_naming_them(real_ch
         LLM(path, max_model_len=32, kv_cache_memory_bytes=1 << 20)
 
 
-def test_eplb_over_weights_held_compressed_is_a_clear_error(real_checkpoint, tmp_path):
+@pytest.mark.timeout(60)
+def test_eplb_moves_experts_held_compressed_and_keeps_every_token(real_checkpoint, tmp_path):
+    """W4A16 groups of 16 held as stored (codes, scales and offsets from the zero points): an online
+    rebalance moves them between 2 EP ranks, tokens those of one process."""
+    from test_eplb_quantized import _check_eplb
+
     groups, fmt = CASES["w4a16-group"]
-    path = to_compressed_tensors(
-        _qwen3(real_checkpoint), str(tmp_path / "ct"), str(tmp_path / "ref"), groups, fmt, IGNORE
-    )
-    with pytest.raises(
-        ValueError, match=r"enable_eplb=True with a compressed-tensors checkpoint is not supported"
-    ):
-        LLM(
-            path,
-            enable_eplb=True,
-            enable_expert_parallel=True,
-            max_model_len=32,
-            kv_cache_memory_bytes=1 << 20,
-        )
+    src = real_checkpoint("qwen3-30b-a3b", sizes=Sizes(layers=2))
+    path = to_compressed_tensors(src, str(tmp_path / "ct"), str(tmp_path / "ref"), groups, fmt, IGNORE)
+    _check_eplb(path, None, "QuantizedExperts")

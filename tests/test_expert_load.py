@@ -452,8 +452,3 @@ def test_round_robin_placement_routes_through_slots(checkpoint):
         for backend, (tokens, placement) in out.items():
             assert tokens == reference[rank::2], (backend, rank)
             assert placement[0] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-
-
-def test_eplb_with_online_quantization_is_a_clear_error(checkpoint):
-    with pytest.raises(ValueError, match=r"enable_eplb=True with quantization='int8' is not supported yet"):
-        LLM(checkpoint("mixtral"), enable_eplb=True, quantization="int8", **KW)

@@ -107,15 +107,3 @@ def test_gptq_desc_act_tp2_and_ep2_equal_one_process(real_checkpoint, tmp_path):
             where = f"rank {rank}, {layout}"
             assert counts == held[layout], where
             assert tokens == expected[layout[0]], where
-
-
-def test_eplb_over_mxfp4_experts_held_as_fp4_is_a_clear_error(real_checkpoint, tmp_path):
-    path = to_mxfp4(real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2)), str(tmp_path / "mxfp4"))
-    with pytest.raises(ValueError, match=r"enable_eplb=True with a mxfp4 checkpoint is not supported yet"):
-        LLM(
-            path,
-            enable_eplb=True,
-            enable_expert_parallel=True,
-            max_model_len=32,
-            kv_cache_memory_bytes=1 << 20,
-        )

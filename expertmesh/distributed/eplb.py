@@ -116,6 +116,39 @@ def move_expert_weights(
     return sent
 
 
+def slot_form(experts: Any, what: str) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of each tensor `slot_tensors` gives: what EPLB moves a slot, the same for
+    every local slot (an expert may land in any), else an error naming `what` and the forms."""
+    try:
+        forms = [
+            [(tuple(t.shape), str(t.dtype)) for t in experts.slot_tensors(i)]
+            for i in range(len(experts.expert_ids))
+        ]
+    except (AttributeError, TypeError) as e:  # a weight form slot_tensors does not know
+        raise ValueError(f"EPLB cannot move the experts of {what}: {e}") from e
+    for i, form in enumerate(forms):
+        if form != forms[0]:
+            raise ValueError(
+                f"EPLB cannot move the experts of {what}: local slots 0 and {i} hold different forms "
+                f"({forms[0]} vs {form})"
+            )
+    return forms[0] if forms else []
+
+
+def check_movable(moes: list[Any], group: Any) -> None:
+    """Before the first online rebalance: every MoE layer's slots hold one form on every rank of
+    the EP group (`group`; a collective), so each all_to_all of a move has one row shape."""
+    forms = [slot_form(m.experts, f"MoE layer {m.layer_index}") for m in moes]
+    ranks = group.all_gather_object(forms)
+    for r, theirs in enumerate(ranks):
+        for m, mine, other in zip(moes, forms, theirs):
+            if other != mine:
+                raise ValueError(
+                    f"EPLB cannot move the experts of MoE layer {m.layer_index}: EP rank {r} holds "
+                    f"them as {other}, EP rank {group.rank_in_group} as {mine}"
+                )
+
+
 def _transfers(old: ExpertPlacement, new: ExpertPlacement) -> list[tuple[int, int, int, int]]:
     """For each slot whose expert changes (or moves in), where it comes from: the lowest rank that
     held it under `old` (the destination itself when it already had it, a local copy)."""

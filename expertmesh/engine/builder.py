@@ -80,15 +80,6 @@ class EngineArgs:
     # native form (layers/native_decode.py); False: the per-op path only (A/B, debugging).
     native_decode: bool = True
 
-    def __post_init__(self) -> None:
-        if self.enable_eplb and self.quantization is not None:
-            # EPLB copies expert slots as tensors (FusedExperts.slot_tensors); the compressed
-            # experts of online quantization are not moved that way yet.
-            raise ValueError(
-                f"enable_eplb=True with quantization={self.quantization!r} is not supported yet: EPLB "
-                "moves float experts only (checkpoint formats dequantized at load are fine)"
-            )
-
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
         """From a keyword dict; an unknown keyword is a TypeError naming it and the known ones."""
@@ -130,19 +121,7 @@ def check_request(args: EngineArgs, model_dir: str) -> Any:
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
     check_model_fits(model_config, parallel)
-    check_eplb_weights(model_config, parallel)
     return hf
-
-
-def check_eplb_weights(model_config: ModelConfig, parallel: Any) -> None:
-    """EPLB copies expert slots as float tensors; a checkpoint's int codes held compressed
-    (layers/quantization/held.py) are not moved that way yet."""
-    q = model_config.quantization
-    if parallel.enable_eplb and getattr(q, "holds_compressed", False):
-        raise ValueError(
-            f"enable_eplb=True with a {q.method} checkpoint is not supported yet: its quantized weights are "
-            "held compressed as stored, and EPLB moves float experts only"
-        )
 
 
 def build_engine(args: EngineArgs) -> BuiltEngine:
@@ -153,7 +132,6 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
     check_model_fits(model_config, parallel)  # before any process group or weight
-    check_eplb_weights(model_config, parallel)
     placement = place_process(parallel, args.device, args.distributed_timeout_seconds)
     setup_logging(placement.rank if parallel.world_size > 1 else None)
     watchdog.set_doing("loading the model")

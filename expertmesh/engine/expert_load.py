@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from expertmesh.distributed.eplb import balanced_placement
+from expertmesh.distributed.eplb import balanced_placement, check_movable
 
 log = logging.getLogger("expertmesh")
 
@@ -70,6 +70,8 @@ class ExpertLoad:
         self.window = (
             None if size is None else torch.zeros(shape, dtype=torch.int64, device=self.counts.device)
         )
+        if self.step_interval and self.moes and self.moes[0].ep_group is not None:
+            check_movable(self.moes, self.moes[0].ep_group)  # fails loudly here, not mid-generate
         if eplb is not None and eplb.use_async:
             log.info("EPLB use_async=True: expert weights move synchronously here, at the rebalance step")
 

@@ -30,6 +30,7 @@ from expertmesh.layers.quantization.packed import (
     QuantizedWeight,
     experts_native_form,
 )
+from expertmesh.layers.quantization.permuted import one_form
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -94,12 +95,18 @@ class FusedExperts(nn.Module):
         self.all_local = False
 
     def slot_tensors(self, slot: int) -> list[torch.Tensor]:
-        """Views of local slot `slot`'s weights as stored now (dense, packed panels, biases): what
-        EPLB copies between ranks, whatever the format; same shapes and dtypes for every slot."""
-        if self.fused is not None:
-            out = [self.fused[1][slot], self.fused[2][slot]]
-        elif self.packed is not None:
-            out = [self.packed[slot][0].data, self.packed[slot][1].data]
+        """Views of local slot `slot`'s weights as stored now (dense, packed panels, quantized codes
+        with their scales, offsets and desc_act order, biases): what EPLB copies between ranks in
+        place, whatever the format; same shapes and dtypes for every slot."""
+        if self.fused is not None:  # stacks [E, ...]: float panels or QuantizedExperts
+            q = isinstance(self.fused[1], QuantizedExperts)
+            out = [t for w in self.fused[1:3] for t in (w.slot_tensors(slot) if q else [w[slot]])]
+        elif self.packed is not None:  # per expert: float panels, or quantized (slot_tensors)
+            out = [
+                t
+                for w in self.packed[slot]
+                for t in (w.slot_tensors() if hasattr(w, "slot_tensors") else [w.data])
+            ]
         else:
             out = [self.w13.data[slot], self.w2.data[slot]]
         biases = (self.w13_bias, self.w2_bias) if self.w13_bias is not None else ()
@@ -252,7 +259,8 @@ class FusedExperts(nn.Module):
                 name,
             )
         else:
-            self.packed = pairs
+            w13s, w2s = (one_form([p[i] for p in pairs]) for i in (0, 1))  # desc_act: one form a slot
+            self.packed = list(zip(w13s, w2s, strict=True))
 
     def _float_biases(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
         """(b13, b2) for moe_*_ex, made float32 in place (slot_tensors' views stay the kernel's); the

@@ -256,6 +256,7 @@ def _weight(
     w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
     if h.exponents and zeros is not None:  # offsets all 0: one tensor serves every expert alike
         w.offsets = zeros.setdefault(tuple(w.offsets.shape), w.offsets)
+        w.shared_offsets = True
     perm = h.perms.get(0 if e is None else e)
     return w if perm is None else PermutedInputs(w, perm)
 

@@ -203,6 +203,7 @@ class QuantizedWeight:
     group: int  # inputs per scale (in_features when per channel)
     lanes: int
     kernels: Any = None  # CpuKernels, or None: the torch fallback
+    shared_offsets: bool = False  # offsets one zero tensor shared by every expert (MXFP4's)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str, group: int, kernels: Any) -> QuantizedWeight:
@@ -227,6 +228,10 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """What EPLB moves of this expert's weight (shared zero offsets are never written)."""
+        return [self.codes, self.scales] + ([] if self.shared_offsets else [self.offsets])
 
     def dequantize(self) -> torch.Tensor:
         """The [out, in] float32 weight this holds (the reference the kernel is tested against)."""
@@ -296,21 +301,29 @@ class QuantizedExperts:
     scales: torch.Tensor  # [E, P, G, lanes]
     offsets: torch.Tensor
     group: int
+    shared_offsets: bool = False  # offsets a zero stack shared across layers (_zero_stack)
 
     @classmethod
     def stack(cls, weights: list[QuantizedWeight]) -> QuantizedExperts:
         w = weights[0]
-        shared = all(q.offsets is w.offsets for q in weights) and not w.offsets.any()
+        # Shared by the format (MXFP4), not by chance (a symmetric kind's zeros): every rank's
+        # stacks then agree on what EPLB moves, whatever experts they hold.
+        shared = all(q.shared_offsets and q.offsets is w.offsets for q in weights) and not w.offsets.any()
         codes, scales = (_stacked([getattr(q, a) for q in weights]) for a in ("codes", "scales"))
         if shared:
             offsets = _zero_stack(len(weights), w.offsets)
         else:
             offsets = _stacked([q.offsets for q in weights])
-        return cls(w.kind, codes, scales, offsets, w.group)
+        return cls(w.kind, codes, scales, offsets, w.group, shared)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def slot_tensors(self, e: int) -> list[torch.Tensor]:
+        """Views of expert slot e (what EPLB copies into in place, so the kernel's pointers and
+        native decode's descriptors stay valid); shared zero offsets are never written."""
+        return [self.codes[e], self.scales[e]] + ([] if self.shared_offsets else [self.offsets[e]])
 
 
 def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:

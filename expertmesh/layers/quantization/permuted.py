@@ -70,5 +70,19 @@ class PermutedInputs:
     def nbytes(self) -> int:
         return self.weight.nbytes + self.perm.numel() * self.perm.element_size()
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """What EPLB moves of this expert's weight: the codes' tensors and the input order."""
+        return [*self.weight.slot_tensors(), self.perm]
+
     def native_form(self, dtype: torch.dtype, keep: list) -> None:
         return None  # the native decode GEMM slot takes no gather: this layer stays in Python
+
+
+def one_form(weights: list[Any]) -> list[Any]:
+    """Experts of one stack where some are held permuted (desc_act; an expert whose groups are in
+    order is not): the others permuted by the identity (the same products), so that every slot
+    holds the same tensors and EPLB can move any expert into any slot."""
+    if not any(isinstance(w, PermutedInputs) for w in weights):
+        return weights
+    ordered = lambda w: PermutedInputs(w, torch.arange(w.in_features))  # noqa: E731
+    return [w if isinstance(w, PermutedInputs) else ordered(w) for w in weights]

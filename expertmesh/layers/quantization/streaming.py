@@ -77,7 +77,7 @@ class ExpertStacks:
             views[a] = stack[e]
         self.slots[e] = QuantizedWeight(
             w.kind, views["codes"], views["scales"], views["offsets"], w.out_features, w.in_features,
-            w.group, w.lanes, w.kernels,
+            w.group, w.lanes, w.kernels, w.shared_offsets and "offsets" not in self.stacks,
         )  # fmt: skip
 
 
