@@ -323,3 +323,22 @@ def test_cpu_kernel_rotary_bit_equal_to_torch(dtype, layout):
     q_got, k_got, v_got = kernels.rope_cache(q, k, v, cos, sin, slots, *caches, rope.interleaved)
     assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref) and torch.equal(v_got, v)
     assert torch.equal(caches[0].view(-1, 2, d)[slots], k_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_positions_values_do_not_depend_on_its_step(dtype):
+    """Fixed-frequency types read one table over [0, n) (grown as positions grow, never past the
+    model's positions): a position gets the same cos / sin alone, in a batch, before and after the
+    table grows, equal to transformers' for a whole sequence."""
+    config = _llama(SYNTHETIC["llama3"], max_pos=4 * ORIGINAL)
+    ours = _ours(config)
+    hf_cos, hf_sin = _hf_cos_sin(LlamaRotaryEmbedding(config), 4 * ORIGINAL)
+    alone = ours.lookup(torch.tensor([7]), dtype)
+    batch = ours.lookup(torch.tensor([3, 7, 0, 300]), dtype)  # grows the table past 256
+    later = ours.lookup(torch.tensor([4 * ORIGINAL - 1, 7]), dtype)
+    assert ours._table[dtype].cos.shape[0] == 4 * ORIGINAL  # capped at max_position_embeddings
+    for tables, row in ((alone, 0), (batch, 1), (later, 1)):
+        assert torch.equal(tables.cos[row], alone.cos[0]) and torch.equal(tables.sin[row], alone.sin[0])
+    positions = torch.tensor([3, 7, 0, 300])
+    for ours_t, hf_t in ((batch.cos, hf_cos), (batch.sin, hf_sin)):
+        torch.testing.assert_close(ours_t[:, 0].float(), hf_t[positions].to(dtype).float(), rtol=0, atol=1e-6)

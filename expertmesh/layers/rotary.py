@@ -169,6 +169,7 @@ class RotaryEmbedding(nn.Module):
         inv, self.scale = self.kind(rope, None)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.length_dependent = rope.rope_type in LENGTH_DEPENDENT
+        self._table: dict[torch.dtype, RotaryTables] = {}  # positions [0, n), grown by doubling
 
     def frequencies(self, seq_len: int) -> Frequencies:
         """Inverse frequencies and scale for a sequence of `seq_len` tokens."""
@@ -180,7 +181,7 @@ class RotaryEmbedding(nn.Module):
         """cos/sin for positions [T]; `context_lens` [T] (each token's sequence length this step)
         picks the frequencies of the length-dependent types (default: position + 1)."""
         if not self.length_dependent:
-            return self._tables(positions, self.inv_freq, self.scale, dtype)
+            return self._rows(positions, dtype)
         lens = positions + 1 if context_lens is None else context_lens
         # Lengths that share frequencies share one computation: longrope has two regimes, dynamic
         # one below max_position_embeddings and one per length above it.
@@ -198,6 +199,20 @@ class RotaryEmbedding(nn.Module):
             part = self._tables(positions[rows], inv, scale, dtype)
             cos[rows], sin[rows] = part.cos, part.sin
         return RotaryTables(cos, sin, self.rope.interleaved)
+
+    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """Rows of a table over positions [0, n) computed once: a decode step's cos/sin cost one
+        index instead of ~8 ops (host time at batch 1), and a position's values never depend on
+        which positions share its step (vectorised and scalar tails of cos can differ by an ulp)."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._table.get(dtype)
+        if table is None or table.cos.shape[0] < need or table.cos.device != positions.device:
+            have = table.cos.shape[0] if table is not None else 0
+            # doubling, but not past the model's positions (a 128K-token model's table is 64 MB in fp32)
+            grown = min(max(2 * have, 256), self.rope.max_position_embeddings)
+            every = torch.arange(max(need, grown), device=positions.device)
+            table = self._table[dtype] = self._tables(every, self.inv_freq, self.scale, dtype)
+        return RotaryTables(table.cos[positions], table.sin[positions], self.rope.interleaved)
 
     def _tables(self, positions: torch.Tensor, inv: torch.Tensor, scale: float, dtype) -> RotaryTables:
         freqs = positions[:, None].float() * inv.to(positions.device)[None, :]  # [T, rotary_dim / 2]
