@@ -279,8 +279,11 @@ def test_engine_bf16_logprobs_close_to_transformers(checkpoint, family):
         assert max(errors) < 0.1, f"{family}: |logprob difference| per position {errors}"
     else:
         # sparsemixer's band test is a hard threshold on the router logits: one bf16 ulp there can
-        # move an expert in or out of the softmax (measured: 1 position in 24 at 0.58).
-        assert sorted(errors)[-2] < 0.1 and max(errors) < 1.0, f"phimoe: per position {errors}"
+        # move an expert in or out of the softmax. Measured over 8 prompt sets (288 positions):
+        # 11-12% of positions above 0.1 (32 with float32 attention probabilities, 35 with the bf16
+        # ones paged_prefill_bf16 multiplies on AVX512-BF16, as torch's CPU flash kernel does),
+        # medians 0.028; these prompts: 2 positions, at 0.16 and 0.59 (1 with float32 ones).
+        assert sorted(errors)[-3] < 0.1 and max(errors) < 1.0, f"phimoe: per position {errors}"
 
 
 # ---- RMSNorm and rotary + cache store -----------------------------------------------------------

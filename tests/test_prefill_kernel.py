@@ -1,8 +1,10 @@
 """The prefill attention kernel (csrc/attention.c paged_prefill) against the torch path it replaces
 (SDPA with a causal / window / chunk mask, `_sink_attention` with sinks) at uneven shapes: fresh
 prompts read from the new rows, chunks over a cached context read from blocks in no particular
-order, GQA, head dims that are and are not whole vectors, float32 and bfloat16; then a layer's
-forward over a mixed step (decodes, a fresh prompt, a chunk over a context) on both paths."""
+order, GQA, head dims that are and are not whole vectors (odd ones too: bf16 pairs end in a
+zero), float32 and bfloat16; the same cases on the builds other CPUs take (AVX-512 without
+AVX512-BF16, 8 lanes); bf16's error against float32 next to its output's own rounding; then a
+layer's forward over a mixed step (decodes, a fresh prompt, a chunk over a context) on both paths."""
 
 import pytest
 import torch
@@ -57,7 +59,22 @@ CASES = [  # (L, context, heads, kv heads, head dim, window, chunk, sinks)
     (130, 45, 8, 2, 64, None, 48, True),  # chunk starts inside the context and the rows
     (2, 9, 4, 1, 72, 5, None, True),
     (130, 200, 4, 1, 64, 40, 64, True),  # window and chunk together (each one cutting)
+    # odd head dims: bf16 pairs end in (x, 0); keys not in whole groups of 16 (the K transposes)
+    (45, 0, 6, 2, 33, None, None, False),  # GQA 3
+    (70, 19, 4, 2, 9, None, 16, True),  # under one 16-pair transpose; through the table
+    (150, 0, 3, 1, 130, 50, None, False),  # 65 pairs: whole transposes and a masked one
+    (33, 100, 2, 1, 1, 70, None, False),  # a head dim of 1: no whole pair at all
 ]
+
+
+@pytest.fixture(scope="module")
+def no_bf16_kernels(kernels, tmp_path_factory):
+    """AVX-512 without AVX512-BF16 (Skylake-X, Ice Lake): 16 lanes, bf16 widened to float32."""
+    if kernels.lanes != 16:
+        pytest.skip("this CPU has no AVX-512")
+    compiler = cpu_kernels._compiler()
+    out = tmp_path_factory.mktemp("no-bf16") / "no-bf16.so"
+    return cpu_kernels.build(out, compiler, ("-mno-avx512bf16", "-O1"))  # -O1: a quicker build
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,6 +82,39 @@ CASES = [  # (L, context, heads, kv heads, head dim, window, chunk, sinks)
 def test_prefill_kernel_equals_torch_path(
     kernels, dtype, length, ctx, heads, kv_heads, d, window, chunk, sinks
 ):
+    _check(kernels, dtype, length, ctx, heads, kv_heads, d, window, chunk, sinks)
+
+
+@pytest.mark.parametrize("build", ["no_bf16_kernels", "generic_kernels"])
+def test_prefill_kernel_other_builds(request, build):
+    """Every case on the builds without pair products: AVX-512 without AVX512-BF16 (16 lanes) and
+    -mno-avx512f (8 lanes; torch keeps fresh prompts there, chunks over a context come here)."""
+    other = request.getfixturevalue(build)
+    assert not other.bf16_pairs
+    for case in CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            _check(other, dtype, *case)
+
+
+def test_bf16_error_next_to_output_rounding(kernels):
+    """bf16 on AVX512-BF16 multiplies pairs of bf16: q . k exactly (products of bf16 are exact in
+    float32), p . v with the probabilities rounded to bf16. Against the float32 torch path its
+    error stays near the bf16 output's own rounding (measured 1.1-1.25x; 1.0x with float32
+    probabilities), far inside the elementwise tolerance above: a long prompt, GQA 2, and an odd
+    head dim over a cached context."""
+    for length, ctx, heads, kv_heads, d in [(300, 0, 8, 4, 64), (150, 60, 6, 2, 33)]:
+        g = torch.Generator().manual_seed(d)
+        attn = _layer(heads, kv_heads, d, None, None, False, g)
+        q = (torch.randn(length, heads, d, generator=g) * 2).bfloat16()
+        k_all, v_all = (torch.randn(ctx + length, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+        want = _reference(attn, q, k_all, v_all, ctx)
+        kc, vc, table = _paged(k_all, v_all, g)
+        got = kernels.paged_prefill(q, kc, vc, attn.scale, block_table=table.int(), context=ctx).float()
+        rounding = (want.bfloat16().float() - want).pow(2).mean().sqrt()
+        assert (got - want).pow(2).mean().sqrt() < 1.5 * rounding
+
+
+def _check(kernels, dtype, length, ctx, heads, kv_heads, d, window, chunk, sinks):
     g = torch.Generator().manual_seed(length * 1000 + ctx + d)
     attn = _layer(heads, kv_heads, d, window, chunk, sinks, g)
     s = ctx + length

@@ -196,12 +196,15 @@ DEFINE_HEAD_MATMUL(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
  * window, chunk, sinks: as paged_decode's, for each row's own position.
  *
  * A task is one KV head and a block of PF_ROWS query rows: its G query heads and rows (nq query
- * vectors) share each loaded block of PF_KEYS keys, transposed (and widened) once into float32
- * Kt [D, PF_KEYS] and Vf [PF_KEYS, Dp] (Dp = D rounded up to whole vectors, zero-padded, so any
- * head_dim runs on whole vectors). Scores are 2 query vectors x PF_KEYS keys in registers, the
- * values' sums 2 vectors x 4 register vectors of D; accumulation is float32 throughout.
+ * vectors) share each loaded block of PF_KEYS keys, packed once: K transposed into Kt [D, PF_KEYS],
+ * V into Vf [PF_KEYS, Dp] (Dp = D rounded up to whole vectors, zero-padded, so any head_dim runs
+ * on whole vectors). Then PF_NQ query vectors at a time: their scores against the block (tiles of
+ * PF_TILE keys in registers), an online-softmax step each, their values' sums (4 register vectors
+ * of D at a time). Sums are float32 throughout; the products are float32 ("wide": float32, and
+ * bf16 widened, on every CPU) or bf16 pairs on vdpbf16ps ("pairs": bf16 with AVX512-BF16).
  */
 #if defined(__AVX512F__)
+#include <immintrin.h>
 #define PF_LANES 16
 #else
 #define PF_LANES 8 /* AVX2; plain vectors elsewhere */
@@ -305,7 +308,51 @@ static const int32_t pf_iota[128] = {
 
 static inline pf_v pf_select(pf_i mask, pf_v a, pf_v b) { return (pf_v)(((pf_i)a & mask) | ((pf_i)b & ~mask)); }
 
-/* exp_vec on whole vectors (gcc leaves exp_vec's clamps as branches in this loop's scalar form) */
+/* the larger of a and b in each lane (no NaN here) */
+#if PF_LANES == 16
+static inline pf_v pf_max(pf_v a, pf_v b) { return (pf_v)_mm512_max_ps((__m512)a, (__m512)b); }
+#else
+static inline pf_v pf_max(pf_v a, pf_v b) { return pf_select(a > b, a, b); }
+#endif
+
+/* a vector's largest lane and its sum: a tree of lane shuffles on AVX-512, not a serial chain */
+#if PF_LANES == 16
+static inline float pf_hmax(pf_v v) { return _mm512_reduce_max_ps((__m512)v); }
+static inline float pf_hsum(pf_v v) { return _mm512_reduce_add_ps((__m512)v); }
+#else
+static inline float pf_hmax(pf_v v) {
+  float x = v[0];
+  for (int e = 1; e < PF_LANES; e++) x = v[e] > x ? v[e] : x;
+  return x;
+}
+static inline float pf_hsum(pf_v v) {
+  float x = 0.f;
+  for (int e = 0; e < PF_LANES; e++) x += v[e];
+  return x;
+}
+#endif
+
+/* exp_vec on whole vectors (gcc leaves exp_vec's clamps as branches in this loop's scalar form).
+ * AVX-512's vscalefps multiplies by 2^n for any n (0 below the range, no exponent bits to build
+ * and so no clamps): 11 instructions instead of 18. v <= 0 here; -inf (keys not seen) gives NaN,
+ * which the caller masks. */
+#if PF_LANES == 16
+static inline pf_v pf_exp(pf_v v) {
+  const __m512 x = (__m512)v;
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+  pf_v p = (pf_v)_mm512_set1_ps(1.f / 720.f), rv = (pf_v)r;
+  p = p * rv + 1.f / 120.f;
+  p = p * rv + 1.f / 24.f;
+  p = p * rv + 1.f / 6.f;
+  p = p * rv + 0.5f;
+  p = p * rv + 1.f;
+  p = p * rv + 1.f;
+  return (pf_v)_mm512_scalef_ps((__m512)p, n);
+}
+#else
 static inline pf_v pf_exp(pf_v v) {
   const pf_v zero = {0};
   v = pf_select(v < zero - 87.3f, zero - 87.3f, v);
@@ -321,30 +368,276 @@ static inline pf_v pf_exp(pf_v v) {
   p = p * r + 1.f;
   return p * (pf_v)((__builtin_convertvector(n, pf_i) + 127) << 23);
 }
+#endif
 
-/* One query vector's online-softmax step over keys [j0, j0 + nk) of which it sees [lo, hi]:
- * s (its scores) becomes its probabilities against the running max m; o and l are rescaled when
- * the max grows. */
-static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo, int64_t hi, float* m,
-                                   float* l, float* o, int64_t Dp) {
-  if (hi < j0 || lo >= j0 + nk) {
-    memset(s, 0, sizeof(float) * PF_KEYS);
-    return;
+typedef uint32_t pf_word __attribute__((may_alias)); /* float bits or bf16 pairs, in the float workspace */
+
+static inline int64_t pf_row(const int32_t* table, int64_t bs, int64_t p) {
+  return table ? (int64_t)table[p / bs] * bs + p % bs : p;
+}
+
+/* Kt [W, PF_KEYS] from keys [j0, j0 + nk) (zero past nk): Kt[w][j] = 32-bit word w of key j's
+ * row (from `row0` on, rows kv_stride T apart), as `kind` says:
+ *   0  float32 rows, W = D
+ *   1  bf16 rows widened to float32, W = D
+ *   2  bf16 rows as pairs (k[2w], k[2w + 1]), W = D / 2 (an odd D's last element: the caller's)
+ * With AVX-512: 16 keys x 16 words a time, transposed in registers and stored as whole vectors
+ * (with a scalar store per word, packing took 10-18% of the time: the stores filled the queue). */
+#if PF_LANES == 16 && defined(__AVX512BW__)
+/* r[c] <- column c of the 16 x 16 matrix of 32-bit words whose row t was r[t] */
+static inline __attribute__((always_inline)) void pf_transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  const int32_t a = (int32_t)(lo > j0 ? lo - j0 : 0), b = (int32_t)(hi - j0 + 1 < nk ? hi - j0 + 1 : nk);
+  /* u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3 */
+  for (int i = 0; i < 4; i++) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; c++) {
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(a, e, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xdd);
+  }
+}
+
+static inline __attribute__((always_inline)) void pf_pack_k(const void* row0, int64_t kv_stride, const int32_t* table,
+                                                            int64_t bs, int64_t j0, int64_t nk, int64_t W,
+                                                            const int kind, pf_word* kt) {
+  const int64_t row_bytes = kv_stride * (kind ? 2 : 4), word_bytes = kind == 2 ? 4 : kind ? 2 : 4;
+  for (int64_t j = 0; j < PF_KEYS; j += 16) {
+    const char* kr[16];
+    for (int t = 0; t < 16; t++)
+      kr[t] = j + t < nk ? (const char*)row0 + pf_row(table, bs, j0 + j + t) * row_bytes : NULL;
+    for (int64_t w0 = 0; w0 < W; w0 += 16) {
+      const __mmask16 mask = (__mmask16)(W - w0 >= 16 ? 0xffffu : (1u << (W - w0)) - 1u);
+      __m512i r[16];
+      for (int t = 0; t < 16; t++) {
+        const void* at = kr[t] + w0 * word_bytes;
+        if (!kr[t])
+          r[t] = _mm512_setzero_si512();
+        else if (kind == 1) /* bf16 -> float32: the bits up by 16 */
+          r[t] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at)), 16);
+        else
+          r[t] = _mm512_maskz_loadu_epi32(mask, at);
+      }
+      pf_transpose16(r);
+      for (int64_t u = 0; u < 16 && w0 + u < W; u++) _mm512_storeu_si512((void*)(kt + (w0 + u) * PF_KEYS + j), r[u]);
+    }
+  }
+}
+#else
+static inline void pf_pack_k(const void* row0, int64_t kv_stride, const int32_t* table, int64_t bs, int64_t j0,
+                             int64_t nk, int64_t W, const int kind, pf_word* kt) {
+  for (int64_t j = 0; j < PF_KEYS; j++) {
+    if (j >= nk) {
+      for (int64_t w = 0; w < W; w++) kt[w * PF_KEYS + j] = 0;
+      continue;
+    }
+    const int64_t row = pf_row(table, bs, j0 + j);
+    if (kind == 0) {
+      const pf_word* kr = (const pf_word*)row0 + row * kv_stride;
+      for (int64_t w = 0; w < W; w++) kt[w * PF_KEYS + j] = kr[w];
+    } else {
+      const bf16_t* kr = (const bf16_t*)row0 + row * kv_stride;
+      for (int64_t w = 0; w < W; w++)
+        kt[w * PF_KEYS + j] = kind == 1 ? (uint32_t)kr[w] << 16 : (uint32_t)kr[2 * w] | (uint32_t)kr[2 * w + 1] << 16;
+    }
+  }
+}
+#endif
+
+/* The stages a task runs, in two kinds (the task body below names one by its prefix):
+ *   _width(D)                 4-byte words in a query vector's row (and rows of Kt)
+ *   _q(qr, D, dst)            a query vector into the task's layout
+ *   _kv(...)                  a block of keys and values into Kt and Vf
+ *   _scores(q, kt, D, s)      PF_NQ query vectors x PF_TILE keys
+ *   _PAIRS                    1: the softmax step leaves the probabilities as bf16 (for _values)
+ *   _values(p, vf, nk, Dp, o) PF_NQ query vectors' sums over nk keys
+ * "wide" (every CPU, float32 and bf16): float32 throughout, pf_scores / pf_values above. */
+#define DEFINE_PF_WIDE(SUFFIX, T, LOAD)                                                           \
+  static inline int64_t pf_wide_##SUFFIX##_width(int64_t D) { return D; }                        \
+  enum { pf_wide_##SUFFIX##_PAIRS = 0 };                                                          \
+  static inline void pf_wide_##SUFFIX##_q(const T* qr, int64_t D, float* dst) {                  \
+    for (int64_t d = 0; d < D; d++) dst[d] = LOAD(qr[d]);                                         \
+  }                                                                                               \
+  static inline void pf_wide_##SUFFIX##_kv(const T* k, const T* v, int64_t kv_stride,            \
+                                           const int32_t* table, int64_t bs, int64_t hk,          \
+                                           int64_t j0, int64_t nk, int64_t D, int64_t Dp,         \
+                                           float* kt, float* vf) {                                \
+    pf_pack_k(k + hk * D, kv_stride, table, bs, j0, nk, D, sizeof(T) == 2, (pf_word*)kt);          \
+    for (int64_t j = 0; j < nk; j++) {                                                            \
+      const T* vr = v + pf_row(table, bs, j0 + j) * kv_stride + hk * D;                           \
+      for (int64_t d = 0; d < D; d++) vf[j * Dp + d] = LOAD(vr[d]);                               \
+    }                                                                                             \
+  }                                                                                               \
+  static inline __attribute__((always_inline)) void pf_wide_##SUFFIX##_scores(                    \
+      const float* const q[PF_NQ], const float* kt, int64_t D, float* const s[PF_NQ]) {           \
+    pf_scores(q, kt, D, s);                                                                       \
+  }                                                                                               \
+  static inline __attribute__((always_inline)) void pf_wide_##SUFFIX##_values(                    \
+      const float* const p[PF_NQ], const float* vf, int64_t nk, int64_t Dp, float* const o[PF_NQ]) { \
+    pf_values(p, vf, nk, Dp, o);                                                                  \
+  }
+
+DEFINE_PF_WIDE(f32, float, f32_id)
+
+/* "pairs" (bf16 with AVX512-BF16): the products on vdpbf16ps, which multiplies pairs of bf16 and
+ * accumulates in float32, twice a float32 FMA's products per instruction.
+ * Scores: q and K stay bf16, as 32-bit pairs over D (an odd D's last pair is (x, 0)): q [D2] and
+ * Kt [D2, PF_KEYS], D2 = ceil(D / 2). A product of two bf16 is exact in float32, so the scores are
+ * the wide path's up to the order of the float32 additions; the softmax scale multiplies them
+ * afterwards (in both kinds: q is not scaled, and so not rounded, first).
+ * Values: the probabilities rounded to bf16 (as torch's CPU flash kernel does for bf16), V as pairs
+ * over keys, Vt [PF_KEYS / 2, Dp] of (v[2i][d], v[2i + 1][d]); l sums the rounded probabilities,
+ * so the weights still sum to 1. Against float32 probabilities (widened V, FMAs): 1.3-1.5x the
+ * speed at 2,000 tokens; the error against a float32 reference 1.1-1.25x the bf16 output's own
+ * rounding instead of 1.0x (tests/test_prefill_kernel.py). */
+#if defined(__AVX512BF16__) && PF_LANES == 16
+
+static inline int64_t pf_pairs_width(int64_t D) { return (D + 1) / 2; }
+enum { pf_pairs_PAIRS = 1 };
+
+static inline void pf_pairs_q(const bf16_t* qr, int64_t D, float* dst) {
+  pf_word* w = (pf_word*)dst;
+  for (int64_t i = 0; i < D / 2; i++) w[i] = (uint32_t)qr[2 * i] | (uint32_t)qr[2 * i + 1] << 16;
+  if (D % 2) w[D / 2] = qr[D - 1];
+}
+
+static inline void pf_pairs_kv(const bf16_t* k, const bf16_t* v, int64_t kv_stride, const int32_t* table,
+                               int64_t bs, int64_t hk, int64_t j0, int64_t nk, int64_t D, int64_t Dp,
+                               float* kt, float* vf) {
+  const int64_t W = D / 2; /* whole pairs; an odd D's last one is (k[D - 1], 0) */
+  pf_pack_k(k + hk * D, kv_stride, table, bs, j0, nk, W, 2, (pf_word*)kt);
+  if (D % 2)
+    for (int64_t j = 0; j < PF_KEYS; j++)
+      ((pf_word*)kt)[W * PF_KEYS + j] = j < nk ? k[pf_row(table, bs, j0 + j) * kv_stride + hk * D + D - 1] : 0;
+  /* V as pairs over keys, zero past D (the task's memset) and past nk */
+  pf_word* vt2 = (pf_word*)vf;
+  for (int64_t i = 0; i < PF_KEYS / 2; i++) {
+    const int64_t j = 2 * i;
+    if (j >= nk) {
+      for (int64_t d = 0; d < D; d++) vt2[i * Dp + d] = 0;
+      continue;
+    }
+    const bf16_t* v0 = v + pf_row(table, bs, j0 + j) * kv_stride + hk * D;
+    if (j + 1 < nk) {
+      const bf16_t* v1 = v + pf_row(table, bs, j0 + j + 1) * kv_stride + hk * D;
+      for (int64_t d = 0; d < D; d++) vt2[i * Dp + d] = (uint32_t)v0[d] | (uint32_t)v1[d] << 16;
+    } else {
+      for (int64_t d = 0; d < D; d++) vt2[i * Dp + d] = v0[d];
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void pf_pairs_scores(const float* const q[PF_NQ], const float* kt,
+                                                                  int64_t D, float* const s[PF_NQ]) {
+  __m512 a[PF_NQ][4];
+  for (int n = 0; n < PF_NQ; n++)
+    for (int u = 0; u < 4; u++) a[n][u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < (D + 1) / 2; i++) {
+    const pf_word* kr = (const pf_word*)kt + i * PF_KEYS;
+    __m512i kv[4];
+    for (int u = 0; u < 4; u++) {
+      kv[u] = _mm512_loadu_si512((const void*)(kr + u * PF_LANES));
+      PF_IN_REGISTER(kv[u]);
+    }
+    for (int n = 0; n < PF_NQ; n++) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)((const pf_word*)q[n])[i]);
+      for (int u = 0; u < 4; u++) a[n][u] = _mm512_dpbf16_ps(a[n][u], (__m512bh)kv[u], x);
+    }
+  }
+  for (int n = 0; n < PF_NQ; n++)
+    for (int u = 0; u < 4; u++) _mm512_storeu_ps(s[n] + u * PF_LANES, a[n][u]);
+}
+
+/* o[n][0, Dp) += sum_j p[n][j] * V[j, :], p as bf16 pairs over keys, nk keys, n < PF_NQ */
+static inline __attribute__((always_inline)) void pf_pairs_values(const float* const p[PF_NQ], const float* vf,
+                                                                  int64_t nk, int64_t Dp, float* const o[PF_NQ]) {
+  const pf_word* vt2 = (const pf_word*)vf;
+  const int64_t nk2 = (nk + 1) / 2;
+  int64_t d0 = 0;
+  for (; d0 + 4 * PF_LANES <= Dp; d0 += 4 * PF_LANES) {
+    __m512 a[PF_NQ][4];
+    for (int n = 0; n < PF_NQ; n++)
+      for (int u = 0; u < 4; u++) a[n][u] = _mm512_loadu_ps(o[n] + d0 + u * PF_LANES);
+    for (int64_t i = 0; i < nk2; i++) {
+      __m512i x[4];
+      for (int u = 0; u < 4; u++) {
+        x[u] = _mm512_loadu_si512((const void*)(vt2 + i * Dp + d0 + u * PF_LANES));
+        PF_IN_REGISTER(x[u]);
+      }
+      for (int n = 0; n < PF_NQ; n++) {
+        const __m512bh pn = (__m512bh)_mm512_set1_epi32((int)((const pf_word*)p[n])[i]);
+        for (int u = 0; u < 4; u++) a[n][u] = _mm512_dpbf16_ps(a[n][u], (__m512bh)x[u], pn);
+      }
+    }
+    for (int n = 0; n < PF_NQ; n++)
+      for (int u = 0; u < 4; u++) _mm512_storeu_ps(o[n] + d0 + u * PF_LANES, a[n][u]);
+  }
+  for (; d0 < Dp; d0 += PF_LANES) {
+    __m512 a[PF_NQ];
+    for (int n = 0; n < PF_NQ; n++) a[n] = _mm512_loadu_ps(o[n] + d0);
+    for (int64_t i = 0; i < nk2; i++) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512((const void*)(vt2 + i * Dp + d0));
+      for (int n = 0; n < PF_NQ; n++)
+        a[n] = _mm512_dpbf16_ps(a[n], x, (__m512bh)_mm512_set1_epi32((int)((const pf_word*)p[n])[i]));
+    }
+    for (int n = 0; n < PF_NQ; n++) _mm512_storeu_ps(o[n] + d0, a[n]);
+  }
+}
+#define PF_PAIRS 1
+#else
+DEFINE_PF_WIDE(bf16, bf16_t, bf16_to_f32)
+#define PF_PAIRS 0
+#endif
+
+#if PF_PAIRS
+/* exp(v - mx) for probabilities rounded to bf16 next (a relative 2^-9): 2^t for t = (v - mx) log2(e)
+ * in one FMA, 2^(t - n) by its degree-4 Taylor polynomial (relative error under 5e-5), times 2^n
+ * by vscalefps: 8 instructions. */
+static inline pf_v pf_exp_bf16(pf_v v, float mx) {
+  const __m512 t = _mm512_fmsub_ps((__m512)v, _mm512_set1_ps(1.44269504088896341f),
+                                   _mm512_set1_ps(mx * 1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const pf_v f = (pf_v)_mm512_sub_ps(t, n);
+  pf_v p = f * 9.61812910762847716e-3f + 5.55041086648215800e-2f; /* ln2^k / k! */
+  p = p * f + 2.40226506959100712e-1f;
+  p = p * f + 6.93147180559945309e-1f;
+  p = p * f + 1.f;
+  return (pf_v)_mm512_scalef_ps((__m512)p, n);
+}
+#endif
+
+/* One query vector's online-softmax step over keys [j0, j0 + nk) of which it sees [a, b) (block
+ * offsets; `masked` = 0 when that is all PF_KEYS): s (its scores, times `scale`) becomes its
+ * probabilities against the running max m, as bf16 when `pairs`; o and l are rescaled when the
+ * max grows. */
+static inline __attribute__((always_inline)) void pf_softmax_core(float* s, float scale, int32_t a, int32_t b,
+                                                                  float* m, float* l, float* o, int64_t Dp,
+                                                                  const int masked, const int pairs) {
   enum { NV = PF_KEYS / PF_LANES };
   pf_v sv[NV], best = {0};
   pf_i seen[NV];
   best += -INFINITY;
   for (int u = 0; u < NV; u++) {
     const pf_i j = *(const pf_i*)(pf_iota + u * PF_LANES);
-    seen[u] = (j >= a) & (j < b);
-    sv[u] = pf_select(seen[u], *(const pf_vu*)(s + u * PF_LANES), best);
+    seen[u] = masked ? (j >= a) & (j < b) : (pf_i){0} - 1;
+    sv[u] = *(const pf_vu*)(s + u * PF_LANES) * scale;
+    if (masked) sv[u] = pf_select(seen[u], sv[u], best);
   }
-  pf_v top = best;
-  for (int u = 0; u < NV; u++) top = pf_select(sv[u] > top, sv[u], top);
-  float mx = m[0];
-  for (int e = 0; e < PF_LANES; e++) mx = top[e] > mx ? top[e] : mx;
+  pf_v top[NV / 2]; /* a tree: 3 steps, not 7 */
+  for (int u = 0; u < NV / 2; u++) top[u] = pf_max(sv[u], sv[u + NV / 2]);
+  for (int w = NV / 4; w > 0; w /= 2)
+    for (int u = 0; u < w; u++) top[u] = pf_max(top[u], top[u + w]);
+  const float top_max = pf_hmax(top[0]), mx = top_max > m[0] ? top_max : m[0];
   if (mx > m[0]) {
     const float c = exp_vec(m[0] - mx); /* m = -inf at first: o and l are still 0 */
     l[0] *= c;
@@ -352,34 +645,64 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
     m[0] = mx;
   }
   pf_v sum = {0};
+#if !PF_PAIRS
+  (void)pairs;
+#else
+  if (pairs) {
+    for (int u = 0; u < NV; u += 2) {
+      pf_v p0 = pf_exp_bf16(sv[u], mx), p1 = pf_exp_bf16(sv[u + 1], mx);
+      if (masked) p0 = (pf_v)((pf_i)p0 & seen[u]), p1 = (pf_v)((pf_i)p1 & seen[u + 1]);
+      const __m512bh pb = _mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);
+      _mm512_storeu_si512((void*)((bf16_t*)s + u * PF_LANES), (__m512i)pb);
+      /* l sums the probabilities as rounded (the values' weights): pairs times (1, 1) */
+      sum = (pf_v)_mm512_dpbf16_ps((__m512)sum, pb, (__m512bh)_mm512_set1_epi32(0x3f803f80));
+    }
+  } else
+#endif
   for (int u = 0; u < NV; u++) {
-    const pf_v p = (pf_v)((pf_i)pf_exp(sv[u] - mx) & seen[u]);
+    pf_v p = pf_exp(sv[u] - mx);
+    if (masked) p = (pf_v)((pf_i)p & seen[u]);
     *(pf_vu*)(s + u * PF_LANES) = p;
     sum += p;
   }
-  float total = 0.f;
-  for (int e = 0; e < PF_LANES; e++) total += sum[e];
-  l[0] += total;
+  l[0] += pf_hsum(sum);
 }
 
-#define DEFINE_PAGED_PREFILL(SUFFIX, T, LOAD, STORE)                                              \
+/* pf_softmax_core for keys [j0, j0 + nk) of which the query vector sees [lo, hi] */
+static inline __attribute__((always_inline)) void pf_softmax_step(float* s, float scale, int64_t j0, int64_t nk,
+                                                                  int64_t lo, int64_t hi, float* m, float* l,
+                                                                  float* o, int64_t Dp, const int pairs) {
+  if (hi < j0 || lo >= j0 + nk) {
+    memset(s, 0, sizeof(float) * PF_KEYS);
+    return;
+  }
+  const int32_t a = (int32_t)(lo > j0 ? lo - j0 : 0), b = (int32_t)(hi - j0 + 1 < nk ? hi - j0 + 1 : nk);
+  if (a == 0 && b == PF_KEYS)
+    pf_softmax_core(s, scale, a, b, m, l, o, Dp, 0, pairs);
+  else
+    pf_softmax_core(s, scale, a, b, m, l, o, Dp, 1, pairs);
+}
+
+/* PF: the stages' prefix (pf_wide_f32; pf_pairs or pf_wide_bf16). Workspace rows are 4-byte
+ * words, floats or bf16 pairs: q's rows are PF##_width(D) words, Kt has as many rows. */
+#define DEFINE_PAGED_PREFILL(SUFFIX, T, STORE, PF)                                                \
   static void prefill_task_##SUFFIX(const T* q, int64_t q_stride, const T* k, const T* v,          \
                                     int64_t kv_stride, const int32_t* table, int64_t bs, int64_t ctx, \
                                     int64_t r0, int64_t r1, int64_t hk, T* out, int64_t H, int64_t G, \
                                     int64_t D, float scale, int64_t window, int64_t chunk,        \
                                     const float* sinks, float* work) {                            \
     const int64_t Dp = (D + PF_LANES - 1) / PF_LANES * PF_LANES, nq = (r1 - r0) * G;               \
-    float* qf = work;                 /* [nq, D], scaled */                                       \
+    const int64_t Dq = PF##_width(D);                                                             \
+    float* qf = work;                 /* [nq, Dq] */                                              \
     float* o = qf + PF_ROWS * G * D;  /* [nq, Dp] */                                              \
-    float* s = o + PF_ROWS * G * Dp;  /* [nq, PF_KEYS] */                                         \
-    float* kt = s + PF_ROWS * G * PF_KEYS; /* [D, PF_KEYS] */                                     \
+    float* s = o + PF_ROWS * G * Dp;  /* [PF_NQ, PF_KEYS], the current PF_NQ vectors' */          \
+    float* kt = s + PF_NQ * PF_KEYS;  /* [Dq, PF_KEYS] */                                         \
     float* vf = kt + D * PF_KEYS;     /* [PF_KEYS, Dp] */                                         \
     float* m = vf + PF_KEYS * Dp;     /* [nq] */                                                  \
-    float* l = m + PF_ROWS * G;       /* [nq] */                                                  \
+    float* l = m + PF_ROWS * G;       /* [nq, PF_LANES], sums by lane */                          \
     /* Query vector i: row r0 + i / G, head hk * G + i % G. */                                     \
     for (int64_t i = 0; i < nq; i++) {                                                            \
-      const T* qr = q + (r0 + i / G) * q_stride + (hk * G + i % G) * D;                           \
-      for (int64_t d = 0; d < D; d++) qf[i * D + d] = LOAD(qr[d]) * scale;                        \
+      PF##_q(q + (r0 + i / G) * q_stride + (hk * G + i % G) * D, D, qf + i * Dq);                 \
       m[i] = -INFINITY;                                                                           \
       l[i] = 0.f;                                                                                 \
     }                                                                                             \
@@ -388,37 +711,26 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
     const int64_t first = pf_first_key(ctx + r0, window, chunk), end = ctx + r1;                  \
     for (int64_t j0 = first; j0 < end; j0 += PF_KEYS) {                                           \
       const int64_t nk = end - j0 < PF_KEYS ? end - j0 : PF_KEYS;                                 \
-      for (int64_t j = 0; j < PF_KEYS; j++) {                                                     \
-        if (j >= nk) {                                                                            \
-          for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = 0.f;                              \
-          continue;                                                                               \
-        }                                                                                         \
-        const int64_t p = j0 + j;                                                                 \
-        const int64_t row = table ? (int64_t)table[p / bs] * bs + p % bs : p;                     \
-        const T* kr = k + row * kv_stride + hk * D;                                               \
-        const T* vr = v + row * kv_stride + hk * D;                                               \
-        for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS + j] = LOAD(kr[d]);                        \
-        for (int64_t d = 0; d < D; d++) vf[j * Dp + d] = LOAD(vr[d]);                             \
-      }                                                                                           \
+      PF##_kv(k, v, kv_stride, table, bs, hk, j0, nk, D, Dp, kt, vf);                             \
       /* per PF_NQ query vectors: scores, softmax, values, while Kt and Vf stay in L1 */          \
       for (int64_t i = 0; i < nq; i += PF_NQ) {                                                   \
         const float *qs[PF_NQ], *ps[PF_NQ];                                                       \
         float *ss[PF_NQ], *os[PF_NQ];                                                             \
         for (int t = 0; t < PF_NQ; t++) {                                                         \
           const int64_t n = i + t < nq ? i + t : i;                                               \
-          qs[t] = qf + n * D, ps[t] = ss[t] = s + n * PF_KEYS, os[t] = o + n * Dp;                \
+          qs[t] = qf + n * Dq, ps[t] = ss[t] = s + (n - i) * PF_KEYS, os[t] = o + n * Dp;         \
         }                                                                                         \
         for (int64_t c = 0; c < nk; c += PF_TILE) {                                               \
           float* sc[PF_NQ];                                                                       \
           for (int t = 0; t < PF_NQ; t++) sc[t] = ss[t] + c;                                      \
-          pf_scores(qs, kt + c, D, sc);                                                           \
+          PF##_scores(qs, kt + c, D, sc);                                                         \
         }                                                                                         \
         for (int64_t n = i; n < i + PF_NQ && n < nq; n++) {                                       \
           const int64_t p = ctx + r0 + n / G;                                                     \
-          pf_softmax_step(s + n * PF_KEYS, j0, nk, pf_first_key(p, window, chunk), p, m + n, l + n, \
-                          o + n * Dp, Dp);                                                        \
+          pf_softmax_step(s + (n - i) * PF_KEYS, scale, j0, nk, pf_first_key(p, window, chunk), p, m + n, \
+                          l + n, o + n * Dp, Dp, PF##_PAIRS);                                                 \
         }                                                                                         \
-        pf_values(ps, vf, nk, Dp, os);                                                            \
+        PF##_values(ps, vf, nk, Dp, os);                                                          \
       }                                                                                           \
     }                                                                                             \
     for (int64_t i = 0; i < nq; i++) {                                                            \
@@ -441,7 +753,7 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
                               int64_t window, int64_t chunk, const float* sinks, int threads) {   \
     const int64_t G = H / Hk, blocks = (L + PF_ROWS - 1) / PF_ROWS, tasks = blocks * Hk;          \
     const int64_t Dp = (D + PF_LANES - 1) / PF_LANES * PF_LANES;                                  \
-    const size_t floats = (size_t)(PF_ROWS * G * (D + Dp + PF_KEYS + 2) + PF_KEYS * (D + Dp));    \
+    const size_t floats = (size_t)(PF_ROWS * G * (D + Dp + 1 + PF_LANES) + PF_NQ * PF_KEYS + PF_KEYS * (D + Dp)); \
     _Pragma("omp parallel num_threads(threads) if (tasks > 1)") {                                 \
       float* work = (float*)malloc(sizeof(float) * floats);                                       \
       /* the last rows see the most keys: they go first */                                        \
@@ -455,5 +767,9 @@ static inline void pf_softmax_step(float* s, int64_t j0, int64_t nk, int64_t lo,
     }                                                                                             \
   }
 
-DEFINE_PAGED_PREFILL(f32, float, f32_id, f32_id)
-DEFINE_PAGED_PREFILL(bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_PREFILL(f32, float, f32_id, pf_wide_f32)
+#if PF_PAIRS
+DEFINE_PAGED_PREFILL(bf16, bf16_t, f32_to_bf16, pf_pairs)
+#else
+DEFINE_PAGED_PREFILL(bf16, bf16_t, f32_to_bf16, pf_wide_bf16)
+#endif

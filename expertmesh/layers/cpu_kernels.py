@@ -166,9 +166,9 @@ class CpuKernels(AttentionKernels):
         # float32 in registers (gemm_bf16, and moe_bf16 built on it).
         self.bf16_pairs = bool(lib.bf16_pairs())
         # A fresh, unmasked prompt's attention: our prefill kernel where it is the faster one, the
-        # 16-lane (AVX-512) build: 1.6-2.1x torch's SDPA at 2,000 tokens (Zen 5, fp32 and bf16,
-        # benchmarks/attention_bench.py); the 8-lane (AVX2) build is 0.75-0.8x SDPA on the same CPU
-        # and on Zen 3, so there torch's flash kernel keeps it.
+        # 16-lane (AVX-512) build: 2.2-2.7x torch's SDPA at 2,000 tokens in fp32, 4.3-5.4x in bf16
+        # on AVX512-BF16 (Zen 5, benchmarks/attention_bench.py); the 8-lane (AVX2) build is 0.75-0.8x
+        # SDPA on the same CPU and on Zen 3, so there torch's flash kernel keeps it.
         self.prefill_fresh = self.lanes == 16
         kinds = ("paged_decode", "paged_prefill", "head_matmul", "gemm", "rms_norm", "rope_cache", "moe")
         variants = {kind: ("f32", "bf16") for kind in kinds}
