@@ -31,8 +31,13 @@ typedef uint32_t pair_t __attribute__((aligned(2), may_alias));
 #ifndef PAIR_PF
 #define PAIR_PF 2048
 #endif
-/* Panels a few-row (1-3) work item covers: a multiple of the wide tiles' widths 4 and 6. */
+/* Panels a work item covers (few-row products, experts): a multiple of the wide tiles' widths 4
+ * and 6, halved while there would be fewer than 4 items a thread (many threads, few experts). */
 #define PAIR_SPAN 12
+static int64_t pair_span(int64_t span, int64_t panels, int64_t parts, int threads) {
+  while (span % 2 == 0 && parts * ((panels + span - 1) / span) < 4 * (int64_t)threads) span /= 2;
+  return span;
+}
 /* Row counts up to this take the wide tiles. */
 #define PAIR_FEW 3
 
@@ -166,10 +171,10 @@ static void gemm_pairs_to(const bf16_t* x, const bf16_t* wp, void* y, int y_bf16
     xs = xp;
   }
   if (M <= PAIR_FEW) {
-    const int64_t spans = (P + PAIR_SPAN - 1) / PAIR_SPAN;
+    const int64_t span = pair_span(PAIR_SPAN, P, 1, threads), spans = (P + span - 1) / span;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t s = 0; s < spans; s++) {
-      const int64_t q0 = s * PAIR_SPAN, q1 = q0 + PAIR_SPAN < P ? q0 + PAIR_SPAN : P;
+      const int64_t q0 = s * span, q1 = q0 + span < P ? q0 + span : P;
       run_pairs(xs, I2, wp, y, y_bf16, O, q0, q1, 0, M, bias);
     }
   } else {
@@ -277,8 +282,8 @@ static void run_gated(const pair_t* x, int64_t H2, const bf16_t* w13, bf16_t* a,
  * bf16 and the activation's output rounded to bf16 (what a bf16 model's projections return and
  * its down projection receives); the weighted sum written in float32, not rounded: it is a
  * partial sum other ranks may add to, rounded to bf16 once, by the caller, after that.
- * Work items: (expert, PAIR_SPAN panels of w2; of w13 the gated tiles' PAIR_SPAN / 2 gate panels
- * and their up panels, or PAIR_SPAN panels); each picks its tiles by its expert's rows. */
+ * Work items: (expert, span of w2's panels; of w13 the gated tiles' gate panels and their up
+ * panels, or plain panels; pair_span); each picks its tiles by its expert's rows. */
 void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
                  const bf16_t* w13, const bf16_t* w2, int64_t E, int64_t I, int act, float limit, float alpha,
                  const float* b13, const float* b2, float* out, int threads) {
@@ -287,8 +292,10 @@ void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, con
   const int64_t H2 = (H + 1) / 2, I2 = (I + 1) / 2;
   const int64_t P13 = (2 * I + LANES - 1) / LANES, P2 = (H + LANES - 1) / LANES, PI = I / LANES;
   const int gated = I % LANES == 0; /* gate and up in whole panels: the activation in the tiles */
-  const int64_t span13 = gated ? PAIR_SPAN / 2 : PAIR_SPAN, end13 = gated ? PI : P13;
-  const int64_t S13 = (end13 + span13 - 1) / span13, S2 = (P2 + PAIR_SPAN - 1) / PAIR_SPAN;
+  const int64_t end13 = gated ? PI : P13; /* w13's items: gate panels (their up panels with them) */
+  const int64_t span13 = pair_span(gated ? PAIR_SPAN / 2 : PAIR_SPAN, end13, p.na, threads);
+  const int64_t span2 = pair_span(PAIR_SPAN, P2, p.na, threads);
+  const int64_t S13 = (end13 + span13 - 1) / span13, S2 = (P2 + span2 - 1) / span2;
   uint32_t* xs = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * H2 + 1));
   float* h = gated ? NULL : (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
   float* af = gated ? NULL : (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
@@ -317,9 +324,9 @@ void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, con
       }
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * S2; item++) {
-      const int64_t e = p.active[item / S2], q0 = item % S2 * PAIR_SPAN;
-      run_pairs(a, I2, w2 + e * P2 * I2 * 2 * LANES, ys, 0, H, q0, q0 + PAIR_SPAN < P2 ? q0 + PAIR_SPAN : P2,
-                p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
+      const int64_t e = p.active[item / S2], q0 = item % S2 * span2;
+      run_pairs(a, I2, w2 + e * P2 * I2 * 2 * LANES, ys, 0, H, q0, q0 + span2 < P2 ? q0 + span2 : P2, p.start[e],
+                p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
