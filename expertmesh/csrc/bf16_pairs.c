@@ -32,10 +32,10 @@ typedef uint32_t pair_t __attribute__((aligned(2), may_alias));
 #define PAIR_PF 2048
 #endif
 /* Panels a work item covers (few-row products, experts): a multiple of the wide tiles' widths 4
- * and 6, halved while there would be fewer than 4 items a thread (many threads, few experts). */
+ * and 6, halved while there would be fewer than 2 items a thread (many threads, few experts). */
 #define PAIR_SPAN 12
 static int64_t pair_span(int64_t span, int64_t panels, int64_t parts, int threads) {
-  while (span % 2 == 0 && parts * ((panels + span - 1) / span) < 4 * (int64_t)threads) span /= 2;
+  while (span % 2 == 0 && parts * ((panels + span - 1) / span) < 2 * (int64_t)threads) span /= 2;
   return span;
 }
 /* Row counts up to this take the wide tiles. */
