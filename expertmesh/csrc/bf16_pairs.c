@@ -27,7 +27,8 @@ typedef uint32_t pair_t __attribute__((aligned(2), may_alias));
 
 /* Tiles that read their weights from memory prefetch each panel this far ahead: an 8-row step is
  * 12 cycles of vdpbf16ps per 3 cache lines, and the hardware prefetcher alone kept one core at
- * 16 GB/s of the ~25 it streams (experts at batch 32, ~8 rows each: docs/benchmarks.md). */
+ * 16 GB/s of the ~25 it streams (experts at batch 32, ~8 rows each: docs/benchmarks.md). Past a
+ * buffer's end they touch nothing: prefetches do not fault. */
 #ifndef PAIR_PF
 #define PAIR_PF 2048
 #endif
