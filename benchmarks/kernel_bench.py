@@ -4,15 +4,20 @@ For each product (qkv, o_proj, expert gate+up, expert down, lm_head) and row cou
 ms per call, GFLOP/s and GB/s of weights streamed, for our panel GEMM and for torch (F.linear on
 the dense weight; oneDNN where it has a path for the dtype). `--moe` also times the routed
 experts of one layer in one call. Kernels can be A/B-compared by building another source
-(`--source`, e.g. csrc/cpu_kernels.c in a saved copy of csrc/) in the same run.
+(`--source`, e.g. csrc/cpu_kernels.c in a saved copy of csrc/) in the same run: every engine of
+a row is timed in the same alternated rounds. `--cold-mb`: each product cycles through copies of
+its weights (the experts through copies of the layer), so few-row products read them from memory
+as decode does in a model larger than the caches, not from cache.
 
     .venv/bin/python benchmarks/kernel_bench.py --dtype bfloat16 --rows 1,32,512 --moe
     .venv/bin/python benchmarks/kernel_bench.py --shape qwen3-30b-a3b --dtype bfloat16 --rows 1,32
+    .venv/bin/python benchmarks/kernel_bench.py --dtype bfloat16 --rows 1,8,32 --moe --cold-mb 192
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from functools import partial
@@ -43,22 +48,42 @@ SHAPES = {
 # threads it also counts OpenMP's spin-waiting).
 CLOCK = time.perf_counter
 ONLY: set[str] | None = None
+COLD_MB = 0.0
 
 
-def timed(fn, min_s: float = 0.3, repeats: int = 5) -> float:
-    """Median seconds per call over `repeats` rounds of enough calls to fill `min_s`."""
-    fn()
-    start, n = CLOCK(), 0
-    while CLOCK() - start < min_s / repeats or n < 2:
+def copies(nbytes: int) -> int:
+    """Copies of `nbytes` of weights that together read COLD_MB a cycle (1 with COLD_MB 0)."""
+    return max(1, -(-int(COLD_MB * 2**20) // nbytes))
+
+
+def rotating(fns: list):
+    """A call that runs the next of `fns` each time (one: that one)."""
+    if len(fns) == 1:
+        return fns[0]
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def timed(fns: dict, min_s: float = 0.3, repeats: int = 5) -> dict:
+    """Median seconds per call of each function, over `repeats` rounds of enough calls to fill
+    `min_s`, the functions alternated within each round (A/B runs on a noisy machine: a slow
+    spell slows every engine's round, not one engine's whole measurement)."""
+    counts = {}
+    for name, fn in fns.items():
         fn()
-        n += 1
-    rounds = []
-    for _ in range(repeats):
-        t0 = CLOCK()
-        for _ in range(n):
+        start, n = CLOCK(), 0
+        while CLOCK() - start < min_s / repeats or n < 2:
             fn()
-        rounds.append((CLOCK() - t0) / n)
-    return statistics.median(rounds)
+            n += 1
+        counts[name] = n
+    rounds: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = CLOCK()
+            for _ in range(counts[name]):
+                fn()
+            rounds[name].append((CLOCK() - t0) / counts[name])
+    return {name: statistics.median(r) for name, r in rounds.items()}
 
 
 def bench_linears(kernels_by_name: dict, shape: dict, dtype: torch.dtype, rows: list[int]) -> None:
@@ -68,13 +93,17 @@ def bench_linears(kernels_by_name: dict, shape: dict, dtype: torch.dtype, rows: 
         if ONLY is not None and name not in ONLY:
             continue
         w = (torch.randn(out_f, in_f) * in_f**-0.5).to(dtype)
-        packed = {k: kern.pack(w) for k, kern in kernels_by_name.items()}
+        n = copies(w.numel() * size)
+        packed = {k: [kern.pack(w) for _ in range(n)] for k, kern in kernels_by_name.items()}
+        dense = [w] + [w.clone() for _ in range(n - 1)]
         for m in rows:
             x = torch.randn(m, in_f).to(dtype)
-            calls = {k: partial(kernels_by_name[k].linear, x, p) for k, p in packed.items()}
-            calls["torch"] = partial(F.linear, x, w)
-            for engine, fn in calls.items():
-                s = timed(fn)
+            calls = {
+                k: rotating([partial(kernels_by_name[k].linear, x, p) for p in packs])
+                for k, packs in packed.items()
+            }
+            calls["torch"] = rotating([partial(F.linear, x, d) for d in dense])
+            for engine, s in timed(calls).items():
                 flops, nbytes = 2 * m * out_f * in_f, out_f * in_f * size
                 rates = f"{flops / s / 1e9:>10.1f}{nbytes / s / 1e9:>8.1f}"
                 print(f"{name:<10}{m:>6}{engine:>12}{s * 1e3:>10.3f}{rates}")
@@ -87,21 +116,28 @@ def bench_moe(kernels_by_name: dict, shape: dict, dtype: torch.dtype, rows: list
     w2 = (torch.randn(experts, hidden, inter) * inter**-0.5).to(dtype)
     print(f"\nrouted experts, one layer: H={hidden}, {experts} experts of {inter}, top-{top_k}")
     print(f"{'rows':>6}{'engine':>12}{'ms':>10}{'GB/s':>8}")
+    packed = {}
     for name, kern in kernels_by_name.items():
         if not kern.moe_supports(dtype, "silu"):
             print(f"{'':>6}{name:>12}  no fused {dtype} experts in this build")
             continue
         p13 = torch.stack([kern.pack(w13[e]).data for e in range(experts)])
         p2 = torch.stack([kern.pack(w2[e]).data for e in range(experts)])
-        for m in rows:
-            g = torch.Generator().manual_seed(m)
-            x = torch.randn(m, hidden, generator=g).to(dtype)
-            ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)])
-            ids = ids.to(torch.int32)
-            wts = torch.rand(m, top_k, generator=g)
-            s = timed(partial(kern.moe, x, ids, wts, p13, p2, inter, "silu"))
-            touched = len(set(ids.flatten().tolist()))
-            nbytes = touched * 3 * hidden * inter * size
+        n = copies(3 * experts * hidden * inter * size)
+        packed[name] = (kern, [(p13.clone(), p2.clone()) for _ in range(n - 1)] + [(p13, p2)])
+    for m in rows:
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, hidden, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)])
+        ids = ids.to(torch.int32)
+        wts = torch.rand(m, top_k, generator=g)
+        calls = {
+            n: rotating([partial(k.moe, x, ids, wts, a, b, inter, "silu") for a, b in layers])
+            for n, (k, layers) in packed.items()
+        }
+        touched = len(set(ids.flatten().tolist()))
+        nbytes = touched * 3 * hidden * inter * size
+        for name, s in timed(calls).items():
             print(f"{m:>6}{name:>12}{s * 1e3:>10.3f}{nbytes / s / 1e9:>8.1f}")
 
 
@@ -115,10 +151,15 @@ def main() -> None:
     ap.add_argument("--source", action="append", default=[], help="another kernel source to compare")
     ap.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall time (see CLOCK)")
     ap.add_argument("--only", default=None, help="comma-separated products to time (default: all)")
+    ap.add_argument(
+        "--cold-mb", type=float, default=0,
+        help="cycle through copies of each weight, this many MB a cycle (past the L3: weights from memory)",
+    )  # fmt: skip
     args = ap.parse_args()
-    global CLOCK, ONLY
+    global CLOCK, ONLY, COLD_MB
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
     ONLY = set(args.only.split(",")) if args.only else None
+    COLD_MB = args.cold_mb
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     rows = [int(r) for r in args.rows.split(",")]
