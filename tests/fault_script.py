@@ -45,4 +45,7 @@ if rank == 1 and fault in ("sigstop", "stuck", "sigkill"):
 
     ModelRunner.forward = faulty
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-print(f"rank {rank} tokens {[o.outputs[0].token_ids for o in outs]}", flush=True)
+# one write with its newline: the ranks share a pipe, unbuffered (print's text and newline are two
+# writes there, and another rank's line could land between them)
+sys.stdout.write(f"rank {rank} tokens {[o.outputs[0].token_ids for o in outs]}\n")
+sys.stdout.flush()
