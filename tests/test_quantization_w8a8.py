@@ -234,6 +234,13 @@ def test_generic_build_without_avx2_equals_the_reference(tmp_path):
     _build_equals_the_reference(cpu_kernels.build(tmp_path / "generic.so", compiler, ("-mno-avx2",)))
 
 
+def test_avx2_build_equals_the_reference(generic_kernels):
+    """The 8-lane (AVX2) build, which CPUs without AVX-512 take: its maddubs tiles and one-row
+    kernels (W4A8's shared with AVX-512's) against the exact reference, on an AVX-512 CPU too."""
+    assert generic_kernels.lanes == 8
+    _build_equals_the_reference(generic_kernels)
+
+
 @pytest.mark.skipif(
     not {"avx512f", "avx512bw"} <= cpu_features.cpu_flags(), reason="runs the 16-lane build: needs AVX-512"
 )

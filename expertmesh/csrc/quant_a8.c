@@ -336,49 +336,8 @@ static void qrow1_a8(const int8_t* xq, const float* sx, int64_t I, const uint8_t
   }
 }
 
-static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64_t I, const uint8_t* qp,
-                     const float* sp, const float* mp, int64_t G, int64_t gs, float* y, int64_t O, int64_t p0,
-                     const float* bias) {
-  const int64_t I8 = (I + 7) / 8, pb = I8 * LANES * 4;
-  const uint8_t* q = qp + p0 * pb;
-  /* The next span (contiguous after this one) prefetched at the pace this one is read: a panel's
-   * stream is I / 2 bytes here, short for the hardware prefetcher (quant_kernel_bench.py --cold-mb 96,
-   * one row: w13 73 -> 58 us, qkv 41 -> 32, w2 36 -> 35; a decode step 3.52 -> 2.93 ms). W8A8's streams
-   * are twice as long and the same prefetch made qrow1_a8 slower (w13 72 -> 87 us), so it has none. */
-  const uint8_t* next = q + NQ1 * pb;
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-  vf acc[NQ1];
-  for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};
-  for (int64_t g = 0; g < G; g++) {
-    const int64_t k0 = g * gs / 8, k1 = (g + 1) * gs >= I ? I8 : (g + 1) * gs / 8;
-    __m256i isum[NQ1];
-    for (int j = 0; j < NQ1; j++) isum[j] = _mm256_setzero_si256();
-    for (int64_t k = k0; k < k1; k++) {
-      int32_t four[2];
-      memcpy(four, xq + 8 * k, 8);
-      const __m256i x0 = _mm256_set1_epi32(four[0]), x1 = _mm256_set1_epi32(four[1]);
-      for (int c = 0; c < NQ1 * 32; c += 64) __builtin_prefetch(next + k * NQ1 * 32 + c);
-      for (int j = 0; j < NQ1; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + j * pb + k * 32));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p16, ones));
-      }
-    }
-    for (int j = 0; j < NQ1; j++) {
-      const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[g];
-      const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
-      acc[j] += (vf)_mm256_cvtepi32_ps(isum[j]) * s + m * xsum[g];
-    }
-  }
-  for (int j = 0; j < NQ1; j++) {
-    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
-    store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);
-  }
-}
-#define Q_ROW1_A 1
 #elif Q_A512
-/* The one-row kernels on AVX-512: the AVX2 ones' plan, products as in the tiles above. */
+/* W8A8 at one row on AVX-512: the AVX2 plan, products as in the tiles above (q8_step_512). */
 static void qrow1_a8(const int8_t* xq, const float* sx, int64_t I, const uint8_t* qp, const float* sp,
                      int64_t G, int64_t gs, float* y, int64_t O, int64_t p0, const float* bias) {
   const int64_t I4 = (I + 3) / 4, pb = I4 * LANES * 4;
@@ -408,32 +367,72 @@ static void qrow1_a8(const int8_t* xq, const float* sx, int64_t I, const uint8_t
   }
 }
 
+#endif
+
+/* W4A8 at one row, on AVX2 and AVX-512 alike: step k of a panel is one vector of LANES x 4 bytes
+ * (low nibbles: inputs 8k..8k+3, high: 8k+4..8k+7), a4_dot its exact integer products with the
+ * row's 8 activations (x0, x1: 4 each, broadcast). */
+#if LANES == 8 && defined(__AVX2__)
+typedef __m256i a4_vec;
+static inline a4_vec a4_load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline a4_vec a4_set1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline a4_vec a4_zero(void) { return _mm256_setzero_si256(); }
+static inline a4_vec a4_dot(a4_vec acc, a4_vec v, a4_vec x0, a4_vec x1) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+static inline vf a4_float(a4_vec v) { return (vf)_mm256_cvtepi32_ps(v); }
+/* The next span (contiguous after this one) prefetched at the pace this one is read: a panel's
+ * stream is I / 2 bytes here, short for the hardware prefetcher (quant_kernel_bench.py --cold-mb 96,
+ * one row: w13 73 -> 58 us, qkv 41 -> 32, w2 36 -> 35; a decode step 3.52 -> 2.93 ms). W8A8's streams
+ * are twice as long and the same prefetch made qrow1_a8 slower (w13 72 -> 87 us), so it has none.
+ * Measured on Zen 3 (AVX2) only, so the AVX-512 build goes without. */
+#define A4_PREFETCH 1
+#define Q_ROW1_A 1
+#elif Q_A512
+typedef __m512i a4_vec;
+static inline a4_vec a4_load(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+static inline a4_vec a4_set1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline a4_vec a4_zero(void) { return _mm512_setzero_si512(); }
+static inline a4_vec a4_dot(a4_vec acc, a4_vec v, a4_vec x0, a4_vec x1) {
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  return dot4_512(dot4_512(acc, lo, x0), hi, x1);
+}
+static inline vf a4_float(a4_vec v) { return (vf)_mm512_cvtepi32_ps(v); }
+#define A4_PREFETCH 0
+#define Q_ROW1_A 1
+#else
+#define Q_ROW1_A 0
+#endif
+
+#if Q_ROW1_A
 static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64_t I, const uint8_t* qp,
                      const float* sp, const float* mp, int64_t G, int64_t gs, float* y, int64_t O, int64_t p0,
                      const float* bias) {
-  const int64_t I8 = (I + 7) / 8, pb = I8 * LANES * 4;
+  const int64_t I8 = (I + 7) / 8, step = LANES * 4, pb = I8 * step;
   const uint8_t* q = qp + p0 * pb;
-  const __m512i low = _mm512_set1_epi8(15);
+  const uint8_t* next = q + NQ1 * pb;
   vf acc[NQ1];
   for (int j = 0; j < NQ1; j++) acc[j] = (vf){0};
   for (int64_t g = 0; g < G; g++) {
     const int64_t k0 = g * gs / 8, k1 = (g + 1) * gs >= I ? I8 : (g + 1) * gs / 8;
-    __m512i isum[NQ1];
-    for (int j = 0; j < NQ1; j++) isum[j] = _mm512_setzero_si512();
+    a4_vec isum[NQ1];
+    for (int j = 0; j < NQ1; j++) isum[j] = a4_zero();
     for (int64_t k = k0; k < k1; k++) {
       int32_t four[2];
       memcpy(four, xq + 8 * k, 8);
-      const __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
-      for (int j = 0; j < NQ1; j++) {
-        const __m512i v = _mm512_loadu_si512((const void*)(q + j * pb + k * 64));
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        isum[j] = dot4_512(dot4_512(isum[j], lo, x0), hi, x1);
-      }
+      const a4_vec x0 = a4_set1(four[0]), x1 = a4_set1(four[1]);
+      if (A4_PREFETCH)
+        for (int c = 0; c < NQ1 * step; c += 64) __builtin_prefetch(next + k * NQ1 * step + c);
+      for (int j = 0; j < NQ1; j++) isum[j] = a4_dot(isum[j], a4_load(q + j * pb + k * step), x0, x1);
     }
     for (int j = 0; j < NQ1; j++) {
       const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES) * sx[g];
       const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);
-      acc[j] += (vf)_mm512_cvtepi32_ps(isum[j]) * s + m * xsum[g];
+      acc[j] += a4_float(isum[j]) * s + m * xsum[g];
     }
   }
   for (int j = 0; j < NQ1; j++) {
@@ -441,7 +440,4 @@ static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64
     store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);
   }
 }
-#define Q_ROW1_A 1
-#else
-#define Q_ROW1_A 0
 #endif
