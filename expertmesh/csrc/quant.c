@@ -279,6 +279,46 @@ static qwide_fn q_wide(int kind) {
  * --cold-mb 96, w13 at one row, int8 120 -> 142-148 us.) Per group the sums fold in as in the tiles:
  * acc += s * sum(code * x) + m * sum(x). */
 #define NQ1 (4 * NP)
+/* Integer or float partial sums a one-row kernel keeps per panel when it reads a span panel after
+ * panel (the AVX-512 build, below and in quant_a8.c): enough independent chains for the latency. */
+#define QR1 4
+_Static_assert(QR1 == 4, "qrow1_* (LANES 16) add their partial sums d[0..3] pairwise");
+#if LANES == 16
+/* AVX-512: the span is read panel after panel, one sequential stream, QR1 partial sums a panel over
+ * the inputs in turn (NQ1 panels side by side, the plan below, read cold weights at 15-19 GB/s on
+ * Zen 5 against float32's 33-37: quant_kernel_bench.py --rows 1 --cold-mb 96). Per group the sums
+ * fold in as below. */
+#define DEFINE_QROW1(KIND)                                                                         \
+  static void qrow1_##KIND(const float* x, int64_t I, const uint8_t* qp, const float* sp,          \
+                           const float* mp, int64_t gs, float* y, int64_t O, int64_t p0,            \
+                           const float* bias) {                                                    \
+    const int64_t G = (I + gs - 1) / gs, pb = I * Q_BYTES(KIND);                                   \
+    float xsum[G];                                                                                 \
+    for (int64_t g = 0; g < G; g++) {                                                              \
+      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;                                   \
+      float t = 0.f;                                                                               \
+      _Pragma("omp simd reduction(+ : t)") for (int64_t i = i0; i < i1; i++) t += x[i];            \
+      xsum[g] = t;                                                                                 \
+    }                                                                                              \
+    for (int j = 0; j < NQ1; j++) {                                                                \
+      const uint8_t* q = qp + (p0 + j) * pb;                                                       \
+      vf acc = (vf){0};                                                                            \
+      for (int64_t g = 0; g < G; g++) {                                                            \
+        const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;                                 \
+        vf d[QR1];                                                                                 \
+        for (int u = 0; u < QR1; u++) d[u] = (vf){0};                                              \
+        for (int64_t i = i0; i < i1; i += QR1)                                                     \
+          for (int u = 0; u < QR1 && i + u < i1; u++)                                              \
+            d[u] += q_decode##KIND(q + (i + u) * Q_BYTES(KIND)) * x[i + u];                        \
+        const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES);                              \
+        const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);                              \
+        acc += s * ((d[0] + d[1]) + (d[2] + d[3])) + m * xsum[g];                                  \
+      }                                                                                            \
+      const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;                       \
+      store_row_f32(y + o, acc + bias_vec(bias, o, n), n);                                         \
+    }                                                                                              \
+  }
+#else
 #define DEFINE_QROW1(KIND)                                                                         \
   static void qrow1_##KIND(const float* x, int64_t I, const uint8_t* qp, const float* sp,          \
                            const float* mp, int64_t gs, float* y, int64_t O, int64_t p0,            \
@@ -308,6 +348,7 @@ static qwide_fn q_wide(int kind) {
       store_row_f32(y + o, acc[j] + bias_vec(bias, o, n), n);                                      \
     }                                                                                              \
   }
+#endif
 
 DEFINE_QROW1(0)
 DEFINE_QROW1(1)
