@@ -13,6 +13,7 @@ from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
 from quantized_checkpoints import to_fp8, to_int4_packed, to_mxfp4
 from real_checkpoints import Sizes
+from test_expert_load import _experts_for
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.distributed.eplb import balanced_placement
@@ -51,11 +52,7 @@ def _experts(case: str, fast: bool, placement: ExpertPlacement, rank: int) -> Fu
 
     kernels = cpu_kernels.load() if fast else None
     mine = placement.local_experts(rank)
-    fe = FusedExperts(E, mine, H, INTER, 0, 1, "silu", slot_map=placement.slot_map(rank))
-    for i, e in enumerate(mine):
-        g = torch.Generator().manual_seed(100 + e)
-        fe.w13.data[i] = torch.randn(2 * INTER, H, generator=g)
-        fe.w2.data[i] = torch.randn(H, INTER, generator=g)
+    fe = _experts_for(placement, rank, packed=False, shape=(E, H, INTER))
     if case in ONLINE:
         fe.use_quantized(OnlineScheme.parse(case), kernels)
         return fe

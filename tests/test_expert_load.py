@@ -384,17 +384,21 @@ def test_a_bad_eplb_load_file_is_a_clear_error(checkpoint, tmp_path):
 MOVE_E, MOVE_H, MOVE_I = 5, 8, 6
 
 
-def _experts_for(placement: ExpertPlacement, rank: int, packed: bool):
-    """FusedExperts holding `rank`'s slots of `placement`, expert e's weights drawn from seed e."""
+def _experts_for(
+    placement: ExpertPlacement, rank: int, packed: bool, shape: tuple = (MOVE_E, MOVE_H, MOVE_I)
+):
+    """FusedExperts holding `rank`'s slots of `placement` (experts, hidden, intermediate: `shape`),
+    expert e's weights drawn from seed e; `packed`: laid out for our kernels."""
     from expertmesh.layers import cpu_kernels
     from expertmesh.layers.fused_moe import FusedExperts
 
+    experts, hidden, inter = shape
     mine = placement.local_experts(rank)
-    fe = FusedExperts(MOVE_E, mine, MOVE_H, MOVE_I, 0, 1, "silu", slot_map=placement.slot_map(rank))
+    fe = FusedExperts(experts, mine, hidden, inter, 0, 1, "silu", slot_map=placement.slot_map(rank))
     for i, e in enumerate(mine):
         g = torch.Generator().manual_seed(100 + e)
-        fe.w13.data[i] = torch.randn(2 * MOVE_I, MOVE_H, generator=g)
-        fe.w2.data[i] = torch.randn(MOVE_H, MOVE_I, generator=g)
+        fe.w13.data[i] = torch.randn(2 * inter, hidden, generator=g)
+        fe.w2.data[i] = torch.randn(hidden, inter, generator=g)
     if packed:
         fe.use_cpu_kernels(cpu_kernels.load())
     return fe
