@@ -6,6 +6,12 @@ later, so the same file serves vLLM and llama-cpp-python from their own venvs:
 
     python benchmarks/engine_driver.py --spec spec.json --out result.json
 
+With --reply-fd (throughput.py --interleave) it loads, warms up and answers "ready" on that file
+descriptor, then runs one timed repeat of workload i for each line "i" read from stdin, answering
+each with a JSON line, until stdin closes; then it writes the result as above. The orchestrator
+takes turns among the engines, so drift in the machine's speed (a VM's memory bandwidth moves by
+a third over minutes here) falls on every engine alike instead of on whichever ran at a bad time.
+
 spec: {"engine": "expertmesh" | "transformers" | "vllm" | "llama.cpp", "model", "gguf" (llama.cpp's
 converted weights), "dtype", "threads", "max_model_len", "max_num_seqs", "kv_cache_bytes", "repeats",
 "workloads": [{"name", "prompts": [[token ids]], "max_tokens": [int], "hf_batch_size", "count"}]}
@@ -193,14 +199,24 @@ def _call(engine: str, generate: Callable, workload: dict) -> list[list[int]]:
     return generate(workload["prompts"], workload["max_tokens"])
 
 
+def time_once(engine: str, generate: Callable, workload: dict) -> tuple[float, float, list[list[int]]]:
+    """(wall s, CPU s, outputs) of one generate call."""
+    start, cpu0 = time.perf_counter(), _cpu_s()
+    outs = _call(engine, generate, workload)
+    return time.perf_counter() - start, _cpu_s() - cpu0, outs
+
+
 def time_workload(engine: str, generate: Callable, workload: dict, repeats: int) -> dict:
     """Wall time of each generate call (load excluded); tokens counted are the requested ones."""
     times, cpu, outs = [], [], []
     for _ in range(repeats):
-        start, cpu0 = time.perf_counter(), _cpu_s()
-        outs = _call(engine, generate, workload)
-        times.append(time.perf_counter() - start)
-        cpu.append(_cpu_s() - cpu0)
+        wall, cpu_s, outs = time_once(engine, generate, workload)
+        times.append(wall)
+        cpu.append(cpu_s)
+    return workload_result(workload, times, cpu, outs)
+
+
+def workload_result(workload: dict, times: list[float], cpu: list[float], outs: list[list[int]]) -> dict:
     got = [len(o) for o in outs]
     wanted = workload["max_tokens"]
     # A prefill workload (one long prompt, one new token) is rated by the prompt tokens it read.
@@ -244,12 +260,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict, reply_fd: int | None = None) -> dict:
     start = time.perf_counter()
     generate = LOADERS[spec["engine"]](spec)
     load_s = time.perf_counter() - start
     warm_up(spec["engine"], generate, spec["workloads"][0])
-    results = [time_workload(spec["engine"], generate, w, spec["repeats"]) for w in spec["workloads"]]
+    if reply_fd is None:
+        results = [time_workload(spec["engine"], generate, w, spec["repeats"]) for w in spec["workloads"]]
+    else:
+        results = serve_turns(spec, generate, reply_fd)
     return {
         "engine": spec["engine"],
         "load_s": load_s,
@@ -258,6 +277,23 @@ def run(spec: dict) -> dict:
         "versions": _versions(spec["engine"]),
         "workloads": results,
     }
+
+
+def serve_turns(spec: dict, generate: Callable, reply_fd: int) -> list[dict]:
+    """--reply-fd: one timed repeat per workload index read from stdin (see the module doc)."""
+    workloads = spec["workloads"]
+    times: list[list[float]] = [[] for _ in workloads]
+    cpu: list[list[float]] = [[] for _ in workloads]
+    outs: list[list[list[int]]] = [[] for _ in workloads]
+    with os.fdopen(reply_fd, "w", buffering=1) as reply:
+        reply.write("ready\n")
+        for line in sys.stdin:
+            i = int(line)
+            wall, cpu_s, outs[i] = time_once(spec["engine"], generate, workloads[i])
+            times[i].append(wall)
+            cpu[i].append(cpu_s)
+            reply.write(json.dumps({"wall_s": wall, "cpu_s": cpu_s}) + "\n")
+    return [workload_result(w, times[i], cpu[i], outs[i]) for i, w in enumerate(workloads) if times[i]]
 
 
 def _versions(engine: str) -> dict[str, str]:
@@ -277,10 +313,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="Run one engine over a benchmark spec (see module doc).")
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--reply-fd", type=int, default=None, help="take turns (throughput.py --interleave)")
     args = ap.parse_args()
     with open(args.spec) as f:
         spec = json.load(f)
-    result = run(spec)
+    result = run(spec, args.reply_fd)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

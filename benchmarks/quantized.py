@@ -8,6 +8,8 @@ weights (1.0625 and 0.5625 bytes a weight), llama.cpp's Q8_0 and Q4_0 an fp16 sc
 benchmarks/gguf_convert.py) and its quantizer (Q4_0, llama_model_quantize through llama-cpp-python;
 from the f32 GGUF). Engines run one at a time in their own subprocess (benchmarks/engine_driver.py),
 greedy, the median of --repeats generate calls; on a shared machine read the per-CPU-second table.
+With --interleave every run is loaded first and they take turns, one repeat each per round (as
+throughput.py --interleave), and a ratio is the median of each round's.
 
     .venv/bin/python benchmarks/quantized.py --llama-python /work/peers/llama-venv/bin/python \\
         --threads 1 --json quantized.json
@@ -40,6 +42,7 @@ RUNS = {
     "expertmesh w8a8": ("expertmesh", "w8a8", 1.0625, 4.0),
     "expertmesh w4a8": ("expertmesh", "w4a8", 0.5625, 4.0),
     "expertmesh int8+head": ("expertmesh", "int8+head", 1.0625, 1.0625),
+    "expertmesh int4+head": ("expertmesh", "int4+head", 0.5625, 0.5625),
     "expertmesh w8a8+head": ("expertmesh", "w8a8+head", 1.0625, 1.0625),
     "expertmesh w4a8+head": ("expertmesh", "w4a8+head", 0.5625, 0.5625),
     "llama.cpp F32": ("llama.cpp", "f32", 4.0, 4.0),
@@ -70,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--interleave", action="store_true", help="take turns, as throughput.py --interleave")
+    ap.add_argument("--pause", type=float, default=0.5, help="--interleave: seconds idle before each turn")
     ap.add_argument(
         "--native-decode", default="on", choices=["on", "off", "both"],
         help="expertmesh's EngineArgs.native_decode; both: each expertmesh run twice (A/B, alternated)",
@@ -129,30 +134,41 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(args.cache_dir) / "runs" / f"quantized-{time.strftime('%Y%m%d-%H%M%S')}"
     workdir.mkdir(parents=True, exist_ok=True)
     shape = roofline.MoEShape.from_model_dir(model)
-    results, rows = {}, []
+    jobs, sizes = {}, {}
     for name, native in _schedule(args):
         engine, fmt, per_weight, head = RUNS[name]
+        sizes[name] = weight_mb_per_token(shape, per_weight, head)
         run_spec = dict(spec)
         if native is not None:
             run_spec["native_decode"] = native
-            name = name if args.native_decode != "both" else f"{name} native-{'on' if native else 'off'}"
+            if args.native_decode == "both":
+                sizes[f"{name} native-{'on' if native else 'off'}"] = sizes.pop(name)
+                name = f"{name} native-{'on' if native else 'off'}"
         if engine == "llama.cpp":
             run_spec["gguf"] = gguf(args, model, fmt)
             python = args.llama_python
         else:
             run_spec["quantization"] = fmt
             python = sys.executable
-        sub = workdir / name.replace(" ", "-")
-        sub.mkdir(exist_ok=True)
-        results[name] = throughput.run_engine(engine, python, run_spec, sub, args.timeout)
-        row = {"run": name, "MB/token b1": weight_mb_per_token(shape, per_weight, head)}
+        jobs[name] = (engine, python, run_spec)
+    if args.interleave:
+        results = throughput.run_interleaved(jobs, workdir, args.timeout, args.pause)
+    else:
+        results = {}
+        for name, (engine, python, run_spec) in jobs.items():
+            sub = workdir / name.replace(" ", "-")
+            sub.mkdir(exist_ok=True)
+            results[name] = throughput.run_engine(engine, python, run_spec, sub, args.timeout)
+    rows = []
+    for name in jobs:
+        row = {"run": name, "MB/token b1": sizes[name]}
         for w in workloads:
             row[f"{w['name']} tok/s"] = throughput.tokens_per_s(results[name], w["name"])
             row[f"{w['name']} tok/cpu-s"] = throughput.tokens_per_s(results[name], w["name"], "median_cpu_s")
         rss = results[name].get("maxrss_bytes")
         row["peak RSS MB"] = rss / 1e6 if rss else None
         rows.append(row)
-    _print(rows, workloads, args)
+    _print(rows, workloads, args, results)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"args": vars(args), "rows": rows, "results": results}, indent=1)
@@ -172,29 +188,36 @@ def _schedule(args: argparse.Namespace) -> list[tuple[str, bool | None]]:
     return order
 
 
-def _print(rows: list[dict], workloads: list[dict], args: argparse.Namespace) -> None:
-    print(f"\n{args.shape} MoE, {args.threads} thread(s), median of {args.repeats}, "
+def _peer(run: str) -> str | None:
+    """The llama.cpp run of the same bits a weight as an expertmesh run (its "+head" and native
+    suffixes aside)."""
+    fmt = RUNS.get(run.split(" native-")[0], (None, None))[1]
+    if fmt is None:
+        return "llama.cpp F32" if run.startswith("expertmesh fp32") else None
+    return {"8": "llama.cpp Q8_0", "4": "llama.cpp Q4_0"}[fmt.lstrip("intwa")[0]]
+
+
+def _print(rows: list[dict], workloads: list[dict], args: argparse.Namespace, results: dict) -> None:
+    how = "interleaved, ratios the median of each round's" if args.interleave else "one run after another"
+    print(f"\n{args.shape} MoE, {args.threads} thread(s), median of {args.repeats} ({how}), "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens")  # fmt: skip
     cols = ["MB/token b1"] + [f"{w['name']} {c}" for c in ("tok/s", "tok/cpu-s") for w in workloads]
     print("| run | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
-    by = {r["run"]: r for r in rows}
     for r in rows:
         print(f"| {r['run']} | " + " | ".join(throughput._fmt(r.get(c), 1) for c in cols) + " |")
-    pairs = [("expertmesh int8", "llama.cpp Q8_0"), ("expertmesh w8a8", "llama.cpp Q8_0"),
-             ("expertmesh int4", "llama.cpp Q4_0"), ("expertmesh w4a8", "llama.cpp Q4_0"),
-             ("expertmesh fp32", "llama.cpp F32")]  # fmt: skip
+    pairs = [(r, _peer(r)) for r in results if r.startswith("expertmesh")]
     if args.native_decode == "both":
-        pairs = [(f"{a} native-{s}", b) for a, b in pairs for s in ("on", "off")]
         pairs += [(f"{r} native-on", f"{r} native-off") for r in args.runs if RUNS[r][0] == "expertmesh"]
     for ours, theirs in pairs:
-        if ours in by and theirs in by:
-            ratios = []
-            for w in workloads:
-                for c in ("tok/s", "tok/cpu-s"):
-                    a, b = by[ours].get(f"{w['name']} {c}"), by[theirs].get(f"{w['name']} {c}")
-                    ratios.append(f"{w['name']} {c} {a / b:.2f}x" if a and b else f"{w['name']} {c} -")
-            print(f"{ours} / {theirs}: " + ", ".join(ratios))
+        if theirs not in results or "error" in results[ours] or "error" in results[theirs]:
+            continue
+        ratios = []
+        for w in workloads:
+            for c, clock in (("tok/s", "median_s"), ("tok/cpu-s", "median_cpu_s")):
+                ratio = throughput.speed_ratio(results[ours], results[theirs], w["name"], clock)
+                ratios.append(f"{w['name']} {c} " + ("-" if ratio is None else f"{ratio:.2f}x"))
+        print(f"{ours} / {theirs}: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

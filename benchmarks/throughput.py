@@ -19,6 +19,8 @@ import argparse
 import json
 import os
 import random
+import select
+import statistics
 import subprocess
 import sys
 import time
@@ -71,6 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "measure that other processes' load does not inflate (a shared machine's A/B)",
     )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="load every engine (one after another), then take turns: one repeat of a workload per "
+        "engine per round, so drift in the machine's speed falls on all of them; ratios are then "
+        "the median of each round's ratio",
+    )
+    ap.add_argument(
+        "--pause", type=float, default=0.5, help="--interleave: seconds idle before each turn (spinning "
+        "worker threads of the engine before go to sleep)",
+    )  # fmt: skip
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--plot", default=None, help="PNG: tokens/s vs batch size per engine (needs matplotlib)")
     ap.add_argument("--plot-from", default=None, help="only plot (--plot) saved --json reports (a,b,...)")
@@ -200,6 +213,87 @@ def run_engine(engine: str, python: str, spec: dict, workdir: Path, timeout: flo
     return dict(json.loads(out_path.read_text()), loadavg_1min=[load_before, os.getloadavg()[0]])
 
 
+def run_interleaved(
+    jobs: dict[str, tuple[str, str, dict]], workdir: Path, timeout: float, pause: float
+) -> dict[str, dict]:
+    """jobs: name -> (engine, python, spec), all over the same workloads and repeats. Each is loaded
+    in turn (so loads neither overlap nor share the cores), then every workload runs `repeats`
+    rounds, each job one repeat a round, the order rotated each round. Results as run_engine's,
+    with "interleaved": True (times_s[r] of every job is round r's)."""
+    procs: dict[str, tuple[subprocess.Popen, object, Path, float, float]] = {}
+    results: dict[str, dict] = {}
+
+    def fail(name: str, why: str) -> None:
+        proc, _, log_path, _, _ = procs.pop(name)
+        proc.kill()
+        proc.wait()
+        tail = log_path.read_text().splitlines()[-15:]
+        print(f"[{name}] FAILED ({why}); last lines of its log:", *tail, sep="\n  ", file=sys.stderr)
+        results[name] = {"engine": jobs[name][0], "error": why, "log": str(log_path)}
+
+    def answer(name: str) -> str | None:
+        reply = procs[name][1]
+        ready, _, _ = select.select([reply], [], [], timeout)
+        line = reply.readline() if ready else ""
+        if not line:
+            if not ready:
+                fail(name, "timeout")
+                return None
+            try:
+                rc = procs[name][0].wait(timeout=30)  # its end of the pipe closed: it is exiting
+            except subprocess.TimeoutExpired:
+                rc = "closed its reply pipe"
+            fail(name, f"exit {rc}")
+            return None
+        return line
+
+    for name, (engine, python, spec) in jobs.items():
+        tag = name.replace(" ", "-")
+        spec_path, out_path, log_path = (workdir / f"{tag}.{ext}" for ext in ("spec.json", "out.json", "log"))
+        spec_path.write_text(json.dumps(dict(spec, engine=engine)))
+        r, w = os.pipe()
+        cmd = [python, str(HERE / "engine_driver.py"), "--spec", str(spec_path), "--out", str(out_path)]
+        print(f"[{name}] loading ({python}); log: {log_path}", file=sys.stderr, flush=True)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                cmd + ["--reply-fd", str(w)], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                env=engine_env(engine, spec["threads"]), cwd=HERE.parent, pass_fds=(w,), text=True,
+            )  # fmt: skip
+        os.close(w)
+        procs[name] = (proc, os.fdopen(r), log_path, time.perf_counter(), os.getloadavg()[0])
+        answer(name)  # "ready": loaded and warmed up
+    workloads, repeats = next(iter(jobs.values()))[2]["workloads"], next(iter(jobs.values()))[2]["repeats"]
+    for i, w in enumerate(workloads):
+        for r in range(repeats):
+            names = list(procs)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                if name not in procs:
+                    continue
+                time.sleep(pause)
+                try:
+                    procs[name][0].stdin.write(f"{i}\n")
+                    procs[name][0].stdin.flush()
+                except BrokenPipeError:
+                    fail(name, f"exit {procs[name][0].wait()}")
+                    continue
+                answer(name)
+        print(f"[interleave] {w['name']}: {repeats} rounds done", file=sys.stderr, flush=True)
+    for name in list(procs):
+        proc, reply, log_path, start, load_before = procs.pop(name)
+        proc.stdin.close()
+        rc = proc.wait(timeout=timeout)
+        reply.close()
+        out_path = log_path.with_suffix(".out.json")
+        if rc != 0 or not out_path.exists():
+            procs[name] = (proc, reply, log_path, start, load_before)
+            fail(name, f"exit {rc}")
+            continue
+        results[name] = dict(
+            json.loads(out_path.read_text()), interleaved=True, loadavg_1min=[load_before, os.getloadavg()[0]]
+        )
+    return {name: results[name] for name in jobs}
+
+
 def measure_roofline(args: argparse.Namespace, model: str, workloads: list[dict]) -> dict:
     """Machine numbers and the bound (tokens/s) of every workload, measured in this process."""
     shape = roofline.MoEShape.from_model_dir(model)
@@ -220,6 +314,19 @@ def tokens_per_s(result: dict, name: str, clock: str = "median_s") -> float | No
     return None
 
 
+def speed_ratio(result: dict, peer: dict, name: str, clock: str = "median_s") -> float | None:
+    """result's tokens/s over peer's on a workload: for two interleaved runs the median of each
+    round's ratio (both measured within seconds of each other), else the ratio of the medians."""
+    key = {"median_s": "times_s", "median_cpu_s": "cpu_s"}[clock]
+    a = next((w for w in result.get("workloads", []) if w["name"] == name), None)
+    b = next((w for w in peer.get("workloads", []) if w["name"] == name), None)
+    if a is None or b is None:
+        return None
+    if result.get("interleaved") and peer.get("interleaved") and len(a[key]) == len(b[key]):
+        return statistics.median(tb / ta for ta, tb in zip(a[key], b[key]))
+    return b[clock] / a[clock]
+
+
 def summarize(
     workloads: list[dict], results: dict[str, dict], roof: dict | None, clock: str = "median_s"
 ) -> list[dict]:
@@ -229,10 +336,10 @@ def summarize(
     for w in workloads:
         row = {"workload": w["name"], "kind": w["kind"], "batch_size": w["batch_size"]}
         row.update({e: tokens_per_s(r, w["name"], clock) for e, r in results.items()})
-        em = row.get("expertmesh")
+        em = results.get("expertmesh")
         for peer in PEERS:
-            if em and row.get(peer):
-                row[f"expertmesh/{peer}"] = em / row[peer]
+            if em and row.get("expertmesh") and row.get(peer):
+                row[f"expertmesh/{peer}"] = speed_ratio(em, results[peer], w["name"], clock)
         if roof:
             row["bound"] = roof["bounds"][w["name"]]
             for e in results:
@@ -252,7 +359,9 @@ def print_tables(rows: list[dict], results: dict[str, dict], args: argparse.Name
     ratios = [f"expertmesh/{p}" for p in PEERS if p in engines and "expertmesh" in engines]
     bounds = ["bound"] + [f"{e}/bound" for e in engines] if rows and "bound" in rows[0] else []
     cols = engines + ratios + bounds
-    print(f"\ndtype {args.dtype}, {args.threads} threads, median of {args.repeats}; tokens/s (generated)\n")
+    how = "interleaved, ratios the median of each round's" if args.interleave else "one engine after another"
+    head = f"dtype {args.dtype}, {args.threads} threads, median of {args.repeats} ({how})"
+    print(f"\n{head}; tokens/s (generated)\n")
     print("| workload | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for row in rows:
@@ -368,7 +477,11 @@ def main(argv: list[str] | None = None) -> None:
         "vllm": args.vllm_python,
         "llama.cpp": args.llama_python,
     }
-    results = {e: run_engine(e, pythons[e], spec, workdir, args.timeout) for e in args.engines}
+    if args.interleave:
+        jobs = {e: (e, pythons[e], spec) for e in args.engines}
+        results = run_interleaved(jobs, workdir, args.timeout, args.pause)
+    else:
+        results = {e: run_engine(e, pythons[e], spec, workdir, args.timeout) for e in args.engines}
     rows = summarize(workloads, results, roof)
     if roof:
         _print_roofline(roof)
