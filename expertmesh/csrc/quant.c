@@ -25,11 +25,28 @@ static inline vf q_decode1(const uint8_t* p) { /* uint4: lane l = bits 4l..4l+3 
 static inline vf q_decode0(const uint8_t* p) { /* int8 */
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+#if defined(__AVX512VBMI__)
+/* Lane l's nibble of 8 code bytes in the low bits of int32 lane l (bits above it: other nibbles):
+ * the 8 bytes broadcast to every qword (a load, no shuffle) and one multishift that copies bits
+ * 4l.. into lane l's low byte. Cross-lane shuffles were what the one-row int4 kernel waited on (it
+ * read 10-11 GB/s, float32 33-37). */
+static inline __m512i q_nibble_lanes(const uint8_t* p) {
+  int64_t word;
+  memcpy(&word, p, 8);
+  const __m512i at = _mm512_set_epi64(56 | 60LL << 32, 48 | 52LL << 32, 40 | 44LL << 32, 32 | 36LL << 32,
+                                      24 | 28LL << 32, 16 | 20LL << 32, 8 | 12LL << 32, 0 | 4LL << 32);
+  return _mm512_multishift_epi64_epi8(at, _mm512_set1_epi64(word));
+}
+static inline vf q_decode1(const uint8_t* p) { /* uint4: 8 bytes, lane 2j the low nibble of byte j */
+  return (vf)_mm512_cvtepi32_ps(_mm512_and_si512(q_nibble_lanes(p), _mm512_set1_epi32(15)));
+}
+#else
 static inline vf q_decode1(const uint8_t* p) { /* uint4: 8 bytes, lane 2j the low nibble of byte j */
   const __m128i b = _mm_loadl_epi64((const __m128i*)p), low = _mm_set1_epi8(15);
   const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
 }
+#endif
 #else
 static inline vf q_decode0(const uint8_t* p) {
   float t[LANES];
@@ -124,6 +141,21 @@ static inline vf q_decode3(const uint8_t* p) {
   return v;
 #endif
 }
+
+/* The one-row kernels' decode: fp4 through q_nibble_lanes where it exists (one row, 1.2-1.3x: the
+ * row is bound by the decode; at 4 rows the tiles measured 0.9x with it, so they keep q_decode3). */
+#if LANES == 16 && defined(__AVX512VBMI__)
+static inline vf q_decode3_row(const uint8_t* p) {
+  const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f,
+                                    -3.f, -4.f, -6.f);
+  return (vf)_mm512_permutexvar_ps(q_nibble_lanes(p), lut); /* indexes by the low 4 bits only */
+}
+#else
+#define q_decode3_row q_decode3
+#endif
+#define q_decode0_row q_decode0
+#define q_decode1_row q_decode1
+#define q_decode2_row q_decode2
 
 /* Bytes of codes per (panel, input): LANES for byte codes, LANES / 2 for nibbles. */
 #define Q_BYTES(KIND) ((KIND) & 1 ? LANES / 2 : LANES)
@@ -309,7 +341,7 @@ _Static_assert(QR1 == 4, "qrow1_* (LANES 16) add their partial sums d[0..3] pair
         for (int u = 0; u < QR1; u++) d[u] = (vf){0};                                              \
         for (int64_t i = i0; i < i1; i += QR1)                                                     \
           for (int u = 0; u < QR1 && i + u < i1; u++)                                              \
-            d[u] += q_decode##KIND(q + (i + u) * Q_BYTES(KIND)) * x[i + u];                        \
+            d[u] += q_decode##KIND##_row(q + (i + u) * Q_BYTES(KIND)) * x[i + u];                  \
         const vf s = load_panel_f32(sp + ((p0 + j) * G + g) * LANES);                              \
         const vf m = load_panel_f32(mp + ((p0 + j) * G + g) * LANES);                              \
         acc += s * ((d[0] + d[1]) + (d[2] + d[3])) + m * xsum[g];                                  \

@@ -1,5 +1,7 @@
-"""The fp4 (e2m1) decode of the quantized kernels (csrc/quant.c q_decode3: a vector permute on AVX2
-and AVX-512, the table elsewhere) gives the table's float32 values, every code in every lane.
+"""The nibble decodes of the quantized kernels (csrc/quant.c): fp4 e2m1 (q_decode3: a vector permute on
+AVX2 and AVX-512, the table elsewhere; q_decode3_row, the one-row kernels' multishift on AVX512-VBMI)
+gives the table's float32 values, and uint4 (q_decode1; multishift on AVX512-VBMI, widening shuffles
+on other AVX-512, shifts on AVX2) the code as a float, every code in every lane.
 
 Through gemm_q the values are checked exactly (x one-hot: each output is one product, no rounding) on
 both of gemm_q's paths (tiles of few rows decode per tile; from 8 rows a panel is decoded once);
@@ -12,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.layers import cpu_features, cpu_kernels
 from expertmesh.layers.quantization.packed import QuantizedWeight, decode_codes
 
 HARNESS = r"""
@@ -26,13 +28,16 @@ int main(void) {
       int want[LANES];
       for (int l = 0; l < LANES; l++) want[l] = l == lane ? code : (code + 5 * l + 3) & 15;
       for (int j = 0; j < LANES / 2; j++) p[j] = (uint8_t)(want[2 * j] | want[2 * j + 1] << 4);
-      const vf v = q_decode3(p);
-      float got[LANES];
-      memcpy(got, &v, sizeof got);
-      for (int l = 0; l < LANES; l++)
-        if (memcmp(&got[l], &fp4_lut[want[l]], 4)) {
-          printf("lane %%d code %%d: %%a, want %%a\n", l, want[l], got[l], fp4_lut[want[l]]);
-          bad = 1;
+      const vf v[3] = {q_decode3(p), q_decode3_row(p), q_decode1(p)};
+      float got[3][LANES];
+      memcpy(got, v, sizeof got);
+      for (int f = 0; f < 3; f++)
+        for (int l = 0; l < LANES; l++) {
+          const float expect = f < 2 ? fp4_lut[want[l]] : (float)want[l];
+          if (memcmp(&got[f][l], &expect, 4)) {
+            printf("decode %%d lane %%d code %%d: %%a, want %%a\n", f, l, want[l], got[f][l], expect);
+            bad = 1;
+          }
         }
     }
   printf("lanes %%d\n", LANES);
@@ -41,13 +46,19 @@ int main(void) {
 """
 
 
-@pytest.mark.parametrize("flags", [["-march=native"], []], ids=["native", "portable"])
-def test_fp4_decode_is_the_table_bit_for_bit(tmp_path, flags):
+NATIVE, NO_VBMI = ["-march=native"], ["-march=native", "-mno-avx512vbmi"]
+
+
+@pytest.mark.parametrize("flags", [NATIVE, NO_VBMI, []], ids=["native", "native-no-vbmi", "portable"])
+def test_nibble_decodes_bit_for_bit(tmp_path, flags):
     """Every code (-0.0 included) in every lane position, next to other codes in the other lanes; with
-    -march=native the vector decode of this CPU, without (baseline x86-64 or any other) the table."""
+    -march=native the vector decodes of this CPU (without VBMI: the AVX-512 build of CPUs before Ice
+    Lake), without (baseline x86-64 or any other) the table."""
     compiler = cpu_kernels._compiler()
     if compiler is None:
         pytest.skip("no C compiler")
+    if flags == NO_VBMI and "avx512vbmi" not in cpu_features.cpu_flags():
+        pytest.skip("the same build as native here: this CPU has no AVX512-VBMI")
     src, exe = tmp_path / "fp4.c", tmp_path / "fp4"
     src.write_text(HARNESS % cpu_kernels.SOURCE)
     build = subprocess.run([compiler, "-O0", "-fopenmp", *flags, str(src), "-o", str(exe), "-lm"], text=True)
