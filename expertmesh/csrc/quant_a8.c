@@ -368,6 +368,7 @@ static void qrow1_a8(const int8_t* xq, const float* sx, int64_t I, const uint8_t
         for (int u = 0; u < QR1 && k + u < k1; u++) {
           int32_t four;
           memcpy(&four, xq + 4 * (k + u), 4);
+          _mm_prefetch((const char*)(q + (k + u) * 64) + Q_ROW1_AHEAD, _MM_HINT_T0);
           const __m512i w = _mm512_loadu_si512((const void*)(q + (k + u) * 64));
           q8_dot1_512(&isum[u], &comp[u], w, _mm512_set1_epi32(four));
         }
@@ -438,6 +439,7 @@ static void qrow1_a4(const int8_t* xq, const float* sx, const float* xsum, int64
         for (int u = 0; u < QR1 && k + u < k1; u++) {
           int32_t four[2];
           memcpy(four, xq + 8 * (k + u), 8);
+          _mm_prefetch((const char*)(q + (k + u) * step) + Q_ROW1_AHEAD, _MM_HINT_T0);
           isum[u] = a4_dot(isum[u], a4_load(q + (k + u) * step), a4_set1(four[0]), a4_set1(four[1]));
         }
       for (int u = 1; u < QR1; u++) isum[0] = _mm512_add_epi32(isum[0], isum[u]);
