@@ -1,7 +1,8 @@
 """The nibble decodes of the quantized kernels (csrc/quant.c): fp4 e2m1 (q_decode3: a vector permute on
 AVX2 and AVX-512, the table elsewhere; q_decode3_row, the one-row kernels' multishift on AVX512-VBMI)
-gives the table's float32 values, and uint4 (q_decode1; multishift on AVX512-VBMI, widening shuffles
-on other AVX-512, shifts on AVX2) the code as a float, every code in every lane.
+gives the table's float32 values, and uint4 (q_decode1: multishift on AVX512-VBMI, widening shuffles
+on other AVX-512 and in the one-panel tiles, q_decode1_one_panel; shifts on AVX2) the code as a
+float, every code in every lane.
 
 Through gemm_q the values are checked exactly (x one-hot: each output is one product, no rounding) on
 both of gemm_q's paths (tiles of few rows decode per tile; from 8 rows a panel is decoded once);
@@ -28,10 +29,10 @@ int main(void) {
       int want[LANES];
       for (int l = 0; l < LANES; l++) want[l] = l == lane ? code : (code + 5 * l + 3) & 15;
       for (int j = 0; j < LANES / 2; j++) p[j] = (uint8_t)(want[2 * j] | want[2 * j + 1] << 4);
-      const vf v[3] = {q_decode3(p), q_decode3_row(p), q_decode1(p)};
-      float got[3][LANES];
+      const vf v[4] = {q_decode3(p), q_decode3_row(p), q_decode1(p), q_decode1_one_panel(p)};
+      float got[4][LANES];
       memcpy(got, v, sizeof got);
-      for (int f = 0; f < 3; f++)
+      for (int f = 0; f < 4; f++)
         for (int l = 0; l < LANES; l++) {
           const float expect = f < 2 ? fp4_lut[want[l]] : (float)want[l];
           if (memcmp(&got[f][l], &expect, 4)) {

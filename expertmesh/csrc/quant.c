@@ -25,6 +25,14 @@ static inline vf q_decode1(const uint8_t* p) { /* uint4: lane l = bits 4l..4l+3 
 static inline vf q_decode0(const uint8_t* p) { /* int8 */
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+/* uint4 by widening shuffles: AVX-512 without VBMI, and with it the tiles of one panel (7-12 rows,
+ * q_decode1_one_panel): there the multishift measured 1.02-1.05x slower (w13 / w2 at 8 rows,
+ * moe_q at 32 rows: many FMAs a decode), where it is 1.3x faster at 1-3 rows. */
+static inline vf q_decode1_shuffle(const uint8_t* p) { /* 8 bytes, lane 2j the low nibble of byte j */
+  const __m128i b = _mm_loadl_epi64((const __m128i*)p), low = _mm_set1_epi8(15);
+  const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
+}
 #if defined(__AVX512VBMI__)
 /* Lane l's nibble of 8 code bytes in the low bits of int32 lane l (bits above it: other nibbles):
  * the 8 bytes broadcast to every qword (a load, no shuffle) and one multishift that copies bits
@@ -40,12 +48,9 @@ static inline __m512i q_nibble_lanes(const uint8_t* p) {
 static inline vf q_decode1(const uint8_t* p) { /* uint4: 8 bytes, lane 2j the low nibble of byte j */
   return (vf)_mm512_cvtepi32_ps(_mm512_and_si512(q_nibble_lanes(p), _mm512_set1_epi32(15)));
 }
+#define q_decode1_one_panel q_decode1_shuffle
 #else
-static inline vf q_decode1(const uint8_t* p) { /* uint4: 8 bytes, lane 2j the low nibble of byte j */
-  const __m128i b = _mm_loadl_epi64((const __m128i*)p), low = _mm_set1_epi8(15);
-  const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
-}
+#define q_decode1 q_decode1_shuffle
 #endif
 #else
 static inline vf q_decode0(const uint8_t* p) {
@@ -156,6 +161,13 @@ static inline vf q_decode3_row(const uint8_t* p) {
 #define q_decode0_row q_decode0
 #define q_decode1_row q_decode1
 #define q_decode2_row q_decode2
+/* The wide tiles' decode when a tile takes one panel (QW_NPC: 7-12 rows). */
+#ifndef q_decode1_one_panel
+#define q_decode1_one_panel q_decode1
+#endif
+#define q_decode0_one_panel q_decode0
+#define q_decode2_one_panel q_decode2
+#define q_decode3_one_panel q_decode3
 
 /* Bytes of codes per (panel, input): LANES for byte codes, LANES / 2 for nibbles. */
 #define Q_BYTES(KIND) ((KIND) & 1 ? LANES / 2 : LANES)
@@ -239,7 +251,10 @@ static void qw_interleave(const float* x, int64_t I, int64_t r0, int64_t r1, flo
       }                                                                                            \
       for (int64_t i = i0; i < i1; i++) {                                                          \
         vf wv[4];                                                                                  \
-        for (int j = 0; j < npc; j++) wv[j] = q_decode##KIND(qp + (p0 + j) * pb + i * Q_BYTES(KIND)) * s[j] + m[j]; \
+        for (int j = 0; j < npc; j++) {                                                            \
+          const uint8_t* c = qp + (p0 + j) * pb + i * Q_BYTES(KIND);                               \
+          wv[j] = (npc == 1 ? q_decode##KIND##_one_panel(c) : q_decode##KIND(c)) * s[j] + m[j];    \
+        }                                                                                          \
         for (int r = 0; r < rows; r++) {                                                           \
           const float xs = x[i * rows + r];                                                        \
           for (int j = 0; j < npc; j++) acc[r * npc + j] += wv[j] * xs;                            \
