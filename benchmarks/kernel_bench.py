@@ -131,8 +131,15 @@ def bench_moe(kernels_by_name: dict, shape: dict, dtype: torch.dtype, rows: list
         ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)])
         ids = ids.to(torch.int32)
         wts = torch.rand(m, top_k, generator=g)
+        # Cold: each call also routes to other experts (the ids shifted by 0..experts-1 in turn), so
+        # the cycle reads the copies' every expert, not the same top-k of each copy: with few rows
+        # a call touches top_k experts, and the copies of a whole layer alone (4 x 50 MB for the
+        # small MoE in fp32) would read 25 MB a cycle, within the L3, the moe then looking faster
+        # than the products beside it (measured 40 GB/s against their 30-33).
+        shifts = range(experts) if COLD_MB else range(1)
+        routed = [((ids + s) % experts).to(torch.int32) for s in shifts]
         calls = {
-            n: rotating([partial(k.moe, x, ids, wts, a, b, inter, "silu") for a, b in layers])
+            n: rotating([partial(k.moe, x, r, wts, a, b, inter, "silu") for a, b in layers for r in routed])
             for n, (k, layers) in packed.items()
         }
         touched = len(set(ids.flatten().tolist()))
