@@ -343,13 +343,7 @@ static inline pf_v pf_exp(pf_v v) {
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f),
                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-  pf_v p = (pf_v)_mm512_set1_ps(1.f / 720.f), rv = (pf_v)r;
-  p = p * rv + 1.f / 120.f;
-  p = p * rv + 1.f / 24.f;
-  p = p * rv + 1.f / 6.f;
-  p = p * rv + 0.5f;
-  p = p * rv + 1.f;
-  p = p * rv + 1.f;
+  const pf_v rv = (pf_v)r, p = EXP_POLY(rv);
   return (pf_v)_mm512_scalef_ps((__m512)p, n);
 }
 #else
@@ -359,13 +353,7 @@ static inline pf_v pf_exp(pf_v v) {
   v = pf_select(v > zero + 88.7f, zero + 88.7f, v);
   const pf_v n = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const pf_v r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  pf_v p = zero + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const pf_v p = EXP_POLY(r);
   return p * (pf_v)((__builtin_convertvector(n, pf_i) + 127) << 23);
 }
 #endif

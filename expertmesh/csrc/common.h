@@ -33,6 +33,11 @@ static inline bf16_t f32_to_bf16_vec(float f) {
 
 static inline float f32_id(float x) { return x; }
 
+/* exp(r) for |r| <= ln2 / 2 by its degree-6 Taylor polynomial (Horner, from 1/720), for a float or
+ * any vector of floats: exp_vec below and the prefill attention's pf_exp share it. */
+#define EXP_POLY(r) \
+  ((((((1.f / 720.f * (r) + 1.f / 120.f) * (r) + 1.f / 24.f) * (r) + 1.f / 6.f) * (r) + 0.5f) * (r) + 1.f) * (r) + 1.f)
+
 /* exp(v) for float32, written so the compiler vectorises it (libm's expf is a scalar call):
  * v = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error
  * about 2e-7, within a float's rounding of expf), times 2^n built in the exponent bits. */
@@ -42,13 +47,7 @@ static inline float exp_vec(float v) {
    * 0.3 M instructions a batch-1 step in silu alone), this is two additions in any vector width */
   const float n = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f; /* ln2 split in two */
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const float p = EXP_POLY(r);
   union { uint32_t u; float f; } scale;
   scale.u = (uint32_t)((int32_t)n + 127) << 23;
   return p * scale.f;
