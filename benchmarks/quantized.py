@@ -135,15 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     shape = roofline.MoEShape.from_model_dir(model)
     jobs, sizes = {}, {}
-    for name, native in _schedule(args):
-        engine, fmt, per_weight, head = RUNS[name]
+    for run, native in _schedule(args):
+        engine, fmt, per_weight, head = RUNS[run]
+        both = native is not None and args.native_decode == "both"
+        name = f"{run} native-{'on' if native else 'off'}" if both else run
         sizes[name] = weight_mb_per_token(shape, per_weight, head)
         run_spec = dict(spec)
         if native is not None:
             run_spec["native_decode"] = native
-            if args.native_decode == "both":
-                sizes[f"{name} native-{'on' if native else 'off'}"] = sizes.pop(name)
-                name = f"{name} native-{'on' if native else 'off'}"
         if engine == "llama.cpp":
             run_spec["gguf"] = gguf(args, model, fmt)
             python = args.llama_python

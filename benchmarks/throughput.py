@@ -220,11 +220,11 @@ def run_interleaved(
     in turn (so loads neither overlap nor share the cores), then every workload runs `repeats`
     rounds, each job one repeat a round, the order rotated each round. Results as run_engine's,
     with "interleaved": True (times_s[r] of every job is round r's)."""
-    procs: dict[str, tuple[subprocess.Popen, object, Path, float, float]] = {}
+    procs: dict[str, tuple[subprocess.Popen, object, Path, float]] = {}  # proc, reply, log, loadavg
     results: dict[str, dict] = {}
 
     def fail(name: str, why: str) -> None:
-        proc, _, log_path, _, _ = procs.pop(name)
+        proc, _, log_path, _ = procs.pop(name)
         proc.kill()
         proc.wait()
         tail = log_path.read_text().splitlines()[-15:]
@@ -260,7 +260,7 @@ def run_interleaved(
                 env=engine_env(engine, spec["threads"]), cwd=HERE.parent, pass_fds=(w,), text=True,
             )  # fmt: skip
         os.close(w)
-        procs[name] = (proc, os.fdopen(r), log_path, time.perf_counter(), os.getloadavg()[0])
+        procs[name] = (proc, os.fdopen(r), log_path, os.getloadavg()[0])
         answer(name)  # "ready": loaded and warmed up
     workloads, repeats = next(iter(jobs.values()))[2]["workloads"], next(iter(jobs.values()))[2]["repeats"]
     for i, w in enumerate(workloads):
@@ -279,13 +279,13 @@ def run_interleaved(
                 answer(name)
         print(f"[interleave] {w['name']}: {repeats} rounds done", file=sys.stderr, flush=True)
     for name in list(procs):
-        proc, reply, log_path, start, load_before = procs.pop(name)
+        proc, reply, log_path, load_before = procs.pop(name)
         proc.stdin.close()
         rc = proc.wait(timeout=timeout)
         reply.close()
         out_path = log_path.with_suffix(".out.json")
         if rc != 0 or not out_path.exists():
-            procs[name] = (proc, reply, log_path, start, load_before)
+            procs[name] = (proc, reply, log_path, load_before)
             fail(name, f"exit {rc}")
             continue
         results[name] = dict(
