@@ -37,7 +37,7 @@ class Calls:
     """Counts native calls and torch fallbacks of MoE blocks (routing near-ties)."""
 
     def __init__(self, monkeypatch, llm: LLM) -> None:
-        self.native = self.fallback = 0
+        self.native = self.fallback = self.whole = 0
         for dec in decoders(llm.llm_engine.runner.model):
             fn = dec.fn
 
@@ -46,6 +46,15 @@ class Calls:
                 return _fn(*args)
 
             dec.fn = counted
+            if dec.model_fn is not None:  # whole steps (decode_model): each call runs the layers too
+                model_fn = dec.model_fn
+
+                def counted_model(*args, _fn=model_fn):
+                    self.native += 1
+                    self.whole += 1
+                    return _fn(*args)
+
+                dec.model_fn = counted_model
         original = DecoderLayer.moe_block
 
         def moe_block(layer, h, ctx):
@@ -91,8 +100,46 @@ def test_native_decode_matches_per_op_path(checkpoint, monkeypatch, family, over
     calls = Calls(monkeypatch, llm)
     got = _generate(llm)
     assert calls.native >= sum(MAX_TOKENS) // 4 and calls.fallback <= calls.native  # it did run natively
+    assert calls.whole == calls.native  # every layer native: whole steps (embedding to logits)
     # Same kernels in the same order: equal up to the router's softmax (expf against torch's exp).
     _assert_same(ref, got, atol=1e-4 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_step_multipliers(checkpoint, monkeypatch, dtype):
+    """Granite's scalars (embedding and residual multipliers, logits scaling) set on a Mixtral:
+    the whole-step call (decode_model) scales where the per-op path does."""
+    import dataclasses
+
+    path = checkpoint("mixtral")
+    outs = []
+    for native in (False, True):
+        llm = _llm(path, dtype, native=native)
+        model = llm.llm_engine.runner.model
+        model.model.embedding_multiplier = 3.0
+        for layer in model.model.layers.values():
+            layer.residual_multiplier = 0.75
+        model.cfg = dataclasses.replace(model.cfg, logits_scaling=0.5)
+        calls = Calls(monkeypatch, llm)
+        outs.append(_generate(llm))
+        assert (calls.whole > 0) == native
+    _assert_same(outs[0], outs[1], atol=1e-4 if dtype == "float32" else 4e-2)
+
+
+def test_whole_step_rejects_an_id_outside_the_embedding(checkpoint):
+    """The per-op path's embedding raises IndexError on such an id; the whole-step call names it."""
+    import torch
+
+    llm = _llm(checkpoint("mixtral"), "float32", native=True)
+    engine = llm.llm_engine
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # the prefill: the next step is a decode
+    ids, pos, ctx, last = engine.runner.prepare(engine.scheduler.schedule(), engine.blocks)
+    bad = torch.full_like(ids, 10**6)
+    with pytest.raises(IndexError, match="token id 1000000 is outside the embedding"):
+        engine.runner.forward(bad, pos, ctx, last)
+    assert engine.runner.forward(ids, pos, ctx, last).shape == (1, 512)  # the same step, valid ids
 
 
 @pytest.mark.timeout(120)
@@ -105,6 +152,7 @@ def test_native_decode_matches_per_op_path(checkpoint, monkeypatch, family, over
         ("qwen3_moe", "w8a8-g16"),  # activations quantized in the kernel too
         ("qwen3_moe", "w4a8"),
         ("mixtral", "fp8-ch"),
+        ("mixtral", "int8+head"),  # the LM head quantized: its float32-output shim in whole steps
     ],
 )
 def test_quantized_native_decode_matches_per_op_path(checkpoint, monkeypatch, family, scheme, dtype):
@@ -117,6 +165,7 @@ def test_quantized_native_decode_matches_per_op_path(checkpoint, monkeypatch, fa
     calls = Calls(monkeypatch, llm)
     got = _generate(llm)
     assert calls.native >= sum(MAX_TOKENS) // 4 and calls.fallback <= calls.native
+    assert calls.whole == calls.native  # the head too (quantized by "+head", or packed)
     _assert_same(ref, got, atol=1e-4 if dtype == "float32" else 2e-2)
 
 

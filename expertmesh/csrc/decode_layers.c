@@ -58,6 +58,15 @@ void gemm_q_desc_bf16(const void* x, const void* wp, void* y, int64_t M, int64_t
   free(xf);
 }
 
+/* The same product left in float32 (an LM head's logits): only the input is widened. */
+void gemm_q_desc_bf16_f32(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
+                          const float* bias, int threads) {
+  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
+  for (int64_t i = 0; i < M * I; i++) xf[i] = bf16_to_f32(((const bf16_t*)x)[i]);
+  gemm_q_desc_f32(xf, wp, y, M, O, I, bias, threads);
+  free(xf);
+}
+
 /* QuantizedExperts' w13 and w2 (packed.py) for moe_q, in a descriptor's experts slot. */
 typedef struct {
   int64_t kind;
@@ -130,7 +139,29 @@ typedef struct {
   const int32_t* context_lens;
   int64_t width;
   int64_t count_load; /* 0 for a forward whose tokens are not counted in the expert load */
+  const int64_t* positions; /* [B] or NULL; set: cos / sin are whole tables [rows, R], row = position */
 } decode_step_meta;
+
+/* The step's rotary rows when the metadata holds whole tables (positions set): gathered once per
+ * call into `rows` ([2, B, R] of elem bytes) and `local` pointed at them; else `local` is *m. */
+static const decode_step_meta* rotary_rows(const decode_step_meta* m, decode_step_meta* local, void** rows,
+                                           size_t elem) {
+  *local = *m;
+  *rows = NULL;
+  if (!m->positions || !m->rotary) return m;
+  const int64_t B = m->tokens, R = m->rotary;
+  char* buf = (char*)malloc(elem * (size_t)(2 * B * R) + 1);
+  for (int64_t t = 0; t < B; t++) {
+    memcpy(buf + elem * (size_t)(t * R), (const char*)m->cos + elem * (size_t)(m->positions[t] * R), elem * R);
+    memcpy(buf + elem * (size_t)((B + t) * R), (const char*)m->sin + elem * (size_t)(m->positions[t] * R),
+           elem * R);
+  }
+  local->cos = buf;
+  local->sin = buf + elem * (size_t)(B * R);
+  local->positions = NULL;
+  *rows = buf;
+  return local;
+}
 
 /* Softmax over one token's E logits (float32), its top k into w / slot. 0 if two of the k + 1
  * best are (nearly) equal: the caller then routes this layer with torch.topk. */
@@ -165,6 +196,22 @@ static int route_softmax_topk(const float* logits, int64_t E, int64_t k, int ren
   }
   return 1;
 }
+
+/* A whole model on one rank (no TP, one pipeline stage), every layer native: decode_model_*. */
+typedef struct {
+  int64_t hidden;
+  const void* embed; /* [embed_rows, hidden] model dtype */
+  int64_t embed_rows;
+  double embed_multiplier;
+  const decode_layer_desc* layers;
+  int64_t n_layers;
+  const void* norm; /* the final RMSNorm's weight */
+  double norm_eps;
+  gemm_fn_t head_fn; /* float32 output (the logits are not rounded to the model dtype) */
+  const void* head_w;
+  const float* head_bias;
+  int64_t vocab;
+} decode_model_desc;
 
 #define DEFINE_DECODE_LAYERS(SUFFIX, T, LOAD, STORE)                                             \
   static void residual_##SUFFIX(T* x, const T* y, int64_t n, float m) {                          \
@@ -235,13 +282,39 @@ static int route_softmax_topk(const float* logits, int64_t E, int64_t k, int ren
       most = b > most ? b : most;                                                                \
     }                                                                                            \
     T* scratch = (T*)malloc(sizeof(T) * (size_t)(m->tokens * most + 1));                         \
+    decode_step_meta local;                                                                      \
+    void* rows;                                                                                  \
+    m = rotary_rows(m, &local, &rows, sizeof(T));                                                \
     int64_t i = 0;                                                                               \
     for (; i < n; i++) {                                                                         \
       attention_block_##SUFFIX(layers + i, m, x, scratch, threads);                              \
       if (!moe_block_##SUFFIX(layers + i, m, x, h_out, scratch, threads)) break;                 \
     }                                                                                            \
     free(scratch);                                                                               \
+    free(rows);                                                                                  \
     return i;                                                                                    \
+  }                                                                                              \
+  /* A whole decode step (decode_model_desc): from start == 0 the embedding, then the layers from \
+   * `start`; when they all ran, the final norm and the LM head: logits [B, vocab] float32.     \
+   * Returns n_layers when done, the index of a layer whose MoE block needs torch (as           \
+   * decode_layers), or -1 - t when token t's id is outside the embedding. */                  \
+  int64_t decode_model_##SUFFIX(const decode_model_desc* md, int64_t start, const decode_step_meta* m, \
+                                const int64_t* ids, T* x, T* h_out, float* logits, int threads) { \
+    const int64_t B = m->tokens, Hd = md->hidden, n = md->n_layers;                              \
+    if (start == 0) {                                                                            \
+      const float mul = (float)md->embed_multiplier;                                             \
+      for (int64_t t = 0; t < B; t++) {                                                          \
+        if (ids[t] < 0 || ids[t] >= md->embed_rows) return -1 - t;                               \
+        memcpy(x + t * Hd, (const T*)md->embed + ids[t] * Hd, sizeof(T) * (size_t)Hd);           \
+        if (mul != 1.f)                                                                          \
+          for (int64_t i = 0; i < Hd; i++) x[t * Hd + i] = STORE(LOAD(x[t * Hd + i]) * mul);      \
+      }                                                                                          \
+    }                                                                                            \
+    const int64_t done = start + decode_layers_##SUFFIX(md->layers + start, n - start, m, x, h_out, threads); \
+    if (done < n) return done;                                                                   \
+    rms_norm_##SUFFIX(x, (const T*)md->norm, h_out, B, Hd, (float)md->norm_eps, threads);        \
+    md->head_fn(h_out, md->head_w, logits, B, md->vocab, Hd, md->head_bias, threads);            \
+    return n;                                                                                    \
   }
 
 DEFINE_DECODE_LAYERS(f32, float, f32_id, f32_id)

@@ -169,6 +169,10 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """Runs this rank's stage; returns float32 logits [B, V] on the last stage, else None."""
         pp = self.groups.pp
+        if pp.world_size == 1 and len(last) == ids.shape[0]:  # every row sampled: a decode-only step
+            logits = self.model.decode_logits(ids, pos, ctx)
+            if logits is not None:
+                return logits
         hidden = None
         if pp.rank_in_group > 0:
             hidden = pp.recv(

@@ -180,7 +180,7 @@ class MoE(nn.Module):
 
     def native_now(self, ctx: ForwardContext) -> bool:
         """What may change after the descriptor was built: the load counters, EPLB's slots."""
-        return self.load is self._native_load and self.experts.all_local
+        return self.load is self._native_load and self._modules["experts"].all_local  # not __getattr__
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [n, H] replicated over TP -> [n, H] replicated over TP, in x's dtype.

@@ -73,20 +73,32 @@ class StepMeta(ctypes.Structure):
     _fields_ = [
         ("tokens", _I), ("cos", _P), ("sin", _P), ("rotary", _I), ("interleaved", _I),
         ("slots", _P), ("block_tables", _P), ("context_lens", _P), ("width", _I), ("count_load", _I),
+        ("positions", _P),
     ]  # fmt: skip
 
 
-def gemm_form(packed: Any, dtype: torch.dtype, keep: list) -> dict | None:
-    """fn and weight pointers of a weight our panel GEMM or gemm_q serves (activations in `dtype`),
-    else None."""
+class ModelDesc(ctypes.Structure):
+    """Mirror of decode_model_desc: a whole one-stage model whose every layer is native."""
+
+    _fields_ = [
+        ("hidden", _I), ("embed", _P), ("embed_rows", _I), ("embed_multiplier", _D),
+        ("layers", _P), ("n_layers", _I), ("norm", _P), ("norm_eps", _D),
+        ("head_fn", _P), ("head_w", _P), ("head_bias", _P), ("vocab", _I),
+    ]  # fmt: skip
+
+
+def gemm_form(packed: Any, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
+    """fn and weight pointers of a weight our panel GEMM or gemm_q serves (activations in `dtype`;
+    the product rounded to it, or left in float32 with `float32_out`), else None."""
     from expertmesh.layers.cpu_kernels import PanelWeight
     from expertmesh.layers.quantization.packed import QuantizedWeight
 
     if isinstance(packed, QuantizedWeight):
-        return packed.native_form(dtype, keep)
-    if not isinstance(packed, PanelWeight) or packed.fn is None:
+        return packed.native_form(dtype, keep, float32_out)
+    fn = packed.fn_f32 if float32_out and isinstance(packed, PanelWeight) else getattr(packed, "fn", None)
+    if not isinstance(packed, PanelWeight) or fn is None:
         return None
-    return {"fn": ctypes.cast(packed.fn, ctypes.c_void_p).value, "w": packed.ptr}
+    return {"fn": ctypes.cast(fn, ctypes.c_void_p).value, "w": packed.ptr}
 
 
 def c_entry(kernels: Any, name: str) -> int | None:
@@ -133,10 +145,16 @@ class NativeDecoder:
         self.fn.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int]
         self.plan: list[tuple[Any, Any]] | None = None  # [(descriptor array or None, layers)]
         self.keep: list = []
+        name = "decode_model_f32" if dtype == torch.float32 else "decode_model_bf16"
+        self.model_fn = getattr(kernels.lib, name, None)  # None: an older build
+        if self.model_fn is not None:
+            self.model_fn.restype = ctypes.c_int64
+            self.model_fn.argtypes = [_P, _I, _P, _P, _P, _P, _P, ctypes.c_int]
+        self.model: ModelDesc | None | bool = None  # the whole-model descriptor; False: not eligible
 
     def reset(self) -> None:
         """Forget the descriptors (the KV cache was re-bound, weights moved): rebuilt next step."""
-        self.plan, self.keep = None, []
+        self.plan, self.keep, self.model = None, [], None
 
     def build(self, layers: list) -> list[tuple[Any, Any]]:
         """Consecutive native layers grouped into one descriptor array each; the others alone."""
@@ -168,11 +186,19 @@ class NativeDecoder:
         meta = ctx.attn
         return not meta.prefills and meta.num_decodes > 0 and meta.decode_block_tables is not None
 
-    def step_meta(self, ctx: Any, tokens: int) -> tuple[StepMeta, list]:
-        meta, rope = ctx.attn, ctx.rope
+    def step_meta(
+        self, ctx: Any, tokens: int, table: Any = None, positions: torch.Tensor | None = None
+    ) -> tuple[StepMeta, list]:
+        """The step's metadata; the rotary rows are ctx.rope's, or with `positions` read by
+        position from `table`, a whole table (RotaryEmbedding.table)."""
+        meta, rope = ctx.attn, (ctx.rope if positions is None else table)
         held = [meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens]
         m = StepMeta(tokens=tokens, width=meta.decode_block_tables.shape[1], count_load=int(ctx.count_load))
-        if rope is not None:
+        if rope is not None and positions is not None:
+            held += [rope, positions]
+            m.cos, m.sin, m.rotary = rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[-1]
+            m.interleaved, m.positions = int(rope.interleaved), positions.data_ptr()
+        elif rope is not None:
             cos, sin = (t.reshape(tokens, -1).to(self.dtype).contiguous() for t in (rope.cos, rope.sin))
             held += [cos, sin]
             m.cos, m.sin, m.rotary = cos.data_ptr(), sin.data_ptr(), cos.shape[1]
@@ -205,6 +231,62 @@ class NativeDecoder:
                 start = done + 1
         del held
         return x
+
+    def build_model(self, model: Any, head: Any) -> ModelDesc | bool:
+        """The whole-model descriptor of a DecoderModel and its LM head when one native call can
+        run a decode step end to end: one pipeline stage, no TP, every layer native, an RMSNorm
+        and a head our kernels serve with float32 output; False otherwise."""
+        layers = list(model.layers.values())
+        plan = self.plan if self.plan is not None else self.build(layers)
+        embed = model.embed_tokens
+        whole = (
+            model.first and model.last and head is not None and len(plan) == 1 and plan[0][0] is not None
+            and embed.group.world_size == 1 and head.group.world_size == 1 and head.shard == head.vocab_size
+            and embed.weight.dtype == self.dtype and embed.weight.is_contiguous()
+        )  # fmt: skip
+        norm = model.norm.native_form() if whole and hasattr(model.norm, "native_form") else None
+        form = gemm_form(head.packed, self.dtype, self.keep, float32_out=True) if norm is not None else None
+        if form is None:
+            return False
+        descs = plan[0][0]
+        return ModelDesc(
+            hidden=embed.weight.shape[1], embed=embed.weight.data_ptr(), embed_rows=embed.weight.shape[0],
+            embed_multiplier=model.embedding_multiplier, layers=ctypes.addressof(descs), n_layers=len(descs),
+            norm=norm[0], norm_eps=norm[1], head_fn=form["fn"], head_w=form["w"],
+            head_bias=bias_ptr(head.bias, self.keep), vocab=head.vocab_size,
+        )  # fmt: skip
+
+    def logits(self, model: Any, head: Any, ids: torch.Tensor, positions: torch.Tensor, ctx: Any):
+        """float32 logits [B, vocab] of a decode-only step, every row, in one native call (with a
+        torch MoE block between calls where routing hit a near-tie); None where it does not serve:
+        then the caller runs the model's forward."""
+        if self.model_fn is None or not self.serves(ctx):
+            return None
+        if self.model is None:
+            self.model = self.build_model(model, head)
+        layers = self.plan[0][1] if self.model else None
+        if not self.model or not all(layer.native_now(ctx) for layer in layers):
+            return None
+        rotary, tokens = model.rotary, ids.shape[0]
+        ids, positions = ids.contiguous(), positions.contiguous()
+        if rotary.length_dependent:
+            ctx.rope = rotary.lookup(positions, self.dtype, ctx.attn.token_context_lens(positions))
+            m, held = self.step_meta(ctx, tokens)
+        else:
+            table = rotary.table(int(positions.max()) + 1, self.dtype, positions.device)
+            m, held = self.step_meta(ctx, tokens, table, positions)
+        x = torch.empty(tokens, self.model.hidden, dtype=self.dtype)
+        h = torch.empty_like(x)
+        out = torch.empty(tokens, self.model.vocab, dtype=torch.float32)
+        args = (ctypes.addressof(m), ids.data_ptr(), x.data_ptr(), h.data_ptr(), out.data_ptr())
+        addr, start, threads = ctypes.addressof(self.model), 0, torch.get_num_threads()
+        while (done := self.model_fn(addr, start, *args, threads)) != len(layers):
+            if done < 0:
+                raise IndexError(f"token id {int(ids[-1 - done])} is outside the embedding [0, {self.model.embed_rows})")
+            x.add_(layers[done].moe_block(h, ctx))  # the torch router for this layer's block
+            start = done + 1
+        del held
+        return out
 
 
 def decoders(model: torch.nn.Module) -> list[NativeDecoder]:

@@ -204,15 +204,20 @@ class RotaryEmbedding(nn.Module):
         """Rows of a table over positions [0, n) computed once: a decode step's cos/sin cost one
         index instead of ~8 ops (host time at batch 1), and a position's values never depend on
         which positions share its step (vectorised and scalar tails of cos can differ by an ulp)."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = self.table(int(positions.max()) + 1 if positions.numel() else 0, dtype, positions.device)
+        return RotaryTables(table.cos[positions], table.sin[positions], self.rope.interleaved)
+
+    def table(self, need: int, dtype: torch.dtype, device: torch.device) -> RotaryTables:
+        """cos/sin [n, 1, R] of positions [0, n), n >= need (not for the length-dependent types):
+        the table decode steps index (native decode reads its rows by position)."""
         table = self._table.get(dtype)
-        if table is None or table.cos.shape[0] < need or table.cos.device != positions.device:
+        if table is None or table.cos.shape[0] < need or table.cos.device != device:
             have = table.cos.shape[0] if table is not None else 0
             # doubling, but not past the model's positions (a 128K-token model's table is 64 MB in fp32)
             grown = min(max(2 * have, 256), self.rope.max_position_embeddings)
-            every = torch.arange(max(need, grown), device=positions.device)
+            every = torch.arange(max(need, grown), device=device)
             table = self._table[dtype] = self._tables(every, self.inv_freq, self.scale, dtype)
-        return RotaryTables(table.cos[positions], table.sin[positions], self.rope.interleaved)
+        return table
 
     def _tables(self, positions: torch.Tensor, inv: torch.Tensor, scale: float, dtype) -> RotaryTables:
         freqs = positions[:, None].float() * inv.to(positions.device)[None, :]  # [T, rotary_dim / 2]

@@ -177,7 +177,7 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
 
     def native_now(self, ctx: ForwardContext) -> bool:
-        return getattr(self, self.mlp_name).native_now(ctx)
+        return self._modules[self.mlp_name].native_now(ctx)  # every step: not Module.__getattr__
 
     def moe_block(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The MoE block's scaled output for its normed input h (the native path's fallback)."""
@@ -262,6 +262,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
+
+    def decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor | None:
+        """A decode-only step's float32 logits, every row, through one native call (embedding,
+        layers, norm, head: layers/native_decode.py), or None where that path does not serve."""
+        native = self.model.native
+        logits = None if native is None else native.logits(self.model, self.lm_head, input_ids, positions, ctx)
+        if logits is None or self.cfg.logits_scaling == 1.0:
+            return logits
+        return logits / self.cfg.logits_scaling
 
     def attention_layers(self) -> list[Any]:
         """The modules that own a KV cache (`kv_spec`, `bind_kv_cache`), one per layer."""

@@ -269,15 +269,18 @@ class QuantizedWeight:
                 )  # fmt: skip
         return y.to(out_dtype).view(*shape[:-1], self.out_features)
 
-    def native_form(self, dtype: torch.dtype, keep: list) -> dict | None:
+    def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
         """This weight in a native decode layer's GEMM slot (layers/native_decode.py): the gemm_q
-        shim for activations in `dtype` and its q_weight_desc, held by `keep`; None without our
-        kernel (the torch fallback) or a shim for the dtype."""
+        shim for activations in `dtype` (the product rounded to it, or left in float32 with
+        `float32_out`) and its q_weight_desc, held by `keep`; None without our kernel (the torch
+        fallback) or a shim for the dtype."""
         from expertmesh.layers import native_decode as nd
 
         suffix = nd.SHIM_SUFFIX.get(dtype)
         if self.kernels is None or suffix is None or self.codes.device.type != "cpu":
             return None
+        if float32_out and dtype != torch.float32:
+            suffix += "_f32"
         fn = nd.c_entry(self.kernels, f"gemm_q_desc_{suffix}")
         if fn is None:
             return None
