@@ -80,9 +80,19 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
   return v;
 }
 
-/* Panels a one-row product takes at once (row1_*): enough independent FMA chains to cover
- * the FMA latency, where a tile's NP chains leave a one-row decode latency-bound. */
+/* Panels a one-row product takes at once (row1_*, and the one-row span tiles: experts with one
+ * token): enough independent FMA chains to cover the FMA latency, where a tile's NP chains leave
+ * a one-row decode latency-bound. Each panel is its own stream from memory; on AVX2 (Zen 3) more
+ * streams read faster, on the AVX-512 build (Zen 5) fewer: one core streaming panels of 512
+ * inputs read 38-39 GB/s with 4 at once, 35 with 8, 33 with 12 (four alternated runs, a 512 MB
+ * sweep), and 4 chains of 16-lane FMAs still cover the latency at that rate. */
+#if LANES == 16
+#define NP1 4
+#define SPAN1_PANELS 4
+#else
 #define NP1 8
+#define SPAN1_PANELS 12
+#endif
 
 /* Rows [r, r1) in tiles: MR rows a tile, then one tile of the 1..7 left, the row count a
  * constant in each case so every tile's loops unroll. The tile takes (..., rows, bias). */
@@ -251,7 +261,7 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
   tile(x, I, wp, y, O, p, q1 - p < npc ? q1 - p : npc, rows, npc, bias)
 #define SPAN_CASES(tile, n, q0, q1, ...)                         \
   switch (n) {                                                   \
-    case 1: SPAN_TILES(tile, 1, 12, q0, q1, __VA_ARGS__); break; \
+    case 1: SPAN_TILES(tile, 1, SPAN1_PANELS, q0, q1, __VA_ARGS__); break; \
     case 2: SPAN_TILES(tile, 2, 6, q0, q1, __VA_ARGS__); break;  \
     case 3: SPAN_TILES(tile, 3, 4, q0, q1, __VA_ARGS__); break;  \
     case 4: SPAN_TILES(tile, 4, 3, q0, q1, __VA_ARGS__); break;  \

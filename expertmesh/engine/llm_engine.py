@@ -250,12 +250,13 @@ class LLMEngine:
         """The runner's forward, noting the bytes the MoE exchange moved in this step."""
         if self.expert_load is not None:  # every forward, dummies too: EPLB keeps lockstep by it
             self.expert_load.begin_step()
-        before = self.traffic()
+        before = self.traffic() if self.dispatchers else None  # none in one process: stays zero
         logits = self.runner.forward(ids, pos, ctx, last)
         if self.expert_load is not None:
             self.expert_load.end_step()
-        after = self.traffic()
-        self.last_step_traffic = {k: after[k] - before[k] for k in after}
+        if before is not None:
+            after = self.traffic()
+            self.last_step_traffic = {k: after[k] - before[k] for k in after}
         return logits
 
     def traffic(self) -> dict[str, int]:

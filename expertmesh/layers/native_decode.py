@@ -17,6 +17,13 @@ moe_q that convert where QuantizedWeight / QuantizedMoE do, so they give the per
 The descriptor (pointers, sizes) is built once, at the first decode step after the KV cache is
 bound; per step only the metadata (rotary tables, slots, block tables) is built, once for all
 layers. The native path is switched off by ``EngineArgs(native_decode=False)``.
+
+When every layer is native and the model is whole on this rank (one pipeline stage, no TP), a
+decode step is one call from token ids to float32 logits (decode_model_*, `NativeDecoder.logits`):
+the embedding rows, the layers, the final RMSNorm and the LM head (its float32-output product, as
+ParallelLMHead computes it), with the rotary rows read by position from the rotary table; the
+per-op ends (embedding, rotary lookup, norm, head: ~20 torch ops and module calls) were ~7% of a
+batch-1 bf16 step.
 """
 
 from __future__ import annotations
