@@ -289,7 +289,8 @@ class NativeDecoder:
         addr, start, threads = ctypes.addressof(self.model), 0, torch.get_num_threads()
         while (done := self.model_fn(addr, start, *args, threads)) != len(layers):
             if done < 0:
-                raise IndexError(f"token id {int(ids[-1 - done])} is outside the embedding [0, {self.model.embed_rows})")
+                bad, rows = int(ids[-1 - done]), self.model.embed_rows
+                raise IndexError(f"token id {bad} is outside the embedding [0, {rows})")
             x.add_(layers[done].moe_block(h, ctx))  # the torch router for this layer's block
             start = done + 1
         del held

@@ -269,7 +269,9 @@ class CausalLM(nn.Module):
         """A decode-only step's float32 logits, every row, through one native call (embedding,
         layers, norm, head: layers/native_decode.py), or None where that path does not serve."""
         native = self.model.native
-        logits = None if native is None else native.logits(self.model, self.lm_head, input_ids, positions, ctx)
+        if native is None:
+            return None
+        logits = native.logits(self.model, self.lm_head, input_ids, positions, ctx)
         if logits is None or self.cfg.logits_scaling == 1.0:
             return logits
         return logits / self.cfg.logits_scaling
