@@ -7,9 +7,14 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool torch
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool kernels --prompt-len 384
     .venv/bin/python benchmarks/profile_decode.py --quantization w8a8 --threads 1 --cpu-time --tool kernels
+    .venv/bin/python benchmarks/profile_decode.py --threads 1 --cpu-time --tool whole-step-ab --steps 40
     mkfifo /tmp/ctl; perf record -D -1 --control fifo:/tmp/ctl -F 4999 -o perf.data -- \
         .venv/bin/python benchmarks/profile_decode.py --quantization int8 --threads 1 --tool perf \
         --perf-fifo /tmp/ctl --steps 64; perf report -i perf.data --no-children --sort sym
+
+`--tool whole-step-ab` builds a second engine whose decode steps stop at the native layer call
+(embedding, final norm and LM head per op, as before decode_model) and alternates blocks of
+`--steps` steps between the two, 15 rounds: medians and the median of the rounds' ratios.
 
 torch.profiler sees torch ops only; `--tool kernels` times each call into expertmesh's compiled CPU
 kernels (matmuls, routed experts, decode attention, norms, rotary) and attributes the rest of a
@@ -134,6 +139,27 @@ def profile_kernels(engine, steps: int) -> None:
     print(f"{'torch ops + Python':<28}{rest / steps * 1e3:>10.2f}{'':>12}{rest / total:>8.0%}")
 
 
+def whole_step_ab(engine, other, steps: int, rounds: int = 15) -> None:
+    """`engine` (whole decode steps in one call) against `other` (the native layer call only),
+    alternating blocks of `steps` steps, the order swapped every round."""
+    from expertmesh.layers.native_decode import decoders
+
+    for native in decoders(other.runner.model):
+        native.model_fn = None  # NativeDecoder.logits then declines: the model's forward runs
+    time_steps(other, 3)
+    whole, layers = [], []
+    for r in range(rounds):
+        pair = ((engine, whole), (other, layers))
+        for eng, into in pair if r % 2 == 0 else pair[::-1]:
+            into.append(sum(time_steps(eng, steps)) / steps)
+    ratio = statistics.median(b / a for a, b in zip(whole, layers))
+    a, b = statistics.median(whole) * 1e3, statistics.median(layers) * 1e3
+    print(
+        f"whole step {a:.3f} ms, layer call only {b:.3f} ms: whole step {ratio:.3f}x as fast"
+        " (median of the rounds' ratios)"
+    )
+
+
 def profile_perf(engine, steps: int, fifo: str, rounds: int, batch: int, prompt_len: int) -> None:
     """`rounds` times: fresh requests, their prefill outside the window, then `steps` decode steps
     inside it: the steps are bracketed by "enable" / "disable" on perf record's control fifo, so
@@ -164,7 +190,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--tool", default="pyinstrument", choices=["pyinstrument", "torch", "kernels", "perf", "none"]
+        "--tool", default="pyinstrument",
+        choices=["pyinstrument", "torch", "kernels", "perf", "whole-step-ab", "none"],
     )  # fmt: skip
     ap.add_argument(
         "--perf-fifo", default=None, help="--tool perf: perf record's control fifo (see profile_perf)"
@@ -184,8 +211,15 @@ def main() -> None:
     model = make_small_moe(args.cache_dir, args.dtype, args.shape)
     warm = 3
     native = args.native_decode == "on"
+    rounds = 15 if args.tool == "whole-step-ab" else 1
     engine = prefilled_engine(
-        model, args.dtype, args.batch, args.prompt_len, warm + 2 * args.steps, native, args.quantization
+        model,
+        args.dtype,
+        args.batch,
+        args.prompt_len,
+        warm + (1 + rounds) * args.steps,
+        native,
+        args.quantization,
     )
     time_steps(engine, warm)
     times = time_steps(engine, args.steps)
@@ -198,6 +232,17 @@ def main() -> None:
         profile_torch(engine, args.steps)
     elif args.tool == "kernels":
         profile_kernels(engine, args.steps)
+    elif args.tool == "whole-step-ab":
+        other = prefilled_engine(
+            model,
+            args.dtype,
+            args.batch,
+            args.prompt_len,
+            warm + rounds * args.steps,
+            native,
+            args.quantization,
+        )
+        whole_step_ab(engine, other, args.steps, rounds)
     elif args.tool == "perf":
         if not args.perf_fifo:
             ap.error("--tool perf needs --perf-fifo (run under perf record -D -1 --control fifo:FIFO)")
