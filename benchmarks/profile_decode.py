@@ -112,6 +112,18 @@ def profile_kernels(engine, steps: int) -> None:
                 calls["decode_layers (native)"] += 1
 
         native.fn = timed_layers
+        if native.model_fn is not None:  # whole steps: embedding, layers, norm and head in one call
+            model_fn = native.model_fn
+
+            def timed_step(*args, _fn=model_fn):
+                start = CLOCK()
+                try:
+                    return _fn(*args)
+                finally:
+                    spent["decode_model (native)"] += CLOCK() - start
+                    calls["decode_model (native)"] += 1
+
+            native.model_fn = timed_step
     for name in ("linear", "moe", "paged_decode", "rms_norm", "rope_cache"):
         originals[name] = fn = getattr(CpuKernels, name)
 
