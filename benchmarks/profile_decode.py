@@ -100,30 +100,21 @@ def profile_kernels(engine, steps: int) -> None:
     originals = {}
     from expertmesh.layers.native_decode import decoders
 
-    for native in decoders(engine.runner.model):  # the whole-layer C call (layers/native_decode.py)
-        fn = native.fn
-
-        def timed_layers(*args, _fn=fn):
+    def timed_call(fn, label: str):
+        def timed_native(*args):
             start = CLOCK()
             try:
-                return _fn(*args)
+                return fn(*args)
             finally:
-                spent["decode_layers (native)"] += CLOCK() - start
-                calls["decode_layers (native)"] += 1
+                spent[label] += CLOCK() - start
+                calls[label] += 1
 
-        native.fn = timed_layers
+        return timed_native
+
+    for native in decoders(engine.runner.model):  # the whole-layer C call (layers/native_decode.py)
+        native.fn = timed_call(native.fn, "decode_layers (native)")
         if native.model_fn is not None:  # whole steps: embedding, layers, norm and head in one call
-            model_fn = native.model_fn
-
-            def timed_step(*args, _fn=model_fn):
-                start = CLOCK()
-                try:
-                    return _fn(*args)
-                finally:
-                    spent["decode_model (native)"] += CLOCK() - start
-                    calls["decode_model (native)"] += 1
-
-            native.model_fn = timed_step
+            native.model_fn = timed_call(native.model_fn, "decode_model (native)")
     for name in ("linear", "moe", "paged_decode", "rms_norm", "rope_cache"):
         originals[name] = fn = getattr(CpuKernels, name)
 
