@@ -59,23 +59,22 @@ static inline void prefetch_kv_row(const void* cache, const int32_t* table, int6
       for (int64_t g = 0; g < ng; g++)                                                           \
         for (int64_t d = 0; d < D; d++)                                                          \
           qf[(hh * ng + g) * D + d] = LOAD(q[((h0 + hh) * G + g0 + g) * D + d]) * scale;         \
+    /* This task's part of a token's row (its KV heads), in bytes, for the prefetches. */       \
+    const int64_t row_bytes = row_stride * (int64_t)sizeof(T), head_off = h0 * D * (int64_t)sizeof(T); \
+    const int64_t head_bytes = nkv * D * (int64_t)sizeof(T);                                     \
     /* The first rows of K and V: the loops below prefetch KV_PF_TOKENS ahead of themselves. */ \
     for (int64_t t = 0; t < KV_PF_TOKENS && KV_PF_INITIAL; t++) {                                \
-      prefetch_kv_row(k_cache, table, first + t, len, bs, row_stride * (int64_t)sizeof(T),       \
-                      h0 * D * (int64_t)sizeof(T), nkv * D * (int64_t)sizeof(T));                \
-      prefetch_kv_row(v_cache, table, first + t, len, bs, row_stride * (int64_t)sizeof(T),       \
-                      h0 * D * (int64_t)sizeof(T), nkv * D * (int64_t)sizeof(T));                \
+      prefetch_kv_row(k_cache, table, first + t, len, bs, row_bytes, head_off, head_bytes);      \
+      prefetch_kv_row(v_cache, table, first + t, len, bs, row_bytes, head_off, head_bytes);      \
     }                                                                                            \
     /* Token runs within one block: no division per token. */                                   \
     for (int64_t t = 0; t < n;) {                                                                \
       const int64_t pos = first + t, off = pos % bs;                                             \
       const int64_t run = bs - off < n - t ? bs - off : n - t;                                   \
       const T* base = k_cache + ((int64_t)table[pos / bs] * bs + off) * row_stride + h0 * D;     \
-      for (int64_t u = 0; u < run; u++)                                                          \
+      for (int64_t u = 0; u < run; u++) {                                                        \
+        prefetch_kv_row(k_cache, table, pos + u + KV_PF_TOKENS, len, bs, row_bytes, head_off, head_bytes); \
         for (int64_t hh = 0; hh < nkv; hh++) {                                                   \
-          if (hh == 0)                                                                           \
-            prefetch_kv_row(k_cache, table, pos + u + KV_PF_TOKENS, len, bs, row_stride * (int64_t)sizeof(T), \
-                            h0 * D * (int64_t)sizeof(T), nkv * D * (int64_t)sizeof(T));          \
           const T* kr = base + u * row_stride + hh * D;                                          \
           for (int64_t g = 0; g < ng; g++) {                                                     \
             const float* qi = qf + (hh * ng + g) * D;                                            \
@@ -84,6 +83,7 @@ static inline void prefetch_kv_row(const void* cache, const int32_t* table, int6
             scores[(hh * ng + g) * n + t + u] = s;                                               \
           }                                                                                      \
         }                                                                                        \
+      }                                                                                          \
       t += run;                                                                                  \
     }                                                                                            \
     for (int64_t i = 0; i < nh; i++) {                                                           \
@@ -104,11 +104,9 @@ static inline void prefetch_kv_row(const void* cache, const int32_t* table, int6
       const int64_t pos = first + t, off = pos % bs;                                             \
       const int64_t run = bs - off < n - t ? bs - off : n - t;                                   \
       const T* base = v_cache + ((int64_t)table[pos / bs] * bs + off) * row_stride + h0 * D;     \
-      for (int64_t u = 0; u < run; u++)                                                          \
+      for (int64_t u = 0; u < run; u++) {                                                        \
+        prefetch_kv_row(v_cache, table, pos + u + KV_PF_TOKENS, len, bs, row_bytes, head_off, head_bytes); \
         for (int64_t hh = 0; hh < nkv; hh++) {                                                   \
-          if (hh == 0)                                                                           \
-            prefetch_kv_row(v_cache, table, pos + u + KV_PF_TOKENS, len, bs, row_stride * (int64_t)sizeof(T), \
-                            h0 * D * (int64_t)sizeof(T), nkv * D * (int64_t)sizeof(T));          \
           const T* vr = base + u * row_stride + hh * D;                                          \
           for (int64_t g = 0; g < ng; g++) {                                                     \
             const float p = scores[(hh * ng + g) * n + t + u];                                   \
@@ -116,6 +114,7 @@ static inline void prefetch_kv_row(const void* cache, const int32_t* table, int6
             _Pragma("omp simd") for (int64_t d = 0; d < Dv; d++) a[d] += p * LOAD(vr[d]);        \
           }                                                                                      \
         }                                                                                        \
+      }                                                                                          \
       t += run;                                                                                  \
     }                                                                                            \
     for (int64_t hh = 0; hh < nkv; hh++)                                                         \

@@ -47,24 +47,28 @@ void gemm_q_desc_f32(const void* x, const void* wp, void* y, int64_t M, int64_t 
          threads);
 }
 
-void gemm_q_desc_bf16(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
-                      const float* bias, int threads) {
-  const q_weight_desc* q = (const q_weight_desc*)wp;
-  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + M * O + 1));
-  float* yf = xf + M * I;
-  for (int64_t i = 0; i < M * I; i++) xf[i] = bf16_to_f32(((const bf16_t*)x)[i]);
-  gemm_q((int)q->kind, xf, q->codes, q->scales, q->offsets, q->group, yf, M, O, I, bias, threads);
-  for (int64_t i = 0; i < M * O; i++) ((bf16_t*)y)[i] = f32_to_bf16(yf[i]);
+/* A bf16 input widened to float32 (exact), for the shims below; the caller frees it. */
+static float* widened_bf16(const void* x, int64_t n) {
+  float* xf = (float*)malloc(sizeof(float) * (size_t)(n + 1));
+  for (int64_t i = 0; i < n; i++) xf[i] = bf16_to_f32(((const bf16_t*)x)[i]);
+  return xf;
+}
+
+/* The product left in float32 (an LM head's logits): only the input is widened. */
+void gemm_q_desc_bf16_f32(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
+                          const float* bias, int threads) {
+  float* xf = widened_bf16(x, M * I);
+  gemm_q_desc_f32(xf, wp, y, M, O, I, bias, threads);
   free(xf);
 }
 
-/* The same product left in float32 (an LM head's logits): only the input is widened. */
-void gemm_q_desc_bf16_f32(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
-                          const float* bias, int threads) {
-  float* xf = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
-  for (int64_t i = 0; i < M * I; i++) xf[i] = bf16_to_f32(((const bf16_t*)x)[i]);
-  gemm_q_desc_f32(xf, wp, y, M, O, I, bias, threads);
-  free(xf);
+/* ... and rounded to bf16 once, as QuantizedWeight.__call__ does for a bf16 model. */
+void gemm_q_desc_bf16(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
+                      const float* bias, int threads) {
+  float* yf = (float*)malloc(sizeof(float) * (size_t)(M * O + 1));
+  gemm_q_desc_bf16_f32(x, wp, yf, M, O, I, bias, threads);
+  for (int64_t i = 0; i < M * O; i++) ((bf16_t*)y)[i] = f32_to_bf16(yf[i]);
+  free(yf);
 }
 
 /* QuantizedExperts' w13 and w2 (packed.py) for moe_q, in a descriptor's experts slot. */
@@ -89,8 +93,7 @@ void moe_q_desc_f32(const void* x, int64_t n, int64_t H, const int32_t* slot, co
 
 void moe_q_desc_bf16(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
                      const void* ew, int64_t E, int64_t I, int act, float* out, int threads) {
-  float* xf = (float*)malloc(sizeof(float) * (size_t)(n * H + 1));
-  for (int64_t i = 0; i < n * H; i++) xf[i] = bf16_to_f32(((const bf16_t*)x)[i]);
+  float* xf = widened_bf16(x, n * H);
   moe_q_desc_f32(xf, n, H, slot, w, k, ew, E, I, act, out, threads);
   free(xf);
 }
