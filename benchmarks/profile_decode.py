@@ -8,6 +8,7 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool kernels --prompt-len 384
     .venv/bin/python benchmarks/profile_decode.py --quantization w8a8 --threads 1 --cpu-time --tool kernels
     .venv/bin/python benchmarks/profile_decode.py --threads 1 --cpu-time --tool whole-step-ab --steps 40
+    .venv/bin/python benchmarks/profile_decode.py --threads 1 --cpu-time --tool huge-pages-ab --steps 40
     mkfifo /tmp/ctl; perf record -D -1 --control fifo:/tmp/ctl -F 4999 -o perf.data -- \
         .venv/bin/python benchmarks/profile_decode.py --quantization int8 --threads 1 --tool perf \
         --perf-fifo /tmp/ctl --steps 64; perf report -i perf.data --no-children --sort sym
@@ -15,6 +16,8 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
 `--tool whole-step-ab` builds a second engine whose decode steps stop at the native layer call
 (embedding, final norm and LM head per op, as before decode_model) and alternates blocks of
 `--steps` steps between the two, 15 rounds: medians and the median of the rounds' ratios.
+`--tool huge-pages-ab` does the same against a second engine built with layers/huge_pages.py off
+(weights and KV cache on 4 KiB pages).
 
 torch.profiler sees torch ops only; `--tool kernels` times each call into expertmesh's compiled CPU
 kernels (matmuls, routed experts, decode attention, norms, rotary) and attributes the rest of a
@@ -35,6 +38,7 @@ import torch  # noqa: E402
 from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
+from expertmesh.layers import huge_pages  # noqa: E402
 
 
 def prefilled_engine(
@@ -142,23 +146,37 @@ def profile_kernels(engine, steps: int) -> None:
     print(f"{'torch ops + Python':<28}{rest / steps * 1e3:>10.2f}{'':>12}{rest / total:>8.0%}")
 
 
+def alternate(first, second, steps: int, rounds: int) -> tuple[float, float, float]:
+    """Blocks of `steps` decode steps on each engine in turn, the order swapped every round:
+    the median step time (seconds) of each and the median of the rounds' ratios second / first."""
+    a, b = [], []
+    for r in range(rounds):
+        pair = ((first, a), (second, b))
+        for eng, into in pair if r % 2 == 0 else pair[::-1]:
+            into.append(sum(time_steps(eng, steps)) / steps)
+    return statistics.median(a), statistics.median(b), statistics.median(y / x for x, y in zip(a, b))
+
+
 def whole_step_ab(engine, other, steps: int, rounds: int = 15) -> None:
-    """`engine` (whole decode steps in one call) against `other` (the native layer call only),
-    alternating blocks of `steps` steps, the order swapped every round."""
+    """`engine` (whole decode steps in one call) against `other` (the native layer call only)."""
     from expertmesh.layers.native_decode import decoders
 
     for native in decoders(other.runner.model):
         native.model_fn = None  # NativeDecoder.logits then declines: the model's forward runs
     time_steps(other, 3)
-    whole, layers = [], []
-    for r in range(rounds):
-        pair = ((engine, whole), (other, layers))
-        for eng, into in pair if r % 2 == 0 else pair[::-1]:
-            into.append(sum(time_steps(eng, steps)) / steps)
-    ratio = statistics.median(b / a for a, b in zip(whole, layers))
-    a, b = statistics.median(whole) * 1e3, statistics.median(layers) * 1e3
+    a, b, ratio = alternate(engine, other, steps, rounds)
     print(
-        f"whole step {a:.3f} ms, layer call only {b:.3f} ms: whole step {ratio:.3f}x as fast"
+        f"whole step {a * 1e3:.3f} ms, layer call only {b * 1e3:.3f} ms: whole step {ratio:.3f}x as fast"
+        " (median of the rounds' ratios)"
+    )
+
+
+def huge_pages_ab(engine, other, steps: int, rounds: int = 15) -> None:
+    """`engine` (weights and KV cache on huge pages) against `other` (built with them off)."""
+    time_steps(other, 3)
+    a, b, ratio = alternate(engine, other, steps, rounds)
+    print(
+        f"huge pages {a * 1e3:.3f} ms, 4 KiB pages {b * 1e3:.3f} ms: huge pages {ratio:.3f}x as fast"
         " (median of the rounds' ratios)"
     )
 
@@ -194,7 +212,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--tool", default="pyinstrument",
-        choices=["pyinstrument", "torch", "kernels", "perf", "whole-step-ab", "none"],
+        choices=["pyinstrument", "torch", "kernels", "perf", "whole-step-ab", "huge-pages-ab", "none"],
     )  # fmt: skip
     ap.add_argument(
         "--perf-fifo", default=None, help="--tool perf: perf record's control fifo (see profile_perf)"
@@ -214,7 +232,7 @@ def main() -> None:
     model = make_small_moe(args.cache_dir, args.dtype, args.shape)
     warm = 3
     native = args.native_decode == "on"
-    rounds = 15 if args.tool == "whole-step-ab" else 1
+    rounds = 15 if args.tool in ("whole-step-ab", "huge-pages-ab") else 1
     engine = prefilled_engine(
         model,
         args.dtype,
@@ -235,7 +253,8 @@ def main() -> None:
         profile_torch(engine, args.steps)
     elif args.tool == "kernels":
         profile_kernels(engine, args.steps)
-    elif args.tool == "whole-step-ab":
+    elif args.tool in ("whole-step-ab", "huge-pages-ab"):
+        huge_pages.ENABLED = args.tool == "whole-step-ab"  # the second engine's weights: 4 KiB pages
         other = prefilled_engine(
             model,
             args.dtype,
@@ -245,7 +264,7 @@ def main() -> None:
             native,
             args.quantization,
         )
-        whole_step_ab(engine, other, args.steps, rounds)
+        (whole_step_ab if args.tool == "whole-step-ab" else huge_pages_ab)(engine, other, args.steps, rounds)
     elif args.tool == "perf":
         if not args.perf_fifo:
             ap.error("--tool perf needs --perf-fifo (run under perf record -D -1 --control fifo:FIFO)")

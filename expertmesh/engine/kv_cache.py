@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from expertmesh.layers import huge_pages
 from expertmesh.registries import lookup
 
 log = logging.getLogger("expertmesh")
@@ -126,7 +127,12 @@ def allocate(
     for spec in dict.fromkeys(specs):
         layers = [i for i, s in enumerate(specs) if s == spec]
         shape = spec.layer_shape(num_blocks + 1, block_size)
-        whole = torch.zeros(len(layers), *shape, dtype=dtype, device=device)
+        size = (len(layers), *shape)
+        # On huge pages on the CPU: decode attention reads each sequence's blocks, scattered.
+        if device == "cpu":
+            whole = huge_pages.zeros(size, dtype)
+        else:
+            whole = torch.zeros(size, dtype=dtype, device=device)
         for j, i in enumerate(layers):
             out[i] = whole[j]
     return out

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.layers import cpu_gemm
+from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, read, set_loader
@@ -32,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = -(-vocab_size // tp)
         self.start = group.rank_in_group * self.shard
         self.rows = max(0, min(self.shard, vocab_size - self.start))  # real rows here; the rest pad
-        self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(huge_pages.zeros((self.shard, hidden), dtype), requires_grad=False)
         set_loader(self.weight, self._load)
 
     def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:

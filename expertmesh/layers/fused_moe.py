@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.distributed.moe_plan import local_slot_map
-from expertmesh.layers import cpu_gemm
+from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.quantization.packed import (
@@ -66,12 +66,9 @@ class FusedExperts(nn.Module):
         self.shard_rank, self.inter = shard_rank, intermediate // shard_size
         self.full_inter = intermediate
         e = len(self.expert_ids)
-        self.w13 = nn.Parameter(
-            torch.empty(e, 2 * self.inter, hidden, dtype=dtype), requires_grad=False
-        )  # [E,2I,H]
-        self.w2 = nn.Parameter(
-            torch.empty(e, hidden, self.inter, dtype=dtype), requires_grad=False
-        )  # [E,H,I]
+        # [E, 2I, H] and [E, H, I]
+        self.w13 = nn.Parameter(huge_pages.empty((e, 2 * self.inter, hidden), dtype), requires_grad=False)
+        self.w2 = nn.Parameter(huge_pages.empty((e, hidden, self.inter), dtype), requires_grad=False)
         local = local_slot_map(num_experts, self.expert_ids) if slot_map is None else slot_map.clone()
         self.register_buffer("local_index", local, persistent=False)  # global expert -> local slot or -1
         set_loader(self.w13, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.layers import cpu_gemm
+from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
@@ -30,7 +30,7 @@ class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.model_dtype = dtype  # its activations' (a held checkpoint's weight becomes its codes' dtype)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(huge_pages.empty((out_features, in_features), dtype), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )

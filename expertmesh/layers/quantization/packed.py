@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from expertmesh.layers import huge_pages
+
 KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3, "w8a8": 4, "w4a8": 5}
 ACTIVATIONS_QUANTIZED = ("w8a8", "w4a8")  # the kernels quantize the inputs to int8 per row and group
 NIBBLES = ("int4", "fp4")
@@ -223,7 +225,7 @@ class QuantizedWeight:
         if kind == "w4a8":
             panels = _octs(codes, group, lanes)
         s, m = _panels(scales.float(), lanes), _panels(offsets.float(), lanes)
-        return cls(kind, panels, s, m, out_f, in_f, group, lanes, kernels)
+        return cls(kind, huge_pages.adopt(panels), s, m, out_f, in_f, group, lanes, kernels)
 
     @property
     def nbytes(self) -> int:
@@ -340,7 +342,7 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
         and all(p._base is base and p.data_ptr() == base[e].data_ptr() for e, p in enumerate(parts))
     ):
         return base
-    return torch.stack(parts)
+    return torch.stack(parts, out=huge_pages.empty((len(parts), *parts[0].shape), parts[0].dtype))
 
 
 # Offsets all zero (MXFP4's, one tensor for every expert): one stack of zeros a shape serves every

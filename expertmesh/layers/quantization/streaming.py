@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from expertmesh.layers import huge_pages
 from expertmesh.layers.quantization.held import (
     HeldParam,
     HeldWeights,
@@ -69,7 +70,7 @@ class ExpertStacks:
             self.slots[e] = w
             return
         if self.stacks is None:
-            self.stacks = {a: torch.empty(self.experts, *getattr(w, a).shape, dtype=getattr(w, a).dtype)
+            self.stacks = {a: huge_pages.empty((self.experts, *getattr(w, a).shape), getattr(w, a).dtype)
                            for a in self.parts}  # fmt: skip
         views = {"offsets": w.offsets}
         for a, stack in self.stacks.items():
