@@ -16,9 +16,10 @@
  *
  * Top-k's order among equal scores is torch.topk's business, not ours: when two of a token's
  * k + 1 best scores are within a relative 1e-6 (a tie or a near-tie), the call stops before that
- * layer's MoE block and returns the layer's index, with x holding the attention's residual and
- * h_out the normed input of the MoE block; the caller runs that block with torch and calls again
- * from the next layer. Returns n_layers when every layer ran.
+ * layer's routed experts and returns the layer's index, with x holding the attention's residual
+ * and h_out the normed input of the MoE block; the caller routes the batch with torch (its router
+ * and topk) and calls again from that layer with the routing (route_slot [B, k] local experts,
+ * route_w [B, k] weights), which resumes at the experts. Returns n_layers when every layer ran.
  *
  * Every field is 8 bytes (int64, double or a pointer), so the ctypes mirror has no padding. */
 typedef void (*gemm_fn_t)(const void* x, const void* wp, void* y, int64_t M, int64_t O, int64_t I,
@@ -246,65 +247,85 @@ typedef struct {
     d->o_fn(att, d->o_w, o, B, Hd, H * D, d->o_bias, threads);                                   \
     residual_##SUFFIX(x, o, B * Hd, (float)d->residual_multiplier);                              \
   }                                                                                              \
-  /* 0 if the router needs torch (see above); h_out then holds the block's normed input. */     \
-  static int moe_block_##SUFFIX(const decode_layer_desc* d, const decode_step_meta* m, T* x,     \
-                                T* h_out, T* scratch, int threads) {                             \
+  /* The block's normed input into h_out and its routing into slot / w [B, k]; 0 if a token's  \
+   * routing needs torch.topk (see above). */                                                    \
+  static int moe_route_##SUFFIX(const decode_layer_desc* d, const decode_step_meta* m, const T* x, \
+                                T* h_out, T* scratch, int32_t* slot, float* w, int threads) {   \
     const int64_t B = m->tokens, Hd = d->hidden, E = d->experts, K = d->top_k;                   \
-    T *logits = scratch, *y = logits + B * E;                                                    \
-    float* f = (float*)malloc(sizeof(float) * (size_t)(B * (E + Hd + K) + E));                   \
-    int32_t* slot = (int32_t*)malloc(sizeof(int32_t) * (size_t)(B * K));                         \
-    float *lg = f, *out = lg + B * E, *w = out + B * Hd, *probs = w + B * K;                     \
+    T* logits = scratch;                                                                         \
+    float* f = (float*)malloc(sizeof(float) * (size_t)(B * E + E));                             \
+    float *lg = f, *probs = lg + B * E;                                                          \
     int ok = 1;                                                                                  \
     rms_norm_##SUFFIX(x, (const T*)d->post_norm, h_out, B, Hd, (float)d->eps, threads);          \
     d->router_fn(h_out, d->router_w, logits, B, E, Hd, d->router_bias, threads);                 \
     for (int64_t i = 0; i < B * E; i++) lg[i] = LOAD(logits[i]);                                 \
     for (int64_t t = 0; t < B && ok; t++)                                                        \
       ok = route_softmax_topk(lg + t * E, E, K, (int)d->renormalize, probs, w + t * K, slot + t * K); \
-    if (ok && m->count_load && d->load)                                                          \
-      for (int64_t q = 0; q < B * K; q++) d->load[slot[q]]++;                                    \
-    if (ok) {                                                                                    \
-      if (d->experts_fn)                                                                         \
-        d->experts_fn(h_out, B, Hd, slot, w, K, d->experts_w, E, d->inter, (int)d->act, out, threads); \
-      else                                                                                       \
-        moe_##SUFFIX(h_out, B, Hd, slot, w, K, d->w13, d->w2, E, d->inter, (int)d->act, out, threads); \
-      for (int64_t i = 0; i < B * Hd; i++) y[i] = STORE(out[i]);                                 \
-      residual_##SUFFIX(x, y, B * Hd, (float)d->residual_multiplier);                            \
-    }                                                                                            \
     free(f);                                                                                     \
-    free(slot);                                                                                  \
     return ok;                                                                                   \
   }                                                                                              \
+  /* The routed experts of h_out (routed by slot / w) added to x; the expert load counted. */     \
+  static void moe_experts_##SUFFIX(const decode_layer_desc* d, const decode_step_meta* m, T* x,  \
+                                   const T* h_out, T* scratch, const int32_t* slot, const float* w, \
+                                   int threads) {                                                \
+    const int64_t B = m->tokens, Hd = d->hidden, E = d->experts, K = d->top_k;                   \
+    T* y = scratch + B * E;                                                                      \
+    float* out = (float*)malloc(sizeof(float) * (size_t)(B * Hd + 1));                          \
+    if (m->count_load && d->load)                                                                \
+      for (int64_t q = 0; q < B * K; q++) d->load[slot[q]]++;                                    \
+    if (d->experts_fn)                                                                           \
+      d->experts_fn(h_out, B, Hd, slot, w, K, d->experts_w, E, d->inter, (int)d->act, out, threads); \
+    else                                                                                         \
+      moe_##SUFFIX(h_out, B, Hd, slot, w, K, d->w13, d->w2, E, d->inter, (int)d->act, out, threads); \
+    for (int64_t i = 0; i < B * Hd; i++) y[i] = STORE(out[i]);                                   \
+    residual_##SUFFIX(x, y, B * Hd, (float)d->residual_multiplier);                              \
+    free(out);                                                                                   \
+  }                                                                                              \
+  /* route_slot / route_w non-NULL: layers[0] resumes at its routed experts with that routing. */ \
   int64_t decode_layers_##SUFFIX(const decode_layer_desc* layers, int64_t n, const decode_step_meta* m, \
-                                 T* x, T* h_out, int threads) {                                  \
-    int64_t most = 0;                                                                            \
+                                 T* x, T* h_out, const int32_t* route_slot, const float* route_w, \
+                                 int threads) {                                                  \
+    int64_t most = 0, most_k = 1;                                                                \
     for (int64_t i = 0; i < n; i++) {                                                            \
       const decode_layer_desc* d = layers + i;                                                   \
       const int64_t a = 2 * d->hidden + (3 * d->heads + 4 * d->kv_heads) * d->head_dim;          \
       const int64_t b = d->experts + d->hidden;                                                  \
       most = a > most ? a : most;                                                                \
       most = b > most ? b : most;                                                                \
+      most_k = d->top_k > most_k ? d->top_k : most_k;                                            \
     }                                                                                            \
     T* scratch = (T*)malloc(sizeof(T) * (size_t)(m->tokens * most + 1));                         \
+    int32_t* slot = (int32_t*)malloc(sizeof(int32_t) * (size_t)(m->tokens * most_k));            \
+    float* w = (float*)malloc(sizeof(float) * (size_t)(m->tokens * most_k));                     \
     decode_step_meta local;                                                                      \
     void* rows;                                                                                  \
     m = rotary_rows(m, &local, &rows, sizeof(T));                                                \
     int64_t i = 0;                                                                               \
+    if (route_slot && n > 0) {                                                                   \
+      moe_experts_##SUFFIX(layers, m, x, h_out, scratch, route_slot, route_w, threads);          \
+      i = 1;                                                                                     \
+    }                                                                                            \
     for (; i < n; i++) {                                                                         \
       attention_block_##SUFFIX(layers + i, m, x, scratch, threads);                              \
-      if (!moe_block_##SUFFIX(layers + i, m, x, h_out, scratch, threads)) break;                 \
+      if (!moe_route_##SUFFIX(layers + i, m, x, h_out, scratch, slot, w, threads)) break;        \
+      moe_experts_##SUFFIX(layers + i, m, x, h_out, scratch, slot, w, threads);                  \
     }                                                                                            \
     free(scratch);                                                                               \
+    free(slot);                                                                                  \
+    free(w);                                                                                     \
     free(rows);                                                                                  \
     return i;                                                                                    \
   }                                                                                              \
   /* A whole decode step (decode_model_desc): from start == 0 the embedding, then the layers from \
-   * `start`; when they all ran, the final norm and the LM head: logits [B, vocab] float32.     \
-   * Returns n_layers when done, the index of a layer whose MoE block needs torch (as           \
-   * decode_layers), or -1 - t when token t's id is outside the embedding. */                  \
+   * `start` (resuming at its experts with route_slot / route_w, as decode_layers); when they   \
+   * all ran, the final norm and the LM head: logits [B, vocab] float32. Returns n_layers when  \
+   * done, the index of a layer whose routing needs torch (as decode_layers), or -1 - t when    \
+   * token t's id is outside the embedding. */                                                  \
   int64_t decode_model_##SUFFIX(const decode_model_desc* md, int64_t start, const decode_step_meta* m, \
-                                const int64_t* ids, T* x, T* h_out, float* logits, int threads) { \
+                                const int64_t* ids, T* x, T* h_out, const int32_t* route_slot,   \
+                                const float* route_w, float* logits, int threads) {              \
     const int64_t B = m->tokens, Hd = md->hidden, n = md->n_layers;                              \
-    if (start == 0) {                                                                            \
+    if (start == 0 && !route_slot) {                                                             \
       const float mul = (float)md->embed_multiplier;                                             \
       for (int64_t t = 0; t < B; t++) {                                                          \
         if (ids[t] < 0 || ids[t] >= md->embed_rows) return -1 - t;                               \
@@ -313,7 +334,8 @@ typedef struct {
           for (int64_t i = 0; i < Hd; i++) x[t * Hd + i] = STORE(LOAD(x[t * Hd + i]) * mul);      \
       }                                                                                          \
     }                                                                                            \
-    const int64_t done = start + decode_layers_##SUFFIX(md->layers + start, n - start, m, x, h_out, threads); \
+    const int64_t done =                                                                         \
+        start + decode_layers_##SUFFIX(md->layers + start, n - start, m, x, h_out, route_slot, route_w, threads); \
     if (done < n) return done;                                                                   \
     rms_norm_##SUFFIX(x, (const T*)md->norm, h_out, B, Hd, (float)md->norm_eps, threads);        \
     md->head_fn(h_out, md->head_w, logits, B, md->vocab, Hd, md->head_bias, threads);            \

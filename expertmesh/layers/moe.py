@@ -178,6 +178,13 @@ class MoE(nn.Module):
 
     _native_load: torch.Tensor | None = None
 
+    def native_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """routed()'s routing of x for a native decode layer (its experts all local, no dispatch):
+        slots [n, k] int32 and weights [n, k] float32; the native call counts the load."""
+        weights, ids = self.gate(x)
+        slots = self.to_slots(ids, 0).to(torch.int32).contiguous()
+        return slots, weights.to(torch.float32).contiguous()
+
     def native_now(self, ctx: ForwardContext) -> bool:
         """What may change after the descriptor was built: the load counters, EPLB's slots."""
         return self.load is self._native_load and self._modules["experts"].all_local  # not __getattr__

@@ -149,14 +149,14 @@ class NativeDecoder:
         name = "decode_layers_f32" if dtype == torch.float32 else "decode_layers_bf16"
         self.fn = getattr(kernels.lib, name)
         self.fn.restype = ctypes.c_int64
-        self.fn.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int]
+        self.fn.argtypes = [_P, _I, _P, _P, _P, _P, _P, ctypes.c_int]
         self.plan: list[tuple[Any, Any]] | None = None  # [(descriptor array or None, layers)]
         self.keep: list = []
         name = "decode_model_f32" if dtype == torch.float32 else "decode_model_bf16"
         self.model_fn = getattr(kernels.lib, name, None)  # None: an older build
         if self.model_fn is not None:
             self.model_fn.restype = ctypes.c_int64
-            self.model_fn.argtypes = [_P, _I, _P, _P, _P, _P, _P, ctypes.c_int]
+            self.model_fn.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
         self.model: ModelDesc | None | bool = None  # the whole-model descriptor; False: not eligible
 
     def reset(self) -> None:
@@ -217,7 +217,7 @@ class NativeDecoder:
 
     def run(self, layers: list, positions: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         """x [B, hidden] (updated in place) through every layer; torch for the non-native ones and
-        for a MoE block whose routing hit a (near-)tie (torch.topk decides its order)."""
+        for the routing of a MoE block that hit a (near-)tie (torch.topk decides its order)."""
         plan = self.plan if self.plan is not None else self.build(layers)
         m, held = self.step_meta(ctx, x.shape[0])
         h = torch.empty_like(x)
@@ -228,14 +228,14 @@ class NativeDecoder:
                     x = layer(positions, x, ctx)
                 xp = x.data_ptr()
                 continue
-            start, n = 0, len(group)
+            start, n, route = 0, len(group), (None, None)
             while start < n:
                 addr = ctypes.addressof(descs) + start * ctypes.sizeof(LayerDesc)
-                done = start + self.fn(addr, n - start, mp, xp, hp, threads)
+                done = start + self.fn(addr, n - start, mp, xp, hp, *route, threads)
                 if done == n:
                     break
-                x.add_(group[done].moe_block(h, ctx))  # the torch router for this layer's block
-                start = done + 1
+                routing = group[done].moe_routing(h)  # torch's router and topk for this layer's block
+                start, route = done, tuple(t.data_ptr() for t in routing)
         del held
         return x
 
@@ -287,13 +287,14 @@ class NativeDecoder:
         out = torch.empty(tokens, self.model.vocab, dtype=torch.float32)
         args = (ctypes.addressof(m), ids.data_ptr(), x.data_ptr(), h.data_ptr(), out.data_ptr())
         addr, start, threads = ctypes.addressof(self.model), 0, torch.get_num_threads()
-        while (done := self.model_fn(addr, start, *args, threads)) != len(layers):
+        routing, route = None, (None, None)
+        while (done := self.model_fn(addr, start, *args[:4], *route, args[4], threads)) != len(layers):
             if done < 0:
                 bad, rows = int(ids[-1 - done]), self.model.embed_rows
                 raise IndexError(f"token id {bad} is outside the embedding [0, {rows})")
-            x.add_(layers[done].moe_block(h, ctx))  # the torch router for this layer's block
-            start = done + 1
-        del held
+            routing = layers[done].moe_routing(h)  # torch's router and topk for this layer's block
+            start, route = done, tuple(t.data_ptr() for t in routing)
+        del held, routing
         return out
 
 

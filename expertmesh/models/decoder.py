@@ -179,10 +179,10 @@ class DecoderLayer(nn.Module):
     def native_now(self, ctx: ForwardContext) -> bool:
         return self._modules[self.mlp_name].native_now(ctx)  # every step: not Module.__getattr__
 
-    def moe_block(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The MoE block's scaled output for its normed input h (the native path's fallback)."""
-        y = getattr(self, self.mlp_name)(h, ctx)
-        return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
+    def moe_routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MoE block's routing of its normed input h by torch (the native path's fallback at a
+        routing near-tie): local expert slots [n, k] int32 and weights [n, k] float32."""
+        return self._modules[self.mlp_name].native_routing(h)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         y = self.self_attn(positions, self.input_layernorm(x), ctx)
