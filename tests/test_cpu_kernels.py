@@ -118,6 +118,8 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
         ([40], 4, 4, 128, None),  # batch 1 (heads split over threads), MHA, D=128
         ([33, 5, 64], 6, 2, 24, None),  # a head size the kernel does not specialise
         ([50, 10, 200], 8, 1, 64, 16),  # sliding window shorter and longer than contexts
+        ([5, 40, 17, 33], 32, 4, 64, None),  # 32 query heads in one task (the AVX-512 bf16 task's most)
+        ([20, 3], 64, 4, 128, None),  # more than it holds: the generic task
     ],
 )
 def test_paged_decode_matches_sdpa(kernels, dtype, lens, heads, kv_heads, head_dim, window):
