@@ -128,9 +128,12 @@ def allocate(
         layers = [i for i, s in enumerate(specs) if s == spec]
         shape = spec.layer_shape(num_blocks + 1, block_size)
         size = (len(layers), *shape)
-        # On huge pages on the CPU: decode attention reads each sequence's blocks, scattered.
+        # On huge pages on the CPU: decode attention reads each sequence's blocks, scattered. Touched
+        # now, as torch.zeros would: a huge page first written by a decode step is zeroed (2 MiB)
+        # inside that step; blocks handed out in scattered order faulted in 4.5 ms of a 28 ms
+        # float32 batch-32 step.
         if device == "cpu":
-            whole = huge_pages.zeros(size, dtype)
+            whole = huge_pages.zeros(size, dtype).zero_()
         else:
             whole = torch.zeros(size, dtype=dtype, device=device)
         for j, i in enumerate(layers):
