@@ -41,6 +41,35 @@ static inline void prefetch_kv_row(const void* cache, const int32_t* table, int6
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
 }
 
+/* A task's first KV_PF_TOKENS rows of K and V (its loops prefetch that far ahead of themselves). */
+static inline void prefetch_kv_first(const void* k_cache, const void* v_cache, const int32_t* table, int64_t first,
+                                     int64_t len, int64_t bs, int64_t row_bytes, int64_t offset, int64_t bytes) {
+  for (int64_t t = 0; t < KV_PF_TOKENS && KV_PF_INITIAL; t++) {
+    prefetch_kv_row(k_cache, table, first + t, len, bs, row_bytes, offset, bytes);
+    prefetch_kv_row(v_cache, table, first + t, len, bs, row_bytes, offset, bytes);
+  }
+}
+
+/* A decode task's nh score rows (`stride` apart, n scores each; row i is query head
+ * (h0 + i / ng) * G + g0 + i % ng) to their softmax probabilities; a head's sink, if any, joins
+ * the denominator only. */
+static inline void decode_softmax(float* scores, int64_t stride, int64_t nh, int64_t n, const float* sinks,
+                                  int64_t h0, int64_t G, int64_t g0, int64_t ng) {
+  for (int64_t i = 0; i < nh; i++) {
+    float* si = scores + i * stride;
+    const float sink = sinks ? sinks[(h0 + i / ng) * G + g0 + i % ng] : -INFINITY;
+    float m = sink, sum = 0.f;
+    for (int64_t t = 0; t < n; t++) m = si[t] > m ? si[t] : m;
+    _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {
+      si[t] = exp_vec(si[t] - m);
+      sum += si[t];
+    }
+    if (sinks) sum += exp_vec(sink - m);
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; t++) si[t] *= inv;
+  }
+}
+
 /* The AVX-512 decode task for bf16 caches, D = Dv (64, 128), up to DF_HEADS query heads a task:
  * the generic task below computes each score as its own dot product ending in a horizontal sum and
  * adds each token's value row into accumulators in memory (~45 cycles a token and head from the
@@ -93,10 +122,7 @@ static inline __m512 df_hsum16(const float* v) {
           qf[(hh * ng + g) * D + d] = LOAD_##SUFFIX(q[((h0 + hh) * G + g0 + g) * D + d]) * scale; \
     const int64_t row_bytes = row_stride * (int64_t)sizeof(T), head_off = h0 * D * (int64_t)sizeof(T); \
     const int64_t head_bytes = nkv * D * (int64_t)sizeof(T);                                      \
-    for (int64_t t = 0; t < KV_PF_TOKENS && KV_PF_INITIAL; t++) {                                 \
-      prefetch_kv_row(k_cache, table, first + t, len, bs, row_bytes, head_off, head_bytes);       \
-      prefetch_kv_row(v_cache, table, first + t, len, bs, row_bytes, head_off, head_bytes);       \
-    }                                                                                             \
+    prefetch_kv_first(k_cache, v_cache, table, first, len, bs, row_bytes, head_off, head_bytes);  \
     /* scores: 16 tokens at a time, each token's K row read once for all the task's heads */     \
     int64_t blk = first / bs, off = first % bs;                                                   \
     for (int64_t t0 = 0; t0 < n; t0 += 16) {                                                      \
@@ -122,19 +148,7 @@ static inline __m512 df_hsum16(const float* v) {
       }                                                                                           \
       for (int64_t i = 0; i < nh; i++) _mm512_storeu_ps(scores + i * sn + t0, df_hsum16(part[i])); \
     }                                                                                             \
-    for (int64_t i = 0; i < nh; i++) {                                                            \
-      float* si = scores + i * sn;                                                                \
-      const float sink = sinks ? sinks[(h0 + i / ng) * G + g0 + i % ng] : -INFINITY;              \
-      float m = sink, sum = 0.f;                                                                  \
-      for (int64_t t = 0; t < n; t++) m = si[t] > m ? si[t] : m;                                  \
-      _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {                    \
-        si[t] = exp_vec(si[t] - m);                                                               \
-        sum += si[t];                                                                             \
-      }                                                                                           \
-      if (sinks) sum += exp_vec(sink - m);                                                        \
-      const float inv = 1.f / sum;                                                                \
-      for (int64_t t = 0; t < n; t++) si[t] *= inv;                                               \
-    }                                                                                             \
+    decode_softmax(scores, sn, nh, n, sinks, h0, G, g0, ng);                                      \
     /* values: the task's query heads (i = hh * ng + g) in passes of as many as 24 accumulator  \
      * vectors hold, each pass once over the tokens, a V row's part widened once per KV head */   \
     const int64_t per_pass = 24 / NC;                                                             \
@@ -211,11 +225,7 @@ DEFINE_DECODE_FAST(bf16, bf16_t, df_row_bf16, f32_to_bf16)
     /* This task's part of a token's row (its KV heads), in bytes, for the prefetches. */       \
     const int64_t row_bytes = row_stride * (int64_t)sizeof(T), head_off = h0 * D * (int64_t)sizeof(T); \
     const int64_t head_bytes = nkv * D * (int64_t)sizeof(T);                                     \
-    /* The first rows of K and V: the loops below prefetch KV_PF_TOKENS ahead of themselves. */ \
-    for (int64_t t = 0; t < KV_PF_TOKENS && KV_PF_INITIAL; t++) {                                \
-      prefetch_kv_row(k_cache, table, first + t, len, bs, row_bytes, head_off, head_bytes);      \
-      prefetch_kv_row(v_cache, table, first + t, len, bs, row_bytes, head_off, head_bytes);      \
-    }                                                                                            \
+    prefetch_kv_first(k_cache, v_cache, table, first, len, bs, row_bytes, head_off, head_bytes); \
     /* Token runs within one block: no division per token. */                                   \
     for (int64_t t = 0; t < n;) {                                                                \
       const int64_t pos = first + t, off = pos % bs;                                             \
@@ -235,19 +245,7 @@ DEFINE_DECODE_FAST(bf16, bf16_t, df_row_bf16, f32_to_bf16)
       }                                                                                          \
       t += run;                                                                                  \
     }                                                                                            \
-    for (int64_t i = 0; i < nh; i++) {                                                           \
-      float* si = scores + i * n;                                                                \
-      const float sink = sinks ? sinks[(h0 + i / ng) * G + g0 + i % ng] : -INFINITY;             \
-      float m = sink, sum = 0.f;                                                                 \
-      for (int64_t t = 0; t < n; t++) m = si[t] > m ? si[t] : m;                                 \
-      _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {                   \
-        si[t] = exp_vec(si[t] - m);                                                              \
-        sum += si[t];                                                                            \
-      }                                                                                          \
-      if (sinks) sum += exp_vec(sink - m);                                                       \
-      const float inv = 1.f / sum;                                                               \
-      for (int64_t t = 0; t < n; t++) si[t] *= inv;                                              \
-    }                                                                                            \
+    decode_softmax(scores, n, nh, n, sinks, h0, G, g0, ng);                                      \
     memset(acc, 0, sizeof(float) * (size_t)(nh * Dv));                                          \
     for (int64_t t = 0; t < n;) {                                                                \
       const int64_t pos = first + t, off = pos % bs;                                             \
