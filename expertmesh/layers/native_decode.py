@@ -265,7 +265,7 @@ class NativeDecoder:
 
     def logits(self, model: Any, head: Any, ids: torch.Tensor, positions: torch.Tensor, ctx: Any):
         """float32 logits [B, vocab] of a decode-only step, every row, in one native call (with a
-        torch MoE block between calls where routing hit a near-tie); None where it does not serve:
+        torch routing between calls where a layer's routing hit a near-tie); None where it does not serve:
         then the caller runs the model's forward."""
         if self.model_fn is None or not self.serves(ctx):
             return None
