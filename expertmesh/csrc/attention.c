@@ -41,6 +41,14 @@ static inline void prefetch_kv_row(const void* cache, const int32_t* table, int6
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
 }
 
+/* The first key a query at position p sees: the last `window` keys (window > 0), within p's
+ * `chunk` (chunk > 0). Decode tasks (p = len - 1) and prefill tasks share it. */
+static inline int64_t pf_first_key(int64_t p, int64_t window, int64_t chunk) {
+  int64_t first = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
+  if (chunk > 0 && p / chunk * chunk > first) first = p / chunk * chunk;
+  return first;
+}
+
 /* A task's first KV_PF_TOKENS rows of K and V (its loops prefetch that far ahead of themselves). */
 static inline void prefetch_kv_first(const void* k_cache, const void* v_cache, const int32_t* table, int64_t first,
                                      int64_t len, int64_t bs, int64_t row_bytes, int64_t offset, int64_t bytes) {
@@ -109,8 +117,7 @@ static inline __m512 df_hsum16(const float* v) {
     enum { NC_MAX = 8 };                                                                          \
     const int64_t G = H / Hk, ng = g1 - g0, nkv = h1 - h0, nh = nkv * ng, row_stride = Hk * D;    \
     const int64_t NC = D / 16;                                                                    \
-    int64_t first = (window > 0 && len > window) ? len - window : 0;                              \
-    if (chunk > 0 && (len - 1) / chunk * chunk > first) first = (len - 1) / chunk * chunk;        \
+    const int64_t first = pf_first_key(len - 1, window, chunk);                                   \
     const int64_t n = len - first;                                                                \
     float* qf = work;            /* [nh, D] */                                                    \
     float* scores = qf + nh * D; /* [nh, n + 16] */                                               \
@@ -211,8 +218,7 @@ DEFINE_DECODE_FAST(bf16, bf16_t, df_row_bf16, f32_to_bf16)
       const int64_t D, const int64_t Dv, int64_t bs, float scale, int64_t window, int64_t chunk, \
       const float* sinks, float* work) {                                                         \
     const int64_t G = H / Hk, ng = g1 - g0, nkv = h1 - h0, nh = nkv * ng, row_stride = Hk * D;   \
-    int64_t first = (window > 0 && len > window) ? len - window : 0;                             \
-    if (chunk > 0 && (len - 1) / chunk * chunk > first) first = (len - 1) / chunk * chunk;       \
+    const int64_t first = pf_first_key(len - 1, window, chunk);                                  \
     const int64_t n = len - first;                                                               \
     float* qf = work;                   /* [nh, D] */                                            \
     float* acc = qf + nh * D;           /* [nh, Dv] */                                           \
@@ -403,12 +409,6 @@ typedef float pf_vu __attribute__((vector_size(PF_LANES * 4), aligned(4)));
 #else
 #define PF_IN_REGISTER(x) (void)0
 #endif
-
-static inline int64_t pf_first_key(int64_t p, int64_t window, int64_t chunk) {
-  int64_t first = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
-  if (chunk > 0 && p / chunk * chunk > first) first = p / chunk * chunk;
-  return first;
-}
 
 /* PF_NQ query vectors at a time, each against 4 vectors of keys (scores) or of D (values): AVX2's
  * 16 registers hold 3 x 4 accumulators, a loaded vector and a broadcast; AVX-512's 32 hold 6 x 4
