@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, of {list(RUNS)}")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="the checkpoint's (and so our activations'); llama.cpp's GGUFs are made from it",
+    )  # fmt: skip
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--llama-converter", default=throughput.LLAMA_CONVERTER)
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
@@ -87,7 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown runs {unknown}; known: {list(RUNS)}")
     if any(RUNS[r][0] == "llama.cpp" for r in args.runs) and not args.llama_python:
         ap.error("llama.cpp runs need --llama-python")
-    args.dtype = "float32"
+    floats = [r for r in args.runs if RUNS[r][1] in (None, "f32")]
+    if args.dtype != "float32" and floats:
+        ap.error(f"{floats} are float32 runs; with --dtype {args.dtype} compare floats with throughput.py")
     return args
 
 
@@ -115,12 +121,12 @@ def gguf(args: argparse.Namespace, model: str, kind: str) -> str:
     return str(out)
 
 
-def weight_mb_per_token(shape: roofline.MoEShape, per_weight: float, head: float) -> float:
+def weight_mb_per_token(shape: roofline.MoEShape, per_weight: float, head: float, floats: float = 4) -> float:
     """Weights read by one batch-1 decode step: the quantized matmuls at `per_weight` bytes, the LM
-    head at `head`, the router, norms and embedding row in float32."""
+    head at `head`, the router, norms and embedding row at `floats` bytes."""
     quantized = shape.layers * (shape.attn_params + shape.top_k * shape.expert_params)
     rest = shape.layers * (shape.hidden * shape.experts + 2 * shape.hidden) + shape.hidden
-    return (quantized * per_weight + shape.vocab * shape.hidden * head + rest * 4) / 1e6
+    return (quantized * per_weight + shape.vocab * shape.hidden * head + rest * floats) / 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         engine, fmt, per_weight, head = RUNS[run]
         both = native is not None and args.native_decode == "both"
         name = f"{run} native-{'on' if native else 'off'}" if both else run
-        sizes[name] = weight_mb_per_token(shape, per_weight, head)
+        floats = 2.0 if args.dtype == "bfloat16" and engine == "expertmesh" else 4.0  # our float parts
+        sizes[name] = weight_mb_per_token(shape, per_weight, min(head, floats), floats)
         run_spec = dict(spec)
         if native is not None:
             run_spec["native_decode"] = native

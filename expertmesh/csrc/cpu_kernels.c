@@ -15,6 +15,7 @@
  *   bf16_pairs.c       bf16 pair products (AVX512-BF16) and the AVX2 bf16 experts plan
  *   quant.c            weight-only quantized codes (int8, uint4, fp8, fp4), dequantized in registers
  *   quant_a8.c         int8 / int4 weights with int8 activations (W8A8, W4A8)
+ *   quant_bf16.c       uint4 weights with activations rounded to bf16, on bf16 pairs (kind 6)
  *   quant_dispatch.c   gemm_q / moe_q: the quantized entry points over the tiles above
  *   decode_layers.c    decode steps: whole decoder layers in one call
  */
@@ -28,5 +29,6 @@
 #include "bf16_pairs.c"
 #include "quant.c"
 #include "quant_a8.c"
+#include "quant_bf16.c"
 #include "quant_dispatch.c"
 #include "decode_layers.c"

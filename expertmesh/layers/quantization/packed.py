@@ -23,9 +23,19 @@ import torch.nn.functional as F
 from expertmesh.layers import huge_pages
 
 KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3, "w8a8": 4, "w4a8": 5}
+INT4_BF16 = 6  # uint4 codes (int4's) against activations rounded to bf16 (product_kind)
 ACTIVATIONS_QUANTIZED = ("w8a8", "w4a8")  # the kernels quantize the inputs to int8 per row and group
 NIBBLES = ("int4", "fp4")
 FP8_MAX = 448.0
+
+
+def product_kind(kind: str, dtype: torch.dtype, kernels: Any) -> int:
+    """gemm_q / moe_q's code kind for weights of `kind` times activations of `dtype`: a bf16 model's
+    int4 on bf16 pairs (kind 6: the inputs rounded to bf16, as its torch layers round them; the
+    scale and offset folded in once a group) where the build has them, else the kind's own."""
+    if kind == "int4" and dtype == torch.bfloat16 and getattr(kernels, "int4_bf16_pairs", False):
+        return INT4_BF16
+    return KINDS[kind]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -264,8 +274,9 @@ class QuantizedWeight:
         else:
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             if x2.shape[0]:
+                kind = product_kind(self.kind, x.dtype, self.kernels)
                 self.kernels.lib.gemm_q(
-                    KINDS[self.kind], x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
+                    kind, x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
                     self.offsets.data_ptr(), self.group, y.data_ptr(), x2.shape[0], self.out_features,
                     self.in_features, None if b is None else b.data_ptr(), torch.get_num_threads(),
                 )  # fmt: skip
@@ -287,7 +298,7 @@ class QuantizedWeight:
         if fn is None:
             return None
         desc = nd.QWeightDesc(
-            KINDS[self.kind],
+            product_kind(self.kind, dtype, self.kernels),
             self.codes.data_ptr(),
             self.scales.data_ptr(),
             self.offsets.data_ptr(),
@@ -369,7 +380,11 @@ def experts_native_form(kernels: Any, w13: QuantizedExperts, w2: QuantizedExpert
         return None
     t13, t2 = (w13.codes, w13.scales, w13.offsets), (w2.codes, w2.scales, w2.offsets)
     desc = nd.QExpertsDesc(
-        KINDS[w13.kind], *(t.data_ptr() for t in t13), w13.group, *(t.data_ptr() for t in t2), w2.group
+        product_kind(w13.kind, dtype, kernels),
+        *(t.data_ptr() for t in t13),
+        w13.group,
+        *(t.data_ptr() for t in t2),
+        w2.group,
     )
     keep += [w13, w2]
     return {"experts_fn": fn, "experts_w": nd.held_struct(keep, desc)}
@@ -398,9 +413,9 @@ class QuantizedMoE:
         xf = x.to(torch.float32).contiguous()
         slot, weights = slot.contiguous(), weights.to(torch.float32).contiguous()
         out = torch.empty(n, hidden, dtype=torch.float32)
-        lib = self.kernels.lib
+        lib, kind = self.kernels.lib, product_kind(w13.kind, x.dtype, self.kernels)
         head = (
-            KINDS[w13.kind], xf.data_ptr(), n, hidden, slot.data_ptr(), weights.data_ptr(), slot.shape[1],
+            kind, xf.data_ptr(), n, hidden, slot.data_ptr(), weights.data_ptr(), slot.shape[1],
             w13.codes.data_ptr(), w13.scales.data_ptr(), w13.offsets.data_ptr(), w13.group,
             w2.codes.data_ptr(), w2.scales.data_ptr(), w2.offsets.data_ptr(), w2.group,
             w13.codes.shape[0], inter, self.kernels.MOE_Q_ACTIVATIONS[act],

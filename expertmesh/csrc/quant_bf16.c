@@ -1,0 +1,178 @@
+/* Part of cpu_kernels.c (one translation unit; see its list): uint4 codes against activations rounded to bf16 (kind 6), by bf16 pair products. */
+
+/* ---- kind 6: uint4 weights (kind 1's codes, scales and offsets) times bf16 activations ----------
+ * A bf16 model's layers take bf16 inputs (the torch path rounds every activation to bf16), so its
+ * int4 products can run on AVX512-BF16 pairs: a uint4 code (0..15) is exact in bf16, and vdpbf16ps
+ * multiplies 32 code / input pairs into 16 float32 lanes at once, where the weight-only tiles (kind 1)
+ * rebuild W = code * s + m in float32 and spend one FMA of 16 products a row on it. Per group of gs
+ * inputs the scale and offset fold in once, exactly as the algebra says:
+ *     y += s * sum(code * x) + m * sum(x)          (sums over the group; bf16 x, float32 sums)
+ * so the only rounding beyond kind 1's is the inputs' to bf16 (which a bf16 model's torch path also
+ * does; inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts
+ * round theirs). At one row (decode, bound by memory) kind 1's one-row kernels take the rounded
+ * inputs. Kind 6 needs AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the Python side
+ * keeps kind 1, and a kind-6 call here runs kind 1 on the rounded inputs. */
+#define Q_KIND_B4 6
+#if LANES == 16 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define QB_TILES 1
+#else
+#define QB_TILES 0
+#endif
+
+/* Rows a pair tile takes out of `left`: at most QB_ROWS, the rows split evenly (32: 4 x 8; 13: 7 + 6). */
+#define QB_ROWS 8
+static inline int qb_tile_rows(int64_t left) {
+  const int64_t tiles = (left + QB_ROWS - 1) / QB_ROWS;
+  return (int)((left + tiles - 1) / tiles);
+}
+
+/* Pairs a row holds in qb_layout: group g's inputs as ceil(len / 2) pairs from pair g * ceil(gs / 2)
+ * (a pair never straddles two groups; an odd group's last pair has a zero second input). */
+static inline int64_t qb_pairs(int64_t I, int64_t gs) {
+  const int64_t G = (I + gs - 1) / gs, last = I - (G - 1) * gs;
+  return (G - 1) * ((gs + 1) / 2) + (last + 1) / 2;
+}
+
+/* x rounded to bf16 values (float32 storage), rows [r0, r1) of [rows, I], in place. */
+static void qb_round_rows(float* x, int64_t I, int64_t r0, int64_t r1) {
+  for (int64_t i = r0 * I; i < r1 * I; i++) x[i] = bf16_to_f32(f32_to_bf16_vec(x[i]));
+}
+
+/* Rows [r0, r1) of x (already bf16 values) as the tiles read them: a tile of n rows from row r
+ * (qb_tile_rows) stored [pair][n] at xp + r * qb_pairs(I, gs), a pair the
+ * two bf16 inputs in one 32-bit word (the first in the low half); xsum[r * G + g] the group sums. */
+static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t r1, uint32_t* xp, float* xsum) {
+  const int64_t G = (I + gs - 1) / gs, PI = qb_pairs(I, gs), h = (gs + 1) / 2;
+  for (int64_t r = r0; r < r1;) {
+    const int n = qb_tile_rows(r1 - r);
+    for (int t = 0; t < n; t++) {
+      const float* xr = x + (r + t) * I;
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;
+        float s = 0.f;
+        for (int64_t i = i0; i < i1; i += 2) {
+          const bf16_t a = f32_to_bf16(xr[i]), b = i + 1 < i1 ? f32_to_bf16(xr[i + 1]) : 0;
+          xp[r * PI + (g * h + (i - i0) / 2) * n + t] = (uint32_t)a | (uint32_t)b << 16;
+          s += bf16_to_f32(a) + bf16_to_f32(b);
+        }
+        xsum[(r + t) * G + g] = s;
+      }
+    }
+    r += n;
+  }
+}
+
+#if QB_TILES
+/* Accumulators a tile keeps (rows x panels); the group's products are folded into y, so only these
+ * live in registers with the decode's constants. */
+#define QB_ACC 16
+/* Panels a tile of n rows takes: 4 up to 4 rows, 2 for 5-8 (a divisor of NQ1; 10-16 independent
+ * vdpbf16ps chains cover its latency, and they, the decode's constants and two decoded panels fit
+ * the 32 registers: 11-row tiles of 2 panels spilled and ran at 0.6-0.7x kind 1). */
+#define QB_NPC(n) ((n) <= 4 ? 4 : 2)
+
+/* Inputs i and i + 1 of one panel (16 bytes of codes: input i's 16 nibbles, lane 2j in the low nibble
+ * of byte j, then input i + 1's) as 16 bf16 pairs, lane l = (code(l, i), code(l, i + 1)): one byte
+ * permute into the low byte of each word (the high byte zeroed by the mask), a per-word shift by 0 or
+ * 4, and a word permute through the table of bf16(0..15) (indexed by the low 5 bits: the table is
+ * repeated, so the other nibble's bit 4 does not matter). `odd`: input i only (the row's last). */
+static inline __m512i qb_decode(const uint8_t* p, int odd) {
+  const __m128i b = odd ? _mm_maskz_loadu_epi8(0x00ff, p) : _mm_loadu_si128((const __m128i*)p);
+  /* word w: lane w / 2, input w % 2 -> source byte (w % 2) * 8 + w / 4, shift 4 * (w / 2 % 2) */
+  const __m512i perm = _mm512_set_epi8(
+      0, 15, 0, 7, 0, 15, 0, 7, 0, 14, 0, 6, 0, 14, 0, 6, 0, 13, 0, 5, 0, 13, 0, 5, 0, 12, 0, 4, 0, 12, 0, 4,
+      0, 11, 0, 3, 0, 11, 0, 3, 0, 10, 0, 2, 0, 10, 0, 2, 0, 9, 0, 1, 0, 9, 0, 1, 0, 8, 0, 0, 0, 8, 0, 0);
+  const __m512i shift = _mm512_set_epi16(4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0,
+                                         4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0);
+  const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+                                         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+  const __m512i w = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, perm, _mm512_broadcast_i32x4(b));
+  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(w, shift), table);
+}
+
+/* Rows x npc panels from panel p0: y[r, o] = bias + sum over groups of s * sum(code * x) + m * xsum.
+ * xp: the tile's pairs [pair][rows]; xsum: [rows, G]. */
+static inline __attribute__((always_inline)) void qb_body(const uint32_t* xp, const float* xsum, int64_t I,
+                                                          int64_t gs, const uint8_t* qp, const float* sp,
+                                                          const float* mp, float* y, int64_t O, int64_t p0,
+                                                          const int npc, const int rows, const float* bias) {
+  const int64_t G = (I + gs - 1) / gs, h = (gs + 1) / 2, pb = I * (LANES / 2);
+  __mmask16 lanes[4];
+  for (int j = 0; j < npc; j++) {
+    const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
+    lanes[j] = (__mmask16)((1u << n) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes[j], bias + o) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * O + o, lanes[j], b);
+  }
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;
+    __m512 acc[QB_ACC];
+    for (int a = 0; a < rows * npc; a++) acc[a] = _mm512_setzero_ps();
+    const uint32_t* xg = xp + g * h * rows;
+    for (int64_t i = i0; i < i1; i += 2) {
+      const int odd = i + 1 == i1;
+      __m512i wv[4];
+      for (int j = 0; j < npc; j++) wv[j] = qb_decode(qp + (p0 + j) * pb + i * (LANES / 2), odd);
+      const uint32_t* xi = xg + (i - i0) / 2 * rows;
+      for (int r = 0; r < rows; r++) {
+        const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xi[r]);
+        for (int j = 0; j < npc; j++) acc[r * npc + j] = _mm512_dpbf16_ps(acc[r * npc + j], (__m512bh)wv[j], xs);
+      }
+    }
+    for (int j = 0; j < npc; j++) {
+      const __m512 s = _mm512_loadu_ps(sp + ((p0 + j) * G + g) * LANES);
+      const __m512 m = _mm512_loadu_ps(mp + ((p0 + j) * G + g) * LANES);
+      const int64_t o = (p0 + j) * LANES;
+      for (int r = 0; r < rows; r++) {
+        float* yr = y + r * O + o;
+        __m512 v = _mm512_maskz_loadu_ps(lanes[j], yr);
+        v = _mm512_fmadd_ps(s, acc[r * npc + j], v);
+        v = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), v);
+        _mm512_mask_storeu_ps(yr, lanes[j], v);
+      }
+    }
+  }
+}
+
+/* the matrix's last panels, fewer than a tile's width: one generic body */
+static __attribute__((noinline)) void qb_tail(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs,
+                                              const uint8_t* qp, const float* sp, const float* mp, float* y,
+                                              int64_t O, int64_t p0, int npc, int rows, const float* bias) {
+  qb_body(xp, xsum, I, gs, qp, sp, mp, y, O, p0, npc, rows, bias);
+}
+
+#define QB_CASE(n)                                                                      \
+  case n:                                                                               \
+    qb_body(xr, sr, I, gs, qp, sp, mp, yr, O, p, QB_NPC(n), n, bias);                   \
+    break;
+
+/* Rows [r0, r1) against panels [p0, q1), x in qb_layout's form (xp, xsum). */
+static void qb_tiles(const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp, const float* sp,
+                     const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1, int64_t r0,
+                     int64_t r1, const float* bias) {
+  const int64_t G = (I + gs - 1) / gs, PI = qb_pairs(I, gs);
+  for (int64_t r = r0; r < r1;) {
+    const int n = qb_tile_rows(r1 - r);
+    const uint32_t* xr = xp + r * PI;
+    const float* sr = xsum + r * G;
+    float* yr = y + r * O;
+    for (int64_t p = p0; p < q1; p += QB_NPC(n)) {
+      if (q1 - p < QB_NPC(n)) {
+        qb_tail(xr, sr, I, gs, qp, sp, mp, yr, O, p, (int)(q1 - p), n, bias);
+        continue;
+      }
+      switch (n) {
+        QB_CASE(1) QB_CASE(2) QB_CASE(3) QB_CASE(4) QB_CASE(5) QB_CASE(6) QB_CASE(7) QB_CASE(8)
+        default: break;
+      }
+    }
+    r += n;
+  }
+}
+#undef QB_CASE
+#endif
+
+/* 1 where kind 6 runs on bf16 pairs (the Python side picks it for bf16 activations only then). */
+int64_t q_bf16_tiles(void) { return QB_TILES; }

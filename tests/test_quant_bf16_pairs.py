@@ -1,0 +1,160 @@
+"""A bf16 model's int4 products on bf16 pairs (csrc/quant_bf16.c, code kind 6).
+
+The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 codes times a pair
+of inputs is one vdpbf16ps lane (exact products, float32 sums), and a group's scale and offset fold
+in once: y = bias + sum over groups of s * sum(code * x) + m * sum(x). Every row count (the pair
+tiles from 2 rows, up to 8 rows a tile; 1 row: kind 1's one-row kernels on the rounded inputs)
+against float64 on the dequantized weight; rows do not depend on the batch from 2 rows; groups and
+rows of odd length (a pair with a zero second input); the routed experts with 0-50 rows each, the
+activated intermediate rounded to bf16 as torch's bf16 experts round theirs; and a build without the
+pair tiles (kind 6 there: kind 1 on the rounded inputs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertmesh.layers import cpu_kernels
+from expertmesh.layers.quantization.packed import (
+    INT4_BF16,
+    KINDS,
+    QuantizedExperts,
+    QuantizedMoE,
+    QuantizedWeight,
+    product_kind,
+)
+
+ROWS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 33, 49]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.skip("no C compiler")
+    if not k.int4_bf16_pairs:
+        pytest.skip("this CPU has no AVX512-BF16 / VBMI: kind 6 runs as kind 1 (test_without_the_pair_tiles)")
+    return k
+
+
+def test_the_kind_follows_the_activations(kernels):
+    assert product_kind("int4", torch.bfloat16, kernels) == INT4_BF16
+    assert product_kind("int4", torch.float32, kernels) == KINDS["int4"]
+    assert product_kind("int8", torch.bfloat16, kernels) == KINDS["int8"]  # int4 codes only
+    assert product_kind("int4", torch.bfloat16, None) == KINDS["int4"]  # the torch fallback
+    assert kernels.quant_kinds[INT4_BF16] == "int4-bf16"
+
+
+@pytest.mark.parametrize(
+    "out_f,in_f,group",
+    [
+        (203, 200, 32),  # 13 panels a span ... a 2-panel tail, a partial last panel and group
+        (203, 200, 128),
+        (96, 200, 0),  # one group a row (per-channel)
+        (40, 71, 71),  # odd rows: the last pair has no second input
+        (40, 66, 33),  # odd groups: each group's last pair alone
+    ],
+)
+def test_every_row_count_matches_and_rows_do_not_depend_on_the_batch(kernels, out_f, in_f, group):
+    g = torch.Generator().manual_seed(7)
+    w = QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * in_f**-0.5, "int4", group, kernels)
+    dense = w.dequantize().double()
+    b = torch.randn(out_f, generator=g)
+    x_all = torch.randn(max(ROWS), in_f, generator=g).bfloat16()
+    y_all = w(x_all, b, out_dtype=torch.float32)
+    for m in ROWS:
+        got = w(x_all[:m], b, out_dtype=torch.float32)
+        want = (x_all[:m].double() @ dense.T + b.double()).float()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if m >= 2:
+            assert torch.equal(got, y_all[:m]), m
+
+
+def test_float32_inputs_are_rounded_to_bf16(kernels):
+    """Kind 6 given float32 inputs (gemm_q directly) computes with them rounded to bf16 values."""
+    g = torch.Generator().manual_seed(3)
+    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), "int4", 32, kernels)
+    x = torch.randn(5, 96, generator=g)
+    y = torch.empty(5, 64)
+    kernels.lib.gemm_q(
+        INT4_BF16, x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), 32,
+        y.data_ptr(), 5, 64, 96, None, 1,
+    )  # fmt: skip
+    rounded = x.bfloat16().double() @ w.dequantize().double().T
+    torch.testing.assert_close(y, rounded.float(), rtol=1e-5, atol=1e-5)
+    assert (y.double() - x.double() @ w.dequantize().double().T).abs().max() > 1e-4  # it did round
+
+
+def _int4(out_f: int, in_f: int, group: int, kernels, g) -> QuantizedWeight:
+    """int4 weights scaled as a model's (outputs of order 1)."""
+    return QuantizedWeight.quantize(
+        torch.randn(out_f, in_f, generator=g) * in_f**-0.5, "int4", group, kernels
+    )
+
+
+def _moe_reference_bf16(x, slot, weights, w13, w2, inter):
+    """moe_reference with the intermediate rounded to bf16 before the down projection."""
+    ref = torch.zeros(x.shape[0], w2[0].out_features, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(slot.shape[1]):
+            s = int(slot[t, j])
+            h = x[t].double() @ w13[s].dequantize().double().T
+            a = (torch.nn.functional.silu(h[:inter].float()) * h[inter:].float()).bfloat16().double()
+            ref[t] += weights[t, j].double() * (a @ w2[s].dequantize().double().T)
+    return ref.float()
+
+
+@pytest.mark.parametrize(
+    "k,counts",
+    [(2, [0, 1, 2, 3, 5, 8, 12, 14, 23]), (1, [4, 0, 7, 50, 1, 9, 0, 11, 2])],
+)
+def test_routed_experts_every_row_count_per_expert(kernels, k, counts):
+    """Experts receiving 0-50 rows each, hidden 100 and inter 52 (w13: a span and a tail of 5 panels),
+    groups of 32 and 16; bf16 tokens, the intermediate rounded to bf16."""
+    g = torch.Generator().manual_seed(5)
+    e, hidden, inter = len(counts), 100, 52
+    w13 = [_int4(2 * inter, hidden, 32, kernels, g) for _ in range(e)]
+    w2 = [_int4(hidden, inter, 16, kernels, g) for _ in range(e)]
+    slots = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    n = len(slots) // k
+    slot = slots.view(k, n).t()[torch.randperm(n, generator=g)].to(torch.int32).contiguous()
+    x, weights = torch.randn(n, hidden, generator=g).bfloat16(), torch.rand(n, k, generator=g)
+    out = QuantizedMoE(kernels).moe(
+        x, slot, weights, QuantizedExperts.stack(w13), QuantizedExperts.stack(w2), inter, "silu"
+    )
+    ref = _moe_reference_bf16(x, slot, weights, w13, w2, inter)
+    # the intermediate's rounding sits where float32 sums of different order can round it either
+    # way: a few values one bf16 step apart, so a bf16 step's scale on the outputs
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+    assert (out - ref).abs().mean() < 1e-4
+
+
+def test_without_the_pair_tiles(generic_kernels, monkeypatch):
+    """A build without them (here -mno-avx512f) reports none, and kind 6 there is kind 1 on the
+    inputs rounded to bf16: in gemm_q bit for bit, in moe_q the intermediate rounded too."""
+    k = generic_kernels
+    assert not k.int4_bf16_pairs and product_kind("int4", torch.bfloat16, k) == KINDS["int4"]
+    g = torch.Generator().manual_seed(9)
+    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), "int4", 32, k)
+    for m in (1, 2, 9):
+        x = torch.randn(m, 96, generator=g)
+        y6, y1 = torch.empty(m, 64), torch.empty(m, 64)
+        for kind, y, xin in ((INT4_BF16, y6, x), (KINDS["int4"], y1, x.bfloat16().float())):
+            k.lib.gemm_q(
+                kind, xin.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), 32,
+                y.data_ptr(), m, 64, 96, None, 1,
+            )  # fmt: skip
+        assert torch.equal(y6, y1), m
+    monkeypatch.setattr(k, "int4_bf16_pairs", True)  # so QuantizedMoE sends kind 6 to this build
+    e, hidden, inter = 3, 48, 40
+    w13 = [_int4(2 * inter, hidden, 16, k, g) for _ in range(e)]
+    w2 = [_int4(hidden, inter, 8, k, g) for _ in range(e)]
+    slot = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1]], dtype=torch.int32)
+    x, weights = torch.randn(5, hidden, generator=g).bfloat16(), torch.rand(5, 2, generator=g)
+    out = QuantizedMoE(k).moe(
+        x, slot, weights, QuantizedExperts.stack(w13), QuantizedExperts.stack(w2), inter, "silu"
+    )
+    torch.testing.assert_close(
+        out, _moe_reference_bf16(x, slot, weights, w13, w2, inter), rtol=2e-3, atol=2e-3
+    )
