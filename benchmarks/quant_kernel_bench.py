@@ -22,10 +22,22 @@ from pathlib import Path
 import torch
 
 from expertmesh.layers import cpu_kernels
-from expertmesh.layers.quantization.packed import KINDS, QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.layers.quantization.packed import (
+    INT4_BF16,
+    KINDS,
+    QuantizedExperts,
+    QuantizedMoE,
+    QuantizedWeight,
+)
 
 PRODUCTS = {"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}  # the small MoE's shapes
 MOE = (512, 1024, 8, 2)  # hidden, inter, experts, top-k
+# "int4-bf16": int4 weights times bf16 activations (a bf16 model's int4, code kind 6 on bf16 pairs)
+CODES = {**KINDS, "int4-bf16": INT4_BF16}
+
+
+def weight_kind(kind: str) -> str:
+    return "int4" if kind == "int4-bf16" else kind
 
 
 def timed(fn, clock, calls: int) -> float:
@@ -83,15 +95,15 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                 for kind in kinds:
                     if kind not in k.quant_kinds or kind == "fp4":  # fp4: fp4_products
                         continue
-                    q = QuantizedWeight.quantize(w, kind, 128, k)
+                    q = QuantizedWeight.quantize(w, weight_kind(kind), 128, k)
                     held = [q] + [
-                        QuantizedWeight.quantize(w, kind, 128, k)
+                        QuantizedWeight.quantize(w, weight_kind(kind), 128, k)
                         for _ in range(copies_for(q.nbytes, cold_mb) - 1 if cold_mb else 0)
                     ]
                     fns = [
                         partial(
                             k.lib.gemm_q,
-                            KINDS[kind],
+                            CODES[kind],
                             x.data_ptr(),
                             c.codes.data_ptr(),
                             c.scales.data_ptr(),
@@ -121,10 +133,12 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                 for kind in kinds:
                     if kind not in k.quant_kinds:
                         continue
-                    a = QuantizedExperts.stack([quantized(w13[e], kind, 128, k, g) for e in range(experts)])
-                    b = QuantizedExperts.stack([quantized(w2[e], kind, 128, k, g) for e in range(experts)])
+                    wk = weight_kind(kind)
+                    a = QuantizedExperts.stack([quantized(w13[e], wk, 128, k, g) for e in range(experts)])
+                    b = QuantizedExperts.stack([quantized(w2[e], wk, 128, k, g) for e in range(experts)])
                     nbytes = touched * (a.nbytes + b.nbytes) // experts
-                    fn = partial(QuantizedMoE(k).moe, x, ids, wts, a, b, inter, "silu")
+                    xk = x.bfloat16() if kind == "int4-bf16" else x  # QuantizedMoE picks kind 6 for it
+                    fn = partial(QuantizedMoE(k).moe, xk, ids, wts, a, b, inter, "silu")
                     out.setdefault(("moe", m, kind), {})[src] = (fn, nbytes, None)
     if "fp4" in kinds:
         fp4_products(kernels, rows, "int4" in kinds, out)
@@ -165,7 +179,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", action="append", default=[], help="another kernel source (A/B)")
     ap.add_argument("--rows", default="1,4,32")
-    ap.add_argument("--kinds", default="int8,int4,fp8,fp4,w8a8,w4a8", help="fp4 in groups of 32")
+    ap.add_argument(
+        "--kinds",
+        default="int8,int4,fp8,fp4,w8a8,w4a8,int4-bf16",
+        help="fp4 in groups of 32; int4-bf16: bf16 inputs",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-s", type=float, default=0.05, help="seconds of calls per timing")
