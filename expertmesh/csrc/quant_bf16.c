@@ -38,9 +38,10 @@ static void qb_round_rows(float* x, int64_t I, int64_t r0, int64_t r1) {
   for (int64_t i = r0 * I; i < r1 * I; i++) x[i] = bf16_to_f32(f32_to_bf16_vec(x[i]));
 }
 
-/* Rows [r0, r1) of x (already bf16 values) as the tiles read them: a tile of n rows from row r
- * (qb_tile_rows) stored [pair][n] at xp + r * qb_pairs(I, gs), a pair the
- * two bf16 inputs in one 32-bit word (the first in the low half); xsum[r * G + g] the group sums. */
+/* Rows [r0, r1) of x (bf16 values already: qb_round_rows) as the tiles read them: a tile of n rows
+ * from row r (qb_tile_rows) stored [pair][n] at xp + r * qb_pairs(I, gs), a pair the two bf16 inputs
+ * in one 32-bit word (the first in the low half: the high halves of their float32 bits, exact since
+ * they are bf16 values); xsum[r * G + g] the group sums. */
 static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t r1, uint32_t* xp, float* xsum) {
   const int64_t G = (I + gs - 1) / gs, PI = qb_pairs(I, gs), h = (gs + 1) / 2;
   for (int64_t r = r0; r < r1;) {
@@ -48,12 +49,21 @@ static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t
     for (int t = 0; t < n; t++) {
       const float* xr = x + (r + t) * I;
       for (int64_t g = 0; g < G; g++) {
-        const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;
+        const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I, full = i0 + (i1 - i0) / 2 * 2;
+        uint32_t* out = xp + r * PI + g * h * n + t;
         float s = 0.f;
-        for (int64_t i = i0; i < i1; i += 2) {
-          const bf16_t a = f32_to_bf16(xr[i]), b = i + 1 < i1 ? f32_to_bf16(xr[i + 1]) : 0;
-          xp[r * PI + (g * h + (i - i0) / 2) * n + t] = (uint32_t)a | (uint32_t)b << 16;
-          s += bf16_to_f32(a) + bf16_to_f32(b);
+        for (int64_t i = i0; i < full; i += 2) {
+          uint32_t a, b;
+          memcpy(&a, xr + i, 4);
+          memcpy(&b, xr + i + 1, 4);
+          out[(i - i0) / 2 * n] = a >> 16 | (b & 0xffff0000u);
+          s += xr[i] + xr[i + 1];
+        }
+        if (full < i1) { /* an odd group's last input, alone in its pair */
+          uint32_t a;
+          memcpy(&a, xr + full, 4);
+          out[(full - i0) / 2 * n] = a >> 16;
+          s += xr[full];
         }
         xsum[(r + t) * G + g] = s;
       }
