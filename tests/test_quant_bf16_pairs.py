@@ -1,13 +1,14 @@
-"""A bf16 model's int4 products on bf16 pairs (csrc/quant_bf16.c, code kind 6).
+"""A bf16 model's int4 and int8 products on bf16 pairs (csrc/quant_bf16.c, code kinds 6 and 7).
 
-The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 codes times a pair
-of inputs is one vdpbf16ps lane (exact products, float32 sums), and a group's scale and offset fold
+The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 / int8 codes times a
+pair of inputs is one vdpbf16ps lane (exact products, float32 sums), and a group's scale and offset fold
 in once: y = bias + sum over groups of s * sum(code * x) + m * sum(x). Every row count (the pair
-tiles from 2 rows, up to 8 rows a tile; 1 row: kind 1's one-row kernels on the rounded inputs)
+tiles from 2 rows, up to 8 rows a tile; 1 row: the weight kind's one-row kernels on the rounded
+inputs)
 against float64 on the dequantized weight; rows do not depend on the batch from 2 rows; groups and
 rows of odd length (a pair with a zero second input); the routed experts with 0-50 rows each, the
 activated intermediate rounded to bf16 as torch's bf16 experts round theirs; and a build without the
-pair tiles (kind 6 there: kind 1 on the rounded inputs).
+pair tiles (kinds 6 / 7 there: kinds 1 / 0 on the rounded inputs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.packed import (
     INT4_BF16,
+    INT8_BF16,
     KINDS,
     QuantizedExperts,
     QuantizedMoE,
@@ -33,19 +35,23 @@ def kernels():
     k = cpu_kernels.load()
     if k is None:
         pytest.skip("no C compiler")
-    if not k.int4_bf16_pairs:
-        pytest.skip("this CPU has no AVX512-BF16 / VBMI: kind 6 runs as kind 1 (test_without_the_pair_tiles)")
+    if not k.quant_bf16_pairs:
+        pytest.skip("no AVX512-BF16 / VBMI here: kinds 6 / 7 run as 1 / 0 (test_without_the_pair_tiles)")
     return k
 
 
 def test_the_kind_follows_the_activations(kernels):
     assert product_kind("int4", torch.bfloat16, kernels) == INT4_BF16
     assert product_kind("int4", torch.float32, kernels) == KINDS["int4"]
-    assert product_kind("int8", torch.bfloat16, kernels) == KINDS["int8"]  # int4 codes only
+    assert product_kind("int8", torch.bfloat16, kernels) == INT8_BF16
+    assert product_kind("int8", torch.float32, kernels) == KINDS["int8"]
+    for kind in ("fp8", "fp4", "w8a8", "w4a8"):  # their own kernels whatever the activations
+        assert product_kind(kind, torch.bfloat16, kernels) == KINDS[kind]
     assert product_kind("int4", torch.bfloat16, None) == KINDS["int4"]  # the torch fallback
-    assert kernels.quant_kinds[INT4_BF16] == "int4-bf16"
+    assert kernels.quant_kinds[INT4_BF16] == "int4-bf16" and kernels.quant_kinds[INT8_BF16] == "int8-bf16"
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize(
     "out_f,in_f,group",
     [
@@ -56,9 +62,9 @@ def test_the_kind_follows_the_activations(kernels):
         (40, 66, 33),  # odd groups: each group's last pair alone
     ],
 )
-def test_every_row_count_matches_and_rows_do_not_depend_on_the_batch(kernels, out_f, in_f, group):
+def test_every_row_count_matches_and_rows_do_not_depend_on_the_batch(kernels, kind, out_f, in_f, group):
     g = torch.Generator().manual_seed(7)
-    w = QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * in_f**-0.5, "int4", group, kernels)
+    w = QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * in_f**-0.5, kind, group, kernels)
     dense = w.dequantize().double()
     b = torch.randn(out_f, generator=g)
     x_all = torch.randn(max(ROWS), in_f, generator=g).bfloat16()
@@ -71,14 +77,15 @@ def test_every_row_count_matches_and_rows_do_not_depend_on_the_batch(kernels, ou
             assert torch.equal(got, y_all[:m]), m
 
 
-def test_float32_inputs_are_rounded_to_bf16(kernels):
-    """Kind 6 given float32 inputs (gemm_q directly) computes with them rounded to bf16 values."""
+@pytest.mark.parametrize("kind,code", [("int4", INT4_BF16), ("int8", INT8_BF16)])
+def test_float32_inputs_are_rounded_to_bf16(kernels, kind, code):
+    """Kinds 6 / 7 given float32 inputs (gemm_q directly) compute with them rounded to bf16 values."""
     g = torch.Generator().manual_seed(3)
-    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), "int4", 32, kernels)
+    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), kind, 32, kernels)
     x = torch.randn(5, 96, generator=g)
     y = torch.empty(5, 64)
     kernels.lib.gemm_q(
-        INT4_BF16, x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), 32,
+        code, x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), 32,
         y.data_ptr(), 5, 64, 96, None, 1,
     )  # fmt: skip
     rounded = x.bfloat16().double() @ w.dequantize().double().T
@@ -86,11 +93,9 @@ def test_float32_inputs_are_rounded_to_bf16(kernels):
     assert (y.double() - x.double() @ w.dequantize().double().T).abs().max() > 1e-4  # it did round
 
 
-def _int4(out_f: int, in_f: int, group: int, kernels, g) -> QuantizedWeight:
-    """int4 weights scaled as a model's (outputs of order 1)."""
-    return QuantizedWeight.quantize(
-        torch.randn(out_f, in_f, generator=g) * in_f**-0.5, "int4", group, kernels
-    )
+def _weight(kind: str, out_f: int, in_f: int, group: int, kernels, g) -> QuantizedWeight:
+    """Weights scaled as a model's (outputs of order 1)."""
+    return QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * in_f**-0.5, kind, group, kernels)
 
 
 def _moe_reference_bf16(x, slot, weights, w13, w2, inter):
@@ -105,17 +110,18 @@ def _moe_reference_bf16(x, slot, weights, w13, w2, inter):
     return ref.float()
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize(
     "k,counts",
     [(2, [0, 1, 2, 3, 5, 8, 12, 14, 23]), (1, [4, 0, 7, 50, 1, 9, 0, 11, 2])],
 )
-def test_routed_experts_every_row_count_per_expert(kernels, k, counts):
+def test_routed_experts_every_row_count_per_expert(kernels, kind, k, counts):
     """Experts receiving 0-50 rows each, hidden 100 and inter 52 (w13: a span and a tail of 5 panels),
     groups of 32 and 16; bf16 tokens, the intermediate rounded to bf16."""
     g = torch.Generator().manual_seed(5)
     e, hidden, inter = len(counts), 100, 52
-    w13 = [_int4(2 * inter, hidden, 32, kernels, g) for _ in range(e)]
-    w2 = [_int4(hidden, inter, 16, kernels, g) for _ in range(e)]
+    w13 = [_weight(kind, 2 * inter, hidden, 32, kernels, g) for _ in range(e)]
+    w2 = [_weight(kind, hidden, inter, 16, kernels, g) for _ in range(e)]
     slots = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
     n = len(slots) // k
     slot = slots.view(k, n).t()[torch.randperm(n, generator=g)].to(torch.int32).contiguous()
@@ -130,26 +136,27 @@ def test_routed_experts_every_row_count_per_expert(kernels, k, counts):
     assert (out - ref).abs().mean() < 1e-4
 
 
-def test_without_the_pair_tiles(generic_kernels, monkeypatch):
-    """A build without them (here -mno-avx512f) reports none, and kind 6 there is kind 1 on the
-    inputs rounded to bf16: in gemm_q bit for bit, in moe_q the intermediate rounded too."""
+@pytest.mark.parametrize("kind,code", [("int4", INT4_BF16), ("int8", INT8_BF16)])
+def test_without_the_pair_tiles(generic_kernels, monkeypatch, kind, code):
+    """A build without them (here -mno-avx512f) reports none, and kinds 6 / 7 there are kinds 1 / 0
+    on the inputs rounded to bf16: in gemm_q bit for bit, in moe_q the intermediate rounded too."""
     k = generic_kernels
-    assert not k.int4_bf16_pairs and product_kind("int4", torch.bfloat16, k) == KINDS["int4"]
+    assert not k.quant_bf16_pairs and product_kind(kind, torch.bfloat16, k) == KINDS[kind]
     g = torch.Generator().manual_seed(9)
-    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), "int4", 32, k)
+    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), kind, 32, k)
     for m in (1, 2, 9):
         x = torch.randn(m, 96, generator=g)
         y6, y1 = torch.empty(m, 64), torch.empty(m, 64)
-        for kind, y, xin in ((INT4_BF16, y6, x), (KINDS["int4"], y1, x.bfloat16().float())):
+        for c, y, xin in ((code, y6, x), (KINDS[kind], y1, x.bfloat16().float())):
             k.lib.gemm_q(
-                kind, xin.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), 32,
+                c, xin.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), 32,
                 y.data_ptr(), m, 64, 96, None, 1,
             )  # fmt: skip
         assert torch.equal(y6, y1), m
-    monkeypatch.setattr(k, "int4_bf16_pairs", True)  # so QuantizedMoE sends kind 6 to this build
+    monkeypatch.setattr(k, "quant_bf16_pairs", True)  # so QuantizedMoE sends kind 6 / 7 to this build
     e, hidden, inter = 3, 48, 40
-    w13 = [_int4(2 * inter, hidden, 16, k, g) for _ in range(e)]
-    w2 = [_int4(hidden, inter, 8, k, g) for _ in range(e)]
+    w13 = [_weight(kind, 2 * inter, hidden, 16, k, g) for _ in range(e)]
+    w2 = [_weight(kind, hidden, inter, 8, k, g) for _ in range(e)]
     slot = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1]], dtype=torch.int32)
     x, weights = torch.randn(5, hidden, generator=g).bfloat16(), torch.rand(5, 2, generator=g)
     out = QuantizedMoE(k).moe(

@@ -1,18 +1,24 @@
 /* Part of cpu_kernels.c (one translation unit; see its list): uint4 codes against activations rounded to bf16 (kind 6), by bf16 pair products. */
 
-/* ---- kind 6: uint4 weights (kind 1's codes, scales and offsets) times bf16 activations ----------
+/* ---- kinds 6 and 7: uint4 / int8 weights (kind 1's / kind 0's codes, scales and offsets) times bf16
+ * activations ----
  * A bf16 model's layers take bf16 inputs (the torch path rounds every activation to bf16), so its
- * int4 products can run on AVX512-BF16 pairs: a uint4 code (0..15) is exact in bf16, and vdpbf16ps
- * multiplies 32 code / input pairs into 16 float32 lanes at once, where the weight-only tiles (kind 1)
- * rebuild W = code * s + m in float32 and spend one FMA of 16 products a row on it. Per group of gs
- * inputs the scale and offset fold in once, exactly as the algebra says:
+ * int4 and int8 products can run on AVX512-BF16 pairs: a uint4 code (0..15) or an int8 code
+ * (-128..127) is exact in bf16, and vdpbf16ps multiplies 32 code / input pairs into 16 float32
+ * lanes at once, where the weight-only tiles (kinds 1, 0) rebuild W = code * s + m in float32 and
+ * spend one FMA of 16 products a row on it. Per group of gs inputs the scale and offset fold in
+ * once, exactly as the algebra says:
  *     y += s * sum(code * x) + m * sum(x)          (sums over the group; bf16 x, float32 sums)
- * so the only rounding beyond kind 1's is the inputs' to bf16 (which a bf16 model's torch path also
- * does; inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts
- * round theirs). At one row (decode, bound by memory) kind 1's one-row kernels take the rounded
- * inputs. Kind 6 needs AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the Python side
- * keeps kind 1, and a kind-6 call here runs kind 1 on the rounded inputs. */
+ * so the only rounding beyond kinds 1 / 0 is the inputs' to bf16 (which a bf16 model's torch path
+ * also does; inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts
+ * round theirs). At one row (decode, bound by memory) the weight kind's one-row kernels take the
+ * rounded inputs. The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the
+ * Python side keeps kinds 1 / 0, and a kind 6 / 7 call here runs kind 1 / 0 on the rounded inputs. */
 #define Q_KIND_B4 6
+#define Q_KIND_B8 7
+#define QB_KIND(kind) ((kind) == Q_KIND_B4 || (kind) == Q_KIND_B8)
+/* The codes' own kind: uint4 (1) for kind 6, int8 (0) for kind 7, any other kind itself. */
+static inline int qb_weight_kind(int kind) { return kind == Q_KIND_B4 ? 1 : kind == Q_KIND_B8 ? 0 : kind; }
 #if LANES == 16 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define QB_TILES 1
 #else
@@ -81,12 +87,23 @@ static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t
  * the 32 registers: 11-row tiles of 2 panels spilled and ran at 0.6-0.7x kind 1). */
 #define QB_NPC(n) ((n) <= 4 ? 4 : 2)
 
-/* Inputs i and i + 1 of one panel (16 bytes of codes: input i's 16 nibbles, lane 2j in the low nibble
- * of byte j, then input i + 1's) as 16 bf16 pairs, lane l = (code(l, i), code(l, i + 1)): one byte
- * permute into the low byte of each word (the high byte zeroed by the mask), a per-word shift by 0 or
- * 4, and a word permute through the table of bf16(0..15) (indexed by the low 5 bits: the table is
- * repeated, so the other nibble's bit 4 does not matter). `odd`: input i only (the row's last). */
-static inline __m512i qb_decode(const uint8_t* p, int odd) {
+/* Inputs i and i + 1 of one panel as 16 bf16 pairs, lane l = (code(l, i), code(l, i + 1)); `odd`:
+ * input i only (a group's last), the second code 0. wk 1, uint4: 16 bytes of codes (input i's 16
+ * nibbles, lane 2j in the low nibble of byte j, then input i + 1's): one byte permute into the low
+ * byte of each word (the high byte zeroed by the mask), a per-word shift by 0 or 4, and a word permute
+ * through the table of bf16(0..15) (indexed by the low 5 bits: the table is repeated, so the other
+ * nibble's bit 4 does not matter). wk 0, int8: 32 bytes (input i's 16 codes, then input i + 1's),
+ * each 16 widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one
+ * two-source word permute taking the high halves, input i's in the even words. */
+static inline __m512i qb_decode(const int wk, const uint8_t* p, int odd) {
+  if (wk == 0) {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    const __m512 b = odd ? _mm512_setzero_ps()
+                         : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    const __m512i high = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17,
+                                          47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(a), high, _mm512_castps_si512(b));
+  }
   const __m128i b = odd ? _mm_maskz_loadu_epi8(0x00ff, p) : _mm_loadu_si128((const __m128i*)p);
   /* word w: lane w / 2, input w % 2 -> source byte (w % 2) * 8 + w / 4, shift 4 * (w / 2 % 2) */
   const __m512i perm = _mm512_set_epi8(
@@ -102,13 +119,15 @@ static inline __m512i qb_decode(const uint8_t* p, int odd) {
   return _mm512_permutexvar_epi16(_mm512_srlv_epi16(w, shift), table);
 }
 
-/* Rows x npc panels from panel p0: y[r, o] = bias + sum over groups of s * sum(code * x) + m * xsum.
- * xp: the tile's pairs [pair][rows]; xsum: [rows, G]. */
-static inline __attribute__((always_inline)) void qb_body(const uint32_t* xp, const float* xsum, int64_t I,
-                                                          int64_t gs, const uint8_t* qp, const float* sp,
-                                                          const float* mp, float* y, int64_t O, int64_t p0,
-                                                          const int npc, const int rows, const float* bias) {
-  const int64_t G = (I + gs - 1) / gs, h = (gs + 1) / 2, pb = I * (LANES / 2);
+/* Rows x npc panels from panel p0, codes of weight kind wk (1 or 0, a constant once inlined):
+ * y[r, o] = bias + sum over groups of s * sum(code * x) + m * xsum. xp: the tile's pairs
+ * [pair][rows]; xsum: [rows, G]. */
+static inline __attribute__((always_inline)) void qb_body(const int wk, const uint32_t* xp, const float* xsum,
+                                                          int64_t I, int64_t gs, const uint8_t* qp,
+                                                          const float* sp, const float* mp, float* y, int64_t O,
+                                                          int64_t p0, const int npc, const int rows,
+                                                          const float* bias) {
+  const int64_t G = (I + gs - 1) / gs, h = (gs + 1) / 2, cb = Q_BYTES(wk), pb = I * cb;
   __mmask16 lanes[4];
   for (int j = 0; j < npc; j++) {
     const int64_t o = (p0 + j) * LANES, n = O - o < LANES ? O - o : LANES;
@@ -123,11 +142,13 @@ static inline __attribute__((always_inline)) void qb_body(const uint32_t* xp, co
     const uint32_t* xg = xp + g * h * rows;
     for (int64_t i = i0; i < i1; i += 2) {
       const int odd = i + 1 == i1;
-      /* the next tile's panels (contiguous after these), npc * 16 bytes a pair step: cold codes
-       * stalled the tiles (quant_kernel_bench.py --cold-mb 96, w13 at 8 rows: 118 us against 93 hot) */
-      _mm_prefetch((const char*)(qp + (p0 + npc) * pb + i / 2 * npc * 16), _MM_HINT_T0);
+      /* the next tile's panels (contiguous after these), npc * 2 * cb bytes a pair step: cold codes
+       * stalled the tiles (quant_kernel_bench.py --cold-mb 96, int4 w13 at 8 rows: 118 us, 93 hot) */
+      _mm_prefetch((const char*)(qp + (p0 + npc) * pb + i * npc * cb), _MM_HINT_T0);
+      if (wk == 0 && npc * cb * 2 > 64) /* int8 at 4 panels: 128 bytes a step, two lines */
+        _mm_prefetch((const char*)(qp + (p0 + npc) * pb + i * npc * cb + 64), _MM_HINT_T0);
       __m512i wv[4];
-      for (int j = 0; j < npc; j++) wv[j] = qb_decode(qp + (p0 + j) * pb + i * (LANES / 2), odd);
+      for (int j = 0; j < npc; j++) wv[j] = qb_decode(wk, qp + (p0 + j) * pb + i * cb, odd);
       const uint32_t* xi = xg + (i - i0) / 2 * rows;
       for (int r = 0; r < rows; r++) {
         const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xi[r]);
@@ -149,43 +170,54 @@ static inline __attribute__((always_inline)) void qb_body(const uint32_t* xp, co
   }
 }
 
-/* the matrix's last panels, fewer than a tile's width: one generic body */
-static __attribute__((noinline)) void qb_tail(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs,
-                                              const uint8_t* qp, const float* sp, const float* mp, float* y,
-                                              int64_t O, int64_t p0, int npc, int rows, const float* bias) {
-  qb_body(xp, xsum, I, gs, qp, sp, mp, y, O, p0, npc, rows, bias);
-}
-
-#define QB_CASE(n)                                                                      \
-  case n:                                                                               \
-    qb_body(xr, sr, I, gs, qp, sp, mp, yr, O, p, QB_NPC(n), n, bias);                   \
+#define QB_CASE(WK, n)                                                               \
+  case n:                                                                            \
+    qb_body(WK, xr, sr, I, gs, qp, sp, mp, yr, O, p, QB_NPC(n), n, bias);            \
     break;
 
-/* Rows [r0, r1) against panels [p0, q1), x in qb_layout's form (xp, xsum). */
-static void qb_tiles(const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp, const float* sp,
-                     const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1, int64_t r0,
-                     int64_t r1, const float* bias) {
-  const int64_t G = (I + gs - 1) / gs, PI = qb_pairs(I, gs);
-  for (int64_t r = r0; r < r1;) {
-    const int n = qb_tile_rows(r1 - r);
-    const uint32_t* xr = xp + r * PI;
-    const float* sr = xsum + r * G;
-    float* yr = y + r * O;
-    for (int64_t p = p0; p < q1; p += QB_NPC(n)) {
-      if (q1 - p < QB_NPC(n)) {
-        qb_tail(xr, sr, I, gs, qp, sp, mp, yr, O, p, (int)(q1 - p), n, bias);
-        continue;
-      }
-      switch (n) {
-        QB_CASE(1) QB_CASE(2) QB_CASE(3) QB_CASE(4) QB_CASE(5) QB_CASE(6) QB_CASE(7) QB_CASE(8)
-        default: break;
-      }
-    }
-    r += n;
+/* Rows [r0, r1) against panels [p0, q1) of weight kind WK, x in qb_layout's form (xp, xsum); the
+ * matrix's last panels, fewer than a tile's width, by one generic body (qb_tail). */
+#define DEFINE_QB_TILES(WK)                                                                                  \
+  static __attribute__((noinline)) void qb_tail##WK(const uint32_t* xp, const float* xsum, int64_t I,        \
+                                                    int64_t gs, const uint8_t* qp, const float* sp,          \
+                                                    const float* mp, float* y, int64_t O, int64_t p0, int npc, \
+                                                    int rows, const float* bias) {                           \
+    qb_body(WK, xp, xsum, I, gs, qp, sp, mp, y, O, p0, npc, rows, bias);                                     \
+  }                                                                                                          \
+  static void qb_tiles##WK(const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp,              \
+                           const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0,    \
+                           int64_t q1, int64_t r0, int64_t r1, const float* bias) {                          \
+    const int64_t G = (I + gs - 1) / gs, PI = qb_pairs(I, gs);                                               \
+    for (int64_t r = r0; r < r1;) {                                                                          \
+      const int n = qb_tile_rows(r1 - r);                                                                    \
+      const uint32_t* xr = xp + r * PI;                                                                      \
+      const float* sr = xsum + r * G;                                                                        \
+      float* yr = y + r * O;                                                                                 \
+      for (int64_t p = p0; p < q1; p += QB_NPC(n)) {                                                         \
+        if (q1 - p < QB_NPC(n)) {                                                                            \
+          qb_tail##WK(xr, sr, I, gs, qp, sp, mp, yr, O, p, (int)(q1 - p), n, bias);                          \
+          continue;                                                                                          \
+        }                                                                                                    \
+        switch (n) {                                                                                         \
+          QB_CASE(WK, 1) QB_CASE(WK, 2) QB_CASE(WK, 3) QB_CASE(WK, 4)                                        \
+          QB_CASE(WK, 5) QB_CASE(WK, 6) QB_CASE(WK, 7) QB_CASE(WK, 8) default: break;                        \
+        }                                                                                                    \
+      }                                                                                                      \
+      r += n;                                                                                                \
+    }                                                                                                        \
   }
-}
+
+DEFINE_QB_TILES(0)
+DEFINE_QB_TILES(1)
 #undef QB_CASE
+
+/* Kind 6 or 7's rows [r0, r1) against panels [p0, q1). */
+static void qb_tiles(int kind, const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp,
+                     const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1,
+                     int64_t r0, int64_t r1, const float* bias) {
+  (kind == Q_KIND_B4 ? qb_tiles1 : qb_tiles0)(xp, xsum, I, qp, sp, mp, gs, y, O, p0, q1, r0, r1, bias);
+}
 #endif
 
-/* 1 where kind 6 runs on bf16 pairs (the Python side picks it for bf16 activations only then). */
+/* 1 where kinds 6 and 7 run on bf16 pairs (the Python side picks them for bf16 activations only then). */
 int64_t q_bf16_tiles(void) { return QB_TILES; }

@@ -40,8 +40,8 @@ static void qw_layout(const float* x, int64_t I, int64_t r0, int64_t r1, float* 
  * whole span by the one-row kernels, weight-only kinds at 2 to QW_ROWS - 1 rows by the wide tiles, anything
  * else by the tiles, NP panels at a time. The activations are x (weight-only kinds; in qw_interleave's
  * order where the wide tiles take them, see qw_layout) or their quantized form xq, sx, xsum (kinds 4,
- * 5), all [rows, ...]. Kind 6 (quant_bf16.c): x the rows rounded to bf16 as they are (the one-row
- * kernels of kind 1 read them), xb and xsum their qb_layout form (the bf16 pair tiles, any other
+ * 5), all [rows, ...]. Kinds 6, 7 (quant_bf16.c): x the rows rounded to bf16 as they are (the one-row
+ * kernels of kinds 1, 0 read them), xb and xsum their qb_layout form (the bf16 pair tiles, any other
  * row count). */
 static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, const float* xsum,
                    const uint32_t* xb, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t gs,
@@ -50,7 +50,7 @@ static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, 
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4;
   if (r1 - r0 == 1 && P - p0 >= NQ1 && (!a8 || Q_ROW1_A)) {
     if (!a8) {
-      q_row1(kind == Q_KIND_B4 ? 1 : kind)(x + r0 * I, I, qp, sp, mp, gs, y + r0 * O, O, p0, bias);
+      q_row1(qb_weight_kind(kind))(x + r0 * I, I, qp, sp, mp, gs, y + r0 * O, O, p0, bias);
       return;
     }
 #if Q_ROW1_A
@@ -63,8 +63,8 @@ static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, 
 #endif
   }
 #if QB_TILES
-  if (kind == Q_KIND_B4) {
-    qb_tiles(xb, xsum, I, qp, sp, mp, gs, y, O, p0, p0 + NQ1 < P ? p0 + NQ1 : P, r0, r1, bias);
+  if (QB_KIND(kind)) {
+    qb_tiles(kind, xb, xsum, I, qp, sp, mp, gs, y, O, p0, p0 + NQ1 < P ? p0 + NQ1 : P, r0, r1, bias);
     return;
   }
 #endif
@@ -87,18 +87,18 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   q_init();
-  /* kind 6: the inputs rounded to bf16 once (a copy), and their pair layout where the tiles run */
+  /* kinds 6, 7: the inputs rounded to bf16 once (a copy), and their pair layout where the tiles run */
   float* xr = NULL;
   uint32_t* xb = NULL;
   float* bsum = NULL;
-  if (kind == Q_KIND_B4) {
+  if (QB_KIND(kind)) {
     xr = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
     memcpy(xr, x, sizeof(float) * (size_t)(M * I));
     qb_round_rows(xr, I, 0, M);
     x = xr;
-    if (!QB_TILES) kind = 1;
+    if (!QB_TILES) kind = qb_weight_kind(kind);
   }
-  if (kind == Q_KIND_B4) {
+  if (QB_KIND(kind)) {
     xb = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(M * qb_pairs(I, gs) + 1));
     bsum = (float*)malloc(sizeof(float) * (size_t)(M * ((I + gs - 1) / gs) + 1));
   }
@@ -137,7 +137,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
     return;
   }
   /* weight-only: items (block of rows, span of NQ1 panels); q_span picks the wide tiles or the panel
-   * buffer by the block's rows, the wide tiles' blocks interleaved first (kind 6: the pair layout) */
+   * buffer by the block's rows, the wide tiles' blocks interleaved first (kinds 6, 7: the pair layout) */
   const int64_t spans = (P + NQ1 - 1) / NQ1;
   float* xt = xb ? NULL : (float*)malloc(sizeof(float) * (size_t)(M * I));
   const float* xs = xb ? x : xt;
@@ -166,10 +166,10 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
               const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float limit,
               float alpha, const float* b13, const float* b2, float* out, int threads) {
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
-  /* kind 6: the gathered rows and the activated intermediates rounded to bf16 in place (kind 1 on
+  /* kinds 6, 7: the gathered rows and the activated intermediates rounded to bf16 in place (kinds 1, 0 on
    * them where the pair tiles are not built) */
-  const int b4 = kind == Q_KIND_B4;
-  if (b4 && !QB_TILES) kind = 1;
+  const int bp = QB_KIND(kind);
+  if (bp && !QB_TILES) kind = qb_weight_kind(kind);
   q_init();
   moe_plan p = moe_sort(slot, n, k, E);
   const int64_t m = p.m;
@@ -181,8 +181,8 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   /* bytes of codes per (expert, panel): I * bytes a code for weight-only kinds; W8A8 4 * ceil(I / 4) a
    * lane, W4A8 4 * ceil(I / 8) a lane (two nibbles a byte) */
   const int64_t xs_a = A_STRIDE(kind, H), as_a = A_STRIDE(kind, I);
-  const int64_t c13 = !a8 ? H * Q_BYTES(b4 ? 1 : kind) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
-  const int64_t c2 = !a8 ? I * Q_BYTES(b4 ? 1 : kind) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
+  const int64_t c13 = !a8 ? H * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
+  const int64_t c2 = !a8 ? I * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
   /* one allocation a call for every buffer (was ten): float32 rows and scales first, then the int8
    * codes of the quantized activations (kinds 4, 5) */
   /* weight-only: also the gathered rows and the intermediates in the layout q_span reads (qw_layout) */
@@ -200,10 +200,10 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   if (kind != Q_KIND_A4) xsum = asum = NULL;
   float *xw = xs, *aw = a; /* what the w13 / w2 products read */
   if (!a8) xw = f, aw = xw + m * H;
-  /* kind 6 on pairs: the rows as they are (one-row kernels) and their qb_layout form */
+  /* kinds 6, 7 on pairs: the rows as they are (one-row kernels) and their qb_layout form */
   uint32_t *xb13 = NULL, *xb2 = NULL;
   float *bs13 = NULL, *bs2 = NULL;
-  if (kind == Q_KIND_B4) {
+  if (QB_KIND(kind)) {
     const int64_t pi13 = qb_pairs(H, gs13), pi2 = qb_pairs(I, gs2);
     xb13 = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * (pi13 + pi2) + 1)), xb2 = xb13 + m * pi13;
     bs13 = (float*)malloc(sizeof(float) * (size_t)(m * (n13 + n2) + 1)), bs2 = bs13 + m * n13;
@@ -212,7 +212,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
-      if (b4) qb_round_rows(xs, H, r, r + 1);
+      if (bp) qb_round_rows(xs, H, r, r + 1);
       if (a8) q_act_rows(xs, H, gs13, xs_a, xq, xsc, xsum, r, r + 1);
     }
     if (!a8) {
@@ -232,7 +232,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       act_row(h + r * 2 * I, a + r * I, I, act, limit, alpha);
-      if (b4) qb_round_rows(a, I, r, r + 1);
+      if (bp) qb_round_rows(a, I, r, r + 1);
       if (a8) q_act_rows(a, I, gs2, as_a, aq, asc, asum, r, r + 1);
     }
     if (!a8) {
@@ -266,5 +266,5 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
 }
 
 /* How many code kinds gemm_q / moe_q know (layers/cpu_kernels.py QUANT_KINDS). */
-int64_t q_kinds(void) { return 7; }
+int64_t q_kinds(void) { return 8; }
 
