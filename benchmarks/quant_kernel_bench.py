@@ -24,6 +24,7 @@ import torch
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.packed import (
     INT4_BF16,
+    INT8_BF16,
     KINDS,
     QuantizedExperts,
     QuantizedMoE,
@@ -32,12 +33,13 @@ from expertmesh.layers.quantization.packed import (
 
 PRODUCTS = {"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}  # the small MoE's shapes
 MOE = (512, 1024, 8, 2)  # hidden, inter, experts, top-k
-# "int4-bf16": int4 weights times bf16 activations (a bf16 model's int4, code kind 6 on bf16 pairs)
-CODES = {**KINDS, "int4-bf16": INT4_BF16}
+# "int4-bf16" / "int8-bf16": int4 / int8 weights times bf16 activations (a bf16 model's, code kinds
+# 6 / 7 on bf16 pairs)
+CODES = {**KINDS, "int4-bf16": INT4_BF16, "int8-bf16": INT8_BF16}
 
 
 def weight_kind(kind: str) -> str:
-    return "int4" if kind == "int4-bf16" else kind
+    return kind.removesuffix("-bf16")
 
 
 def timed(fn, clock, calls: int) -> float:
@@ -137,7 +139,7 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                     a = QuantizedExperts.stack([quantized(w13[e], wk, 128, k, g) for e in range(experts)])
                     b = QuantizedExperts.stack([quantized(w2[e], wk, 128, k, g) for e in range(experts)])
                     nbytes = touched * (a.nbytes + b.nbytes) // experts
-                    xk = x.bfloat16() if kind == "int4-bf16" else x  # QuantizedMoE picks kind 6 for it
+                    xk = x.bfloat16() if kind.endswith("-bf16") else x  # QuantizedMoE picks kind 6 / 7 for it
                     fn = partial(QuantizedMoE(k).moe, xk, ids, wts, a, b, inter, "silu")
                     out.setdefault(("moe", m, kind), {})[src] = (fn, nbytes, None)
     if "fp4" in kinds:

@@ -351,7 +351,8 @@ _Static_assert(QR1 == 4, "qrow1_* (LANES 16) add their partial sums d[0..3] pair
       _Pragma("omp simd reduction(+ : t)") for (int64_t i = i0; i < i1; i++) t += x[i];            \
       xsum[g] = t;                                                                                 \
     }                                                                                              \
-    for (int j = 0; j < NQ1; j++) {                                                                \
+    const int64_t np = (O + LANES - 1) / LANES - p0; /* NQ1, or fewer: the matrix's last panels */  \
+    for (int j = 0; j < NQ1 && j < np; j++) {                                                      \
       const uint8_t* q = qp + (p0 + j) * pb;                                                       \
       vf acc = (vf){0};                                                                            \
       for (int64_t g = 0; g < G; g++) {                                                            \

@@ -211,6 +211,51 @@ DEFINE_QB_TILES(0)
 DEFINE_QB_TILES(1)
 #undef QB_CASE
 
+/* One row (decode) against the NQ1 panels from p0 (fewer at the matrix's end), as kind 1 / 0's
+ * one-row kernels read them (panel after panel, one sequential stream prefetched Q_ROW1_AHEAD bytes
+ * ahead, QR1 partial sums over the pair steps in turn), on pairs: one vdpbf16ps of 32 products where
+ * those spend a decode and an FMA on 16. xp: the row's pairs (qb_layout, n = 1). */
+static inline __attribute__((always_inline)) void qb_row1_body(const int wk, const uint32_t* xp, const float* xsum,
+                                                               int64_t I, int64_t gs, const uint8_t* qp,
+                                                               const float* sp, const float* mp, float* y,
+                                                               int64_t O, int64_t p0, const float* bias) {
+  const int64_t P = (O + LANES - 1) / LANES, G = (I + gs - 1) / gs, h = (gs + 1) / 2, cb = Q_BYTES(wk);
+  const int64_t pb = I * cb;
+  for (int64_t j = p0; j < p0 + NQ1 && j < P; j++) {
+    const uint8_t* q = qp + j * pb;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I;
+      const uint32_t* xg = xp + g * h;
+      __m512 d[QR1];
+      for (int u = 0; u < QR1; u++) d[u] = _mm512_setzero_ps();
+      for (int64_t i = i0; i < i1; i += 2 * QR1) {
+        _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD, _MM_HINT_T0);
+        if (wk == 0) _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD + 64, _MM_HINT_T0);
+        for (int u = 0; u < QR1 && i + 2 * u < i1; u++) {
+          const int64_t k = i + 2 * u;
+          const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xg[(k - i0) / 2]);
+          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + k * cb, k + 1 == i1), xs);
+        }
+      }
+      const __m512 s = _mm512_loadu_ps(sp + (j * G + g) * LANES), m = _mm512_loadu_ps(mp + (j * G + g) * LANES);
+      acc = _mm512_fmadd_ps(s, _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3])), acc);
+      acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), acc);
+    }
+    const int64_t o = j * LANES, n = O - o < LANES ? O - o : LANES;
+    store_row_f32(y + o, (vf)acc + bias_vec(bias, o, n), n);
+  }
+}
+
+static void qb_row1_0(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs, const uint8_t* qp,
+                      const float* sp, const float* mp, float* y, int64_t O, int64_t p0, const float* bias) {
+  qb_row1_body(0, xp, xsum, I, gs, qp, sp, mp, y, O, p0, bias);
+}
+static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs, const uint8_t* qp,
+                      const float* sp, const float* mp, float* y, int64_t O, int64_t p0, const float* bias) {
+  qb_row1_body(1, xp, xsum, I, gs, qp, sp, mp, y, O, p0, bias);
+}
+
 /* Kind 6 or 7's rows [r0, r1) against panels [p0, q1). */
 static void qb_tiles(int kind, const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp,
                      const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1,

@@ -48,7 +48,16 @@ static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, 
                    float* y, int64_t O, int64_t p0, int64_t r0, int64_t r1, const float* bias) {
   const int64_t P = (O + LANES - 1) / LANES;
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4;
-  if (r1 - r0 == 1 && P - p0 >= NQ1 && (!a8 || Q_ROW1_A)) {
+#if QB_TILES
+  if (r1 - r0 == 1 && QB_KIND(kind)) { /* one row on pairs, a whole span or the matrix's last panels */
+    (kind == Q_KIND_B4 ? qb_row1_1 : qb_row1_0)(xb + r0 * qb_pairs(I, gs), xsum + r0 * ((I + gs - 1) / gs), I, gs,
+                                                qp, sp, mp, y + r0 * O, O, p0, bias);
+    return;
+  }
+#endif
+  /* one row: the one-row kernels, on AVX-512 the matrix's last panels too (they read a span panel
+   * after panel; the 1-row wide tile there ran one FMA chain a panel) */
+  if (r1 - r0 == 1 && (P - p0 >= NQ1 || (LANES == 16 && !a8)) && (!a8 || Q_ROW1_A)) {
     if (!a8) {
       q_row1(qb_weight_kind(kind))(x + r0 * I, I, qp, sp, mp, gs, y + r0 * O, O, p0, bias);
       return;
