@@ -95,7 +95,7 @@ static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t
  * nibble's bit 4 does not matter). wk 0, int8: 32 bytes (input i's 16 codes, then input i + 1's),
  * each 16 widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one
  * two-source word permute taking the high halves, input i's in the even words. */
-static inline __m512i qb_decode(const int wk, const uint8_t* p, int odd) {
+static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, const uint8_t* p, const int odd) {
   if (wk == 0) {
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     const __m512 b = odd ? _mm512_setzero_ps()
@@ -104,6 +104,7 @@ static inline __m512i qb_decode(const int wk, const uint8_t* p, int odd) {
                                           47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
     return _mm512_permutex2var_epi16(_mm512_castps_si512(a), high, _mm512_castps_si512(b));
   }
+  /* (odd is a constant at every call: the hot loops' broadcast stays one load) */
   const __m128i b = odd ? _mm_maskz_loadu_epi8(0x00ff, p) : _mm_loadu_si128((const __m128i*)p);
   /* word w: lane w / 2, input w % 2 -> source byte (w % 2) * 8 + w / 4, shift 4 * (w / 2 % 2) */
   const __m512i perm = _mm512_set_epi8(
@@ -118,6 +119,34 @@ static inline __m512i qb_decode(const int wk, const uint8_t* p, int odd) {
   const __m512i w = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, perm, _mm512_broadcast_i32x4(b));
   return _mm512_permutexvar_epi16(_mm512_srlv_epi16(w, shift), table);
 }
+
+/* uint4 codes as bf16 pairs of 1 + code / 16 (the one-row kernel's decode): the byte of each word's
+ * nibble permuted into its high byte, a per-word shift by 5 or 9 puts the nibble at bits 3..6 (a
+ * bf16 mantissa's top 4 bits), and one ternary op masks it and sets the exponent of 1. No word
+ * permute through a table: one shuffle fewer than qb_decode, whose shuffles bound the one-row
+ * kernel. The sums come out as sum(x) + sum(code * x) / 16 (qb_row1 takes sum(x) back off). */
+static inline __attribute__((always_inline)) __m512i qb_decode_biased4(const uint8_t* p, const int odd) {
+  const __m128i b = odd ? _mm_maskz_loadu_epi8(0x00ff, p) : _mm_loadu_si128((const __m128i*)p);
+  /* word w: lane w / 2, input w % 2 -> source byte (w % 2) * 8 + w / 4 (both bytes), shift 5 + 4 * (w / 2 % 2) */
+  const __m512i perm = _mm512_set_epi8(
+      15, 15, 7, 7, 15, 15, 7, 7, 14, 14, 6, 6, 14, 14, 6, 6, 13, 13, 5, 5, 13, 13, 5, 5, 12, 12, 4, 4, 12, 12, 4, 4,
+      11, 11, 3, 3, 11, 11, 3, 3, 10, 10, 2, 2, 10, 10, 2, 2, 9, 9, 1, 1, 9, 9, 1, 1, 8, 8, 0, 0, 8, 8, 0, 0);
+  const __m512i shift = _mm512_set_epi16(9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5,
+                                         9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5);
+  const __m512i w = _mm512_srlv_epi16(_mm512_permutexvar_epi8(perm, _mm512_broadcast_i32x4(b)), shift);
+  return _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x0078), _mm512_set1_epi16(0x3f80), 0xEA); /* a & b | c */
+}
+
+/* One pair step of a tile: npc panels decoded, each multiplied into every row's accumulator. */
+#define QB_STEP(ODD)                                                                                   \
+  {                                                                                                    \
+    __m512i wv[4];                                                                                     \
+    for (int j = 0; j < npc; j++) wv[j] = qb_decode(wk, qp + (p0 + j) * pb + i * cb, ODD);             \
+    for (int r = 0; r < rows; r++) {                                                                   \
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xi[r]);                                     \
+      for (int j = 0; j < npc; j++) acc[r * npc + j] = _mm512_dpbf16_ps(acc[r * npc + j], (__m512bh)wv[j], xs); \
+    }                                                                                                  \
+  }
 
 /* Rows x npc panels from panel p0, codes of weight kind wk (1 or 0, a constant once inlined):
  * y[r, o] = bias + sum over groups of s * sum(code * x) + m * xsum. xp: the tile's pairs
@@ -140,21 +169,18 @@ static inline __attribute__((always_inline)) void qb_body(const int wk, const ui
     __m512 acc[QB_ACC];
     for (int a = 0; a < rows * npc; a++) acc[a] = _mm512_setzero_ps();
     const uint32_t* xg = xp + g * h * rows;
-    for (int64_t i = i0; i < i1; i += 2) {
-      const int odd = i + 1 == i1;
+    const uint32_t* xi = xg;
+    int64_t i = i0;
+    for (; i + 1 < i1; i += 2, xi += rows) {
       /* the next tile's panels (contiguous after these), npc * 2 * cb bytes a pair step: cold codes
        * stalled the tiles (quant_kernel_bench.py --cold-mb 96, int4 w13 at 8 rows: 118 us, 93 hot) */
       _mm_prefetch((const char*)(qp + (p0 + npc) * pb + i * npc * cb), _MM_HINT_T0);
       if (wk == 0 && npc * cb * 2 > 64) /* int8 at 4 panels: 128 bytes a step, two lines */
         _mm_prefetch((const char*)(qp + (p0 + npc) * pb + i * npc * cb + 64), _MM_HINT_T0);
-      __m512i wv[4];
-      for (int j = 0; j < npc; j++) wv[j] = qb_decode(wk, qp + (p0 + j) * pb + i * cb, odd);
-      const uint32_t* xi = xg + (i - i0) / 2 * rows;
-      for (int r = 0; r < rows; r++) {
-        const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xi[r]);
-        for (int j = 0; j < npc; j++) acc[r * npc + j] = _mm512_dpbf16_ps(acc[r * npc + j], (__m512bh)wv[j], xs);
-      }
+      QB_STEP(0)
     }
+    if (i < i1) /* an odd group's last input, alone in its pair */
+      QB_STEP(1)
     for (int j = 0; j < npc; j++) {
       const __m512 s = _mm512_loadu_ps(sp + ((p0 + j) * G + g) * LANES);
       const __m512 m = _mm512_loadu_ps(mp + ((p0 + j) * G + g) * LANES);
@@ -169,6 +195,8 @@ static inline __attribute__((always_inline)) void qb_body(const int wk, const ui
     }
   }
 }
+
+#define QB_ROW_DECODE(p, odd) (wk == 1 ? qb_decode_biased4(p, odd) : qb_decode(wk, p, odd))
 
 #define QB_CASE(WK, n)                                                               \
   case n:                                                                            \
@@ -229,16 +257,25 @@ static inline __attribute__((always_inline)) void qb_row1_body(const int wk, con
       const uint32_t* xg = xp + g * h;
       __m512 d[QR1];
       for (int u = 0; u < QR1; u++) d[u] = _mm512_setzero_ps();
-      for (int64_t i = i0; i < i1; i += 2 * QR1) {
+      const uint32_t* xi = xg;
+      int64_t i = i0;
+      for (; i + 2 * QR1 <= i1; i += 2 * QR1, xi += QR1) {
         _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD, _MM_HINT_T0);
         if (wk == 0) _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD + 64, _MM_HINT_T0);
-        for (int u = 0; u < QR1 && i + 2 * u < i1; u++) {
-          const int64_t k = i + 2 * u;
-          const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xg[(k - i0) / 2]);
-          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + k * cb, k + 1 == i1), xs);
-        }
+        for (int u = 0; u < QR1; u++)
+          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)QB_ROW_DECODE(q + (i + 2 * u) * cb, 0),
+                                  (__m512bh)_mm512_set1_epi32((int)xi[u]));
       }
-      const __m512 s = _mm512_loadu_ps(sp + (j * G + g) * LANES), m = _mm512_loadu_ps(mp + (j * G + g) * LANES);
+      for (int u = 0; i + 1 < i1; i += 2, u++) /* the group's last full pairs, then an odd last input */
+        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)QB_ROW_DECODE(q + i * cb, 0), (__m512bh)_mm512_set1_epi32((int)xi[u]));
+      if (i < i1)
+        d[3] = _mm512_dpbf16_ps(d[3], (__m512bh)QB_ROW_DECODE(q + i * cb, 1),
+                                (__m512bh)_mm512_set1_epi32((int)xg[(i - i0) / 2]));
+      __m512 s = _mm512_loadu_ps(sp + (j * G + g) * LANES), m = _mm512_loadu_ps(mp + (j * G + g) * LANES);
+      if (wk == 1) { /* sum((1 + c / 16) x) = sum(x) + sum(c x) / 16: s * sum(c x) = 16 s D - 16 s sum(x) */
+        s = _mm512_mul_ps(s, _mm512_set1_ps(16.f));
+        m = _mm512_sub_ps(m, s);
+      }
       acc = _mm512_fmadd_ps(s, _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3])), acc);
       acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), acc);
     }
