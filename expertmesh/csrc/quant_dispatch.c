@@ -49,9 +49,8 @@ static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, 
   const int64_t P = (O + LANES - 1) / LANES;
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4;
 #if QB_TILES
-  if (r1 - r0 == 1 && QB_KIND(kind)) { /* one row on pairs, a whole span or the matrix's last panels */
-    (kind == Q_KIND_B4 ? qb_row1_1 : qb_row1_0)(xb + r0 * qb_pairs(I, gs), xsum + r0 * ((I + gs - 1) / gs), I, gs,
-                                                qp, sp, mp, y + r0 * O, O, p0, bias);
+  if (r1 - r0 == 1 && kind == Q_KIND_B4) { /* one row on pairs, a whole span or the matrix's last panels */
+    qb_row1_1(xb + r0 * qb_pairs(I, gs), xsum + r0 * ((I + gs - 1) / gs), I, gs, qp, sp, mp, y + r0 * O, O, p0, bias);
     return;
   }
 #endif
