@@ -1,4 +1,4 @@
-/* Part of cpu_kernels.c (one translation unit; see its list): uint4 codes against activations rounded to bf16 (kind 6), by bf16 pair products. */
+/* Part of cpu_kernels.c (one translation unit; see its list): uint4 / int8 codes against activations rounded to bf16 (kinds 6, 7), by bf16 pair products. */
 
 /* ---- kinds 6 and 7: uint4 / int8 weights (kind 1's / kind 0's codes, scales and offsets) times bf16
  * activations ----
@@ -11,8 +11,8 @@
  *     y += s * sum(code * x) + m * sum(x)          (sums over the group; bf16 x, float32 sums)
  * so the only rounding beyond kinds 1 / 0 is the inputs' to bf16 (which a bf16 model's torch path
  * also does; inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts
- * round theirs). At one row (decode, bound by memory) the weight kind's one-row kernels take the
- * rounded inputs. The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the
+ * round theirs). One row (decode): uint4 on pairs too (qb_row1, its codes decoded as 1 + code / 16),
+ * int8 by kind 0's one-row kernel on the rounded inputs. The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the
  * Python side keeps kinds 1 / 0, and a kind 6 / 7 call here runs kind 1 / 0 on the rounded inputs. */
 #define Q_KIND_B4 6
 #define Q_KIND_B8 7
