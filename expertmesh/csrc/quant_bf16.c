@@ -87,12 +87,24 @@ static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t
  * the 32 registers: 11-row tiles of 2 panels spilled and ran at 0.6-0.7x kind 1). */
 #define QB_NPC(n) ((n) <= 4 ? 4 : 2)
 
+/* Inputs i and i + 1 of one panel's uint4 codes (16 bytes: input i's 16 nibbles, lane 2j in the low
+ * nibble of byte j, then input i + 1's; `odd`: input i only) as 32 words, word w = lane w / 2's code
+ * byte for input w % 2 in both its bytes: one broadcast load and one byte permute. (odd is a constant
+ * at every call, so the hot loops' broadcast stays one load.) */
+static inline __attribute__((always_inline)) __m512i qb_nibble_words(const uint8_t* p, const int odd) {
+  const __m128i b = odd ? _mm_maskz_loadu_epi8(0x00ff, p) : _mm_loadu_si128((const __m128i*)p);
+  /* word w -> source byte (w % 2) * 8 + w / 4 */
+  const __m512i perm = _mm512_set_epi8(
+      15, 15, 7, 7, 15, 15, 7, 7, 14, 14, 6, 6, 14, 14, 6, 6, 13, 13, 5, 5, 13, 13, 5, 5, 12, 12, 4, 4, 12, 12, 4, 4,
+      11, 11, 3, 3, 11, 11, 3, 3, 10, 10, 2, 2, 10, 10, 2, 2, 9, 9, 1, 1, 9, 9, 1, 1, 8, 8, 0, 0, 8, 8, 0, 0);
+  return _mm512_permutexvar_epi8(perm, _mm512_broadcast_i32x4(b));
+}
+
 /* Inputs i and i + 1 of one panel as 16 bf16 pairs, lane l = (code(l, i), code(l, i + 1)); `odd`:
- * input i only (a group's last), the second code 0. wk 1, uint4: 16 bytes of codes (input i's 16
- * nibbles, lane 2j in the low nibble of byte j, then input i + 1's): one byte permute into the low
- * byte of each word (the high byte zeroed by the mask), a per-word shift by 0 or 4, and a word permute
- * through the table of bf16(0..15) (indexed by the low 5 bits: the table is repeated, so the other
- * nibble's bit 4 does not matter). wk 0, int8: 32 bytes (input i's 16 codes, then input i + 1's),
+ * input i only (a group's last), the second code 0. wk 1, uint4: the code bytes as words
+ * (qb_nibble_words), a per-word shift by 0 or 4 that brings the lane's nibble to bits 0..3, and a word
+ * permute through the table of bf16(0..15) (indexed by the low 5 bits: the table is repeated, so
+ * bit 4, another nibble's, does not matter). wk 0, int8: 32 bytes (input i's 16 codes, then input i + 1's),
  * each 16 widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one
  * two-source word permute taking the high halves, input i's in the even words. */
 static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, const uint8_t* p, const int odd) {
@@ -104,36 +116,24 @@ static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, con
                                           47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
     return _mm512_permutex2var_epi16(_mm512_castps_si512(a), high, _mm512_castps_si512(b));
   }
-  /* (odd is a constant at every call: the hot loops' broadcast stays one load) */
-  const __m128i b = odd ? _mm_maskz_loadu_epi8(0x00ff, p) : _mm_loadu_si128((const __m128i*)p);
-  /* word w: lane w / 2, input w % 2 -> source byte (w % 2) * 8 + w / 4, shift 4 * (w / 2 % 2) */
-  const __m512i perm = _mm512_set_epi8(
-      0, 15, 0, 7, 0, 15, 0, 7, 0, 14, 0, 6, 0, 14, 0, 6, 0, 13, 0, 5, 0, 13, 0, 5, 0, 12, 0, 4, 0, 12, 0, 4,
-      0, 11, 0, 3, 0, 11, 0, 3, 0, 10, 0, 2, 0, 10, 0, 2, 0, 9, 0, 1, 0, 9, 0, 1, 0, 8, 0, 0, 0, 8, 0, 0);
   const __m512i shift = _mm512_set_epi16(4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0,
                                          4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0);
   const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
                                          0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
                                          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
                                          0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-  const __m512i w = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, perm, _mm512_broadcast_i32x4(b));
-  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(w, shift), table);
+  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(qb_nibble_words(p, odd), shift), table);
 }
 
-/* uint4 codes as bf16 pairs of 1 + code / 16 (the one-row kernel's decode): the byte of each word's
- * nibble permuted into its high byte, a per-word shift by 5 or 9 puts the nibble at bits 3..6 (a
- * bf16 mantissa's top 4 bits), and one ternary op masks it and sets the exponent of 1. No word
- * permute through a table: one shuffle fewer than qb_decode, whose shuffles bound the one-row
- * kernel. The sums come out as sum(x) + sum(code * x) / 16 (qb_row1 takes sum(x) back off). */
+/* uint4 codes as bf16 pairs of 1 + code / 16 (the one-row kernel's decode): a per-word shift by 5 or
+ * 9 puts each word's nibble (in its high byte) at bits 3..6, a bf16 mantissa's top 4 bits, and one
+ * ternary op masks it and sets the exponent of 1. No word permute through a table: one shuffle fewer
+ * than qb_decode, whose shuffles bound the one-row kernel. The sums come out as sum(x) +
+ * sum(code * x) / 16 (qb_row1 takes sum(x) back off). */
 static inline __attribute__((always_inline)) __m512i qb_decode_biased4(const uint8_t* p, const int odd) {
-  const __m128i b = odd ? _mm_maskz_loadu_epi8(0x00ff, p) : _mm_loadu_si128((const __m128i*)p);
-  /* word w: lane w / 2, input w % 2 -> source byte (w % 2) * 8 + w / 4 (both bytes), shift 5 + 4 * (w / 2 % 2) */
-  const __m512i perm = _mm512_set_epi8(
-      15, 15, 7, 7, 15, 15, 7, 7, 14, 14, 6, 6, 14, 14, 6, 6, 13, 13, 5, 5, 13, 13, 5, 5, 12, 12, 4, 4, 12, 12, 4, 4,
-      11, 11, 3, 3, 11, 11, 3, 3, 10, 10, 2, 2, 10, 10, 2, 2, 9, 9, 1, 1, 9, 9, 1, 1, 8, 8, 0, 0, 8, 8, 0, 0);
   const __m512i shift = _mm512_set_epi16(9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5,
                                          9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5);
-  const __m512i w = _mm512_srlv_epi16(_mm512_permutexvar_epi8(perm, _mm512_broadcast_i32x4(b)), shift);
+  const __m512i w = _mm512_srlv_epi16(qb_nibble_words(p, odd), shift);
   return _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x0078), _mm512_set1_epi16(0x3f80), 0xEA); /* a & b | c */
 }
 
