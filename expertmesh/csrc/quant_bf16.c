@@ -7,13 +7,15 @@
  * (-128..127) is exact in bf16, and vdpbf16ps multiplies 32 code / input pairs into 16 float32
  * lanes at once, where the weight-only tiles (kinds 1, 0) rebuild W = code * s + m in float32 and
  * spend one FMA of 16 products a row on it. Per group of gs inputs the scale and offset fold in
- * once, exactly as the algebra says:
+ * once, as the algebra says:
  *     y += s * sum(code * x) + m * sum(x)          (sums over the group; bf16 x, float32 sums)
- * so the only rounding beyond kinds 1 / 0 is the inputs' to bf16 (which a bf16 model's torch path
- * also does; inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts
- * round theirs). One row (decode): uint4 on pairs too (qb_row1, its codes decoded as 1 + code / 16),
- * int8 by kind 0's one-row kernel on the rounded inputs. The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the
- * Python side keeps kinds 1 / 0, and a kind 6 / 7 call here runs kind 1 / 0 on the rounded inputs. */
+ * (uint4 codes enter as 1 + code / 16, whose sums carry sum(x) too: qb_decode, qb_fold). The only
+ * rounding beyond kinds 1 / 0 is the inputs' to bf16 (which a bf16 model's torch path also does;
+ * inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts round
+ * theirs) and the float32 sums'. One row (decode): uint4 on pairs too (qb_row1), int8 by kind 0's
+ * one-row kernel on the rounded inputs. The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles()
+ * says); without them the Python side keeps kinds 1 / 0, and a kind 6 / 7 call here runs kind 1 / 0
+ * on the rounded inputs. */
 #define Q_KIND_B4 6
 #define Q_KIND_B8 7
 #define QB_KIND(kind) ((kind) == Q_KIND_B4 || (kind) == Q_KIND_B8)
@@ -100,13 +102,16 @@ static inline __attribute__((always_inline)) __m512i qb_nibble_words(const uint8
   return _mm512_permutexvar_epi8(perm, _mm512_broadcast_i32x4(b));
 }
 
-/* Inputs i and i + 1 of one panel as 16 bf16 pairs, lane l = (code(l, i), code(l, i + 1)); `odd`:
- * input i only (a group's last), the second code 0. wk 1, uint4: the code bytes as words
- * (qb_nibble_words), a per-word shift by 0 or 4 that brings the lane's nibble to bits 0..3, and a word
- * permute through the table of bf16(0..15) (indexed by the low 5 bits: the table is repeated, so
- * bit 4, another nibble's, does not matter). wk 0, int8: 32 bytes (input i's 16 codes, then input i + 1's),
- * each 16 widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one
- * two-source word permute taking the high halves, input i's in the even words. */
+/* Inputs i and i + 1 of one panel as 16 bf16 pairs, lane l = (code(l, i), code(l, i + 1)) for int8
+ * (wk 0) and (1 + code(l, i) / 16, 1 + code(l, i + 1) / 16) for uint4 (wk 1); `odd`: input i only (a
+ * group's last), the second code 0. uint4: the code bytes as words (qb_nibble_words), a per-word
+ * shift by 5 or 9 that brings the lane's nibble to bits 3..6 (a bf16 mantissa's top 4 bits), and one
+ * ternary op that masks it and sets the exponent of 1: two shuffles where a table lookup of
+ * bf16(code) takes three, and the shuffles bound the kernels at few rows (one row 1.12-1.16x, 2-row
+ * tiles of the Qwen3 shape's experts QB_QWEN3). The sums come out as sum(x) + sum(code * x) / 16,
+ * qb_fold takes sum(x) back off. int8: 32 bytes (input i's 16 codes, then input i + 1's), each 16
+ * widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one two-source
+ * word permute taking the high halves, input i's in the even words. */
 static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, const uint8_t* p, const int odd) {
   if (wk == 0) {
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -116,25 +121,19 @@ static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, con
                                           47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
     return _mm512_permutex2var_epi16(_mm512_castps_si512(a), high, _mm512_castps_si512(b));
   }
-  const __m512i shift = _mm512_set_epi16(4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0,
-                                         4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0);
-  const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-                                         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(qb_nibble_words(p, odd), shift), table);
-}
-
-/* uint4 codes as bf16 pairs of 1 + code / 16 (the one-row kernel's decode): a per-word shift by 5 or
- * 9 puts each word's nibble (in its high byte) at bits 3..6, a bf16 mantissa's top 4 bits, and one
- * ternary op masks it and sets the exponent of 1. No word permute through a table: one shuffle fewer
- * than qb_decode, whose shuffles bound the one-row kernel. The sums come out as sum(x) +
- * sum(code * x) / 16 (qb_row1 takes sum(x) back off). */
-static inline __attribute__((always_inline)) __m512i qb_decode_biased4(const uint8_t* p, const int odd) {
   const __m512i shift = _mm512_set_epi16(9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5,
                                          9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5, 9, 9, 5, 5);
   const __m512i w = _mm512_srlv_epi16(qb_nibble_words(p, odd), shift);
   return _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x0078), _mm512_set1_epi16(0x3f80), 0xEA); /* a & b | c */
+}
+
+/* A group's scale s and offset m as they multiply the pair sums D and sum(x): y += s * D + m * sum(x);
+ * for uint4 D = sum(x) + sum(code * x) / 16 (qb_decode), so s * sum(code * x) = 16 s D - 16 s sum(x). */
+static inline __attribute__((always_inline)) void qb_fold(const int wk, __m512* s, __m512* m) {
+  if (wk == 1) {
+    *s = _mm512_mul_ps(*s, _mm512_set1_ps(16.f));
+    *m = _mm512_sub_ps(*m, *s);
+  }
 }
 
 /* One pair step of a tile: npc panels decoded, each multiplied into every row's accumulator. */
@@ -182,8 +181,8 @@ static inline __attribute__((always_inline)) void qb_body(const int wk, const ui
     if (i < i1) /* an odd group's last input, alone in its pair */
       QB_STEP(1)
     for (int j = 0; j < npc; j++) {
-      const __m512 s = _mm512_loadu_ps(sp + ((p0 + j) * G + g) * LANES);
-      const __m512 m = _mm512_loadu_ps(mp + ((p0 + j) * G + g) * LANES);
+      __m512 s = _mm512_loadu_ps(sp + ((p0 + j) * G + g) * LANES), m = _mm512_loadu_ps(mp + ((p0 + j) * G + g) * LANES);
+      qb_fold(wk, &s, &m);
       const int64_t o = (p0 + j) * LANES;
       for (int r = 0; r < rows; r++) {
         float* yr = y + r * O + o;
@@ -195,8 +194,6 @@ static inline __attribute__((always_inline)) void qb_body(const int wk, const ui
     }
   }
 }
-
-#define QB_ROW_DECODE(p, odd) (wk == 1 ? qb_decode_biased4(p, odd) : qb_decode(wk, p, odd))
 
 #define QB_CASE(WK, n)                                                               \
   case n:                                                                            \
@@ -263,19 +260,16 @@ static inline __attribute__((always_inline)) void qb_row1_body(const int wk, con
         _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD, _MM_HINT_T0);
         if (wk == 0) _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD + 64, _MM_HINT_T0);
         for (int u = 0; u < QR1; u++)
-          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)QB_ROW_DECODE(q + (i + 2 * u) * cb, 0),
+          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + (i + 2 * u) * cb, 0),
                                   (__m512bh)_mm512_set1_epi32((int)xi[u]));
       }
       for (int u = 0; i + 1 < i1; i += 2, u++) /* the group's last full pairs, then an odd last input */
-        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)QB_ROW_DECODE(q + i * cb, 0), (__m512bh)_mm512_set1_epi32((int)xi[u]));
+        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + i * cb, 0), (__m512bh)_mm512_set1_epi32((int)xi[u]));
       if (i < i1)
-        d[3] = _mm512_dpbf16_ps(d[3], (__m512bh)QB_ROW_DECODE(q + i * cb, 1),
+        d[3] = _mm512_dpbf16_ps(d[3], (__m512bh)qb_decode(wk, q + i * cb, 1),
                                 (__m512bh)_mm512_set1_epi32((int)xg[(i - i0) / 2]));
       __m512 s = _mm512_loadu_ps(sp + (j * G + g) * LANES), m = _mm512_loadu_ps(mp + (j * G + g) * LANES);
-      if (wk == 1) { /* sum((1 + c / 16) x) = sum(x) + sum(c x) / 16: s * sum(c x) = 16 s D - 16 s sum(x) */
-        s = _mm512_mul_ps(s, _mm512_set1_ps(16.f));
-        m = _mm512_sub_ps(m, s);
-      }
+      qb_fold(wk, &s, &m);
       acc = _mm512_fmadd_ps(s, _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3])), acc);
       acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), acc);
     }
