@@ -1,6 +1,6 @@
-"""A bf16 model's int4 and int8 products on bf16 pairs (csrc/quant_bf16.c, code kinds 6 and 7).
+"""A bf16 model's int4, int8 and fp4 products on bf16 pairs (csrc/quant_bf16.c, code kinds 6-8).
 
-The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 / int8 codes times a
+The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 / int8 / fp4 codes times a
 pair of inputs is one vdpbf16ps lane (exact products, float32 sums), and a group's scale and offset fold
 in once: y = bias + sum over groups of s * sum(code * x) + m * sum(x). Every row count (the pair
 tiles from 2 rows, up to 8 rows a tile; 1 row: the weight kind's one-row kernels on the rounded
@@ -8,7 +8,7 @@ inputs)
 against float64 on the dequantized weight; rows do not depend on the batch from 2 rows; groups and
 rows of odd length (a pair with a zero second input); the routed experts with 0-50 rows each, the
 activated intermediate rounded to bf16 as torch's bf16 experts round theirs; and a build without the
-pair tiles (kinds 6 / 7 there: kinds 1 / 0 on the rounded inputs).
+pair tiles (kinds 6-8 there: kinds 1 / 0 / 3 on the rounded inputs).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.packed import (
+    FP4_BF16,
     INT4_BF16,
     INT8_BF16,
     KINDS,
@@ -45,13 +46,14 @@ def test_the_kind_follows_the_activations(kernels):
     assert product_kind("int4", torch.float32, kernels) == KINDS["int4"]
     assert product_kind("int8", torch.bfloat16, kernels) == INT8_BF16
     assert product_kind("int8", torch.float32, kernels) == KINDS["int8"]
-    for kind in ("fp8", "fp4", "w8a8", "w4a8"):  # their own kernels whatever the activations
+    assert product_kind("fp4", torch.bfloat16, kernels) == FP4_BF16
+    for kind in ("fp8", "w8a8", "w4a8"):  # their own kernels whatever the activations
         assert product_kind(kind, torch.bfloat16, kernels) == KINDS[kind]
     assert product_kind("int4", torch.bfloat16, None) == KINDS["int4"]  # the torch fallback
-    assert kernels.quant_kinds[INT4_BF16] == "int4-bf16" and kernels.quant_kinds[INT8_BF16] == "int8-bf16"
+    assert kernels.quant_kinds[INT4_BF16 : FP4_BF16 + 1] == ("int4-bf16", "int8-bf16", "fp4-bf16")
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp4"])
 @pytest.mark.parametrize(
     "out_f,in_f,group",
     [
@@ -61,10 +63,10 @@ def test_the_kind_follows_the_activations(kernels):
         (40, 71, 71),  # odd rows: the last pair has no second input
         (40, 66, 33),  # odd groups: each group's last pair alone
     ],
-)
+)  # (fp4: MXFP4's groups of 32 whatever the group)
 def test_every_row_count_matches_and_rows_do_not_depend_on_the_batch(kernels, kind, out_f, in_f, group):
     g = torch.Generator().manual_seed(7)
-    w = QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * in_f**-0.5, kind, group, kernels)
+    w = _weight(kind, out_f, in_f, group, kernels, g)
     dense = w.dequantize().double()
     b = torch.randn(out_f, generator=g)
     x_all = torch.randn(max(ROWS), in_f, generator=g).bfloat16()
@@ -77,11 +79,14 @@ def test_every_row_count_matches_and_rows_do_not_depend_on_the_batch(kernels, ki
             assert torch.equal(got, y_all[:m]), m
 
 
-@pytest.mark.parametrize("kind,code", [("int4", INT4_BF16), ("int8", INT8_BF16)])
+CODES = [("int4", INT4_BF16), ("int8", INT8_BF16), ("fp4", FP4_BF16)]
+
+
+@pytest.mark.parametrize("kind,code", CODES)
 def test_float32_inputs_are_rounded_to_bf16(kernels, kind, code):
-    """Kinds 6 / 7 given float32 inputs (gemm_q directly) compute with them rounded to bf16 values."""
+    """Kinds 6-8 given float32 inputs (gemm_q directly) compute with them rounded to bf16 values."""
     g = torch.Generator().manual_seed(3)
-    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), kind, 32, kernels)
+    w = _weight(kind, 64, 96, 32, kernels, g)
     x = torch.randn(5, 96, generator=g)
     y = torch.empty(5, 64)
     kernels.lib.gemm_q(
@@ -94,7 +99,13 @@ def test_float32_inputs_are_rounded_to_bf16(kernels, kind, code):
 
 
 def _weight(kind: str, out_f: int, in_f: int, group: int, kernels, g) -> QuantizedWeight:
-    """Weights scaled as a model's (outputs of order 1)."""
+    """Weights scaled as a model's (outputs of order 1); fp4 as MXFP4 holds it: e2m1 codes, a 2^k
+    scale per 32 inputs, zero offsets."""
+    if kind == "fp4":
+        n = -(-in_f // 32)
+        codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g)
+        scales = torch.exp2(torch.randint(-7, -3, (out_f, n), generator=g).float())
+        return QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, n), "fp4", 32, kernels)
     return QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * in_f**-0.5, kind, group, kernels)
 
 
@@ -110,7 +121,7 @@ def _moe_reference_bf16(x, slot, weights, w13, w2, inter):
     return ref.float()
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp4"])
 @pytest.mark.parametrize(
     "k,counts",
     [(2, [0, 1, 2, 3, 5, 8, 12, 14, 23]), (1, [4, 0, 7, 50, 1, 9, 0, 11, 2])],
@@ -136,14 +147,14 @@ def test_routed_experts_every_row_count_per_expert(kernels, kind, k, counts):
     assert (out - ref).abs().mean() < 1e-4
 
 
-@pytest.mark.parametrize("kind,code", [("int4", INT4_BF16), ("int8", INT8_BF16)])
+@pytest.mark.parametrize("kind,code", CODES)
 def test_without_the_pair_tiles(generic_kernels, monkeypatch, kind, code):
-    """A build without them (here -mno-avx512f) reports none, and kinds 6 / 7 there are kinds 1 / 0
+    """A build without them (here -mno-avx512f) reports none, and kinds 6-8 there are kinds 1 / 0 / 3
     on the inputs rounded to bf16: in gemm_q bit for bit, in moe_q the intermediate rounded too."""
     k = generic_kernels
     assert not k.quant_bf16_pairs and product_kind(kind, torch.bfloat16, k) == KINDS[kind]
     g = torch.Generator().manual_seed(9)
-    w = QuantizedWeight.quantize(torch.randn(64, 96, generator=g), kind, 32, k)
+    w = _weight(kind, 64, 96, 32, k, g)
     for m in (1, 2, 9):
         x = torch.randn(m, 96, generator=g)
         y6, y1 = torch.empty(m, 64), torch.empty(m, 64)
@@ -153,7 +164,7 @@ def test_without_the_pair_tiles(generic_kernels, monkeypatch, kind, code):
                 y.data_ptr(), m, 64, 96, None, 1,
             )  # fmt: skip
         assert torch.equal(y6, y1), m
-    monkeypatch.setattr(k, "quant_bf16_pairs", True)  # so QuantizedMoE sends kind 6 / 7 to this build
+    monkeypatch.setattr(k, "quant_bf16_pairs", True)  # so QuantizedMoE sends kind 6-8 to this build
     e, hidden, inter = 3, 48, 40
     w13 = [_weight(kind, 2 * inter, hidden, 16, k, g) for _ in range(e)]
     w2 = [_weight(kind, hidden, inter, 8, k, g) for _ in range(e)]

@@ -18,9 +18,13 @@
  * on the rounded inputs. */
 #define Q_KIND_B4 6
 #define Q_KIND_B8 7
-#define QB_KIND(kind) ((kind) == Q_KIND_B4 || (kind) == Q_KIND_B8)
-/* The codes' own kind: uint4 (1) for kind 6, int8 (0) for kind 7, any other kind itself. */
-static inline int qb_weight_kind(int kind) { return kind == Q_KIND_B4 ? 1 : kind == Q_KIND_B8 ? 0 : kind; }
+#define Q_KIND_BF4 8
+#define QB_KIND(kind) ((kind) == Q_KIND_B4 || (kind) == Q_KIND_B8 || (kind) == Q_KIND_BF4)
+/* The codes' own kind: uint4 (1) for kind 6, int8 (0) for kind 7, fp4 (3) for kind 8, any other kind
+ * itself. */
+static inline int qb_weight_kind(int kind) {
+  return kind == Q_KIND_B4 ? 1 : kind == Q_KIND_B8 ? 0 : kind == Q_KIND_BF4 ? 3 : kind;
+}
 #if LANES == 16 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define QB_TILES 1
 #else
@@ -113,6 +117,17 @@ static inline __attribute__((always_inline)) __m512i qb_nibble_words(const uint8
  * widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one two-source
  * word permute taking the high halves, input i's in the even words. */
 static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, const uint8_t* p, const int odd) {
+  if (wk == 3) { /* fp4 e2m1: the nibble to bits 0..3 and a word permute through bf16 of the 16 codes
+                  * (repeated: bit 4, another nibble's, does not matter); exact, -0.0 for code 8 */
+    const __m512i shift = _mm512_set_epi16(4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0,
+                                           4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0);
+    const __m512i table = _mm512_set_epi16(
+        (short)0xc0c0, (short)0xc080, (short)0xc040, (short)0xc000, (short)0xbfc0, (short)0xbf80, (short)0xbf00,
+        (short)0x8000, 0x40c0, 0x4080, 0x4040, 0x4000, 0x3fc0, 0x3f80, 0x3f00, 0x0000, (short)0xc0c0,
+        (short)0xc080, (short)0xc040, (short)0xc000, (short)0xbfc0, (short)0xbf80, (short)0xbf00, (short)0x8000,
+        0x40c0, 0x4080, 0x4040, 0x4000, 0x3fc0, 0x3f80, 0x3f00, 0x0000);
+    return _mm512_permutexvar_epi16(_mm512_srlv_epi16(qb_nibble_words(p, odd), shift), table);
+  }
   if (wk == 0) {
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     const __m512 b = odd ? _mm512_setzero_ps()
@@ -234,6 +249,7 @@ static inline __attribute__((always_inline)) void qb_body(const int wk, const ui
 
 DEFINE_QB_TILES(0)
 DEFINE_QB_TILES(1)
+DEFINE_QB_TILES(3)
 #undef QB_CASE
 
 /* One row (decode) against the NQ1 panels from p0 (fewer at the matrix's end), as kind 1 / 0's
@@ -285,13 +301,14 @@ static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t 
   qb_row1_body(1, xp, xsum, I, gs, qp, sp, mp, y, O, p0, bias);
 }
 
-/* Kind 6 or 7's rows [r0, r1) against panels [p0, q1). */
+/* Kind 6, 7 or 8's rows [r0, r1) against panels [p0, q1). */
 static void qb_tiles(int kind, const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp,
                      const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1,
                      int64_t r0, int64_t r1, const float* bias) {
-  (kind == Q_KIND_B4 ? qb_tiles1 : qb_tiles0)(xp, xsum, I, qp, sp, mp, gs, y, O, p0, q1, r0, r1, bias);
+  (kind == Q_KIND_B4 ? qb_tiles1 : kind == Q_KIND_BF4 ? qb_tiles3 : qb_tiles0)(xp, xsum, I, qp, sp, mp, gs, y, O, p0,
+                                                                                q1, r0, r1, bias);
 }
 #endif
 
-/* 1 where kinds 6 and 7 run on bf16 pairs (the Python side picks them for bf16 activations only then). */
+/* 1 where kinds 6-8 run on bf16 pairs (the Python side picks them for bf16 activations only then). */
 int64_t q_bf16_tiles(void) { return QB_TILES; }
