@@ -23,8 +23,7 @@ import torch
 
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.packed import (
-    INT4_BF16,
-    INT8_BF16,
+    BF16_PAIRS,
     KINDS,
     QuantizedExperts,
     QuantizedMoE,
@@ -33,9 +32,9 @@ from expertmesh.layers.quantization.packed import (
 
 PRODUCTS = {"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}  # the small MoE's shapes
 MOE = (512, 1024, 8, 2)  # hidden, inter, experts, top-k
-# "int4-bf16" / "int8-bf16": int4 / int8 weights times bf16 activations (a bf16 model's, code kinds
-# 6 / 7 on bf16 pairs)
-CODES = {**KINDS, "int4-bf16": INT4_BF16, "int8-bf16": INT8_BF16}
+# "int4-bf16", "int8-bf16", "fp4-bf16": the weights times bf16 activations (a bf16 model's: code
+# kinds 6-8, on bf16 pairs)
+CODES = {**KINDS, **{f"{kind}-bf16": code for kind, code in BF16_PAIRS.items()}}
 
 
 def weight_kind(kind: str) -> str:
@@ -95,7 +94,7 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                 f32 = Rotating(f32s) if len(f32s) > 1 else f32s[0]
                 out.setdefault((name, m, "f32"), {})[src] = (f32, o * i * 4, (packs, x, y))
                 for kind in kinds:
-                    if kind not in k.quant_kinds or kind == "fp4":  # fp4: fp4_products
+                    if kind not in k.quant_kinds or weight_kind(kind) == "fp4":  # fp4: fp4_products, moe
                         continue
                     q = QuantizedWeight.quantize(w, weight_kind(kind), 128, k)
                     held = [q] + [
@@ -139,7 +138,7 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                     a = QuantizedExperts.stack([quantized(w13[e], wk, 128, k, g) for e in range(experts)])
                     b = QuantizedExperts.stack([quantized(w2[e], wk, 128, k, g) for e in range(experts)])
                     nbytes = touched * (a.nbytes + b.nbytes) // experts
-                    xk = x.bfloat16() if kind.endswith("-bf16") else x  # QuantizedMoE picks kind 6 / 7 for it
+                    xk = x.bfloat16() if kind.endswith("-bf16") else x  # QuantizedMoE picks kinds 6-8 for it
                     fn = partial(QuantizedMoE(k).moe, xk, ids, wts, a, b, inter, "silu")
                     out.setdefault(("moe", m, kind), {})[src] = (fn, nbytes, None)
     if "fp4" in kinds:
@@ -183,8 +182,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,32")
     ap.add_argument(
         "--kinds",
-        default="int8,int4,fp8,fp4,w8a8,w4a8,int4-bf16",
-        help="fp4 in groups of 32; int4-bf16: bf16 inputs",
+        default="int8,int4,fp8,fp4,w8a8,w4a8,int4-bf16,int8-bf16,fp4-bf16",
+        help="fp4 in groups of 32; *-bf16: bf16 inputs (fp4-bf16: the routed experts only)",
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_quant_wide_tiles import _weight as wide_tiles_weight
 
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.packed import (
@@ -99,14 +100,9 @@ def test_float32_inputs_are_rounded_to_bf16(kernels, kind, code):
 
 
 def _weight(kind: str, out_f: int, in_f: int, group: int, kernels, g) -> QuantizedWeight:
-    """Weights scaled as a model's (outputs of order 1); fp4 as MXFP4 holds it: e2m1 codes, a 2^k
-    scale per 32 inputs, zero offsets."""
-    if kind == "fp4":
-        n = -(-in_f // 32)
-        codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g)
-        scales = torch.exp2(torch.randint(-7, -3, (out_f, n), generator=g).float())
-        return QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, n), "fp4", 32, kernels)
-    return QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * in_f**-0.5, kind, group, kernels)
+    """test_quant_wide_tiles' weights scaled as a model's (outputs of order 1; fp4 as MXFP4 holds
+    it, scales 2^-7 .. 2^-4 per 32 inputs)."""
+    return wide_tiles_weight(kind, group, out_f, in_f, kernels, g, in_f**-0.5, fp4_exponents=(-7, -3))
 
 
 def _moe_reference_bf16(x, slot, weights, w13, w2, inter):

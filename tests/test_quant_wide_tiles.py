@@ -30,11 +30,15 @@ def kernels():
     return k
 
 
-def _weight(kind: str, group: int, out_f: int, in_f: int, kernels, g, scale: float = 1.0):
-    if kind == "fp4":  # MXFP4's layout: e2m1 codes, scales 2^k per 32 inputs, zero offsets
+def _weight(
+    kind: str, group: int, out_f: int, in_f: int, kernels, g, scale: float = 1.0, fp4_exponents=(-8, 4)
+):
+    if (
+        kind == "fp4"
+    ):  # MXFP4's layout: e2m1 codes, scales 2^k per 32 inputs (k in fp4_exponents), zero offsets
         n = -(-in_f // 32)
         codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g)
-        scales = torch.exp2(torch.randint(-8, 4, (out_f, n), generator=g).float())
+        scales = torch.exp2(torch.randint(*fp4_exponents, (out_f, n), generator=g).float())
         return QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, n), "fp4", 32, kernels)
     return QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * scale, kind, group, kernels)
 

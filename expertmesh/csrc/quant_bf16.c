@@ -1,21 +1,21 @@
-/* Part of cpu_kernels.c (one translation unit; see its list): uint4 / int8 codes against activations rounded to bf16 (kinds 6, 7), by bf16 pair products. */
+/* Part of cpu_kernels.c (one translation unit; see its list): uint4 / int8 / fp4 codes against activations rounded to bf16 (kinds 6-8), by bf16 pair products. */
 
-/* ---- kinds 6 and 7: uint4 / int8 weights (kind 1's / kind 0's codes, scales and offsets) times bf16
- * activations ----
+/* ---- kinds 6-8: uint4 / int8 / fp4 weights (kind 1's / 0's / 3's codes, scales and offsets) times
+ * bf16 activations ----
  * A bf16 model's layers take bf16 inputs (the torch path rounds every activation to bf16), so its
- * int4 and int8 products can run on AVX512-BF16 pairs: a uint4 code (0..15) or an int8 code
- * (-128..127) is exact in bf16, and vdpbf16ps multiplies 32 code / input pairs into 16 float32
- * lanes at once, where the weight-only tiles (kinds 1, 0) rebuild W = code * s + m in float32 and
- * spend one FMA of 16 products a row on it. Per group of gs inputs the scale and offset fold in
- * once, as the algebra says:
+ * int4, int8 and fp4 products can run on AVX512-BF16 pairs: a uint4 code (0..15), an int8 code
+ * (-128..127) or an e2m1 value is exact in bf16, and vdpbf16ps multiplies 32 code / input pairs into
+ * 16 float32 lanes at once, where the weight-only tiles (kinds 1, 0, 3) rebuild W = code * s + m in
+ * float32 and spend one FMA of 16 products a row on it. Per group of gs inputs the scale and offset
+ * fold in once, as the algebra says:
  *     y += s * sum(code * x) + m * sum(x)          (sums over the group; bf16 x, float32 sums)
  * (uint4 codes enter as 1 + code / 16, whose sums carry sum(x) too: qb_decode, qb_fold). The only
- * rounding beyond kinds 1 / 0 is the inputs' to bf16 (which a bf16 model's torch path also does;
+ * rounding beyond kinds 1 / 0 / 3 is the inputs' to bf16 (which a bf16 model's torch path also does;
  * inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts round
- * theirs) and the float32 sums'. One row (decode): uint4 on pairs too (qb_row1), int8 by kind 0's
- * one-row kernel on the rounded inputs. The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles()
- * says); without them the Python side keeps kinds 1 / 0, and a kind 6 / 7 call here runs kind 1 / 0
- * on the rounded inputs. */
+ * theirs) and the float32 sums'. One row (decode): uint4 on pairs too (qb_row1), int8 and fp4 by
+ * kind 0's / 3's one-row kernels on the rounded inputs. The pair tiles need AVX512-BF16 and VBMI
+ * (q_bf16_tiles() says); without them the Python side keeps kinds 1 / 0 / 3, and a kind 6-8 call
+ * here runs its weight kind on the rounded inputs. */
 #define Q_KIND_B4 6
 #define Q_KIND_B8 7
 #define Q_KIND_BF4 8
@@ -37,6 +37,11 @@ static inline int qb_tile_rows(int64_t left) {
   const int64_t tiles = (left + QB_ROWS - 1) / QB_ROWS;
   return (int)((left + tiles - 1) / tiles);
 }
+
+/* Whether q_span reads kind 6-8's pair layout for a span of `rows` rows: the tiles from 2 rows, and
+ * at one row kind 6's qb_row1 only (kinds 7, 8 take their weight kind's one-row kernel, on every
+ * panel of the matrix), so decode steps of those skip the layout. */
+static inline int qb_reads_pairs(int kind, int64_t rows) { return rows > 1 || kind == Q_KIND_B4; }
 
 /* Pairs a row holds in qb_layout: group g's inputs as ceil(len / 2) pairs from pair g * ceil(gs / 2)
  * (a pair never straddles two groups; an odd group's last pair has a zero second input). */
@@ -252,15 +257,16 @@ DEFINE_QB_TILES(1)
 DEFINE_QB_TILES(3)
 #undef QB_CASE
 
-/* One row (decode) against the NQ1 panels from p0 (fewer at the matrix's end), as kind 1 / 0's
- * one-row kernels read them (panel after panel, one sequential stream prefetched Q_ROW1_AHEAD bytes
- * ahead, QR1 partial sums over the pair steps in turn), on pairs: one vdpbf16ps of 32 products where
- * those spend a decode and an FMA on 16. xp: the row's pairs (qb_layout, n = 1). */
-static inline __attribute__((always_inline)) void qb_row1_body(const int wk, const uint32_t* xp, const float* xsum,
-                                                               int64_t I, int64_t gs, const uint8_t* qp,
-                                                               const float* sp, const float* mp, float* y,
-                                                               int64_t O, int64_t p0, const float* bias) {
-  const int64_t P = (O + LANES - 1) / LANES, G = (I + gs - 1) / gs, h = (gs + 1) / 2, cb = Q_BYTES(wk);
+/* One row (decode) of uint4 codes against the NQ1 panels from p0 (fewer at the matrix's end), as
+ * kind 1's one-row kernel reads them (panel after panel, one sequential stream prefetched
+ * Q_ROW1_AHEAD bytes ahead, QR1 partial sums over the pair steps in turn), on pairs: one vdpbf16ps of
+ * 32 products where that kernel spends a decode and an FMA on 16. xp: the row's pairs (qb_layout,
+ * n = 1). uint4 only: int8's and fp4's one row stay kind 0's / 3's kernels on the rounded inputs (an
+ * int8 body like this one measured 0.8-1.0x kind 0's: its decode is two widenings, two conversions
+ * and a permute a pair). */
+static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs, const uint8_t* qp,
+                      const float* sp, const float* mp, float* y, int64_t O, int64_t p0, const float* bias) {
+  const int64_t P = (O + LANES - 1) / LANES, G = (I + gs - 1) / gs, h = (gs + 1) / 2, cb = Q_BYTES(1);
   const int64_t pb = I * cb;
   for (int64_t j = p0; j < p0 + NQ1 && j < P; j++) {
     const uint8_t* q = qp + j * pb;
@@ -274,31 +280,23 @@ static inline __attribute__((always_inline)) void qb_row1_body(const int wk, con
       int64_t i = i0;
       for (; i + 2 * QR1 <= i1; i += 2 * QR1, xi += QR1) {
         _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD, _MM_HINT_T0);
-        if (wk == 0) _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD + 64, _MM_HINT_T0);
         for (int u = 0; u < QR1; u++)
-          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + (i + 2 * u) * cb, 0),
+          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(1, q + (i + 2 * u) * cb, 0),
                                   (__m512bh)_mm512_set1_epi32((int)xi[u]));
       }
       for (int u = 0; i + 1 < i1; i += 2, u++) /* the group's last full pairs, then an odd last input */
-        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + i * cb, 0), (__m512bh)_mm512_set1_epi32((int)xi[u]));
+        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(1, q + i * cb, 0), (__m512bh)_mm512_set1_epi32((int)xi[u]));
       if (i < i1)
-        d[3] = _mm512_dpbf16_ps(d[3], (__m512bh)qb_decode(wk, q + i * cb, 1),
+        d[3] = _mm512_dpbf16_ps(d[3], (__m512bh)qb_decode(1, q + i * cb, 1),
                                 (__m512bh)_mm512_set1_epi32((int)xg[(i - i0) / 2]));
       __m512 s = _mm512_loadu_ps(sp + (j * G + g) * LANES), m = _mm512_loadu_ps(mp + (j * G + g) * LANES);
-      qb_fold(wk, &s, &m);
+      qb_fold(1, &s, &m);
       acc = _mm512_fmadd_ps(s, _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3])), acc);
       acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), acc);
     }
     const int64_t o = j * LANES, n = O - o < LANES ? O - o : LANES;
     store_row_f32(y + o, (vf)acc + bias_vec(bias, o, n), n);
   }
-}
-
-/* uint4 only: int8's one row stays kind 0's kernel (on the rounded inputs), which measured 1.0-1.2x
- * this body's (its int8 decode is two widenings, two conversions and a permute a pair). */
-static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs, const uint8_t* qp,
-                      const float* sp, const float* mp, float* y, int64_t O, int64_t p0, const float* bias) {
-  qb_row1_body(1, xp, xsum, I, gs, qp, sp, mp, y, O, p0, bias);
 }
 
 /* Kind 6, 7 or 8's rows [r0, r1) against panels [p0, q1). */

@@ -40,9 +40,9 @@ static void qw_layout(const float* x, int64_t I, int64_t r0, int64_t r1, float* 
  * whole span by the one-row kernels, weight-only kinds at 2 to QW_ROWS - 1 rows by the wide tiles, anything
  * else by the tiles, NP panels at a time. The activations are x (weight-only kinds; in qw_interleave's
  * order where the wide tiles take them, see qw_layout) or their quantized form xq, sx, xsum (kinds 4,
- * 5), all [rows, ...]. Kinds 6, 7 (quant_bf16.c): x the rows rounded to bf16 as they are (the one-row
- * kernels of kinds 1, 0 read them), xb and xsum their qb_layout form (the bf16 pair tiles, any other
- * row count). */
+ * 5), all [rows, ...]. Kinds 6-8 (quant_bf16.c): x the rows rounded to bf16 as they are (the one-row
+ * kernels of kinds 1, 0, 3 read them), xb and xsum their qb_layout form (the bf16 pair tiles at 2 rows
+ * and more, kind 6's qb_row1 at one). */
 static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, const float* xsum,
                    const uint32_t* xb, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t gs,
                    float* y, int64_t O, int64_t p0, int64_t r0, int64_t r1, const float* bias) {
@@ -95,7 +95,8 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   q_init();
-  /* kinds 6, 7: the inputs rounded to bf16 once (a copy), and their pair layout where the tiles run */
+  /* kinds 6-8: the inputs rounded to bf16 once (a copy), and their pair layout where q_span reads it
+   * (qb_reads_pairs) */
   float* xr = NULL;
   uint32_t* xb = NULL;
   float* bsum = NULL;
@@ -106,7 +107,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
     x = xr;
     if (!QB_TILES) kind = qb_weight_kind(kind);
   }
-  if (QB_KIND(kind)) {
+  if (QB_KIND(kind) && qb_reads_pairs(kind, M)) {
     xb = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(M * qb_pairs(I, gs) + 1));
     bsum = (float*)malloc(sizeof(float) * (size_t)(M * ((I + gs - 1) / gs) + 1));
   }
@@ -121,7 +122,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
       xsum = kind == Q_KIND_A4 ? sx + G : NULL;
       q_act_rows(x, I, gs, A_STRIDE(kind, I), xq, sx, xsum, 0, 1);
     }
-    if (xb) qb_layout(x, I, gs, 0, 1, xb, bsum); /* a matrix's last panels take the tiles */
+    if (xb) qb_layout(x, I, gs, 0, 1, xb, bsum); /* kind 6's one row (qb_row1) */
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t s = 0; s < spans; s++)
       q_span(kind, x, xq, sx, xsum, xb, I, qp, sp, mp, gs, y, O, s * NQ1, 0, 1, bias);
@@ -145,7 +146,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
     return;
   }
   /* weight-only: items (block of rows, span of NQ1 panels); q_span picks the wide tiles or the panel
-   * buffer by the block's rows, the wide tiles' blocks interleaved first (kinds 6, 7: the pair layout) */
+   * buffer by the block's rows, the wide tiles' blocks interleaved first (kinds 6-8: the pair layout) */
   const int64_t spans = (P + NQ1 - 1) / NQ1;
   float* xt = xb ? NULL : (float*)malloc(sizeof(float) * (size_t)(M * I));
   const float* xs = xb ? x : xt;
@@ -174,7 +175,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
               const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float limit,
               float alpha, const float* b13, const float* b2, float* out, int threads) {
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
-  /* kinds 6, 7: the gathered rows and the activated intermediates rounded to bf16 in place (kinds 1, 0 on
+  /* kinds 6-8: the gathered rows and the activated intermediates rounded to bf16 in place (kinds 1, 0, 3 on
    * them where the pair tiles are not built) */
   const int bp = QB_KIND(kind);
   if (bp && !QB_TILES) kind = qb_weight_kind(kind);
@@ -208,7 +209,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   if (kind != Q_KIND_A4) xsum = asum = NULL;
   float *xw = xs, *aw = a; /* what the w13 / w2 products read */
   if (!a8) xw = f, aw = xw + m * H;
-  /* kinds 6, 7 on pairs: the rows as they are (one-row kernels) and their qb_layout form */
+  /* kinds 6-8 on pairs: the rows as they are (one-row kernels) and their qb_layout form */
   uint32_t *xb13 = NULL, *xb2 = NULL;
   float *bs13 = NULL, *bs2 = NULL;
   if (QB_KIND(kind)) {
@@ -226,9 +227,10 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     if (!a8) {
       _Pragma("omp for schedule(static)") for (int64_t j = 0; j < p.na; j++) {
         const int64_t e = p.active[j];
-        if (xb13)
-          qb_layout(xs, H, gs13, p.start[e], p.start[e + 1], xb13, bs13);
-        else
+        if (xb13) {
+          if (qb_reads_pairs(kind, p.start[e + 1] - p.start[e]))
+            qb_layout(xs, H, gs13, p.start[e], p.start[e + 1], xb13, bs13);
+        } else
           qw_layout(xs, H, p.start[e], p.start[e + 1], xw);
       }
     }
@@ -246,9 +248,10 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     if (!a8) {
       _Pragma("omp for schedule(static)") for (int64_t j = 0; j < p.na; j++) {
         const int64_t e = p.active[j];
-        if (xb2)
-          qb_layout(a, I, gs2, p.start[e], p.start[e + 1], xb2, bs2);
-        else
+        if (xb2) {
+          if (qb_reads_pairs(kind, p.start[e + 1] - p.start[e]))
+            qb_layout(a, I, gs2, p.start[e], p.start[e + 1], xb2, bs2);
+        } else
           qw_layout(a, I, p.start[e], p.start[e + 1], aw);
       }
     }
