@@ -7,6 +7,7 @@ The checkpoint is the benchmarks' small MoE (make_small_moe.py) with every linea
 router and the head written as e4m3 with a float32 scale per 128 x 128 block (amax / 448).
 
     .venv/bin/python benchmarks/fp8_checkpoint.py --threads 1 --repeats 3
+    .venv/bin/python benchmarks/fp8_checkpoint.py --threads 1 --repeats 3 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def parse_args(doc: str) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="the model dtype both runs load in (bfloat16: held codes times bf16 activations, on bf16 pairs)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.cache_dir, exist_ok=True)
@@ -100,8 +105,8 @@ def main() -> None:
     path = to_fp8(make_small_moe(args.cache_dir), Path(args.cache_dir) / "small-moe-fp8-128")
     compare(
         {
-            "dequantized (fp32)": LLM(path, max_model_len=256),
-            "held as fp8": LLM(path, quantization="fp8", max_model_len=256),
+            f"dequantized ({args.dtype})": LLM(path, dtype=args.dtype, max_model_len=256),
+            "held as fp8": LLM(path, dtype=args.dtype, quantization="fp8", max_model_len=256),
         },
         args,
     )

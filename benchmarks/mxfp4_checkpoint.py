@@ -9,6 +9,7 @@ The model: gpt-oss-20b's config (tests/real_configs) at the benchmarks' small Mo
 its experts quantized to MXFP4 (scale 2^ceil(log2(amax / 6)) per 32, nearest e2m1 value).
 
     .venv/bin/python benchmarks/mxfp4_checkpoint.py --threads 1 --repeats 3
+    .venv/bin/python benchmarks/mxfp4_checkpoint.py --threads 1 --repeats 3 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def main() -> None:
     args = parse_args(__doc__)
     held, plain = make(args.cache_dir)
     runs = {
-        "dequantized (fp32)": LLM(plain, dtype="float32", max_model_len=256),
-        "held as fp4": LLM(held, dtype="float32", max_model_len=256),
+        f"dequantized ({args.dtype})": LLM(plain, dtype=args.dtype, max_model_len=256),
+        "held as fp4": LLM(held, dtype=args.dtype, max_model_len=256),
     }
     for name, llm in runs.items():
         model = llm.llm_engine.runner.model

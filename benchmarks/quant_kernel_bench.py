@@ -32,8 +32,8 @@ from expertmesh.layers.quantization.packed import (
 
 PRODUCTS = {"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}  # the small MoE's shapes
 MOE = (512, 1024, 8, 2)  # hidden, inter, experts, top-k
-# "int4-bf16", "int8-bf16", "fp4-bf16": the weights times bf16 activations (a bf16 model's: code
-# kinds 6-8, on bf16 pairs)
+# "int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16": the weights times bf16 activations (a bf16
+# model's: code kinds 6-9, on bf16 pairs)
 CODES = {**KINDS, **{f"{kind}-bf16": code for kind, code in BF16_PAIRS.items()}}
 
 
@@ -138,7 +138,7 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                     a = QuantizedExperts.stack([quantized(w13[e], wk, 128, k, g) for e in range(experts)])
                     b = QuantizedExperts.stack([quantized(w2[e], wk, 128, k, g) for e in range(experts)])
                     nbytes = touched * (a.nbytes + b.nbytes) // experts
-                    xk = x.bfloat16() if kind.endswith("-bf16") else x  # QuantizedMoE picks kinds 6-8 for it
+                    xk = x.bfloat16() if kind.endswith("-bf16") else x  # QuantizedMoE picks kinds 6-9 for it
                     fn = partial(QuantizedMoE(k).moe, xk, ids, wts, a, b, inter, "silu")
                     out.setdefault(("moe", m, kind), {})[src] = (fn, nbytes, None)
     if "fp4" in kinds:
@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,32")
     ap.add_argument(
         "--kinds",
-        default="int8,int4,fp8,fp4,w8a8,w4a8,int4-bf16,int8-bf16,fp4-bf16",
+        default="int8,int4,fp8,fp4,w8a8,w4a8,int4-bf16,int8-bf16,fp4-bf16,fp8-bf16",
         help="fp4 in groups of 32; *-bf16: bf16 inputs (fp4-bf16: the routed experts only)",
     )
     ap.add_argument("--threads", type=int, default=1)

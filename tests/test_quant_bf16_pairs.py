@@ -1,6 +1,7 @@
-"""A bf16 model's int4, int8 and fp4 products on bf16 pairs (csrc/quant_bf16.c, code kinds 6-8).
+"""A bf16 model's int4, int8, fp4 and fp8 products on bf16 pairs (csrc/quant_bf16.c, code kinds 6-9).
 
-The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 / int8 / fp4 codes times a
+The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 / int8 / fp4 / fp8 codes
+(e4m3 codes drawn from every byte but NaN's, so subnormals and both zeros occur) times a
 pair of inputs is one vdpbf16ps lane (exact products, float32 sums), and a group's scale and offset fold
 in once: y = bias + sum over groups of s * sum(code * x) + m * sum(x). Every row count (the pair
 tiles from 2 rows, up to 8 rows a tile; 1 row: the weight kind's one-row kernels on the rounded
@@ -8,7 +9,7 @@ inputs)
 against float64 on the dequantized weight; rows do not depend on the batch from 2 rows; groups and
 rows of odd length (a pair with a zero second input); the routed experts with 0-50 rows each, the
 activated intermediate rounded to bf16 as torch's bf16 experts round theirs; and a build without the
-pair tiles (kinds 6-8 there: kinds 1 / 0 / 3 on the rounded inputs).
+pair tiles (kinds 6-9 there: kinds 1 / 0 / 3 / 2 on the rounded inputs).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from test_quant_wide_tiles import _weight as wide_tiles_weight
 from expertmesh.layers import cpu_kernels
 from expertmesh.layers.quantization.packed import (
     FP4_BF16,
+    FP8_BF16,
     INT4_BF16,
     INT8_BF16,
     KINDS,
@@ -38,7 +40,9 @@ def kernels():
     if k is None:
         pytest.skip("no C compiler")
     if not k.quant_bf16_pairs:
-        pytest.skip("no AVX512-BF16 / VBMI here: kinds 6 / 7 run as 1 / 0 (test_without_the_pair_tiles)")
+        pytest.skip(
+            "no AVX512-BF16 / VBMI here: kinds 6-9 run as 1 / 0 / 3 / 2 (test_without_the_pair_tiles)"
+        )
     return k
 
 
@@ -48,13 +52,18 @@ def test_the_kind_follows_the_activations(kernels):
     assert product_kind("int8", torch.bfloat16, kernels) == INT8_BF16
     assert product_kind("int8", torch.float32, kernels) == KINDS["int8"]
     assert product_kind("fp4", torch.bfloat16, kernels) == FP4_BF16
-    for kind in ("fp8", "w8a8", "w4a8"):  # their own kernels whatever the activations
+    assert product_kind("fp8", torch.bfloat16, kernels) == FP8_BF16
+    assert product_kind("fp8", torch.float32, kernels) == KINDS["fp8"]
+    for kind in ("w8a8", "w4a8"):  # their own kernels whatever the activations
         assert product_kind(kind, torch.bfloat16, kernels) == KINDS[kind]
     assert product_kind("int4", torch.bfloat16, None) == KINDS["int4"]  # the torch fallback
-    assert kernels.quant_kinds[INT4_BF16 : FP4_BF16 + 1] == ("int4-bf16", "int8-bf16", "fp4-bf16")
+    assert kernels.quant_kinds[INT4_BF16 : FP8_BF16 + 1] == ("int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16")
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "fp4"])
+KINDS_ON_PAIRS = ["int4", "int8", "fp4", "fp8"]
+
+
+@pytest.mark.parametrize("kind", KINDS_ON_PAIRS)
 @pytest.mark.parametrize(
     "out_f,in_f,group",
     [
@@ -80,7 +89,32 @@ def test_every_row_count_matches_and_rows_do_not_depend_on_the_batch(kernels, ki
             assert torch.equal(got, y_all[:m]), m
 
 
-CODES = [("int4", INT4_BF16), ("int8", INT8_BF16), ("fp4", FP4_BF16)]
+def test_every_e4m3_code_decodes_exactly(kernels):
+    """Output o holds the o-th non-NaN e4m3 byte at every input (scale 1): each output is its value
+    times the row's input sum, to float32 rounding of its own size, so a subnormal read as zero (the
+    bf16 denormals vdpbf16ps flushes) or any code one mantissa step off fails, however small."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+
+    def e4m3(c: int) -> float:
+        e, m = c >> 3 & 15, c & 7
+        v = m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        return -v if c & 0x80 else v
+
+    values = torch.tensor([e4m3(c) for c in codes.tolist()], dtype=torch.float64)
+    assert torch.equal(values, codes.view(torch.float8_e4m3fn).double())  # torch agrees
+    in_f = 64
+    rows = codes[:, None].expand(-1, in_f).contiguous()
+    w = QuantizedWeight.from_rows(rows, torch.ones(254, 1), torch.zeros(254, 1), "fp8", in_f, kernels)
+    x = (
+        torch.rand(9, in_f, generator=torch.Generator().manual_seed(1)).bfloat16() + 0.5
+    )  # sums ~ 64, no cancellation
+    for m in (1, 2, 8, 9):
+        got = w(x[:m], None, out_dtype=torch.float32).double()
+        want = x[:m].double().sum(1, keepdim=True) * values
+        assert ((got - want).abs() <= 1e-6 * want.abs()).all(), m
+
+
+CODES = [("int4", INT4_BF16), ("int8", INT8_BF16), ("fp4", FP4_BF16), ("fp8", FP8_BF16)]
 
 
 @pytest.mark.parametrize("kind,code", CODES)
@@ -101,8 +135,15 @@ def test_float32_inputs_are_rounded_to_bf16(kernels, kind, code):
 
 def _weight(kind: str, out_f: int, in_f: int, group: int, kernels, g) -> QuantizedWeight:
     """test_quant_wide_tiles' weights scaled as a model's (outputs of order 1; fp4 as MXFP4 holds
-    it, scales 2^-7 .. 2^-4 per 32 inputs)."""
-    return wide_tiles_weight(kind, group, out_f, in_f, kernels, g, in_f**-0.5, fp4_exponents=(-7, -3))
+    it, scales 2^-7 .. 2^-4 per 32 inputs); fp8: e4m3 codes drawn from every byte but the NaNs (a
+    sixteenth subnormal, where rounding a model's weights makes few), scales of block-scaled FP8."""
+    if kind != "fp8":
+        return wide_tiles_weight(kind, group, out_f, in_f, kernels, g, in_f**-0.5, fp4_exponents=(-7, -3))
+    n = -(-in_f // (group or in_f))
+    codes = torch.randint(0, 254, (out_f, in_f), dtype=torch.uint8, generator=g)
+    codes += (codes >= 0x7F).to(torch.uint8)  # 0..253 onto every byte but 0x7f / 0xff (NaN)
+    scales = torch.rand(out_f, n, generator=g) * 2e-3 / in_f**0.5  # |value| up to 448
+    return QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, n), kind, group or in_f, kernels)
 
 
 def _moe_reference_bf16(x, slot, weights, w13, w2, inter):
@@ -117,7 +158,7 @@ def _moe_reference_bf16(x, slot, weights, w13, w2, inter):
     return ref.float()
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "fp4"])
+@pytest.mark.parametrize("kind", KINDS_ON_PAIRS)
 @pytest.mark.parametrize(
     "k,counts",
     [(2, [0, 1, 2, 3, 5, 8, 12, 14, 23]), (1, [4, 0, 7, 50, 1, 9, 0, 11, 2])],
@@ -145,8 +186,8 @@ def test_routed_experts_every_row_count_per_expert(kernels, kind, k, counts):
 
 @pytest.mark.parametrize("kind,code", CODES)
 def test_without_the_pair_tiles(generic_kernels, monkeypatch, kind, code):
-    """A build without them (here -mno-avx512f) reports none, and kinds 6-8 there are kinds 1 / 0 / 3
-    on the inputs rounded to bf16: in gemm_q bit for bit, in moe_q the intermediate rounded too."""
+    """A build without them (here -mno-avx512f) reports none, and kinds 6-9 there are kinds 1 / 0 / 3 /
+    2 on the inputs rounded to bf16: in gemm_q bit for bit, in moe_q the intermediate rounded too."""
     k = generic_kernels
     assert not k.quant_bf16_pairs and product_kind(kind, torch.bfloat16, k) == KINDS[kind]
     g = torch.Generator().manual_seed(9)
@@ -160,7 +201,7 @@ def test_without_the_pair_tiles(generic_kernels, monkeypatch, kind, code):
                 y.data_ptr(), m, 64, 96, None, 1,
             )  # fmt: skip
         assert torch.equal(y6, y1), m
-    monkeypatch.setattr(k, "quant_bf16_pairs", True)  # so QuantizedMoE sends kind 6-8 to this build
+    monkeypatch.setattr(k, "quant_bf16_pairs", True)  # so QuantizedMoE sends kind 6-9 to this build
     e, hidden, inter = 3, 48, 40
     w13 = [_weight(kind, 2 * inter, hidden, 16, k, g) for _ in range(e)]
     w2 = [_weight(kind, hidden, inter, 8, k, g) for _ in range(e)]

@@ -85,20 +85,18 @@ static void q_init(void) {
   done = 1;
 }
 
-/* fp8 e4m3 without a gather (slow on Zen 3): the sign to bit 31 and exponent + mantissa to bits
- * 20..26 make the float32 2^-120 * value, subnormals included (e = 0 maps onto float32
- * subnormals, exact); the 2^120 is one multiply. Code 0x7f / 0xff (NaN) is never written. */
+/* fp8 e4m3 without a gather (slow on Zen 3): the code sign-extended to int32 and shifted left by 20
+ * puts its sign at bit 31 (and bits 28..30) and its exponent + mantissa at bits 20..26, so one mask
+ * makes the float32 2^-120 * value, subnormals included (e = 0 maps onto float32 subnormals, exact);
+ * the 2^120 is one multiply. Code 0x7f / 0xff (NaN) is never written. (Four operations where the
+ * sign and the rest taken apart were seven: the one-row kernel is bound by them.) */
 static inline vf q_decode2(const uint8_t* p) {
 #if LANES == 8 && defined(__AVX2__)
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  const __m256i rest = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
-  return (vf)_mm256_or_si256(sign, rest) * 0x1p120f;
+  const __m256i b = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)), 20);
+  return (vf)_mm256_and_si256(b, _mm256_set1_epi32((int)0x87f00000u)) * 0x1p120f;
 #elif LANES == 16 && defined(__AVX512F__)
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  const __m512i rest = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
-  return (vf)_mm512_or_si512(sign, rest) * 0x1p120f;
+  const __m512i b = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)), 20);
+  return (vf)_mm512_and_si512(b, _mm512_set1_epi32((int)0x87f00000u)) * 0x1p120f;
 #else
   float t[LANES];
   for (int l = 0; l < LANES; l++) t[l] = fp8_lut[p[l]];

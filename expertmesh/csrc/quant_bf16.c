@@ -1,29 +1,30 @@
-/* Part of cpu_kernels.c (one translation unit; see its list): uint4 / int8 / fp4 codes against activations rounded to bf16 (kinds 6-8), by bf16 pair products. */
+/* Part of cpu_kernels.c (one translation unit; see its list): uint4 / int8 / fp4 / fp8 codes against activations rounded to bf16 (kinds 6-9), by bf16 pair products. */
 
-/* ---- kinds 6-8: uint4 / int8 / fp4 weights (kind 1's / 0's / 3's codes, scales and offsets) times
- * bf16 activations ----
+/* ---- kinds 6-9: uint4 / int8 / fp4 / fp8 weights (kind 1's / 0's / 3's / 2's codes, scales and
+ * offsets) times bf16 activations ----
  * A bf16 model's layers take bf16 inputs (the torch path rounds every activation to bf16), so its
- * int4, int8 and fp4 products can run on AVX512-BF16 pairs: a uint4 code (0..15), an int8 code
- * (-128..127) or an e2m1 value is exact in bf16, and vdpbf16ps multiplies 32 code / input pairs into
- * 16 float32 lanes at once, where the weight-only tiles (kinds 1, 0, 3) rebuild W = code * s + m in
+ * int4, int8, fp4 and fp8 products can run on AVX512-BF16 pairs: a uint4 code (0..15), an int8 code
+ * (-128..127), an e2m1 or an e4m3 value is exact in bf16, and vdpbf16ps multiplies 32 code / input
+ * pairs into 16 float32 lanes at once, where the weight-only tiles (kinds 1, 0, 3, 2) rebuild W = code * s + m in
  * float32 and spend one FMA of 16 products a row on it. Per group of gs inputs the scale and offset
  * fold in once, as the algebra says:
  *     y += s * sum(code * x) + m * sum(x)          (sums over the group; bf16 x, float32 sums)
- * (uint4 codes enter as 1 + code / 16, whose sums carry sum(x) too: qb_decode, qb_fold). The only
- * rounding beyond kinds 1 / 0 / 3 is the inputs' to bf16 (which a bf16 model's torch path also does;
- * inside moe_q the activated intermediate is rounded as well, where torch's bf16 experts round
- * theirs) and the float32 sums'. One row (decode): uint4 on pairs too (qb_row1), int8 and fp4 by
- * kind 0's / 3's one-row kernels on the rounded inputs. The pair tiles need AVX512-BF16 and VBMI
- * (q_bf16_tiles() says); without them the Python side keeps kinds 1 / 0 / 3, and a kind 6-8 call
- * here runs its weight kind on the rounded inputs. */
+ * (uint4 codes enter as 1 + code / 16, whose sums carry sum(x) too, and e4m3 values as 256 times
+ * theirs: qb_decode, qb_fold). The only rounding beyond kinds 1 / 0 / 3 / 2 is the inputs' to bf16
+ * (which a bf16 model's torch path also does; inside moe_q the activated intermediate is rounded as
+ * well, where torch's bf16 experts round theirs) and the float32 sums'. One row (decode): uint4 and
+ * fp8 on pairs too (qb_row1), int8 and fp4 by kind 0's / 3's one-row kernels on the rounded inputs.
+ * The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the Python side keeps
+ * kinds 1 / 0 / 3 / 2, and a kind 6-9 call here runs its weight kind on the rounded inputs. */
 #define Q_KIND_B4 6
 #define Q_KIND_B8 7
 #define Q_KIND_BF4 8
-#define QB_KIND(kind) ((kind) == Q_KIND_B4 || (kind) == Q_KIND_B8 || (kind) == Q_KIND_BF4)
-/* The codes' own kind: uint4 (1) for kind 6, int8 (0) for kind 7, fp4 (3) for kind 8, any other kind
- * itself. */
+#define Q_KIND_BF8 9
+#define QB_KIND(kind) ((kind) >= Q_KIND_B4 && (kind) <= Q_KIND_BF8)
+/* The codes' own kind: uint4 (1) for kind 6, int8 (0) for kind 7, fp4 (3) for kind 8, fp8 (2) for
+ * kind 9, any other kind itself. */
 static inline int qb_weight_kind(int kind) {
-  return kind == Q_KIND_B4 ? 1 : kind == Q_KIND_B8 ? 0 : kind == Q_KIND_BF4 ? 3 : kind;
+  return kind == Q_KIND_B4 ? 1 : kind == Q_KIND_B8 ? 0 : kind == Q_KIND_BF4 ? 3 : kind == Q_KIND_BF8 ? 2 : kind;
 }
 #if LANES == 16 && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define QB_TILES 1
@@ -38,10 +39,12 @@ static inline int qb_tile_rows(int64_t left) {
   return (int)((left + tiles - 1) / tiles);
 }
 
-/* Whether q_span reads kind 6-8's pair layout for a span of `rows` rows: the tiles from 2 rows, and
- * at one row kind 6's qb_row1 only (kinds 7, 8 take their weight kind's one-row kernel, on every
+/* Whether q_span reads kind 6-9's pair layout for a span of `rows` rows: the tiles from 2 rows, and
+ * at one row kinds 6 / 9's qb_row1 only (kinds 7, 8 take their weight kind's one-row kernel, on every
  * panel of the matrix), so decode steps of those skip the layout. */
-static inline int qb_reads_pairs(int kind, int64_t rows) { return rows > 1 || kind == Q_KIND_B4; }
+static inline int qb_reads_pairs(int kind, int64_t rows) {
+  return rows > 1 || kind == Q_KIND_B4 || kind == Q_KIND_BF8;
+}
 
 /* Pairs a row holds in qb_layout: group g's inputs as ceil(len / 2) pairs from pair g * ceil(gs / 2)
  * (a pair never straddles two groups; an odd group's last pair has a zero second input). */
@@ -120,8 +123,29 @@ static inline __attribute__((always_inline)) __m512i qb_nibble_words(const uint8
  * tiles of the Qwen3 shape's experts QB_QWEN3). The sums come out as sum(x) + sum(code * x) / 16,
  * qb_fold takes sum(x) back off. int8: 32 bytes (input i's 16 codes, then input i + 1's), each 16
  * widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one two-source
- * word permute taking the high halves, input i's in the even words. */
+ * word permute taking the high halves, input i's in the even words. fp8 (wk 2): 256 * value (qb_fold
+ * takes the 256 back off), the same word order. */
 static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, const uint8_t* p, const int odd) {
+  if (wk == 2) { /* fp8 e4m3, 32 bytes as int8's: each code byte in both bytes of its word (one byte
+                  * permute), then bf16 bits 256 times the value by shifts and masks (no rounding: 3
+                  * mantissa bits) with a table for the subnormals, whose bits alone would make bf16
+                  * denormals, which vdpbf16ps reads as zero */
+    const __m256i b = odd ? _mm256_maskz_loadu_epi8(0x0000ffffu, p) : _mm256_loadu_si256((const __m256i*)p);
+    /* word w -> source byte (w % 2) * 16 + w / 2, in both its bytes */
+    const __m512i perm = _mm512_set_epi8(
+        31, 31, 15, 15, 30, 30, 14, 14, 29, 29, 13, 13, 28, 28, 12, 12, 27, 27, 11, 11, 26, 26, 10, 10,
+        25, 25, 9, 9, 24, 24, 8, 8, 23, 23, 7, 7, 22, 22, 6, 6, 21, 21, 5, 5, 20, 20, 4, 4,
+        19, 19, 3, 3, 18, 18, 2, 2, 17, 17, 1, 1, 16, 16, 0, 0);
+    const __m512i t = _mm512_permutexvar_epi8(perm, _mm512_castsi256_si512(b));
+    /* normal codes: exponent and mantissa (bits 8..14 of t) to bits 4..10, exponent field 128 + e */
+    __m512i v = _mm512_ternarylogic_epi32(_mm512_srli_epi16(t, 4), _mm512_set1_epi16(0x07f0),
+                                          _mm512_set1_epi16(0x4000), 0xEA); /* a & b | c */
+    /* subnormals (e = 0; zero too): 256 * m * 2^-9 = m / 2 from a table by t's low bits (= m there) */
+    const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0x4060, 0x4040, 0x4020, 0x4000, 0x3fc0, 0x3f80, 0x3f00, 0);
+    v = _mm512_mask_permutexvar_epi16(v, _mm512_testn_epi16_mask(t, _mm512_set1_epi16(0x7800)), t, sub);
+    return _mm512_ternarylogic_epi32(v, t, _mm512_set1_epi16((short)0x8000), 0xD8); /* the sign: c ? b : a */
+  }
   if (wk == 3) { /* fp4 e2m1: the nibble to bits 0..3 and a word permute through bf16 of the 16 codes
                   * (repeated: bit 4, another nibble's, does not matter); exact, -0.0 for code 8 */
     const __m512i shift = _mm512_set_epi16(4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0,
@@ -148,8 +172,10 @@ static inline __attribute__((always_inline)) __m512i qb_decode(const int wk, con
 }
 
 /* A group's scale s and offset m as they multiply the pair sums D and sum(x): y += s * D + m * sum(x);
- * for uint4 D = sum(x) + sum(code * x) / 16 (qb_decode), so s * sum(code * x) = 16 s D - 16 s sum(x). */
+ * for uint4 D = sum(x) + sum(code * x) / 16 (qb_decode), so s * sum(code * x) = 16 s D - 16 s sum(x);
+ * for fp8 D = 256 sum(value * x), exact (a power of two). */
 static inline __attribute__((always_inline)) void qb_fold(const int wk, __m512* s, __m512* m) {
+  if (wk == 2) *s = _mm512_mul_ps(*s, _mm512_set1_ps(0x1p-8f)); /* e4m3 values entered as 256 times theirs */
   if (wk == 1) {
     *s = _mm512_mul_ps(*s, _mm512_set1_ps(16.f));
     *m = _mm512_sub_ps(*m, *s);
@@ -194,7 +220,7 @@ static inline __attribute__((always_inline)) void qb_body(const int wk, const ui
       /* the next tile's panels (contiguous after these), npc * 2 * cb bytes a pair step: cold codes
        * stalled the tiles (quant_kernel_bench.py --cold-mb 96, int4 w13 at 8 rows: 118 us, 93 hot) */
       _mm_prefetch((const char*)(qp + (p0 + npc) * pb + i * npc * cb), _MM_HINT_T0);
-      if (wk == 0 && npc * cb * 2 > 64) /* int8 at 4 panels: 128 bytes a step, two lines */
+      if (npc * cb * 2 > 64) /* int8 / fp8 at 4 panels: 128 bytes a step, two lines */
         _mm_prefetch((const char*)(qp + (p0 + npc) * pb + i * npc * cb + 64), _MM_HINT_T0);
       QB_STEP(0)
     }
@@ -254,19 +280,22 @@ static inline __attribute__((always_inline)) void qb_body(const int wk, const ui
 
 DEFINE_QB_TILES(0)
 DEFINE_QB_TILES(1)
+DEFINE_QB_TILES(2)
 DEFINE_QB_TILES(3)
 #undef QB_CASE
 
-/* One row (decode) of uint4 codes against the NQ1 panels from p0 (fewer at the matrix's end), as
- * kind 1's one-row kernel reads them (panel after panel, one sequential stream prefetched
- * Q_ROW1_AHEAD bytes ahead, QR1 partial sums over the pair steps in turn), on pairs: one vdpbf16ps of
- * 32 products where that kernel spends a decode and an FMA on 16. xp: the row's pairs (qb_layout,
- * n = 1). uint4 only: int8's and fp4's one row stay kind 0's / 3's kernels on the rounded inputs (an
- * int8 body like this one measured 0.8-1.0x kind 0's: its decode is two widenings, two conversions
- * and a permute a pair). */
-static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs, const uint8_t* qp,
-                      const float* sp, const float* mp, float* y, int64_t O, int64_t p0, const float* bias) {
-  const int64_t P = (O + LANES - 1) / LANES, G = (I + gs - 1) / gs, h = (gs + 1) / 2, cb = Q_BYTES(1);
+/* One row (decode) of uint4 (wk 1) or fp8 (wk 2) codes against the NQ1 panels from p0 (fewer at the
+ * matrix's end), as kind 1's / 2's one-row kernel reads them (panel after panel, one sequential
+ * stream prefetched Q_ROW1_AHEAD bytes ahead, QR1 partial sums over the pair steps in turn), on
+ * pairs: one vdpbf16ps of 32 products where that kernel spends a decode and an FMA on 16 (fp8: 1.27x
+ * kind 2's, quant_kernel_bench.py --rows 1). xp: the row's pairs (qb_layout, n = 1). int8's and fp4's
+ * one row stay kind 0's / 3's kernels on the rounded inputs (an int8 body like this one measured
+ * 0.8-1.0x kind 0's: its decode is two widenings, two conversions and a permute a pair). */
+static inline __attribute__((always_inline)) void qb_row1(const int wk, const uint32_t* xp, const float* xsum,
+                                                           int64_t I, int64_t gs, const uint8_t* qp, const float* sp,
+                                                           const float* mp, float* y, int64_t O, int64_t p0,
+                                                           const float* bias) {
+  const int64_t P = (O + LANES - 1) / LANES, G = (I + gs - 1) / gs, h = (gs + 1) / 2, cb = Q_BYTES(wk);
   const int64_t pb = I * cb;
   for (int64_t j = p0; j < p0 + NQ1 && j < P; j++) {
     const uint8_t* q = qp + j * pb;
@@ -281,16 +310,16 @@ static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t 
       for (; i + 2 * QR1 <= i1; i += 2 * QR1, xi += QR1) {
         _mm_prefetch((const char*)(q + i * cb) + Q_ROW1_AHEAD, _MM_HINT_T0);
         for (int u = 0; u < QR1; u++)
-          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(1, q + (i + 2 * u) * cb, 0),
+          d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + (i + 2 * u) * cb, 0),
                                   (__m512bh)_mm512_set1_epi32((int)xi[u]));
       }
       for (int u = 0; i + 1 < i1; i += 2, u++) /* the group's last full pairs, then an odd last input */
-        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(1, q + i * cb, 0), (__m512bh)_mm512_set1_epi32((int)xi[u]));
+        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)qb_decode(wk, q + i * cb, 0), (__m512bh)_mm512_set1_epi32((int)xi[u]));
       if (i < i1)
-        d[3] = _mm512_dpbf16_ps(d[3], (__m512bh)qb_decode(1, q + i * cb, 1),
+        d[3] = _mm512_dpbf16_ps(d[3], (__m512bh)qb_decode(wk, q + i * cb, 1),
                                 (__m512bh)_mm512_set1_epi32((int)xg[(i - i0) / 2]));
       __m512 s = _mm512_loadu_ps(sp + (j * G + g) * LANES), m = _mm512_loadu_ps(mp + (j * G + g) * LANES);
-      qb_fold(1, &s, &m);
+      qb_fold(wk, &s, &m);
       acc = _mm512_fmadd_ps(s, _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3])), acc);
       acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), acc);
     }
@@ -299,14 +328,24 @@ static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t 
   }
 }
 
-/* Kind 6, 7 or 8's rows [r0, r1) against panels [p0, q1). */
+static void qb_row1_1(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs, const uint8_t* qp,
+                      const float* sp, const float* mp, float* y, int64_t O, int64_t p0, const float* bias) {
+  qb_row1(1, xp, xsum, I, gs, qp, sp, mp, y, O, p0, bias);
+}
+static void qb_row1_2(const uint32_t* xp, const float* xsum, int64_t I, int64_t gs, const uint8_t* qp,
+                      const float* sp, const float* mp, float* y, int64_t O, int64_t p0, const float* bias) {
+  qb_row1(2, xp, xsum, I, gs, qp, sp, mp, y, O, p0, bias);
+}
+
+/* Kind 6-9's rows [r0, r1) against panels [p0, q1). */
 static void qb_tiles(int kind, const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp,
                      const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1,
                      int64_t r0, int64_t r1, const float* bias) {
-  (kind == Q_KIND_B4 ? qb_tiles1 : kind == Q_KIND_BF4 ? qb_tiles3 : qb_tiles0)(xp, xsum, I, qp, sp, mp, gs, y, O, p0,
+  const int wk = qb_weight_kind(kind);
+  (wk == 1 ? qb_tiles1 : wk == 3 ? qb_tiles3 : wk == 2 ? qb_tiles2 : qb_tiles0)(xp, xsum, I, qp, sp, mp, gs, y, O, p0,
                                                                                 q1, r0, r1, bias);
 }
 #endif
 
-/* 1 where kinds 6-8 run on bf16 pairs (the Python side picks them for bf16 activations only then). */
+/* 1 where kinds 6-9 run on bf16 pairs (the Python side picks them for bf16 activations only then). */
 int64_t q_bf16_tiles(void) { return QB_TILES; }

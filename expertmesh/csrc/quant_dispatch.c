@@ -40,17 +40,19 @@ static void qw_layout(const float* x, int64_t I, int64_t r0, int64_t r1, float* 
  * whole span by the one-row kernels, weight-only kinds at 2 to QW_ROWS - 1 rows by the wide tiles, anything
  * else by the tiles, NP panels at a time. The activations are x (weight-only kinds; in qw_interleave's
  * order where the wide tiles take them, see qw_layout) or their quantized form xq, sx, xsum (kinds 4,
- * 5), all [rows, ...]. Kinds 6-8 (quant_bf16.c): x the rows rounded to bf16 as they are (the one-row
- * kernels of kinds 1, 0, 3 read them), xb and xsum their qb_layout form (the bf16 pair tiles at 2 rows
- * and more, kind 6's qb_row1 at one). */
+ * 5), all [rows, ...]. Kinds 6-9 (quant_bf16.c): x the rows rounded to bf16 as they are (the one-row
+ * kernels of kinds 1, 0, 3, 2 read them), xb and xsum their qb_layout form (the bf16 pair tiles at 2 rows
+ * and more, kinds 6 / 9's qb_row1 at one). */
 static void q_span(int kind, const float* x, const int8_t* xq, const float* sx, const float* xsum,
                    const uint32_t* xb, int64_t I, const uint8_t* qp, const float* sp, const float* mp, int64_t gs,
                    float* y, int64_t O, int64_t p0, int64_t r0, int64_t r1, const float* bias) {
   const int64_t P = (O + LANES - 1) / LANES;
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4;
 #if QB_TILES
-  if (r1 - r0 == 1 && kind == Q_KIND_B4) { /* one row on pairs, a whole span or the matrix's last panels */
-    qb_row1_1(xb + r0 * qb_pairs(I, gs), xsum + r0 * ((I + gs - 1) / gs), I, gs, qp, sp, mp, y + r0 * O, O, p0, bias);
+  if (r1 - r0 == 1 && (kind == Q_KIND_B4 || kind == Q_KIND_BF8)) { /* one row on pairs, a whole span or the
+                                                                     * matrix's last panels */
+    (kind == Q_KIND_B4 ? qb_row1_1 : qb_row1_2)(xb + r0 * qb_pairs(I, gs), xsum + r0 * ((I + gs - 1) / gs), I, gs,
+                                                qp, sp, mp, y + r0 * O, O, p0, bias);
     return;
   }
 #endif
@@ -95,7 +97,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
   const int64_t P = (O + LANES - 1) / LANES, groups = (P + NP - 1) / NP;
   const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   q_init();
-  /* kinds 6-8: the inputs rounded to bf16 once (a copy), and their pair layout where q_span reads it
+  /* kinds 6-9: the inputs rounded to bf16 once (a copy), and their pair layout where q_span reads it
    * (qb_reads_pairs) */
   float* xr = NULL;
   uint32_t* xb = NULL;
@@ -122,7 +124,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
       xsum = kind == Q_KIND_A4 ? sx + G : NULL;
       q_act_rows(x, I, gs, A_STRIDE(kind, I), xq, sx, xsum, 0, 1);
     }
-    if (xb) qb_layout(x, I, gs, 0, 1, xb, bsum); /* kind 6's one row (qb_row1) */
+    if (xb) qb_layout(x, I, gs, 0, 1, xb, bsum); /* kinds 6 / 9's one row (qb_row1) */
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t s = 0; s < spans; s++)
       q_span(kind, x, xq, sx, xsum, xb, I, qp, sp, mp, gs, y, O, s * NQ1, 0, 1, bias);
@@ -146,7 +148,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
     return;
   }
   /* weight-only: items (block of rows, span of NQ1 panels); q_span picks the wide tiles or the panel
-   * buffer by the block's rows, the wide tiles' blocks interleaved first (kinds 6-8: the pair layout) */
+   * buffer by the block's rows, the wide tiles' blocks interleaved first (kinds 6-9: the pair layout) */
   const int64_t spans = (P + NQ1 - 1) / NQ1;
   float* xt = xb ? NULL : (float*)malloc(sizeof(float) * (size_t)(M * I));
   const float* xs = xb ? x : xt;
@@ -175,7 +177,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
               const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float limit,
               float alpha, const float* b13, const float* b2, float* out, int threads) {
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
-  /* kinds 6-8: the gathered rows and the activated intermediates rounded to bf16 in place (kinds 1, 0, 3 on
+  /* kinds 6-9: the gathered rows and the activated intermediates rounded to bf16 in place (kinds 1, 0, 3, 2 on
    * them where the pair tiles are not built) */
   const int bp = QB_KIND(kind);
   if (bp && !QB_TILES) kind = qb_weight_kind(kind);
@@ -209,7 +211,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   if (kind != Q_KIND_A4) xsum = asum = NULL;
   float *xw = xs, *aw = a; /* what the w13 / w2 products read */
   if (!a8) xw = f, aw = xw + m * H;
-  /* kinds 6-8 on pairs: the rows as they are (one-row kernels) and their qb_layout form */
+  /* kinds 6-9 on pairs: the rows as they are (one-row kernels) and their qb_layout form */
   uint32_t *xb13 = NULL, *xb2 = NULL;
   float *bs13 = NULL, *bs2 = NULL;
   if (QB_KIND(kind)) {
@@ -277,5 +279,5 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
 }
 
 /* How many code kinds gemm_q / moe_q know (layers/cpu_kernels.py QUANT_KINDS). */
-int64_t q_kinds(void) { return 9; }
+int64_t q_kinds(void) { return 10; }
 

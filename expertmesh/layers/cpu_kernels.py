@@ -144,7 +144,9 @@ _SIGNATURES = {
 # gemm_q's code kinds by number: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and uint4 weights
 # with activations quantized to int8 per row and group (W8A8, W4A8); uint4, int8 and fp4 weights with
 # activations rounded to bf16, on bf16 pairs (a bf16 model's int4 / int8 / MXFP4: csrc/quant_bf16.c)
-QUANT_KINDS = ("int8", "int4", "fp8", "fp4", "w8a8", "w4a8", "int4-bf16", "int8-bf16", "fp4-bf16")
+QUANT_KINDS = (
+    "int8", "int4", "fp8", "fp4", "w8a8", "w4a8", "int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16"
+)  # fmt: skip
 
 
 class CpuKernels(AttentionKernels):
@@ -197,8 +199,8 @@ class CpuKernels(AttentionKernels):
         if lib_kinds is not None:
             lib_kinds.restype = _i64
         self.quant_kinds = QUANT_KINDS[: int(lib_kinds()) if lib_kinds is not None else 4]
-        # uint4 / int8 / fp4 codes against bf16 activations on bf16 pairs (AVX512-BF16 and VBMI): a
-        # bf16 model's int4 / int8 / fp4 products take code kinds 6 / 7 / 8 then (packed.product_kind)
+        # uint4 / int8 / fp4 / fp8 codes against bf16 activations on bf16 pairs (AVX512-BF16 and VBMI):
+        # a bf16 model's int4 / int8 / fp4 / fp8 products take code kinds 6-9 then (packed.product_kind)
         tiles = getattr(lib, "q_bf16_tiles", None)
         if tiles is not None:
             tiles.restype = _i64

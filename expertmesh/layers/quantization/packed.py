@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from expertmesh.layers import huge_pages
 
 KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3, "w8a8": 4, "w4a8": 5}
-# uint4 / int8 / fp4 codes (int4's / int8's / fp4's) against activations rounded to bf16 (product_kind)
-INT4_BF16, INT8_BF16, FP4_BF16 = 6, 7, 8
-BF16_PAIRS = {"int4": INT4_BF16, "int8": INT8_BF16, "fp4": FP4_BF16}
+# uint4 / int8 / fp4 / fp8 codes (int4's / int8's / fp4's / fp8's) against activations rounded to
+# bf16 (product_kind)
+INT4_BF16, INT8_BF16, FP4_BF16, FP8_BF16 = 6, 7, 8, 9
+BF16_PAIRS = {"int4": INT4_BF16, "int8": INT8_BF16, "fp4": FP4_BF16, "fp8": FP8_BF16}
 ACTIVATIONS_QUANTIZED = ("w8a8", "w4a8")  # the kernels quantize the inputs to int8 per row and group
 NIBBLES = ("int4", "fp4")
 FP8_MAX = 448.0
@@ -33,7 +34,7 @@ FP8_MAX = 448.0
 
 def product_kind(kind: str, dtype: torch.dtype, kernels: Any) -> int:
     """gemm_q / moe_q's code kind for weights of `kind` times activations of `dtype`: a bf16 model's
-    int4 / int8 / fp4 on bf16 pairs (kinds 6 / 7 / 8: the inputs rounded to bf16, as its torch layers
+    int4 / int8 / fp4 / fp8 on bf16 pairs (kinds 6-9: the inputs rounded to bf16, as its torch layers
     round them; the scale and offset folded in once a group) where the build has them, else the
     kind's own."""
     if dtype == torch.bfloat16 and getattr(kernels, "quant_bf16_pairs", False):
