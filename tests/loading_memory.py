@@ -80,8 +80,8 @@ def checkpoints(root: str, tokenizer_dir: str, hidden: int, layers: int) -> dict
             None,
         )
     fp8 = to_fp8(qwen, os.path.join(root, "fp8"), (128, 128))
-    out["fp8 checkpoint (dequantized)"] = (fp8, None)
-    out["fp8 checkpoint held (quantization='fp8')"] = (fp8, "fp8")
+    out["fp8 checkpoint (quantization='dequantize')"] = (fp8, "dequantize")
+    out["fp8 checkpoint held as stored (the default)"] = (fp8, None)
     return out
 
 

@@ -1,9 +1,10 @@
 """Quantized copies of tiny checkpoints, written the way the published ones are, by code written
 here from the formats' descriptions (not by expertmesh's packer):
 
-- `to_fp8(src, dst, block)`: every 2-D `*_proj.weight` as e4m3 with a float32 `weight_scale_inv`
-  per (block[0] x block[1]) block (amax / 448; a last partial block covers the remainder), the
-  quantization_config DeepSeek-V3 publishes with that block size;
+- `to_fp8(src, dst, block)`: every 2-D `*_proj.weight` (and DeepSeek's `kv_a_proj_with_mqa`) as
+  e4m3 with a float32 `weight_scale_inv` per (block[0] x block[1]) block (amax / 448; a last
+  partial block covers the remainder), the quantization_config DeepSeek-V3 publishes with that
+  block size;
 - `to_mxfp4(src, dst)`: gpt-oss's fused expert weights as `*_blocks` (e2m1 nibbles, low first)
   and `*_scales` (e8m0 per 32 inputs), with its published modules_to_not_convert;
 - `fake_quantized(src, dst, kind, group)`: the same checkpoint, unquantized, with each weight
@@ -54,7 +55,7 @@ def _rewrite(src: str, dst: str, convert, quantization_config: dict | None) -> N
 
 def to_fp8(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
     def convert(key: str, t: torch.Tensor) -> dict:
-        if key.endswith("_proj.weight") and t.dim() == 2:
+        if key.endswith(("_proj.weight", "_proj_with_mqa.weight")) and t.dim() == 2:  # DeepSeek's kv_a too
             q, s = quantize_blocks(t, block)
             return {key: q, key + "_scale_inv": s}
         return {key: t}

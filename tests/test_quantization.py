@@ -183,10 +183,27 @@ def moe_reference(x, slot, weights, w13, w2, inter: int) -> torch.Tensor:
 
 # ---- checkpoints in quantized formats against transformers' dequantization -------------------------
 @pytest.mark.timeout(180)
-def test_fp8_deepseek_v3_matches_transformers_dequantized(real_checkpoint, tmp_path, engine_log):
+@pytest.mark.parametrize(
+    "quantization,logged",
+    [
+        (None, "held as fp8: e4m3 codes and block scales as stored"),
+        ("dequantize", "dequantized to the model dtype at load (quantization='dequantize')"),
+    ],
+)
+def test_fp8_deepseek_v3_matches_transformers_dequantized(
+    real_checkpoint, tmp_path, engine_log, quantization, logged
+):
+    """Held as stored (the default: MLA's kv_b_proj, which the attention lays out anew, dequantized)
+    and dequantized at load, both against transformers' own dequantization."""
     path = to_fp8(real_checkpoint(V3[0], sizes=V3[1]), str(tmp_path / "fp8"), FP8_BLOCK)
-    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
-    assert "fp8 e4m3 (8x16 blocks), dequantized to the model dtype at load" in engine_log.text
+    llm = LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert f"weights: fp8 e4m3 (8x16 blocks), {logged}" in engine_log.text
+    if quantization is None:
+        assert "weights held compressed as stored: 34 parameters" in engine_log.text
+        assert (
+            "not held compressed: 5 tensors (a module that does not take quantized weights)"
+            in engine_log.text
+        )
     ref = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=FP8_BLOCK)
     ).eval()
@@ -230,6 +247,10 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantized(real_checkpoint, tmp_pat
     ref = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)).eval()
     prompts = prompts_of_lengths(LENGTHS, seed=4)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+    dense = LLM(path, quantization="dequantize", max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "mxfp4 (e2m1, e8m0 scale per 32), dequantized to the model dtype at load" in engine_log.text
+    assert log_weight_bytes(dense.llm_engine.runner.model, cfg)["quantized"] == 0
+    assert assert_greedy_matches(_greedy(dense, prompts), ref, prompts) <= 1
 
 
 @pytest.mark.timeout(180)
@@ -386,9 +407,16 @@ def test_online_scheme_errors_name_the_bad_value(real_checkpoint, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"quantization='int8' was asked for, but the checkpoint is already quantized "
-        r"\(quant_method='fp8'\); pass quantization=None \(dequantized at load\) or 'fp8'",
+        r"\(quant_method='fp8'\); pass quantization=None \(its codes held as stored\), 'dequantize' "
+        r"\(dequantized at load\) or 'fp8'",
     ):
         LLM(fp8, quantization="int8", max_model_len=32, kv_cache_memory_bytes=1 << 20)
+    with pytest.raises(
+        ValueError,
+        match=r"quantization='dequantize' dequantizes a quantized checkpoint at load, but this checkpoint's "
+        r"config.json has no quantization_config",
+    ):
+        LLM(path, quantization="dequantize", max_model_len=32, kv_cache_memory_bytes=1 << 20)
 
 
 def test_fp8_config_and_tensor_errors(real_checkpoint, tmp_path):
@@ -453,7 +481,7 @@ def test_tp2_and_ep_layouts_equal_one_process_on_quantized_weights(real_checkpoi
     path, quantization = _qwen3(real_checkpoint), case
     if case.startswith("fp8-checkpoint"):  # held: its e4m3 bytes and block scales as stored
         path = to_fp8(path, str(tmp_path / "fp8"), (128, 128))
-        quantization = "fp8" if case.endswith("held") else None
+        quantization = "fp8" if case.endswith("held") else "dequantize"
     prompts = prompts_of_lengths([3, 17, 1, 40], seed=6)
     expected = _greedy(
         LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22), prompts
@@ -508,11 +536,11 @@ def test_rounding_a_block_of_rows_at_a_time_equals_rounding_the_whole_weight(mon
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
 def test_cli_quantization_takes_every_scheme_and_names_a_bad_one(command, capsys):
-    """--quantization takes what LLM(quantization=...) takes, suffixes included; a bad one exits with
-    the scheme parser's message."""
+    """--quantization takes what LLM(quantization=...) takes, suffixes included, and "dequantize"; a bad
+    one exits with the scheme parser's message."""
     from expertmesh.entrypoints.cli import _engine_kwargs, build_parser
 
-    for name in ("int8", "int4-g32", "w8a8-ch", "w4a8+head", "fp8-g64+head"):
+    for name in ("int8", "int4-g32", "w8a8-ch", "w4a8+head", "fp8-g64+head", "dequantize"):
         args = build_parser().parse_args([*command, "--quantization", name])
         assert _engine_kwargs(args, None)["quantization"] == name
     with pytest.raises(SystemExit):

@@ -75,7 +75,7 @@ class EngineArgs:
     debug_nan_recv_buffers: bool = False
     distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S
     allow_nonfinite_weights: bool = False
-    quantization: str | None = None  # online: int8, int4, fp8 (weight-only), w8a8, w4a8
+    quantization: str | None = None  # online: int8, int4, fp8 (weight-only), w8a8, w4a8; "dequantize"
     # Decode-only steps through whole decoder layers in one native call where every block has a
     # native form (layers/native_decode.py); False: the per-op path only (A/B, debugging).
     native_decode: bool = True

@@ -14,9 +14,13 @@ from expertmesh.model_source import DEFAULT_MODEL_DIR
 
 
 def _quantization(name: str) -> str:
-    """A scheme LLM(quantization=...) takes, suffixes included ("int4-g32", "int8+head")."""
+    """A scheme LLM(quantization=...) takes, suffixes included ("int4-g32", "int8+head"), or
+    "dequantize"."""
     from expertmesh.layers.quantization.online import OnlineScheme
+    from expertmesh.layers.quantization.registry import DEQUANTIZE
 
+    if name == DEQUANTIZE:
+        return name
     try:
         OnlineScheme.parse(name)
     except ValueError as exc:
@@ -37,7 +41,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=_quantization,
         help="online quantization of an unquantized checkpoint: weight-only int8 / int4 / fp8, or w8a8 / "
         "w4a8 (int8 / int4 weights, int8 activations); suffixes -g32 (inputs a scale), -ch (one a "
-        "channel), +head (the LM head too); a quantized checkpoint's own format is read from its config.json",
+        "channel), +head (the LM head too); a quantized checkpoint's own format is read from its config.json "
+        "and its codes held as stored, or dequantized to the model dtype at load with 'dequantize'",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per replica")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data-parallel replicas")

@@ -8,7 +8,10 @@ wrongly, see /work/shared/PEERS.md). Per-tensor FP8 (no `weight_block_size`) has
 
 A rank's slice reads the rows and columns it keeps and the scale of every block they touch, so
 a tensor-parallel size that cuts a block is handled: both ranks use the block's one scale for
-their part (nothing is padded). Weights are dequantized to the model dtype at load (logged).
+their part (nothing is padded). The e4m3 bytes are held as stored, as codes with each row's block
+scale per `bi` inputs (layers/quantization/held.py; one scale per row for per-tensor FP8), where the
+kernels take them; a weight a module lays out anew (MLA's kv_b_proj) is dequantized to the model
+dtype at load, and `LLM(quantization="dequantize")` dequantizes every one (logged).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Fp8Format:
     block: tuple[int, int] | None = (128, 128)  # (output rows, input columns) per scale
     method: str = "fp8"
     online: bool = False
+    holds_compressed = True  # e4m3 bytes and block scales held as stored (quantization/held.py)
 
     @classmethod
     def from_config(cls, cfg: dict) -> Fp8Format:
@@ -74,7 +78,7 @@ class Fp8Format:
         return f"fp8 e4m3 ({block})"
 
     def describe(self) -> str:
-        return f"{self.name()}, dequantized to the model dtype at load (quantization='fp8' holds it as fp8)"
+        return f"{self.name()}, held as fp8: e4m3 codes and block scales as stored"
 
     def view(self, handles: dict[str, Any]) -> CheckpointView:
         return Fp8View(handles, self)

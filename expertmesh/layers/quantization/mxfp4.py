@@ -47,8 +47,11 @@ class Mxfp4Format:
     def from_config(cls, cfg: dict) -> Mxfp4Format:
         return cls(tuple(cfg.get("modules_to_not_convert") or ()))
 
+    def name(self) -> str:
+        return "mxfp4 (e2m1, e8m0 scale per 32)"
+
     def describe(self) -> str:
-        return "mxfp4 (e2m1, e8m0 scale per 32), experts held as fp4 codes with a float32 scale per 32 inputs"
+        return f"{self.name()}, experts held as fp4 codes with a float32 scale per 32 inputs"
 
     def view(self, handles: dict[str, Any]) -> CheckpointView:
         return Mxfp4View(handles, self)

@@ -1,10 +1,13 @@
 """Weight formats as plain dicts: a checkpoint's `quantization_config` -> the format that reads
 it, and `LLM(quantization=...)` -> the online scheme that quantizes an unquantized checkpoint.
 
-Every lookup fails with the unknown name and the known ones. An online request over a quantized
-checkpoint must name the checkpoint's own method (otherwise an error naming both): the weights are
-then dequantized at load and re-quantized to that scheme, held compressed (one more rounding:
-`Requantized`).
+A quantized checkpoint's codes are held compressed as stored wherever they map exactly onto the
+kernels' codes (every format's `holds_compressed`; the rest dequantized at load, logged), as vLLM
+runs them. `quantization="dequantize"` dequantizes all of it to the model dtype at load instead
+(`Dequantized`: the reference, or bf16 prefill speed over memory). Every lookup fails with the
+unknown name and the known ones. An online request over a quantized checkpoint must name the
+checkpoint's own method (otherwise an error naming both): the weights are then dequantized at load
+and re-quantized to that scheme, held compressed (one more rounding: `Requantized`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,31 @@ class Requantized:
         return f"{self.checkpoint.describe()}, then re-quantized: {self.scheme.describe()}"
 
 
+DEQUANTIZE = "dequantize"  # LLM(quantization=...): a quantized checkpoint dequantized at load
+
+
+@dataclass(frozen=True)
+class Dequantized:
+    """A quantized checkpoint asked as LLM(quantization="dequantize"): read through its format and
+    dequantized to the model dtype at load, nothing held compressed."""
+
+    checkpoint: Any
+    online: bool = False
+    holds_compressed: bool = False
+
+    @property
+    def method(self) -> str:
+        return self.checkpoint.method
+
+    def view(self, handles: dict[str, Any]) -> Any:
+        return self.checkpoint.view(handles)
+
+    def describe(self) -> str:
+        name = getattr(self.checkpoint, "name", None)  # fp8 / mxfp4 describe what they hold; the rest name it
+        what = name() if name is not None else self.checkpoint.describe()
+        return f"{what}, dequantized to the model dtype at load (quantization='dequantize')"
+
+
 def _as_dict(quant: Any) -> dict:
     if isinstance(quant, dict):
         return quant
@@ -102,12 +130,21 @@ def resolve(quant: Any, online: str | None) -> Any:
     fmt = checkpoint_format(quant) if quant else None
     if online is None:
         return fmt
+    if online == DEQUANTIZE:
+        if fmt is None:
+            raise ValueError(
+                "quantization='dequantize' dequantizes a quantized checkpoint at load, but this "
+                "checkpoint's config.json has no quantization_config; pass quantization=None, or an online "
+                f"scheme: {list(OnlineScheme.METHODS)}"
+            )
+        return Dequantized(fmt)
     if fmt is not None:
         if OnlineScheme.parse(online).method == fmt.method:
             return Requantized(fmt, OnlineScheme.parse(online))
         raise ValueError(
             f"quantization={online!r} was asked for, but the checkpoint is already quantized "
-            f"(quant_method={fmt.method!r}); pass quantization=None (dequantized at load) or "
-            f"{fmt.method!r} if online quantization knows it (held compressed: {list(OnlineScheme.METHODS)})"
+            f"(quant_method={fmt.method!r}); pass quantization=None (its codes held as stored), "
+            f"{DEQUANTIZE!r} (dequantized at load) or {fmt.method!r} if online quantization knows it "
+            f"(held compressed: {list(OnlineScheme.METHODS)})"
         )
     return OnlineScheme.parse(online)
