@@ -381,6 +381,33 @@ def test_fp8_checkpoint_asked_as_fp8_holds_its_blocks_as_stored(real_checkpoint,
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
 
 
+@pytest.mark.timeout(180)
+def test_held_codes_without_our_kernels_run_the_torch_fallback_and_say_so(
+    real_checkpoint, tmp_path, engine_log, monkeypatch
+):
+    """No kernel of ours for the codes (another device, no compiler: cpu_kernels.load() gives None):
+    held fp8 runs QuantizedWeight's per-call dequantization, equals transformers, and a warning says
+    what it costs and the way out; dequantized at load, nothing to warn of."""
+    fp8 = to_fp8(_qwen3(real_checkpoint), str(tmp_path / "fp8"), FP8_BLOCK)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    held = LLM(fp8, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    warned = [r.getMessage() for r in engine_log.records if r.levelname == "WARNING"]
+    assert any(
+        "MB of quantized weights without expertmesh's CPU kernels" in m
+        and "each product dequantizes its weight per call" in m
+        and "quantization='dequantize' dequantizes the checkpoint once at load" in m
+        for m in warned
+    ), warned
+    ref = AutoModelForCausalLM.from_pretrained(from_fp8(fp8, str(tmp_path / "plain"), FP8_BLOCK)).eval()
+    prompts = prompts_of_lengths(LENGTHS, seed=5)
+    assert assert_greedy_matches(_greedy(held, prompts), ref, prompts) <= 1
+    engine_log.clear()
+    LLM(fp8, quantization="dequantize", max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert not [r for r in engine_log.records if "per call" in r.getMessage()]
+    LLM(str(tmp_path / "plain"), quantization="int8", max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "drop quantization='int8' for dense weights" in engine_log.text
+
+
 # ---- errors ----------------------------------------------------------------------------------------
 def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoint, tmp_path):
     path = tmp_path / "q"

@@ -131,8 +131,32 @@ def build_model(
             module.use_quantized(scheme, kernels)  # compressed from here on, on any device
         elif device == "cpu" and hasattr(module, "use_cpu_kernels"):
             module.use_cpu_kernels(kernels)
-    log_weight_bytes(model, cfg)
+    counts = log_weight_bytes(model, cfg)
+    slow = per_call_dequantize_warning(device, kernels, cfg, counts)
+    if slow is not None:
+        log.warning(slow)
     return model.eval()
+
+
+def per_call_dequantize_warning(
+    device: str, kernels: Any, cfg: ModelConfig, counts: dict[str, int]
+) -> str | None:
+    """What to say when compressed weights have no kernel of ours to run them (a device other than
+    the CPU, or no C compiler): QuantizedWeight's torch fallback dequantizes each weight per product."""
+    if kernels is not None or not counts.get("quantized"):
+        return None
+    where = f"on {device}" if device != "cpu" else "without expertmesh's CPU kernels (no C compiler, or off)"
+    q = cfg.quantization
+    fix = (
+        f"drop quantization={q.method!r} for dense weights"
+        if getattr(q, "online", False)
+        else "quantization='dequantize' dequantizes the checkpoint once at load instead"
+    )
+    return (
+        f"{counts['quantized'] / 1e6:.1f} MB of quantized weights {where}: expertmesh's kernels for "
+        f"their codes run on the CPU only, so each product dequantizes its weight per call (the memory "
+        f"of the codes, slower than dense weights); {fix}"
+    )
 
 
 def _hold_quantized(model: torch.nn.Module, kernels: Any) -> set[int]:
