@@ -45,11 +45,15 @@ RUNS = {
     "expertmesh int4+head": ("expertmesh", "int4+head", 0.5625, 0.5625),
     "expertmesh w8a8+head": ("expertmesh", "w8a8+head", 1.0625, 1.0625),
     "expertmesh w4a8+head": ("expertmesh", "w4a8+head", 0.5625, 0.5625),
+    # e4m3 codes with a scale per 128 (as DeepSeek-V3's fp8 checkpoints are held); a bf16 model's on
+    # bf16 pairs (code kind 9). Compared with Q8_0, the same bytes a weight
+    "expertmesh fp8": ("expertmesh", "fp8", 1.0625, 4.0),
+    "expertmesh fp8+head": ("expertmesh", "fp8+head", 1.0625, 1.0625),
     "llama.cpp F32": ("llama.cpp", "f32", 4.0, 4.0),
     "llama.cpp Q8_0": ("llama.cpp", "q8_0", 1.0625, 1.0625),
     "llama.cpp Q4_0": ("llama.cpp", "q4_0", 0.5625, Q6_K),
 }
-DEFAULT_RUNS = [r for r in RUNS if "+head" not in r]
+DEFAULT_RUNS = [r for r in RUNS if "+head" not in r and "fp8" not in r]
 LLAMA_FTYPE_Q4_0 = 2  # llama.h's LLAMA_FTYPE_MOSTLY_Q4_0
 QUANTIZE = """
 import sys, llama_cpp as L
@@ -200,7 +204,8 @@ def _peer(run: str) -> str | None:
     fmt = RUNS.get(run.split(" native-")[0], (None, None))[1]
     if fmt is None:
         return "llama.cpp F32" if run.startswith("expertmesh fp32") else None
-    return {"8": "llama.cpp Q8_0", "4": "llama.cpp Q4_0"}[fmt.lstrip("intwa")[0]]
+    weight_bits = {"int8": 8, "w8a8": 8, "fp8": 8, "int4": 4, "w4a8": 4}[fmt.split("+")[0]]
+    return {8: "llama.cpp Q8_0", 4: "llama.cpp Q4_0"}[weight_bits]
 
 
 def _print(rows: list[dict], workloads: list[dict], args: argparse.Namespace, results: dict) -> None:

@@ -35,3 +35,15 @@ def test_weight_bytes_count_the_float_parts_at_their_width():
         shape.layers * (shape.hidden * shape.experts + 2 * shape.hidden) + shape.hidden
     )  # router, norms, row
     assert f32 - bf16 == pytest.approx((shape.vocab * shape.hidden * 2 + rest * 2) / 1e6)
+
+
+def test_every_expertmesh_run_is_compared_with_llama_cpp_at_its_weight_bits():
+    peers = {run: quantized._peer(run) for run, spec in quantized.RUNS.items() if spec[0] == "expertmesh"}
+    assert peers["expertmesh fp32"] == "llama.cpp F32"
+    for run, peer in peers.items():
+        bits = quantized.RUNS[run][2]  # bytes a weight of the quantized matmuls
+        if bits < 4:
+            assert peer == ("llama.cpp Q8_0" if bits > 1 else "llama.cpp Q4_0"), run
+            assert quantized.RUNS[peer][2] == bits, run  # the same bytes a weight on both sides
+    assert quantized._peer("expertmesh w4a8 native-on") == "llama.cpp Q4_0"
+    assert quantized._peer("expertmesh fp8+head") == "llama.cpp Q8_0"
