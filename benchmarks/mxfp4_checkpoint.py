@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from fp8_checkpoint import compare, parse_args
+from fp8_checkpoint import ENGINE, compare, parse_args
 from make_small_moe import _save_tokenizer
 from safetensors.torch import load_file, save_file
 
@@ -95,8 +95,8 @@ def main() -> None:
     args = parse_args(__doc__)
     held, plain = make(args.cache_dir)
     runs = {
-        f"dequantized ({args.dtype})": LLM(plain, dtype=args.dtype, max_model_len=256),
-        "held as fp4": LLM(held, dtype=args.dtype, max_model_len=256),
+        f"dequantized ({args.dtype})": LLM(plain, dtype=args.dtype, **ENGINE),
+        "held as fp4": LLM(held, dtype=args.dtype, **ENGINE),
     }
     for name, llm in runs.items():
         model = llm.llm_engine.runner.model

@@ -284,6 +284,121 @@ DEFINE_QB_TILES(2)
 DEFINE_QB_TILES(3)
 #undef QB_CASE
 
+/* Many rows of fp8 codes (prefill, experts that receive many tokens): from QB_MANY rows a call
+ * decodes each group's panels once, QB_WIDE at a time, into an L1 buffer (exactly the words qb_body's
+ * steps decode), and every row tile then runs 8 x QB_WIDE accumulators over it with no decode in the
+ * loop: the dense pair tiles' shape (24 chains, 3 loads and 8 broadcasts a step), which the 8 x 2
+ * tiles above cannot take beside the decode's constants (32 registers). The sums are the same
+ * chains in the same order, folded per group in the same order: bit for bit qb_body's. Measured
+ * (quant_kernel_bench.py --source <main's csrc> --kinds fp8-bf16,int8-bf16,int4-bf16 --only w13,w2,
+ * A/B alternated, CPU time): fp8 1.07-1.22x at 128 and 512 rows, 0.95-1.06x at 16-32; int8 and int4,
+ * whose decode costs less, 0.87-0.95x at 16-32 rows and 0.89-1.05x at 128-512 (the per-group fold
+ * spills the 24 accumulators), so they keep the tiles above. */
+#define QB_MANY 64
+#define QB_WIDE 3
+
+/* rows x npc accumulators over `pairs` decoded steps wb[step][QB_WIDE], then folded into y as qb_body
+ * does: y = s * acc + y, then m * sum(x) + y. xg: the tile's pairs of this group [pair][rows]; sg, mg:
+ * panel 0's scales and offsets of this group (panel j's at j * G * LANES); xs: the tile's group sums,
+ * G apart. */
+static inline __attribute__((always_inline)) void qb_many_body(const int wk, const __m512i* wb, const uint32_t* xg,
+                                                               int64_t pairs, const float* sg, const float* mg,
+                                                               const float* xs, int64_t G, float* y, int64_t O,
+                                                               int64_t o0, const int rows, const int npc) {
+  __m512 acc[QB_WIDE * 8];
+  for (int a = 0; a < rows * npc; a++) acc[a] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; i++) {
+    __m512i wv[QB_WIDE];
+    for (int j = 0; j < npc; j++) wv[j] = _mm512_load_si512(wb + i * QB_WIDE + j);
+    for (int r = 0; r < rows; r++) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xg[i * rows + r]);
+      for (int j = 0; j < npc; j++) acc[r * npc + j] = _mm512_dpbf16_ps(acc[r * npc + j], (__m512bh)wv[j], xb);
+    }
+  }
+  __m512 s[QB_WIDE], m[QB_WIDE];
+  __mmask16 lanes[QB_WIDE];
+  for (int j = 0; j < npc; j++) {
+    const int64_t o = o0 + j * LANES, n = O - o < LANES ? O - o : LANES;
+    lanes[j] = (__mmask16)((1u << n) - 1);
+    s[j] = _mm512_loadu_ps(sg + j * G * LANES), m[j] = _mm512_loadu_ps(mg + j * G * LANES);
+    qb_fold(wk, &s[j], &m[j]);
+  }
+  for (int r = 0; r < rows; r++) {
+    const __m512 sx = _mm512_set1_ps(xs[r * G]);
+    for (int j = 0; j < npc; j++) {
+      float* yr = y + r * O + o0 + j * LANES;
+      __m512 v = _mm512_maskz_loadu_ps(lanes[j], yr);
+      v = _mm512_fmadd_ps(s[j], acc[r * npc + j], v);
+      v = _mm512_fmadd_ps(m[j], sx, v);
+      _mm512_mask_storeu_ps(yr, lanes[j], v);
+    }
+  }
+}
+
+typedef void (*qb_many_fn)(int wk, const __m512i* wb, const uint32_t* xg, int64_t pairs, const float* sg,
+                           const float* mg, const float* xs, int64_t G, float* y, int64_t O, int64_t o0);
+#define QB_MANY_TILE(R, N)                                                                                   \
+  static __attribute__((noinline)) void qb_many_##R##_##N(int wk, const __m512i* wb, const uint32_t* xg,     \
+                                                          int64_t pairs, const float* sg, const float* mg,   \
+                                                          const float* xs, int64_t G, float* y, int64_t O,   \
+                                                          int64_t o0) {                                      \
+    qb_many_body(wk, wb, xg, pairs, sg, mg, xs, G, y, O, o0, R, N);                                          \
+  }
+#define QB_MANY_TILES(N)                                                                                     \
+  QB_MANY_TILE(1, N) QB_MANY_TILE(2, N) QB_MANY_TILE(3, N) QB_MANY_TILE(4, N) QB_MANY_TILE(5, N)             \
+  QB_MANY_TILE(6, N) QB_MANY_TILE(7, N) QB_MANY_TILE(8, N)
+QB_MANY_TILES(1)
+QB_MANY_TILES(2)
+QB_MANY_TILES(3)
+#define QB_MANY_ROW(N) \
+  {NULL, qb_many_1_##N, qb_many_2_##N, qb_many_3_##N, qb_many_4_##N, qb_many_5_##N, qb_many_6_##N, qb_many_7_##N, qb_many_8_##N}
+static const qb_many_fn qb_many_tiles[QB_WIDE][QB_ROWS + 1] = {QB_MANY_ROW(1), QB_MANY_ROW(2), QB_MANY_ROW(3)};
+
+/* Group g's pairs of npc panels from panel p (weight kind WK), decoded into wb[pair][QB_WIDE]. */
+#define DEFINE_QB_UNPACK(WK)                                                                                 \
+  static __attribute__((noinline)) void qb_unpack##WK(const uint8_t* qp, int64_t pb, int64_t i0, int64_t i1, \
+                                                      int npc, __m512i* wb) {                                \
+    const int64_t cb = Q_BYTES(WK);                                                                          \
+    int64_t i = i0, k = 0;                                                                                   \
+    for (; i + 1 < i1; i += 2, k++)                                                                          \
+      for (int j = 0; j < npc; j++) wb[k * QB_WIDE + j] = qb_decode(WK, qp + j * pb + i * cb, 0);            \
+    if (i < i1)                                                                                              \
+      for (int j = 0; j < npc; j++) wb[k * QB_WIDE + j] = qb_decode(WK, qp + j * pb + i * cb, 1);            \
+  }
+DEFINE_QB_UNPACK(0)
+DEFINE_QB_UNPACK(1)
+DEFINE_QB_UNPACK(2)
+DEFINE_QB_UNPACK(3)
+
+/* Rows [r0, r1) (r1 - r0 >= QB_MANY) against panels [p0, q1) of weight kind wk: per QB_WIDE panels,
+ * y set to the bias, then group after group decoded once and run by every row tile (qb_tile_rows,
+ * as qb_layout laid the rows out). wb: room for ceil(gs / 2) * QB_WIDE words. */
+static void qb_many(const int wk, const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp,
+                    const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1,
+                    int64_t r0, int64_t r1, const float* bias, __m512i* wb) {
+  const int64_t G = (I + gs - 1) / gs, h = (gs + 1) / 2, PI = qb_pairs(I, gs), pb = I * Q_BYTES(wk);
+  for (int64_t p = p0; p < q1; p += QB_WIDE) {
+    const int npc = q1 - p < QB_WIDE ? (int)(q1 - p) : QB_WIDE;
+    for (int j = 0; j < npc; j++) {
+      const int64_t o = (p + j) * LANES, n = O - o < LANES ? O - o : LANES;
+      const __mmask16 lanes = (__mmask16)((1u << n) - 1);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias + o) : _mm512_setzero_ps();
+      for (int64_t r = r0; r < r1; r++) _mm512_mask_storeu_ps(y + r * O + o, lanes, b);
+    }
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I, pairs = (i1 - i0 + 1) / 2;
+      (wk == 1 ? qb_unpack1 : wk == 3 ? qb_unpack3 : wk == 2 ? qb_unpack2 : qb_unpack0)(qp + p * pb, pb, i0, i1,
+                                                                                        npc, wb);
+      for (int64_t r = r0; r < r1;) {
+        const int n = qb_tile_rows(r1 - r);
+        qb_many_tiles[npc - 1][n](wk, wb, xp + r * PI + g * h * n, pairs, sp + (p * G + g) * LANES,
+                                  mp + (p * G + g) * LANES, xsum + r * G + g, G, y + r * O, O, p * LANES);
+        r += n;
+      }
+    }
+  }
+}
+
 /* One row (decode) of uint4 (wk 1) or fp8 (wk 2) codes against the NQ1 panels from p0 (fewer at the
  * matrix's end), as kind 1's / 2's one-row kernel reads them (panel after panel, one sequential
  * stream prefetched Q_ROW1_AHEAD bytes ahead, QR1 partial sums over the pair steps in turn), on
@@ -342,6 +457,14 @@ static void qb_tiles(int kind, const uint32_t* xp, const float* xsum, int64_t I,
                      const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1,
                      int64_t r0, int64_t r1, const float* bias) {
   const int wk = qb_weight_kind(kind);
+  if (wk == 2 && r1 - r0 >= QB_MANY) {
+    __m512i* wb = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (size_t)(((gs + 1) / 2) * QB_WIDE));
+    if (wb) {
+      qb_many(wk, xp, xsum, I, qp, sp, mp, gs, y, O, p0, q1, r0, r1, bias, wb);
+      free(wb);
+      return;
+    }
+  }
   (wk == 1 ? qb_tiles1 : wk == 3 ? qb_tiles3 : wk == 2 ? qb_tiles2 : qb_tiles0)(xp, xsum, I, qp, sp, mp, gs, y, O, p0,
                                                                                 q1, r0, r1, bias);
 }
