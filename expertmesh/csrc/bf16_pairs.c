@@ -297,11 +297,16 @@ void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, con
   const int64_t span13 = pair_span(gated ? PAIR_SPAN / 2 : PAIR_SPAN, end13, p.na, threads);
   const int64_t span2 = pair_span(PAIR_SPAN, P2, p.na, threads);
   const int64_t S13 = (end13 + span13 - 1) / span13, S2 = (P2 + span2 - 1) / span2;
-  uint32_t* xs = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * H2 + 1));
-  float* h = gated ? NULL : (float*)malloc(sizeof(float) * (size_t)(m * 2 * I + 1));
-  float* af = gated ? NULL : (float*)malloc(sizeof(float) * (size_t)(m * I + 1));
-  uint32_t* a = (uint32_t*)calloc((size_t)(m * I2 + 1), sizeof(uint32_t));
-  float* ys = (float*)malloc(sizeof(float) * (size_t)(m * H + 1));
+  /* one scratch for the call (common.h): pairs of the rows, [h, af] when not gated, pairs of the
+   * activated rows, the products; 4-byte words each */
+  const int64_t nx = m * H2 + 1, nh = gated ? 0 : m * 2 * I + 1, nf = gated ? 0 : m * I + 1, na = m * I2 + 1;
+  uint32_t* buf = (uint32_t*)scratch_get(7, sizeof(uint32_t) * (size_t)(nx + nh + nf + na + m * H + 1));
+  uint32_t* xs = buf;
+  float* h = gated ? NULL : (float*)(buf + nx);
+  float* af = gated ? NULL : (float*)(buf + nx + nh);
+  uint32_t* a = buf + nx + nh + nf;
+  float* ys = (float*)(a + na);
+  if (I % 2) memset(a, 0, sizeof(uint32_t) * (size_t)na); /* odd I: the last pair's second half zero */
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++)
       to_pairs(x + (p.pair_of_row[r] / k) * H, H, xs + r * H2);
@@ -318,7 +323,7 @@ void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, con
     if (!gated) {
       _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
         float *hr = h + r * 2 * I, *ag = af + r * I;
-        bf16_t* ar = (bf16_t*)(a + r * I2); /* odd I: the calloc's zero pads the last pair */
+        bf16_t* ar = (bf16_t*)(a + r * I2); /* odd I: the memset's zero pads the last pair */
         _Pragma("omp simd") for (int64_t i = 0; i < 2 * I; i++) hr[i] = round_bf16(hr[i]);
         act_row(hr, ag, I, act, limit, alpha);
         _Pragma("omp simd") for (int64_t i = 0; i < I; i++) ar[i] = f32_to_bf16_vec(ag[i]);
@@ -332,7 +337,7 @@ void moe_bf16_ex(const bf16_t* x, int64_t n, int64_t H, const int32_t* slot, con
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
-  free(xs); free(h); free(af); free(a); free(ys);
+  scratch_put(7, buf);
   moe_free(&p);
 }
 #else

@@ -53,3 +53,28 @@ static inline float exp_vec(float v) {
   return p * scale.f;
 }
 
+/* Scratch buffers kept between calls, per calling thread, one per slot: a prefill's buffers run to tens
+ * of MB a call (moe_q_ex's rows x (3H + 4I) floats: 92 MB for the small MoE's 4,096 routed rows), past
+ * glibc's largest mmap threshold (32 MB), so malloc mapped fresh pages every call and the kernel
+ * zeroed them (2 MB huge pages here; ~10% of a held-fp8 prefill in clear_page). Up to SCRATCH_KEEP
+ * bytes a slot stay with the thread (grown by a quarter at a time); a larger request is malloc'd
+ * and freed per call as before. scratch_get's memory is uninitialised; scratch_put after use. */
+#define SCRATCH_SLOTS 8
+#define SCRATCH_KEEP ((size_t)256 << 20)
+static _Thread_local void* scratch_ptr[SCRATCH_SLOTS];
+static _Thread_local size_t scratch_size[SCRATCH_SLOTS];
+static void* scratch_get(int slot, size_t bytes) {
+  if (bytes > SCRATCH_KEEP) return malloc(bytes);
+  if (scratch_size[slot] < bytes) {
+    size_t grow = bytes + bytes / 4;
+    if (grow > SCRATCH_KEEP) grow = SCRATCH_KEEP;
+    free(scratch_ptr[slot]);
+    scratch_ptr[slot] = malloc(grow);
+    scratch_size[slot] = scratch_ptr[slot] ? grow : 0;
+    if (!scratch_ptr[slot]) return malloc(bytes);
+  }
+  return scratch_ptr[slot];
+}
+static void scratch_put(int slot, void* p) {
+  if (p != scratch_ptr[slot]) free(p);
+}

@@ -103,15 +103,15 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
   uint32_t* xb = NULL;
   float* bsum = NULL;
   if (QB_KIND(kind)) {
-    xr = (float*)malloc(sizeof(float) * (size_t)(M * I + 1));
+    xr = (float*)scratch_get(3, sizeof(float) * (size_t)(M * I + 1));
     memcpy(xr, x, sizeof(float) * (size_t)(M * I));
     qb_round_rows(xr, I, 0, M);
     x = xr;
     if (!QB_TILES) kind = qb_weight_kind(kind);
   }
   if (QB_KIND(kind) && qb_reads_pairs(kind, M)) {
-    xb = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(M * qb_pairs(I, gs) + 1));
-    bsum = (float*)malloc(sizeof(float) * (size_t)(M * ((I + gs - 1) / gs) + 1));
+    xb = (uint32_t*)scratch_get(4, sizeof(uint32_t) * (size_t)(M * qb_pairs(I, gs) + 1));
+    bsum = (float*)scratch_get(5, sizeof(float) * (size_t)(M * ((I + gs - 1) / gs) + 1));
   }
   if (M == 1) { /* decode: spans of NQ1 panels, the one-row kernels */
     const int64_t spans = (P + NQ1 - 1) / NQ1;
@@ -128,7 +128,8 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int64_t s = 0; s < spans; s++)
       q_span(kind, x, xq, sx, xsum, xb, I, qp, sp, mp, gs, y, O, s * NQ1, 0, 1, bias);
-    free(xq); free(sx); free(xr); free(xb); free(bsum);
+    free(xq); free(sx);
+    scratch_put(3, xr), scratch_put(4, xb), scratch_put(5, bsum);
     return;
   }
   if (kind == Q_KIND_A8 || kind == Q_KIND_A4) {
@@ -150,7 +151,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
   /* weight-only: items (block of rows, span of NQ1 panels); q_span picks the wide tiles or the panel
    * buffer by the block's rows, the wide tiles' blocks interleaved first (kinds 6-9: the pair layout) */
   const int64_t spans = (P + NQ1 - 1) / NQ1;
-  float* xt = xb ? NULL : (float*)malloc(sizeof(float) * (size_t)(M * I));
+  float* xt = xb ? NULL : (float*)scratch_get(6, sizeof(float) * (size_t)(M * I));
   const float* xs = xb ? x : xt;
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t b = 0; b < blocks; b++) {
@@ -165,7 +166,8 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
       q_span(kind, xs, NULL, NULL, bsum, xb, I, qp, sp, mp, gs, y, O, item % spans * NQ1, r0, r1, bias);
     }
   }
-  free(xt); free(xr); free(xb); free(bsum);
+  if (xt) scratch_put(6, xt);
+  scratch_put(3, xr), scratch_put(4, xb), scratch_put(5, bsum);
 }
 
 /* moe_f32's plan over quantized experts: w13 = codes/scales/offsets of E experts' [gate | up]
@@ -194,11 +196,11 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   const int64_t xs_a = A_STRIDE(kind, H), as_a = A_STRIDE(kind, I);
   const int64_t c13 = !a8 ? H * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
   const int64_t c2 = !a8 ? I * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
-  /* one allocation a call for every buffer (was ten): float32 rows and scales first, then the int8
-   * codes of the quantized activations (kinds 4, 5) */
+  /* one scratch a call for every buffer (was ten allocations; kept between calls: common.h): float32 rows
+   * and scales first, then the int8 codes of the quantized activations (kinds 4, 5) */
   /* weight-only: also the gathered rows and the intermediates in the layout q_span reads (qw_layout) */
   const int64_t nf = m * (2 * H + 3 * I) + (a8 ? 2 * m * (n13 + n2) : m * (H + I)) + 8;
-  float* buf = (float*)malloc(sizeof(float) * (size_t)nf + (a8 ? (size_t)(m * (xs_a + as_a)) : 0) + 16);
+  float* buf = (float*)scratch_get(0, sizeof(float) * (size_t)nf + (a8 ? (size_t)(m * (xs_a + as_a)) : 0) + 16);
   float *xs = buf, *h = xs + m * H, *a = h + m * 2 * I, *ys = a + m * I, *f = ys + m * H;
   /* quantized activations: the gathered rows and the activated intermediates quantized once, read by
    * every panel group */
@@ -216,8 +218,8 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   float *bs13 = NULL, *bs2 = NULL;
   if (QB_KIND(kind)) {
     const int64_t pi13 = qb_pairs(H, gs13), pi2 = qb_pairs(I, gs2);
-    xb13 = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * (pi13 + pi2) + 1)), xb2 = xb13 + m * pi13;
-    bs13 = (float*)malloc(sizeof(float) * (size_t)(m * (n13 + n2) + 1)), bs2 = bs13 + m * n13;
+    xb13 = (uint32_t*)scratch_get(1, sizeof(uint32_t) * (size_t)(m * (pi13 + pi2) + 1)), xb2 = xb13 + m * pi13;
+    bs13 = (float*)scratch_get(2, sizeof(float) * (size_t)(m * (n13 + n2) + 1)), bs2 = bs13 + m * n13;
     xw = xs, aw = a, xsum = bs13, asum = bs2;
   }
   _Pragma("omp parallel num_threads(threads)") {
@@ -265,7 +267,8 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
-  free(buf); free(xb13); free(bs13);
+  scratch_put(0, buf);
+  if (xb13) scratch_put(1, xb13), scratch_put(2, bs13);
   moe_free(&p);
 }
 
