@@ -58,7 +58,8 @@ static inline float exp_vec(float v) {
  * glibc's largest mmap threshold (32 MB), so malloc mapped fresh pages every call and the kernel
  * zeroed them (2 MB huge pages here; ~10% of a held-fp8 prefill in clear_page). Up to SCRATCH_KEEP
  * bytes a slot stay with the thread (grown by a quarter at a time); a larger request is malloc'd
- * and freed per call as before. scratch_get's memory is uninitialised; scratch_put after use. */
+ * and freed per call as before. scratch_get's memory is uninitialised; scratch_put after use (NULL:
+ * nothing to give back). */
 #define SCRATCH_SLOTS 8
 #define SCRATCH_KEEP ((size_t)256 << 20)
 static _Thread_local void* scratch_ptr[SCRATCH_SLOTS];

@@ -305,7 +305,7 @@ static inline __attribute__((always_inline)) void qb_many_body(const int wk, con
                                                                int64_t pairs, const float* sg, const float* mg,
                                                                const float* xs, int64_t G, float* y, int64_t O,
                                                                int64_t o0, const int rows, const int npc) {
-  __m512 acc[QB_WIDE * 8];
+  __m512 acc[QB_WIDE * QB_ROWS];
   for (int a = 0; a < rows * npc; a++) acc[a] = _mm512_setzero_ps();
   for (int64_t i = 0; i < pairs; i++) {
     __m512i wv[QB_WIDE];
@@ -354,28 +354,24 @@ QB_MANY_TILES(3)
   {NULL, qb_many_1_##N, qb_many_2_##N, qb_many_3_##N, qb_many_4_##N, qb_many_5_##N, qb_many_6_##N, qb_many_7_##N, qb_many_8_##N}
 static const qb_many_fn qb_many_tiles[QB_WIDE][QB_ROWS + 1] = {QB_MANY_ROW(1), QB_MANY_ROW(2), QB_MANY_ROW(3)};
 
-/* Group g's pairs of npc panels from panel p (weight kind WK), decoded into wb[pair][QB_WIDE]. */
-#define DEFINE_QB_UNPACK(WK)                                                                                 \
-  static __attribute__((noinline)) void qb_unpack##WK(const uint8_t* qp, int64_t pb, int64_t i0, int64_t i1, \
-                                                      int npc, __m512i* wb) {                                \
-    const int64_t cb = Q_BYTES(WK);                                                                          \
-    int64_t i = i0, k = 0;                                                                                   \
-    for (; i + 1 < i1; i += 2, k++)                                                                          \
-      for (int j = 0; j < npc; j++) wb[k * QB_WIDE + j] = qb_decode(WK, qp + j * pb + i * cb, 0);            \
-    if (i < i1)                                                                                              \
-      for (int j = 0; j < npc; j++) wb[k * QB_WIDE + j] = qb_decode(WK, qp + j * pb + i * cb, 1);            \
-  }
-DEFINE_QB_UNPACK(0)
-DEFINE_QB_UNPACK(1)
-DEFINE_QB_UNPACK(2)
-DEFINE_QB_UNPACK(3)
+/* Inputs [i0, i1) of npc panels of fp8 codes (panel j at qp + j * pb), decoded into wb[pair][QB_WIDE]. */
+static __attribute__((noinline)) void qb_unpack_fp8(const uint8_t* qp, int64_t pb, int64_t i0, int64_t i1, int npc,
+                                                    __m512i* wb) {
+  const int64_t cb = Q_BYTES(2);
+  int64_t i = i0, k = 0;
+  for (; i + 1 < i1; i += 2, k++)
+    for (int j = 0; j < npc; j++) wb[k * QB_WIDE + j] = qb_decode(2, qp + j * pb + i * cb, 0);
+  if (i < i1)
+    for (int j = 0; j < npc; j++) wb[k * QB_WIDE + j] = qb_decode(2, qp + j * pb + i * cb, 1);
+}
 
-/* Rows [r0, r1) (r1 - r0 >= QB_MANY) against panels [p0, q1) of weight kind wk: per QB_WIDE panels,
- * y set to the bias, then group after group decoded once and run by every row tile (qb_tile_rows,
- * as qb_layout laid the rows out). wb: room for ceil(gs / 2) * QB_WIDE words. */
-static void qb_many(const int wk, const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp,
-                    const float* sp, const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1,
-                    int64_t r0, int64_t r1, const float* bias, __m512i* wb) {
+/* Rows [r0, r1) (r1 - r0 >= QB_MANY) against panels [p0, q1) of fp8 codes: per QB_WIDE panels, y
+ * set to the bias, then group after group decoded once and run by every row tile (qb_tile_rows, as
+ * qb_layout laid the rows out). wb: room for ceil(gs / 2) * QB_WIDE words. */
+static void qb_many(const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp, const float* sp,
+                    const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1, int64_t r0,
+                    int64_t r1, const float* bias, __m512i* wb) {
+  const int wk = 2; /* fp8: the kind whose decode the buffer pays for (QB_MANY) */
   const int64_t G = (I + gs - 1) / gs, h = (gs + 1) / 2, PI = qb_pairs(I, gs), pb = I * Q_BYTES(wk);
   for (int64_t p = p0; p < q1; p += QB_WIDE) {
     const int npc = q1 - p < QB_WIDE ? (int)(q1 - p) : QB_WIDE;
@@ -387,8 +383,7 @@ static void qb_many(const int wk, const uint32_t* xp, const float* xsum, int64_t
     }
     for (int64_t g = 0; g < G; g++) {
       const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I, pairs = (i1 - i0 + 1) / 2;
-      (wk == 1 ? qb_unpack1 : wk == 3 ? qb_unpack3 : wk == 2 ? qb_unpack2 : qb_unpack0)(qp + p * pb, pb, i0, i1,
-                                                                                        npc, wb);
+      qb_unpack_fp8(qp + p * pb, pb, i0, i1, npc, wb);
       for (int64_t r = r0; r < r1;) {
         const int n = qb_tile_rows(r1 - r);
         qb_many_tiles[npc - 1][n](wk, wb, xp + r * PI + g * h * n, pairs, sp + (p * G + g) * LANES,
@@ -460,7 +455,7 @@ static void qb_tiles(int kind, const uint32_t* xp, const float* xsum, int64_t I,
   if (wk == 2 && r1 - r0 >= QB_MANY) {
     __m512i* wb = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (size_t)(((gs + 1) / 2) * QB_WIDE));
     if (wb) {
-      qb_many(wk, xp, xsum, I, qp, sp, mp, gs, y, O, p0, q1, r0, r1, bias, wb);
+      qb_many(xp, xsum, I, qp, sp, mp, gs, y, O, p0, q1, r0, r1, bias, wb);
       free(wb);
       return;
     }

@@ -166,7 +166,7 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
       q_span(kind, xs, NULL, NULL, bsum, xb, I, qp, sp, mp, gs, y, O, item % spans * NQ1, r0, r1, bias);
     }
   }
-  if (xt) scratch_put(6, xt);
+  scratch_put(6, xt);
   scratch_put(3, xr), scratch_put(4, xb), scratch_put(5, bsum);
 }
 
@@ -268,7 +268,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
   scratch_put(0, buf);
-  if (xb13) scratch_put(1, xb13), scratch_put(2, bs13);
+  scratch_put(1, xb13), scratch_put(2, bs13);
   moe_free(&p);
 }
 
