@@ -319,6 +319,13 @@ def install(watchdog: Watchdog) -> Watchdog:
         # Peers waiting for this rank then read why it left, instead of a bare "connection closed".
         watchdog.close(f"it raised {kind.__name__}: {value}"[:500])
         previous(kind, value, tb)
+        # Leave without finalizing the interpreter: the process groups' destructors (gloo's
+        # threads, the store's) racing a peer that leaves at the same moment once ended a rank in
+        # SIGABRT after its traceback. The exit code is Python's own for an uncaught exception.
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(1)
 
     sys.excepthook = excepthook
     return watchdog
