@@ -214,3 +214,34 @@ def test_without_the_pair_tiles(generic_kernels, monkeypatch, kind, code):
     torch.testing.assert_close(
         out, _moe_reference_bf16(x, slot, weights, w13, w2, inter), rtol=2e-3, atol=2e-3
     )
+
+
+@pytest.mark.parametrize("act,limit,alpha,biased", [("silu", 0.0, 0.0, False), ("swiglu_clamped", 7.0, 1.702, True)])
+def test_fp8_experts_with_many_rows_fuse_w13_and_the_activation(kernels, act, limit, alpha, biased):
+    """fp8 experts of 64 rows and more with gate and up in whole panels (inter 80: a triple and two
+    panels of gate) run w13 and the activation in one pass (qb_many_gated): the same outputs, bit for
+    bit, as the two passes (w13 into a float32 intermediate, then the activation) it replaces; close
+    to float64; with the clamped SwiGLU's biases and limits too."""
+    g = torch.Generator().manual_seed(11)
+    counts, hidden, inter = [70, 0, 3, 130, 64, 9], 200, 80
+    e = len(counts)
+    w13 = [_weight("fp8", 2 * inter, hidden, 128, kernels, g) for _ in range(e)]
+    w2 = [_weight("fp8", hidden, inter, 16, kernels, g) for _ in range(e)]
+    b13 = (torch.randn(e, 2 * inter, generator=g) * 0.1).contiguous() if biased else None
+    b2 = (torch.randn(e, hidden, generator=g) * 0.1).contiguous() if biased else None
+    moe = QuantizedMoE(kernels, b13, b2, limit, alpha)
+    slots = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    n = len(slots) // 2
+    slot = slots.view(2, n).t()[torch.randperm(n, generator=g)].to(torch.int32).contiguous()
+    x, weights = torch.randn(n, hidden, generator=g).bfloat16(), torch.rand(n, 2, generator=g)
+    stacked = QuantizedExperts.stack(w13), QuantizedExperts.stack(w2)
+    out = moe.moe(x, slot, weights, *stacked, inter, act)
+    try:
+        kernels.lib.q_set_gated_fusion(0)
+        passes = moe.moe(x, slot, weights, *stacked, inter, act)
+    finally:
+        kernels.lib.q_set_gated_fusion(1)
+    assert torch.equal(out, passes)
+    if not biased:
+        ref = _moe_reference_bf16(x, slot, weights, w13, w2, inter)
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)

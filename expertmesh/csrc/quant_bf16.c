@@ -64,29 +64,33 @@ static void qb_round_rows(float* x, int64_t I, int64_t r0, int64_t r1) {
  * they are bf16 values); xsum[r * G + g] the group sums. */
 static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t r1, uint32_t* xp, float* xsum) {
   const int64_t G = (I + gs - 1) / gs, PI = qb_pairs(I, gs), h = (gs + 1) / 2;
+  /* a tile's rows side by side: its words are stored in order, and its rows' sums (each in its own
+   * order, input after input, as before) are n independent chains, not one chain after another
+   * (one chain a row left the layout bound by the adds' latency: 5% of a held-fp8 prefill) */
   for (int64_t r = r0; r < r1;) {
     const int n = qb_tile_rows(r1 - r);
-    for (int t = 0; t < n; t++) {
-      const float* xr = x + (r + t) * I;
-      for (int64_t g = 0; g < G; g++) {
-        const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I, full = i0 + (i1 - i0) / 2 * 2;
-        uint32_t* out = xp + r * PI + g * h * n + t;
-        float s = 0.f;
-        for (int64_t i = i0; i < full; i += 2) {
+    const float* xr = x + r * I;
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I, full = i0 + (i1 - i0) / 2 * 2;
+      uint32_t* out = xp + r * PI + g * h * n;
+      float s[QB_ROWS];
+      for (int t = 0; t < n; t++) s[t] = 0.f;
+      for (int64_t i = i0; i < full; i += 2, out += n)
+        for (int t = 0; t < n; t++) {
           uint32_t a, b;
-          memcpy(&a, xr + i, 4);
-          memcpy(&b, xr + i + 1, 4);
-          out[(i - i0) / 2 * n] = a >> 16 | (b & 0xffff0000u);
-          s += xr[i] + xr[i + 1];
+          memcpy(&a, xr + t * I + i, 4);
+          memcpy(&b, xr + t * I + i + 1, 4);
+          out[t] = a >> 16 | (b & 0xffff0000u);
+          s[t] += xr[t * I + i] + xr[t * I + i + 1];
         }
-        if (full < i1) { /* an odd group's last input, alone in its pair */
+      if (full < i1) /* an odd group's last input, alone in its pair */
+        for (int t = 0; t < n; t++) {
           uint32_t a;
-          memcpy(&a, xr + full, 4);
-          out[(full - i0) / 2 * n] = a >> 16;
-          s += xr[full];
+          memcpy(&a, xr + t * I + full, 4);
+          out[t] = a >> 16;
+          s[t] += xr[t * I + full];
         }
-        xsum[(r + t) * G + g] = s;
-      }
+      for (int t = 0; t < n; t++) xsum[(r + t) * G + g] = s[t];
     }
     r += n;
   }
@@ -392,6 +396,61 @@ static void qb_many(const uint32_t* xp, const float* xsum, int64_t I, const uint
       }
     }
   }
+}
+
+/* Rows a fused gated item keeps in its buffer at once (whole tiles): 256 x 2 x 48 floats, 96 KB. */
+#define QB_GATED_ROWS 256
+
+/* An fp8 expert's w13 (gate panels p, up panels PI + p; PI = I / LANES) for its rows [r0, r1)
+ * (>= QB_MANY, laid out by qb_layout from r0) and gate panels [q0, q1): per QB_WIDE gate panels and
+ * up to QB_GATED_ROWS rows, the gate and up products into a small buffer as qb_many computes them
+ * (bias first, then group after group), act_row over it, and the activated values rounded to bf16
+ * into a's rows (width I), as moe_q_ex's passes do over whole rows: the same values, bit for bit,
+ * without the [rows, 2I] float32 intermediate going to memory and back. */
+static void qb_many_gated(const uint32_t* xp, const float* xsum, int64_t H, const uint8_t* qp, const float* sp,
+                          const float* mp, int64_t gs, int64_t I, int64_t q0, int64_t q1, int64_t r0, int64_t r1,
+                          const float* bias, int act, float limit, float alpha, float* a) {
+  const int wk = 2;
+  const int64_t G = (H + gs - 1) / gs, h = (gs + 1) / 2, PI = qb_pairs(H, gs), pb = H * Q_BYTES(wk);
+  const int64_t PG = I / LANES, W = 2 * QB_WIDE * LANES; /* gate panels; the buffer's row width */
+  __m512i* wb = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (size_t)(((gs + 1) / 2) * QB_WIDE));
+  float* hb = (float*)aligned_alloc(64, sizeof(float) * (size_t)((QB_GATED_ROWS + QB_ROWS) * W));
+  float af[QB_WIDE * LANES];
+  for (int64_t rc = r0; rc < r1;) {
+    int64_t rc1 = rc; /* whole tiles, as qb_layout cut them from r0 */
+    while (rc1 < r1 && rc1 - rc < QB_GATED_ROWS) rc1 += qb_tile_rows(r1 - rc1);
+    for (int64_t p = q0; p < q1; p += QB_WIDE) {
+      const int npc = q1 - p < QB_WIDE ? (int)(q1 - p) : QB_WIDE, n = npc * LANES;
+      for (int half = 0; half < 2; half++) { /* gate panels at columns [0, n), up panels at [n, 2n) */
+        const int64_t pp = half ? PG + p : p;
+        for (int j = 0; j < npc; j++) {
+          const int64_t o = (pp + j) * LANES;
+          const __m512 b = bias ? _mm512_loadu_ps(bias + o) : _mm512_setzero_ps();
+          for (int64_t r = rc; r < rc1; r++) _mm512_storeu_ps(hb + (r - rc) * W + half * n + j * LANES, b);
+        }
+        for (int64_t g = 0; g < G; g++) {
+          const int64_t i0 = g * gs, i1 = i0 + gs < H ? i0 + gs : H, pairs = (i1 - i0 + 1) / 2;
+          qb_unpack_fp8(qp + pp * pb, pb, i0, i1, npc, wb);
+          for (int64_t r = rc; r < rc1;) {
+            const int nt = qb_tile_rows(r1 - r);
+            /* into the buffer's columns from half * n, W wide (whole panels: I % LANES == 0) */
+            qb_many_tiles[npc - 1][nt](wk, wb, xp + r * PI + g * h * nt, pairs, sp + (pp * G + g) * LANES,
+                                       mp + (pp * G + g) * LANES, xsum + r * G + g, G, hb + (r - rc) * W, W,
+                                       half * n);
+            r += nt;
+          }
+        }
+      }
+      for (int64_t r = rc; r < rc1; r++) {
+        act_row(hb + (r - rc) * W, af, n, act, limit, alpha);
+        float* ar = a + r * I + p * LANES;
+        for (int c = 0; c < n; c++) ar[c] = bf16_to_f32(f32_to_bf16_vec(af[c]));
+      }
+    }
+    rc = rc1;
+  }
+  free(wb);
+  free(hb);
 }
 
 /* One row (decode) of uint4 (wk 1) or fp8 (wk 2) codes against the NQ1 panels from p0 (fewer at the

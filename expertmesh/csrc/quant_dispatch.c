@@ -170,6 +170,10 @@ void gemm_q(int kind, const float* x, const uint8_t* qp, const float* sp, const 
   scratch_put(3, xr), scratch_put(4, xb), scratch_put(5, bsum);
 }
 
+/* qb_many_gated on (1, the default) or off: the tests compare the two paths, benchmarks time them. */
+static int q_gated_fusion = 1;
+void q_set_gated_fusion(int on) { q_gated_fusion = on != 0; }
+
 /* moe_f32's plan over quantized experts: w13 = codes/scales/offsets of E experts' [gate | up]
  * ([2I, H] each, gs13 inputs a group), w2 of their down projections ([H, I], gs2). Optional float32
  * biases b13 [E, 2I] and b2 [E, H] (NULL: none) join the products before the activation and before
@@ -222,6 +226,18 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     bs13 = (float*)scratch_get(2, sizeof(float) * (size_t)(m * (n13 + n2) + 1)), bs2 = bs13 + m * n13;
     xw = xs, aw = a, xsum = bs13, asum = bs2;
   }
+  /* fp8 on pairs, gate and up in whole panels: an expert with QB_MANY rows or more runs its w13 and
+   * the activation in qb_many_gated (rf: its rows, which the activation pass below then skips) */
+  unsigned char* rf = NULL;
+#if QB_TILES
+  if (q_gated_fusion && kind == Q_KIND_BF8 && I % LANES == 0) {
+    rf = (unsigned char*)calloc((size_t)m + 1, 1);
+    for (int64_t j = 0; j < p.na; j++) {
+      const int64_t e = p.active[j];
+      if (p.start[e + 1] - p.start[e] >= QB_MANY) memset(rf + p.start[e], 1, (size_t)(p.start[e + 1] - p.start[e]));
+    }
+  }
+#endif
   _Pragma("omp parallel num_threads(threads)") {
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
@@ -240,11 +256,22 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     }
     _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
       const int64_t e = p.active[item / G13];
+#if QB_TILES
+      if (rf && rf[p.start[e]]) { /* item s: gate panels [s * NQ1 / 2, ...) and their up panels */
+        const int64_t PG = I / LANES, q0 = item % G13 * (NQ1 / 2), q1 = q0 + NQ1 / 2 < PG ? q0 + NQ1 / 2 : PG;
+        if (q0 < q1)
+          qb_many_gated(xb13, bs13, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES, m13 + e * P13 * n13 * LANES,
+                        gs13, I, q0, q1, p.start[e], p.start[e + 1], b13 ? b13 + e * 2 * I : NULL, act, limit,
+                        alpha, a);
+        continue;
+      }
+#endif
       q_span(kind, xw, xq, xsc, xsum, xb13, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
              m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13 * NQ1, p.start[e], p.start[e + 1],
              b13 ? b13 + e * 2 * I : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
+      if (rf && rf[r]) continue; /* done by qb_many_gated */
       act_row(h + r * 2 * I, a + r * I, I, act, limit, alpha);
       if (bp) qb_round_rows(a, I, r, r + 1);
       if (a8) q_act_rows(a, I, gs2, as_a, aq, asc, asum, r, r + 1);
@@ -269,6 +296,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   }
   scratch_put(0, buf);
   scratch_put(1, xb13), scratch_put(2, bs13);
+  free(rf);
   moe_free(&p);
 }
 
