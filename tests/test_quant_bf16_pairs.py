@@ -216,7 +216,9 @@ def test_without_the_pair_tiles(generic_kernels, monkeypatch, kind, code):
     )
 
 
-@pytest.mark.parametrize("act,limit,alpha,biased", [("silu", 0.0, 0.0, False), ("swiglu_clamped", 7.0, 1.702, True)])
+@pytest.mark.parametrize(
+    "act,limit,alpha,biased", [("silu", 0.0, 0.0, False), ("swiglu_clamped", 7.0, 1.702, True)]
+)
 def test_fp8_experts_with_many_rows_fuse_w13_and_the_activation(kernels, act, limit, alpha, biased):
     """fp8 experts of 64 rows and more with gate and up in whole panels (inter 80: a triple and two
     panels of gate) run w13 and the activation in one pass (qb_many_gated): the same outputs, bit for
