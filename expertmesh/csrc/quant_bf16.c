@@ -369,12 +369,14 @@ static __attribute__((noinline)) void qb_unpack_fp8(const uint8_t* qp, int64_t p
     for (int j = 0; j < npc; j++) wb[k * QB_WIDE + j] = qb_decode(2, qp + j * pb + i * cb, 1);
 }
 
-/* Rows [r0, r1) (r1 - r0 >= QB_MANY) against panels [p0, q1) of fp8 codes: per QB_WIDE panels, y
- * set to the bias, then group after group decoded once and run by every row tile (qb_tile_rows, as
- * qb_layout laid the rows out). wb: room for ceil(gs / 2) * QB_WIDE words. */
+/* Rows [r0, r1) against panels [p0, q1) of fp8 codes: per QB_WIDE panels, y set to the bias, then
+ * group after group decoded once and run by every row tile (qb_tile_rows of the rows left up to rt,
+ * as qb_layout laid rows [.., rt) out; rt = r1 for a whole span of rows, QB_MANY or more). y: row
+ * r0's outputs, rows O apart (O also bounds the last panel). wb: room for ceil(gs / 2) * QB_WIDE
+ * words. */
 static void qb_many(const uint32_t* xp, const float* xsum, int64_t I, const uint8_t* qp, const float* sp,
                     const float* mp, int64_t gs, float* y, int64_t O, int64_t p0, int64_t q1, int64_t r0,
-                    int64_t r1, const float* bias, __m512i* wb) {
+                    int64_t r1, int64_t rt, const float* bias, __m512i* wb) {
   const int wk = 2; /* fp8: the kind whose decode the buffer pays for (QB_MANY) */
   const int64_t G = (I + gs - 1) / gs, h = (gs + 1) / 2, PI = qb_pairs(I, gs), pb = I * Q_BYTES(wk);
   for (int64_t p = p0; p < q1; p += QB_WIDE) {
@@ -383,15 +385,15 @@ static void qb_many(const uint32_t* xp, const float* xsum, int64_t I, const uint
       const int64_t o = (p + j) * LANES, n = O - o < LANES ? O - o : LANES;
       const __mmask16 lanes = (__mmask16)((1u << n) - 1);
       const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias + o) : _mm512_setzero_ps();
-      for (int64_t r = r0; r < r1; r++) _mm512_mask_storeu_ps(y + r * O + o, lanes, b);
+      for (int64_t r = r0; r < r1; r++) _mm512_mask_storeu_ps(y + (r - r0) * O + o, lanes, b);
     }
     for (int64_t g = 0; g < G; g++) {
       const int64_t i0 = g * gs, i1 = i0 + gs < I ? i0 + gs : I, pairs = (i1 - i0 + 1) / 2;
       qb_unpack_fp8(qp + p * pb, pb, i0, i1, npc, wb);
       for (int64_t r = r0; r < r1;) {
-        const int n = qb_tile_rows(r1 - r);
+        const int n = qb_tile_rows(rt - r);
         qb_many_tiles[npc - 1][n](wk, wb, xp + r * PI + g * h * n, pairs, sp + (p * G + g) * LANES,
-                                  mp + (p * G + g) * LANES, xsum + r * G + g, G, y + r * O, O, p * LANES);
+                                  mp + (p * G + g) * LANES, xsum + r * G + g, G, y + (r - r0) * O, O, p * LANES);
         r += n;
       }
     }
@@ -401,50 +403,34 @@ static void qb_many(const uint32_t* xp, const float* xsum, int64_t I, const uint
 /* Rows a fused gated item keeps in its buffer at once (whole tiles): 256 x 2 x 48 floats, 96 KB. */
 #define QB_GATED_ROWS 256
 
-/* An fp8 expert's w13 (gate panels p, up panels PI + p; PI = I / LANES) for its rows [r0, r1)
+/* An fp8 expert's w13 (gate panels p, up panels PG + p; PG = I / LANES) for its rows [r0, r1)
  * (>= QB_MANY, laid out by qb_layout from r0) and gate panels [q0, q1): per QB_WIDE gate panels and
- * up to QB_GATED_ROWS rows, the gate and up products into a small buffer as qb_many computes them
- * (bias first, then group after group), act_row over it, and the activated values rounded to bf16
- * into a's rows (width I), as moe_q_ex's passes do over whole rows: the same values, bit for bit,
- * without the [rows, 2I] float32 intermediate going to memory and back. */
+ * up to QB_GATED_ROWS rows, qb_many's gate and up products into a small buffer, act_row over it, and
+ * the activated values rounded to bf16 into a's rows (width I), as moe_q_ex's passes do over whole
+ * rows: the same values, bit for bit, without the [rows, 2I] float32 intermediate going to memory
+ * and back. */
 static void qb_many_gated(const uint32_t* xp, const float* xsum, int64_t H, const uint8_t* qp, const float* sp,
                           const float* mp, int64_t gs, int64_t I, int64_t q0, int64_t q1, int64_t r0, int64_t r1,
                           const float* bias, int act, float limit, float alpha, float* a) {
-  const int wk = 2;
-  const int64_t G = (H + gs - 1) / gs, h = (gs + 1) / 2, PI = qb_pairs(H, gs), pb = H * Q_BYTES(wk);
-  const int64_t PG = I / LANES, W = 2 * QB_WIDE * LANES; /* gate panels; the buffer's row width */
+  const int64_t G = (H + gs - 1) / gs, pb = H * Q_BYTES(2), PG = I / LANES;
+  const int64_t W = 2 * QB_WIDE * LANES; /* the buffer's row width */
   __m512i* wb = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (size_t)(((gs + 1) / 2) * QB_WIDE));
   float* hb = (float*)aligned_alloc(64, sizeof(float) * (size_t)((QB_GATED_ROWS + QB_ROWS) * W));
-  float af[QB_WIDE * LANES];
   for (int64_t rc = r0; rc < r1;) {
     int64_t rc1 = rc; /* whole tiles, as qb_layout cut them from r0 */
     while (rc1 < r1 && rc1 - rc < QB_GATED_ROWS) rc1 += qb_tile_rows(r1 - rc1);
     for (int64_t p = q0; p < q1; p += QB_WIDE) {
-      const int npc = q1 - p < QB_WIDE ? (int)(q1 - p) : QB_WIDE, n = npc * LANES;
-      for (int half = 0; half < 2; half++) { /* gate panels at columns [0, n), up panels at [n, 2n) */
+      const int64_t n = (q1 - p < QB_WIDE ? q1 - p : QB_WIDE) * LANES;
+      /* gate panels at the buffer's columns [0, n), up panels at [n, 2n): each triple as panels
+       * 0-2 of a matrix W wide (whole panels, I % LANES == 0) */
+      for (int half = 0; half < 2; half++) {
         const int64_t pp = half ? PG + p : p;
-        for (int j = 0; j < npc; j++) {
-          const int64_t o = (pp + j) * LANES;
-          const __m512 b = bias ? _mm512_loadu_ps(bias + o) : _mm512_setzero_ps();
-          for (int64_t r = rc; r < rc1; r++) _mm512_storeu_ps(hb + (r - rc) * W + half * n + j * LANES, b);
-        }
-        for (int64_t g = 0; g < G; g++) {
-          const int64_t i0 = g * gs, i1 = i0 + gs < H ? i0 + gs : H, pairs = (i1 - i0 + 1) / 2;
-          qb_unpack_fp8(qp + pp * pb, pb, i0, i1, npc, wb);
-          for (int64_t r = rc; r < rc1;) {
-            const int nt = qb_tile_rows(r1 - r);
-            /* into the buffer's columns from half * n, W wide (whole panels: I % LANES == 0) */
-            qb_many_tiles[npc - 1][nt](wk, wb, xp + r * PI + g * h * nt, pairs, sp + (pp * G + g) * LANES,
-                                       mp + (pp * G + g) * LANES, xsum + r * G + g, G, hb + (r - rc) * W, W,
-                                       half * n);
-            r += nt;
-          }
-        }
+        qb_many(xp, xsum, H, qp + pp * pb, sp + pp * G * LANES, mp + pp * G * LANES, gs, hb + half * n, W, 0,
+                n / LANES, rc, rc1, r1, bias ? bias + pp * LANES : NULL, wb);
       }
       for (int64_t r = rc; r < rc1; r++) {
-        act_row(hb + (r - rc) * W, af, n, act, limit, alpha);
-        float* ar = a + r * I + p * LANES;
-        for (int c = 0; c < n; c++) ar[c] = bf16_to_f32(f32_to_bf16_vec(af[c]));
+        act_row(hb + (r - rc) * W, a + r * I + p * LANES, n, act, limit, alpha);
+        qb_round_rows(a + r * I + p * LANES, n, 0, 1);
       }
     }
     rc = rc1;
@@ -514,7 +500,7 @@ static void qb_tiles(int kind, const uint32_t* xp, const float* xsum, int64_t I,
   if (wk == 2 && r1 - r0 >= QB_MANY) {
     __m512i* wb = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (size_t)(((gs + 1) / 2) * QB_WIDE));
     if (wb) {
-      qb_many(xp, xsum, I, qp, sp, mp, gs, y, O, p0, q1, r0, r1, bias, wb);
+      qb_many(xp, xsum, I, qp, sp, mp, gs, y + r0 * O, O, p0, q1, r0, r1, r1, bias, wb);
       free(wb);
       return;
     }
