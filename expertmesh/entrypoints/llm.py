@@ -113,6 +113,11 @@ class LLM:
     ) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt_params(sampling_params, len(prompts))
+        if any(p.structured_outputs is not None for p in params):  # structured outputs hook: a bad grammar
+            from expertmesh.structured_outputs.runtime import check_params  # is a ValueError before any step
+
+            vocab = len(self._tokenizer) if self._executor is not None else self.llm_engine.config.model_config.vocab_size
+            check_params(params, self.get_tokenizer(), vocab)
         if self._executor is not None:
             return self._executor.generate(prompts, params)
         return offline.generate(self.llm_engine, prompts, params, self._ids, use_tqdm)
