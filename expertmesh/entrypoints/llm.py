@@ -116,7 +116,11 @@ class LLM:
         if any(p.structured_outputs is not None for p in params):  # structured outputs hook: a bad grammar
             from expertmesh.structured_outputs.runtime import check_params  # is a ValueError before any step
 
-            vocab = len(self._tokenizer) if self._executor is not None else self.llm_engine.config.model_config.vocab_size
+            vocab = (
+                len(self._tokenizer)
+                if self._executor is not None
+                else self.llm_engine.config.model_config.vocab_size
+            )
             check_params(params, self.get_tokenizer(), vocab)
         if self._executor is not None:
             return self._executor.generate(prompts, params)

@@ -127,12 +127,16 @@ class GrammarCompiler:
         """A fresh matcher for one sequence."""
         return self.compile(params).deep_copy()
 
-    async def compile_async(self, params: StructuredOutputsParams, timeout: float = COMPILE_TIMEOUT_S) -> None:
+    async def compile_async(
+        self, params: StructuredOutputsParams, timeout: float = COMPILE_TIMEOUT_S
+    ) -> None:
         """Compile in a worker thread (off the event loop); ValueError if invalid or slower than `timeout`."""
         try:
             await asyncio.wait_for(asyncio.to_thread(self.compile, params), timeout)
         except asyncio.TimeoutError as exc:
-            raise ValueError(f"the {params.kind} constraint took longer than {timeout:g} s to compile") from exc
+            raise ValueError(
+                f"the {params.kind} constraint took longer than {timeout:g} s to compile"
+            ) from exc
 
 
 _compilers: dict[tuple, GrammarCompiler] = {}
@@ -142,7 +146,11 @@ _compilers_lock = threading.Lock()
 def get_compiler(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
     """The process's compiler for this tokenizer (building llguidance's token trie takes ~1 s).
     Keyed by what the tokenizer is, not the object: the server copies tokenizers per thread."""
-    key = (getattr(tokenizer, "name_or_path", None), len(tokenizer) if tokenizer is not None else 0, vocab_size)
+    key = (
+        getattr(tokenizer, "name_or_path", None),
+        len(tokenizer) if tokenizer is not None else 0,
+        vocab_size,
+    )
     with _compilers_lock:
         if key not in _compilers:
             _compilers[key] = GrammarCompiler(tokenizer, vocab_size)

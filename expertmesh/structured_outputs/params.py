@@ -35,15 +35,17 @@ class StructuredOutputsParams:
         chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(chosen) != 1:
             what = "none is set" if not chosen else f"{len(chosen)} are set ({', '.join(chosen)})"
-            raise ValueError(
-                f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}; {what}"
-            )
+            raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}; {what}")
         kind = chosen[0]
         value = getattr(self, kind)
         if kind in ("regex", "grammar") and not isinstance(value, str):
             raise ValueError(f"StructuredOutputsParams.{kind} must be a string, got {type(value).__name__}")
         if kind == "choice":
-            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
+            if (
+                not isinstance(value, (list, tuple))
+                or not value
+                or not all(isinstance(c, str) for c in value)
+            ):
                 raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
             object.__setattr__(self, "choice", list(value))
         if kind == "json_object" and value is not True:
