@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from expertmesh.entrypoints.async_engine import Update
+from expertmesh.entrypoints.structured_api import StructuredFields, ToolFields  # structured outputs hook
 from expertmesh.outputs import Logprob, RequestOutput
 
 Stop = str | list[str] | None
@@ -60,7 +61,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-text
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -80,7 +81,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
