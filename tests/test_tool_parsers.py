@@ -14,6 +14,8 @@ from expertmesh.entrypoints.tool_parsers import ToolCall, ToolStream, get_tool_p
 
 W = {"city": "Paris", "days": 3, "metric": True, "hours": [1.5, None], "opts": {"lang": "fr"}}
 S = {"query": 'say "hi"\n'}
+GLM_W = {"city": "Paris", "days": 3, "metric": True}
+PY_W = {"city": "Paris", "days": 3, "metric": True, "hours": [1.5, None]}
 DS = (
     "<｜tool▁calls▁begin｜>",
     "<｜tool▁call▁begin｜>",
@@ -43,7 +45,8 @@ def _glm(name: str, args: dict) -> str:
 CASES = {
     "hermes": [
         (
-            f'I will check.\n<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(W)}}}\n</tool_call>\n'
+            "I will check.\n<tool_call>\n"
+            f'{{"name": "get_weather", "arguments": {json.dumps(W)}}}\n</tool_call>\n'
             f'<tool_call>\n{{"name": "search", "arguments": {json.dumps(S)}}}\n</tool_call>',
             "I will check.\n\n",
             [("get_weather", W), ("search", S)],
@@ -58,13 +61,17 @@ CASES = {
         )
     ],
     "deepseek_v31": [
-        (f"{DS[0]}{_ds_v31('get_weather', W)}{_ds_v31('search', S)}{DS[4]}", "", [("get_weather", W), ("search", S)])
+        (
+            f"{DS[0]}{_ds_v31('get_weather', W)}{_ds_v31('search', S)}{DS[4]}",
+            "",
+            [("get_weather", W), ("search", S)],
+        )
     ],
     "glm45": [
         (
-            f"Checking.\n{_glm('get_weather', {'city': 'Paris', 'days': 3, 'metric': True})}\n{_glm('search', S)}",
+            f"Checking.\n{_glm('get_weather', GLM_W)}\n{_glm('search', S)}",
             "Checking.\n\n",
-            [("get_weather", {"city": "Paris", "days": 3, "metric": True}), ("search", S)],
+            [("get_weather", GLM_W), ("search", S)],
         )
     ],
     "mistral": [
@@ -74,7 +81,11 @@ CASES = {
             "Sure. ",
             [("get_weather", W), ("search", S)],
         ),
-        (f"[TOOL_CALLS]get_weather[ARGS]{json.dumps(W)}[TOOL_CALLS]search[ARGS]{json.dumps(S)}", "", [("get_weather", W), ("search", S)]),
+        (
+            f"[TOOL_CALLS]get_weather[ARGS]{json.dumps(W)}[TOOL_CALLS]search[ARGS]{json.dumps(S)}",
+            "",
+            [("get_weather", W), ("search", S)],
+        ),
     ],
     "llama3_json": [
         (f'{{"name": "get_weather", "parameters": {json.dumps(W)}}}', "", [("get_weather", W)]),
@@ -87,17 +98,30 @@ CASES = {
         ("The answer is {not a call}.", "The answer is {not a call}.", []),
     ],
     "pythonic": [
-        ("[get_weather(city='Paris', days=3, metric=True, hours=[1.5, None]), search(query='x')]", "",
-         [("get_weather", {"city": "Paris", "days": 3, "metric": True, "hours": [1.5, None]}), ("search", {"query": "x"})]),
+        (
+            "[get_weather(city='Paris', days=3, metric=True, hours=[1.5, None]), search(query='x')]",
+            "",
+            [("get_weather", PY_W), ("search", {"query": "x"})],
+        ),
         ("<|python_start|>[search(query='say hi')]<|python_end|>", "", [("search", {"query": "say hi"})]),
         ("Plain [text] here.", "Plain [text] here.", []),
     ],
 }  # fmt: skip
 MALFORMED = {
-    "hermes": ['Hi <tool_call>{"name": "f", "arguments": {"a": }}</tool_call>', "<tool_call>not json", "<tool_call>[1]</tool_call>"],
-    "deepseek_v3": [f"{DS[0]}{DS[1]}function{DS[2]}f\n```json\n{{bad}}\n```{DS[3]}{DS[4]}", f"{DS[0]}{DS[1]}cut off"],
+    "hermes": [
+        'Hi <tool_call>{"name": "f", "arguments": {"a": }}</tool_call>',
+        "<tool_call>not json",
+        "<tool_call>[1]</tool_call>",
+    ],
+    "deepseek_v3": [
+        f"{DS[0]}{DS[1]}function{DS[2]}f\n```json\n{{bad}}\n```{DS[3]}{DS[4]}",
+        f"{DS[0]}{DS[1]}cut off",
+    ],
     "deepseek_v31": [f"{DS[0]}{DS[1]}f{DS[2]}{{oops{DS[3]}{DS[4]}"],
-    "glm45": ["<tool_call>f\nstray text<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", "<tool_call>f\n<arg_key>a"],
+    "glm45": [
+        "<tool_call>f\nstray text<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+        "<tool_call>f\n<arg_key>a",
+    ],
     "mistral": ['[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', "[TOOL_CALLS]f[ARGS]{nope"],
     "llama3_json": ['{"name": "f", "parameters": {"a": 1}', '{"a": 1}', '{"name": "f", "parameters": [1]}'],
     "pythonic": ["[f(1)]", "[f(a=open('x'))]", "[f(a=1"],
