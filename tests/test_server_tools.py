@@ -339,3 +339,95 @@ def _re_escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+# ---- /v1/responses --------------------------------------------------------------------------------
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def _response_calls(output) -> list[tuple[str, dict]]:
+    return [(o.name, json.loads(o.arguments)) for o in output if o.type == "function_call"]
+
+
+def test_responses_text_streamed_equals_whole_and_equals_chat(servers):
+    client = servers["tools"]
+    kwargs = dict(model=DEFAULT_SERVED_NAME, input="Hello there", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(
+        model=DEFAULT_SERVED_NAME,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(client.responses.create(stream=True, **kwargs))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[0].type == "response.created" and events[-1].type.startswith("response.")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+
+
+def test_responses_function_tools_and_json_format(servers):
+    client = servers["plain"]
+    for tool_choice in ("required", {"type": "function", "name": "get_weather"}):
+        kwargs = dict(
+            model=DEFAULT_SERVED_NAME, input="Weather in Paris?", tools=RESPONSES_TOOLS,
+            tool_choice=tool_choice, max_output_tokens=300, temperature=0, parallel_tool_calls=False,
+        )  # fmt: skip
+        whole = client.responses.create(**kwargs)
+        calls = _response_calls(whole.output)
+        assert whole.status == "completed" and len(calls) == 1
+        jsonschema.validate(calls[0][1], SCHEMAS[calls[0][0]])
+        events = list(client.responses.create(stream=True, **kwargs))
+        assert _response_calls(events[-1].response.output) == calls
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert [(e.name, json.loads(e.arguments)) for e in done] == calls
+    fmt = {"type": "json_schema", "name": "out", "schema": NESTED, "strict": True}
+    r = client.responses.create(
+        model=DEFAULT_SERVED_NAME, input="Data", text={"format": fmt}, max_output_tokens=200, temperature=0
+    )
+    jsonschema.validate(json.loads(r.output_text), NESTED)
+
+
+def test_responses_input_items_round_trip_and_rejections(servers):
+    tok, client = servers["tok"], servers["plain"]
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+    ]
+    r = client.responses.create(
+        model=DEFAULT_SERVED_NAME,
+        input=items,
+        instructions="Be brief.",
+        tools=RESPONSES_TOOLS,
+        max_output_tokens=2,
+    )
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]  # fmt: skip
+    expected = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "18 C" in expected and r.usage.input_tokens == len(
+        tok(expected, add_special_tokens=False)["input_ids"]
+    )
+    url = f"{servers['url']}/v1/responses"
+    for body, param in (
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frobnicate"}}}},
+            "text.format",
+        ),
+        ({"input": [{"type": "image_generation_call"}]}, "input"),
+        ({"tools": RESPONSES_TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ):
+        got = httpx.post(url, json={"model": DEFAULT_SERVED_NAME, "input": "hi", **body}, timeout=60)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+    assert httpx.post(url, json={"input": "hi", "max_output_tokens": 2}, timeout=60).status_code == 200

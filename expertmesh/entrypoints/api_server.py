@@ -21,7 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from expertmesh.entrypoints import chat_tools, structured_api  # structured outputs / tools hook
+from expertmesh.entrypoints import (
+    chat_tools,
+    responses_api,
+    structured_api,
+)  # structured outputs / tools hook
 from expertmesh.entrypoints.async_engine import AsyncEngine, EngineDead, PromptRejected, Update
 from expertmesh.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -159,6 +163,7 @@ def build_app(
         # The template already holds the special tokens (BOS): do not add them twice.
         return await _serve(request, engine, body, [prompt], params, renderer, add_special_tokens=False)
 
+    responses_api.add_routes(app, engine, tools)  # /v1/responses hook
     return app
 
 

@@ -303,11 +303,13 @@ class ToolChatRenderer(ChatRenderer):
         return [self._chunk(choices)] if choices else []
 
 
-def chat_renderer(model: str, n: int, top: int | None, body: Any, options: ToolOptions) -> ChatRenderer:
-    """The plain ChatRenderer when neither tools nor a reasoning parser are in play."""
+def chat_renderer(
+    model: str, n: int, top: int | None, body: Any, options: ToolOptions, always: bool = False
+) -> ChatRenderer:
+    """The plain ChatRenderer when neither tools nor a reasoning parser are in play (unless `always`)."""
     mode = tool_choice_kind(body, options.enable_auto_tool_choice)
     reasoning = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
-    if mode == "none" and reasoning is None:
+    if mode == "none" and reasoning is None and not always:
         return ChatRenderer(model, n, top)
     parser = get_tool_parser(options.tool_call_parser) if options.tool_call_parser else None
     forced = body.tool_choice.function.name if mode == "named" else None
