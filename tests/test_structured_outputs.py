@@ -208,3 +208,40 @@ def test_structural_tag_constrains_only_inside_the_tag(llm):
             jsonschema.validate(json.loads(body), schema)
         opened = out.text.count("<f=add>")
         assert out.text.count("</f>") >= opened - (out.finish_reason == "length")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "layout", [{"data_parallel_size": 2}, {"tensor_parallel_size": 2}], ids=["dp2", "tp2"]
+)
+def test_constrained_answers_under_mp_layouts_equal_one_process(llm, layout):
+    """The mask is applied where the token is sampled and every rank advances its matchers with the
+    token it hears of, so the answers are one process's, bit for bit."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=200, structured_outputs=SO(json=PERSON)),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=200, structured_outputs=SO(json=SCORES)),
+        SamplingParams(
+            temperature=0.9, seed=2, max_tokens=40, structured_outputs=SO(regex=r"[a-z]+ [0-9]{2}")
+        ),
+        SamplingParams(temperature=0, max_tokens=12),
+    ]
+    expected = _run(llm, PROMPTS, params)
+    multi = LLM(
+        None,
+        max_model_len=512,
+        kv_cache_memory_bytes=1 << 23,
+        seed=3,
+        distributed_executor_backend="mp",
+        **layout,
+    )
+    try:
+        got = _run(multi, PROMPTS, params)
+        with pytest.raises(ValueError, match="frobnicate"):
+            multi.generate(
+                ["x"], SamplingParams(structured_outputs=SO(json={"type": "frobnicate"})), use_tqdm=False
+            )
+    finally:
+        multi.shutdown()
+    assert [[(o.token_ids, o.text, o.finish_reason) for o in outs] for outs in got] == [
+        [(o.token_ids, o.text, o.finish_reason) for o in outs] for outs in expected
+    ]
