@@ -431,3 +431,15 @@ def test_responses_input_items_round_trip_and_rejections(servers):
         got = httpx.post(url, json={"model": DEFAULT_SERVED_NAME, "input": "hi", **body}, timeout=60)
         assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
     assert httpx.post(url, json={"input": "hi", "max_output_tokens": 2}, timeout=60).status_code == 200
+
+
+def test_a_grammar_slower_than_the_compile_limit_fails_alone(servers, monkeypatch):
+    from expertmesh.entrypoints import structured_api
+
+    monkeypatch.setattr(structured_api, "COMPILE_TIMEOUT_S", 0.0)
+    body = {"model": DEFAULT_SERVED_NAME, "prompt": "Hi", "max_tokens": 4}
+    url = f"{servers['url']}/v1/completions"
+    r = httpx.post(url, json={**body, "structured_outputs": {"regex": "[a-f]{3}-slow"}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+    assert "longer than" in r.json()["error"]["message"]
+    assert httpx.post(url, json=body, timeout=60).status_code == 200

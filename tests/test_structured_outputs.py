@@ -245,3 +245,15 @@ def test_constrained_answers_under_mp_layouts_equal_one_process(llm, layout):
     assert [[(o.token_ids, o.text, o.finish_reason) for o in outs] for outs in got] == [
         [(o.token_ids, o.text, o.finish_reason) for o in outs] for outs in expected
     ]
+
+
+def test_a_bad_constraint_reaching_the_engine_fails_that_request_only(llm):
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    ids = tok("hello")["input_ids"]
+    bad = engine.add_request("bad", ids, SamplingParams(structured_outputs=SO(regex="(")))
+    good = engine.add_request("good", ids, SamplingParams(temperature=0, max_tokens=5))
+    assert bad.error and "regex" in bad.error and good.error is None
+    outs = {o.request_id: o for o in engine.step_until_none_left()}
+    assert outs["bad"].error and len(outs["good"].outputs[0].token_ids) == 5
+    engine.check_invariants()
