@@ -427,10 +427,21 @@ def test_responses_input_items_round_trip_and_rejections(servers):
         ),
         ({"input": [{"type": "image_generation_call"}]}, "input"),
         ({"tools": RESPONSES_TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
+        ({"foo_bar": 1}, "foo_bar"),
     ):
         got = httpx.post(url, json={"model": DEFAULT_SERVED_NAME, "input": "hi", **body}, timeout=60)
         assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
-    assert httpx.post(url, json={"input": "hi", "max_output_tokens": 2}, timeout=60).status_code == 200
+    ok = {
+        "input": "hi",
+        "max_output_tokens": 2,
+        "store": False,
+        "metadata": {"k": "v"},
+        "truncation": "disabled",
+    }
+    assert httpx.post(url, json=ok, timeout=60).status_code == 200
 
 
 def test_a_grammar_slower_than_the_compile_limit_fails_alone(servers, monkeypatch):

@@ -59,7 +59,10 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are a 400 naming them; known fields this server cannot honour are accepted
+    only at their no-op values (`_UNSUPPORTED`), else a 400 naming them too."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -74,9 +77,33 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     previous_response_id: str | None = None
     conversation: Any = None
-    store: bool | None = None  # metadata: nothing is stored either way
+    # Pure metadata: accepted and ignored (nothing is stored either way).
+    store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Known, honoured only at these values.
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    prompt: Any = None
+
+
+# field -> the values it may take here (what the API does when it is left out)
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "reasoning": (None,),
+    "include": (None, []),
+    "truncation": (None, "disabled"),
+    "background": (None, False),
+    "max_tool_calls": (None,),
+    "top_logprobs": (None, 0),
+    "prompt": (None,),
+}
 
 
 # ---- request -> chat ----------------------------------------------------------------------------
@@ -137,6 +164,9 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
             "conversation as `input`",
             "previous_response_id",
         )
+    for name, allowed in _UNSUPPORTED.items():
+        if getattr(body, name) not in allowed:
+            raise APIFieldError(f"{name} is not supported by this server (only {allowed!r})", name)
     if body.conversation is not None:
         raise APIFieldError(
             "conversation is not supported: send the whole conversation as `input`", "conversation"

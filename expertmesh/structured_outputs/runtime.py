@@ -9,6 +9,7 @@ with others leaves their tokens bit for bit what they would be alone.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -82,6 +83,14 @@ def _pool() -> ThreadPoolExecutor:
     if _executor is None:
         _executor = ThreadPoolExecutor(1, thread_name_prefix="expertmesh-grammar")
     return _executor
+
+
+def _forget_pool() -> None:
+    global _executor
+    _executor = None  # a forked child has the pool object but not its thread
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _byte_table() -> torch.Tensor:
