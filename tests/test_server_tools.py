@@ -350,23 +350,27 @@ def _response_calls(output) -> list[tuple[str, dict]]:
 
 
 def test_responses_text_streamed_equals_whole_and_equals_chat(servers):
-    client = servers["tools"]
-    kwargs = dict(model=DEFAULT_SERVED_NAME, input="Hello there", max_output_tokens=12, temperature=0)
-    whole = client.responses.create(**kwargs)
-    chat = client.chat.completions.create(
-        model=DEFAULT_SERVED_NAME,
-        messages=[{"role": "user", "content": "Hello there"}],
-        max_tokens=12,
-        temperature=0,
-    )
-    assert whole.output_text == chat.choices[0].message.content
-    assert whole.usage.input_tokens == chat.usage.prompt_tokens
-    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    events = list(client.responses.create(stream=True, **kwargs))
-    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert events[0].type == "response.created" and events[-1].type.startswith("response.")
-    assert deltas == whole.output_text == events[-1].response.output_text
-    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    for server in ("plain", "tools"):  # "tools" has the deepseek_r1 reasoning parser: all reasoning here
+        client = servers[server]
+        kwargs = dict(model=DEFAULT_SERVED_NAME, input="Hello there", max_output_tokens=12, temperature=0)
+        whole = client.responses.create(**kwargs)
+        chat = client.chat.completions.create(
+            model=DEFAULT_SERVED_NAME, messages=[{"role": "user", "content": "Hello there"}], max_tokens=12,
+            temperature=0,
+        )  # fmt: skip
+        message = chat.choices[0].message
+        reasoning = [o.content[0].text for o in whole.output if o.type == "reasoning"]
+        assert whole.output_text == message.content and bool(message.content) == (server == "plain")
+        assert reasoning == ([message.model_extra["reasoning_content"]] if server == "tools" else [])
+        assert whole.usage.input_tokens == chat.usage.prompt_tokens
+        assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+        events = list(client.responses.create(stream=True, **kwargs))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        thoughts = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert events[0].type == "response.created" and events[-1].type.startswith("response.")
+        assert deltas == whole.output_text == events[-1].response.output_text
+        assert [thoughts] == (reasoning or [""])
+        assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
 
 
 def test_responses_function_tools_and_json_format(servers):

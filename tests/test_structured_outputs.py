@@ -257,3 +257,46 @@ def test_a_bad_constraint_reaching_the_engine_fails_that_request_only(llm):
     outs = {o.request_id: o for o in engine.step_until_none_left()}
     assert outs["bad"].error and len(outs["good"].outputs[0].token_ids) == 5
     engine.check_invariants()
+
+
+# Per DP rank: its prompts and params (constrained and not, greedy and seeded).
+_SEEDED = dict(temperature=1.0, seed=4, max_tokens=200)
+DP_LOADS = [
+    (
+        PROMPTS[:2],
+        [
+            SamplingParams(temperature=0, max_tokens=200, structured_outputs=SO(json=PERSON)),
+            SamplingParams(temperature=0, max_tokens=10),
+        ],
+    ),
+    (
+        PROMPTS[2:],
+        [
+            SamplingParams(**_SEEDED, structured_outputs=SO(json=SCORES)),
+            SamplingParams(temperature=0.9, seed=5, max_tokens=40, structured_outputs=SO(choice=["x", "yz"])),
+        ],
+    ),
+]
+
+
+def _dp2_tp2_rank(rank, world):
+    llm = LLM(
+        None, tensor_parallel_size=2, data_parallel_size=2, distributed_executor_backend="external_launcher",
+        max_model_len=512, kv_cache_memory_bytes=1 << 23, seed=3,
+    )  # fmt: skip
+    dp = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+    prompts, params = DP_LOADS[dp]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return dp, [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+@pytest.mark.timeout(300)
+def test_constrained_answers_under_gloo_dp2_tp2_equal_one_process(llm):
+    from distributed_utils import run_distributed
+
+    expected = [
+        [(o[0].token_ids, o[0].finish_reason) for o in _run(llm, prompts, params)]
+        for prompts, params in DP_LOADS
+    ]
+    for dp, got in run_distributed(_dp2_tp2_rank, 4, timeout=280):
+        assert got == expected[dp], dp
