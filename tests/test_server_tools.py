@@ -458,3 +458,24 @@ def test_a_grammar_slower_than_the_compile_limit_fails_alone(servers, monkeypatc
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
     assert "longer than" in r.json()["error"]["message"]
     assert httpx.post(url, json=body, timeout=60).status_code == 200
+
+
+def test_parsed_outputs_keep_special_tokens_but_not_the_stop_token(servers):
+    """A parser must see markers that are special tokens in some tokenizers, so its requests keep
+    special tokens; the end-of-sequence token is cut off again."""
+    ask = dict(
+        model=DEFAULT_SERVED_NAME, messages=[{"role": "user", "content": "Hello there"}], max_tokens=100
+    )
+    plain = servers["plain"].chat.completions.create(temperature=0, **ask).choices[0]
+    parsed = servers["tools"].chat.completions.create(temperature=0, **ask).choices[0]  # deepseek_r1
+    assert plain.finish_reason == parsed.finish_reason == "stop"
+    # The embedded model closes its turn with <|end|> (special) and then </s> (its EOS): the first
+    # is kept, as every special token is for a parser, the stop token is not.
+    assert parsed.message.model_extra["reasoning_content"] == plain.message.content + "<|end|>"
+    grammar = 'start: "ok</think>A" <[7]> "B"'  # <|end|> (id 7) is a special token of this tokenizer
+    extra = {"structured_outputs": {"grammar": grammar}}
+    kept = servers["tools"].chat.completions.create(temperature=0, extra_body=extra, **ask).choices[0]
+    dropped = servers["plain"].chat.completions.create(temperature=0, extra_body=extra, **ask).choices[0]
+    assert (kept.message.content, dropped.message.content) == ("A<|end|>B", "ok</think>AB")
+    streamed = _streamed(servers["tools"], temperature=0, extra_body=extra, **ask)
+    assert streamed[:2] == ("A<|end|>B", "stop")

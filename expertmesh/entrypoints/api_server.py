@@ -156,9 +156,7 @@ def build_app(
         name = _model_name(app, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
-        chat_tools.check_tool_request(body, tools)  # structured outputs / tools hook (3 lines)
-        params = await structured_api.constrain(engine, body, params, tools.enable_auto_tool_choice)
-        renderer = chat_tools.chat_renderer(name, params.n, top, body, tools)
+        params, renderer = await chat_tools.prepare(engine, body, params, tools, name, top)  # tools hook
         prompt = await engine.in_pool(_chat_prompt, engine, body)  # a template can be slow: off the loop
         # The template already holds the special tokens (BOS): do not add them twice.
         return await _serve(request, engine, body, [prompt], params, renderer, add_special_tokens=False)

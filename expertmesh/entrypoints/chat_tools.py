@@ -11,6 +11,7 @@ finish_reason "tool_calls".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ from expertmesh.entrypoints.protocol import (
     chat_logprobs,
 )
 from expertmesh.entrypoints.reasoning_parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
-from expertmesh.entrypoints.structured_api import APIFieldError, tool_choice_kind
+from expertmesh.entrypoints.structured_api import APIFieldError, constrain, tool_choice_kind
 from expertmesh.entrypoints.tool_parsers import ToolCall, ToolParser, ToolStream, call_of, get_tool_parser
 from expertmesh.outputs import RequestOutput
+from expertmesh.sampling_params import SamplingParams
 
 
 @dataclass
@@ -205,9 +207,13 @@ class ToolChatRenderer(ChatRenderer):
         tool_parser: ToolParser | None,
         reasoning: ReasoningParser | None,
         forced: str | None = None,
+        specials: dict[int, str] | None = None,
     ) -> None:
         super().__init__(model, n, top_logprobs)
         self.mode, self.tool_parser, self.reasoning, self.forced = mode, tool_parser, reasoning, forced
+        # Parsed outputs keep special tokens (markers such as [TOOL_CALLS] or a special <think> are
+        # special tokens in some tokenizers); the end-of-sequence token's text is cut off again.
+        self.specials = specials or {}
         if mode in ("required", "named"):
             self.reasoning = None  # the grammar shapes the whole output: there is no thinking part
         self._streams: dict[int, dict[str, Any]] = {}
@@ -222,11 +228,18 @@ class ToolChatRenderer(ChatRenderer):
             return reasoning, content, calls
         return reasoning, content, []
 
+    def _without_stop_token(self, text: str, ids: list[int], finish: str | None) -> str:
+        if finish == "stop" and ids and ids[-1] in self.specials:
+            return text.removesuffix(self.specials[ids[-1]])
+        return text
+
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
         choices = []
         for final in finals:
             for c in final.outputs:
-                reasoning, content, calls = self.split(c.text)
+                reasoning, content, calls = self.split(
+                    self._without_stop_token(c.text, c.token_ids, c.finish_reason)
+                )
                 finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
                 message = ToolAssistantMessage(
                     content=(content.strip() or None) if calls else content,
@@ -293,7 +306,8 @@ class ToolChatRenderer(ChatRenderer):
         choices = []
         for d in update.deltas:
             finish = _finish_reason(update, d.index)
-            delta, has_calls = self._deltas(d.index, d.text, finish is not None)
+            text = self._without_stop_token(d.text, d.token_ids, finish)
+            delta, has_calls = self._deltas(d.index, text, finish is not None)
             if has_calls and finish == "stop":
                 finish = "tool_calls"
             lps = chat_logprobs(d.token_ids, d.logprobs, self.top) if self.top is not None else None
@@ -304,7 +318,13 @@ class ToolChatRenderer(ChatRenderer):
 
 
 def chat_renderer(
-    model: str, n: int, top: int | None, body: Any, options: ToolOptions, always: bool = False
+    model: str,
+    n: int,
+    top: int | None,
+    body: Any,
+    options: ToolOptions,
+    always: bool = False,
+    specials: dict[int, str] | None = None,
 ) -> ChatRenderer:
     """The plain ChatRenderer when neither tools nor a reasoning parser are in play (unless `always`)."""
     mode = tool_choice_kind(body, options.enable_auto_tool_choice)
@@ -313,4 +333,40 @@ def chat_renderer(
         return ChatRenderer(model, n, top)
     parser = get_tool_parser(options.tool_call_parser) if options.tool_call_parser else None
     forced = body.tool_choice.function.name if mode == "named" else None
-    return ToolChatRenderer(model, n, top, mode, parser, reasoning, forced)
+    return ToolChatRenderer(model, n, top, mode, parser, reasoning, forced, specials)
+
+
+_special_texts: dict[int, dict[int, str]] = {}
+
+
+def special_texts(tokenizer: Any) -> dict[int, str]:
+    """Special token id -> its text (computed once per tokenizer, on the caller's thread)."""
+    key = id(tokenizer)
+    if key not in _special_texts:
+        ids = getattr(tokenizer, "all_special_ids", None) or []
+        texts = dict(zip(ids, tokenizer.convert_ids_to_tokens(ids))) if ids else {}
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        texts.update({i: t.content for i, t in added.items() if getattr(t, "special", False)})
+        _special_texts[key] = texts
+    return _special_texts[key]
+
+
+async def prepare(
+    engine: Any,
+    body: Any,
+    params: SamplingParams,
+    options: ToolOptions,
+    name: str,
+    top: int | None,
+    always: bool = False,
+) -> tuple[SamplingParams, ChatRenderer]:
+    """The chat request's tool and structured-output fields applied: checked, its constraint
+    compiled into `params`, and the renderer that splits its output. When a parser reads the text,
+    special tokens are kept in it (skip_special_tokens=False), as vLLM's parsers ask."""
+    check_tool_request(body, options)
+    params = await constrain(engine, body, params, options.enable_auto_tool_choice)
+    specials = special_texts(engine.tokenizer) if engine.tokenizer is not None else {}
+    renderer = chat_renderer(name, params.n, top, body, options, always, specials)
+    if isinstance(renderer, ToolChatRenderer) and (renderer.reasoning or renderer.mode == "auto"):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params, renderer

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from expertmesh.entrypoints import chat_tools, structured_api
+from expertmesh.entrypoints import chat_tools
 from expertmesh.entrypoints.protocol import ChatCompletionRequest, Renderer, UsageInfo, _finish_reason
 from expertmesh.entrypoints.structured_api import APIFieldError
 from expertmesh.outputs import RequestOutput
@@ -269,7 +269,10 @@ class ResponsesRenderer(Renderer):
 
     def response(self, finals: list[RequestOutput]) -> BaseModel | dict:  # type: ignore[override]
         final = finals[0]
-        reasoning, content, calls = self.chat.split(final.outputs[0].text)
+        c = final.outputs[0]
+        reasoning, content, calls = self.chat.split(
+            self.chat._without_stop_token(c.text, c.token_ids, c.finish_reason)
+        )
         output = []
         if reasoning is not None:
             output.append(self._reasoning(reasoning, _item_id("rs")))
@@ -330,7 +333,8 @@ class ResponsesRenderer(Renderer):
         events: list[Any] = []
         for d in update.deltas:
             finish = _finish_reason(update, d.index)
-            delta, _ = self.chat._deltas(d.index, d.text, finish is not None)
+            text = self.chat._without_stop_token(d.text, d.token_ids, finish)
+            delta, _ = self.chat._deltas(d.index, text, finish is not None)
             if delta.reasoning_content:
                 item = self._open("reasoning", events)
                 item["content"][0]["text"] += delta.reasoning_content
@@ -392,13 +396,11 @@ def add_routes(app: FastAPI, engine: Any, options: chat_tools.ToolOptions) -> No
         chat = to_chat(body)
         name = srv._model_name(app, chat)
         params = srv._sampling_params(chat, chat.max_tokens, None)
-        chat_tools.check_tool_request(chat, options)
         try:
-            params = await structured_api.constrain(engine, chat, params, options.enable_auto_tool_choice)
+            params, inner = await chat_tools.prepare(engine, chat, params, options, name, None, always=True)
         except APIFieldError as exc:  # the chat field's Responses name
             exc.param = "text.format" if exc.param == "response_format" else exc.param
             raise
-        inner = chat_tools.chat_renderer(name, 1, None, chat, options, always=True)
         prompt = await engine.in_pool(srv._chat_prompt, engine, chat)
         renderer = ResponsesRenderer(name, body, inner)
         return await srv._serve(request, engine, chat, [prompt], params, renderer, add_special_tokens=False)
