@@ -469,9 +469,10 @@ def test_parsed_outputs_keep_special_tokens_but_not_the_stop_token(servers):
     plain = servers["plain"].chat.completions.create(temperature=0, **ask).choices[0]
     parsed = servers["tools"].chat.completions.create(temperature=0, **ask).choices[0]  # deepseek_r1
     assert plain.finish_reason == parsed.finish_reason == "stop"
-    # The embedded model closes its turn with <|end|> (special) and then </s> (its EOS): the first
-    # is kept, as every special token is for a parser, the stop token is not.
-    assert parsed.message.model_extra["reasoning_content"] == plain.message.content + "<|end|>"
+    # The embedded model closes its turn with <|end|> and </s> (both special): cut, as turn ends.
+    assert parsed.message.model_extra["reasoning_content"] == plain.message.content
+    streamed = _streamed_reasoning(servers["tools"], temperature=0, **ask)
+    assert streamed == (plain.message.content, "")
     grammar = 'start: "ok</think>A" <[7]> "B"'  # <|end|> (id 7) is a special token of this tokenizer
     extra = {"structured_outputs": {"grammar": grammar}}
     kept = servers["tools"].chat.completions.create(temperature=0, extra_body=extra, **ask).choices[0]
@@ -479,3 +480,32 @@ def test_parsed_outputs_keep_special_tokens_but_not_the_stop_token(servers):
     assert (kept.message.content, dropped.message.content) == ("A<|end|>B", "ok</think>AB")
     streamed = _streamed(servers["tools"], temperature=0, extra_body=extra, **ask)
     assert streamed[:2] == ("A<|end|>B", "stop")
+
+
+def _streamed_reasoning(client, **kwargs) -> tuple[str, str]:
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            content += ch.delta.content or ""
+    return reasoning, content
+
+
+def test_logprobs_of_constrained_tokens_are_json_numbers(servers):
+    """A grammar leaves fewer allowed tokens than top_logprobs asks for: the others are -inf,
+    sent as -9999.0 (as vLLM does), not a 500."""
+    r = servers["plain"].chat.completions.create(
+        model=DEFAULT_SERVED_NAME, messages=ASK, max_tokens=5, logprobs=True, top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert content and all(t.logprob <= 0 for t in content)
+    assert min(t.logprob for tok in content for t in tok.top_logprobs) == -9999.0
+    comp = servers["plain"].completions.create(
+        model=DEFAULT_SERVED_NAME,
+        prompt="Hi",
+        max_tokens=5,
+        logprobs=3,
+        extra_body={"structured_outputs": {"regex": "ab"}},
+    )
+    assert comp.choices[0].text == "ab" and -9999.0 in comp.choices[0].logprobs.top_logprobs[-1].values()

@@ -27,7 +27,13 @@ from expertmesh.entrypoints.protocol import (
     _finish_reason,
     chat_logprobs,
 )
-from expertmesh.entrypoints.reasoning_parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
+from expertmesh.entrypoints.reasoning_parsers import (
+    END,
+    START,
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+)
 from expertmesh.entrypoints.structured_api import APIFieldError, constrain, tool_choice_kind
 from expertmesh.entrypoints.tool_parsers import ToolCall, ToolParser, ToolStream, call_of, get_tool_parser
 from expertmesh.outputs import RequestOutput
@@ -228,10 +234,31 @@ class ToolChatRenderer(ChatRenderer):
             return reasoning, content, calls
         return reasoning, content, []
 
+    def _trailing_specials(self, text: str, ids: list[int]) -> tuple[str, str]:
+        """(text, cut): the special tokens that end `ids` (turn-end and stop tokens, never a
+        parser's markers) cut off `text`."""
+        keep = {START, END}
+        if self.tool_parser is not None:
+            keep.update((*self.tool_parser.starts, self.tool_parser.end or ""))
+        cut, k = "", len(ids)
+        while k and ids[k - 1] in self.specials and self.specials[ids[k - 1]] not in keep:
+            cut = self.specials[ids[k - 1]] + cut
+            k -= 1
+        return (text[: len(text) - len(cut)], cut) if cut and text.endswith(cut) else (text, "")
+
     def _without_stop_token(self, text: str, ids: list[int], finish: str | None) -> str:
-        if finish == "stop" and ids and ids[-1] in self.specials:
-            return text.removesuffix(self.specials[ids[-1]])
-        return text
+        return self._trailing_specials(text, ids)[0]
+
+    def _stream_text(self, index: int, text: str, ids: list[int], final: bool) -> str:
+        """A delta's text with trailing special tokens held back until text follows them (then
+        they were content) or the stream ends (then they were the turn's end)."""
+        st = self._state(index)
+        kept, cut = self._trailing_specials(text, ids)
+        if not kept:
+            st["held"] += cut
+            return ""
+        out, st["held"] = st["held"] + kept, cut
+        return out
 
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
         choices = []
@@ -262,6 +289,7 @@ class ToolChatRenderer(ChatRenderer):
                 "text": "",
                 "calls": 0,
                 "any_call": False,
+                "held": "",
             }
         return self._streams[index]
 
@@ -306,7 +334,7 @@ class ToolChatRenderer(ChatRenderer):
         choices = []
         for d in update.deltas:
             finish = _finish_reason(update, d.index)
-            text = self._without_stop_token(d.text, d.token_ids, finish)
+            text = self._stream_text(d.index, d.text, d.token_ids, finish is not None)
             delta, has_calls = self._deltas(d.index, text, finish is not None)
             if has_calls and finish == "stop":
                 finish = "tool_calls"

@@ -198,6 +198,11 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
+def _finite(logprob: float) -> float:
+    """A token a grammar forbids has logprob -inf, which JSON cannot carry: -9999.0, as vLLM sends."""
+    return max(logprob, -9999.0)
+
+
 def completion_logprobs(
     token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, offset: int = 0
 ) -> CompletionLogprobs:
@@ -205,8 +210,8 @@ def completion_logprobs(
     for token, entry in zip(token_ids, logprobs or []):
         chosen = entry[token]
         out.tokens.append(_text(chosen))
-        out.token_logprobs.append(chosen.logprob)
-        out.top_logprobs.append({_text(lp): lp.logprob for lp in entry.values()})
+        out.token_logprobs.append(_finite(chosen.logprob))
+        out.top_logprobs.append({_text(lp): _finite(lp.logprob) for lp in entry.values()})
         out.text_offset.append(offset)
         offset += len(_text(chosen))
     return out
@@ -214,7 +219,7 @@ def completion_logprobs(
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, top: int) -> ChatLogprobs:
     def one(lp: Logprob) -> TopLogprob:
-        return TopLogprob(token=_text(lp), logprob=lp.logprob, bytes=list(_text(lp).encode()))
+        return TopLogprob(token=_text(lp), logprob=_finite(lp.logprob), bytes=list(_text(lp).encode()))
 
     content = []
     for token, entry in zip(token_ids, logprobs or []):

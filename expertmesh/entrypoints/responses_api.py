@@ -333,7 +333,7 @@ class ResponsesRenderer(Renderer):
         events: list[Any] = []
         for d in update.deltas:
             finish = _finish_reason(update, d.index)
-            text = self.chat._without_stop_token(d.text, d.token_ids, finish)
+            text = self.chat._stream_text(d.index, d.text, d.token_ids, finish is not None)
             delta, _ = self.chat._deltas(d.index, text, finish is not None)
             if delta.reasoning_content:
                 item = self._open("reasoning", events)
