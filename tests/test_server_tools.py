@@ -257,6 +257,15 @@ def test_tool_choice_required_and_named_give_valid_calls(servers, server):
                 assert tool_choice == "required" or name == "search"
             content, finish, streamed = _streamed(client, **kwargs)
             assert (content, finish, streamed) == ("", "tool_calls", calls)
+            if tool_choice != "required":  # a named call's arguments stream as they are generated
+                pieces = [
+                    tc
+                    for chunk in client.chat.completions.create(stream=True, **kwargs)
+                    for ch in chunk.choices
+                    for tc in ch.delta.tool_calls or []
+                ]
+                assert len(pieces) > 1 and pieces[0].function.name == "search" and pieces[0].id
+                assert all(p.id is None and p.function.name is None for p in pieces[1:])
 
 
 def _parsed_arguments(message: dict) -> dict:
@@ -388,6 +397,9 @@ def test_responses_function_tools_and_json_format(servers):
         assert _response_calls(events[-1].response.output) == calls
         done = [e for e in events if e.type == "response.function_call_arguments.done"]
         assert [(e.name, json.loads(e.arguments)) for e in done] == calls
+        arg_deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert json.loads("".join(arg_deltas)) == calls[0][1]
+        assert (len(arg_deltas) > 1) == (tool_choice != "required")
     fmt = {"type": "json_schema", "name": "out", "schema": NESTED, "strict": True}
     r = client.responses.create(
         model=DEFAULT_SERVED_NAME, input="Data", text={"format": fmt}, max_output_tokens=200, temperature=0

@@ -296,7 +296,17 @@ class ToolChatRenderer(ChatRenderer):
     def _deltas(self, index: int, text: str, final: bool) -> tuple[ToolDelta, bool]:
         st = self._state(index)
         st["text"] += text
-        if self.mode in ("required", "named"):  # held whole: the calls come at the end
+        if self.mode == "named":  # the text is the call's arguments: streamed as they come
+            out = []
+            if text:
+                first = st["calls"] == 0
+                fn = FunctionDelta(name=self.forced if first else None, arguments=text)
+                out.append(ToolCallDelta(index=0, id=_call_id() if first else None,
+                                         type="function" if first else None, function=fn))  # fmt: skip
+                st["calls"] = 1
+            done = final and constrained_calls(st["text"], "named", self.forced) is not None
+            return ToolDelta(tool_calls=out or None), done
+        if self.mode == "required":  # held whole: the calls come at the end
             if not final:
                 return ToolDelta(), False
             _, content, calls = self.split(st["text"])

@@ -329,6 +329,17 @@ class ResponsesRenderer(Renderer):
             item.pop("status", None)
         events.append(self._event("response.output_item.done", output_index=index, item=item))
 
+    def _close_call(self, events: list) -> None:
+        item = self.open.pop("call", None)
+        if item is None:
+            return
+        index = self.items.index(item)
+        item["status"] = "completed"
+        events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=index, arguments=item["arguments"],
+                                  name=item["name"]))  # fmt: skip
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+
     def stream_chunks(self, prompt_index: int, update: Any) -> list[Any]:
         events: list[Any] = []
         for d in update.deltas:
@@ -348,23 +359,28 @@ class ResponsesRenderer(Renderer):
                                           output_index=self.items.index(item), content_index=0,
                                           delta=delta.content, logprobs=[]))  # fmt: skip
             for call in delta.tool_calls or []:
-                self._close("reasoning", events)
-                self._close("message", events)
-                item = self._call(call.function.name or "", "", _item_id("fc"), call.id or _item_id("call"))
-                item["status"] = "in_progress"
-                index = len(self.items)
-                self.items.append(item)
-                events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
+                if call.id is not None:  # a new call (a named one then streams its arguments)
+                    self._close_call(events)
+                    self._close("reasoning", events)
+                    self._close("message", events)
+                    item = self._call(call.function.name or "", "", _item_id("fc"), call.id)
+                    item["status"] = "in_progress"
+                    self.items.append(item)
+                    self.open["call"] = item
+                    events.append(
+                        self._event(
+                            "response.output_item.added", output_index=len(self.items) - 1, item=dict(item)
+                        )
+                    )
+                item = self.open["call"]
                 args = call.function.arguments or ""
+                item["arguments"] += args
                 events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                          output_index=index, delta=args))  # fmt: skip
-                item["arguments"], item["status"] = args, "completed"
-                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                          output_index=index, arguments=args, name=item["name"]))  # fmt: skip
-                events.append(self._event("response.output_item.done", output_index=index, item=item))
+                                          output_index=self.items.index(item), delta=args))  # fmt: skip
             if update.final is not None:
                 if not self.items:  # an empty answer is still one (empty) message
                     self._open("message", events)
+                self._close_call(events)
                 self._close("reasoning", events)
                 self._close("message", events)
                 snapshot = self._snapshot("completed", self.items, update.final)
