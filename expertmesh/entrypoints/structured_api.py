@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -219,14 +218,3 @@ def _vocab_size(engine: Any) -> int:
         return inner.config.model_config.vocab_size
     limits = getattr(client, "_limits", None) or {}
     return int(limits.get("vocab_size") or len(engine.tokenizer))
-
-
-def tools_for_template(body: Any) -> list[dict[str, Any]] | None:
-    """The tools as chat templates take them (OpenAI's shape), or None (no tools, or choice none)."""
-    if not getattr(body, "tools", None) or body.tool_choice == "none":
-        return None
-    return [t.model_dump(exclude_none=True) for t in body.tools]
-
-
-def arguments_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)

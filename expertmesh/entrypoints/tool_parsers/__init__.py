@@ -111,11 +111,12 @@ class ToolStream:
         if start == -1:
             out, self.sent_content = self.text[len(self.sent_content) :], self.text
             return out, []
-        if start is None:
-            held = len(self.text) - len(self.text.lstrip()) if self.parser.at_start_only else 0
-            safe = len(self.text) - max(held, _held_suffix(self.text, self.parser.starts))
-            if self.parser.at_start_only:
-                safe = 0
+        if start is None:  # no marker yet: send what cannot be the start of one
+            safe = (
+                0
+                if self.parser.at_start_only
+                else len(self.text) - _held_suffix(self.text, self.parser.starts)
+            )
             out = self.text[len(self.sent_content) : safe] if safe > len(self.sent_content) else ""
             self.sent_content += out
             return out, []
