@@ -6,6 +6,7 @@ The reasoning parsers likewise."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -203,3 +204,69 @@ def test_unknown_parser_names_are_errors():
         get_tool_parser("nope")
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         get_reasoning_parser("nope")
+
+
+# ---- gpt-oss harmony ----------------------------------------------------------------------------
+H_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>'
+)
+H_FINAL = (
+    "<|channel|>analysis<|message|>2 + 2 is 4.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+)
+H_RECIPIENT_FIRST = (
+    '<|start|>assistant to=functions.search<|channel|>commentary json<|message|>{"query": "x"}'
+)
+H_BAD = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{bad<|call|>"
+
+
+def _atoms(text: str) -> list[str]:
+    """The text as a model emits it: each harmony marker one (special) token, other text by character."""
+    out = []
+    for part in re.split(r"(<\|[a-z_]+\|>)", text):
+        out.extend([part] if part.startswith("<|") else list(part))
+    return out
+
+
+def _harmony_stream(text: str, size: int) -> tuple[str, str, list[ToolCall]]:
+    rs, ts = ReasoningStream(get_reasoning_parser("openai_gptoss")), ToolStream(get_tool_parser("openai"))
+    atoms, reasoning, content, calls = _atoms(text), "", "", []
+    for at in range(0, len(atoms) + 1, size):
+        piece = "".join(atoms[at : at + size])
+        final = at + size >= len(atoms)
+        r, c = rs.feed(piece)
+        if final:
+            r2, c2 = rs.finish()
+            r, c = r + r2, c + c2
+        c, new = ts.feed(c)
+        if final:
+            c2, more = ts.finish()
+            c, new = c + c2, new + more
+        reasoning, content, calls = reasoning + r, content + c, calls + new
+        if final:
+            break
+    return reasoning, content, calls
+
+
+@pytest.mark.parametrize(
+    "text, reasoning, content, calls",
+    [
+        (H_CALL, "Need the weather.", "", [("get_weather", {"city": "Paris", "days": 3})]),
+        (
+            H_CALL.removesuffix("<|call|>"),
+            "Need the weather.",
+            "",
+            [("get_weather", {"city": "Paris", "days": 3})],
+        ),
+        (H_FINAL, "2 + 2 is 4.", "It is 4.", []),
+        (H_RECIPIENT_FIRST, None, "", [("search", {"query": "x"})]),
+        (H_BAD, None, "{bad", []),
+        ("Plain text, no channels.", None, "Plain text, no channels.", []),
+    ],
+)
+def test_harmony_reasoning_and_calls_whole_and_streamed_by_token(text, reasoning, content, calls):
+    got_reasoning, rest = get_reasoning_parser("openai_gptoss").split(text)
+    got_content, got_calls = get_tool_parser("openai").parse(rest)
+    assert (got_reasoning, got_content, _as_pairs(got_calls)) == (reasoning, content, calls)
+    for size in range(1, len(_atoms(text)) + 1):
+        assert _harmony_stream(text, size) == (reasoning or "", got_content, got_calls), size

@@ -1,7 +1,7 @@
 """Per-sequence matcher state during decoding: fill the token bitmask of constrained rows and
 mask their logits before sampling; advance the matcher with the sampled token after it.
 
-A sequence is constrained when `seq.grammar` holds an llguidance matcher (set by the engine when
+A sequence is constrained when `seq.grammar` holds a GrammarState (set by the engine when
 the request is added). Unconstrained rows are never touched, so a constrained request batched
 with others leaves their tokens bit for bit what they would be alone.
 """

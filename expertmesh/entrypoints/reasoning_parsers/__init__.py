@@ -5,11 +5,15 @@ writes between `<think>` and `</think>` goes to `reasoning_content`, the rest to
   `</think>` (a leading `<think>` is dropped too); without `</think>` it is all reasoning.
 - qwen3, glm45: reasoning only when the output opens with `<think>` (thinking can be switched off,
   and then the output is plain content); it closes at `</think>`.
+- openai_gptoss: gpt-oss's harmony analysis channel (entrypoints/harmony.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from expertmesh.entrypoints import harmony
 
 START, END = "<think>", "</think>"
 
@@ -18,9 +22,12 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name: str
     starts_in_reasoning: bool  # True: the template opened <think> already
+    splitter: Callable[[str], tuple[str | None, str]] | None = None  # a format without <think>
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning or None, content) of a whole output."""
+        if self.splitter is not None:
+            return self.splitter(text)
         stripped = text.lstrip()
         opened = stripped.startswith(START)
         if not (opened or self.starts_in_reasoning):
@@ -38,6 +45,7 @@ REASONING_PARSERS = {
         ReasoningParser("deepseek_r1", True),
         ReasoningParser("qwen3", False),
         ReasoningParser("glm45", False),
+        ReasoningParser("openai_gptoss", False, harmony.split_reasoning),
     )
 }
 

@@ -12,6 +12,7 @@
   by `;`), optionally after `<|python_tag|>`
 - pythonic / llama4_pythonic: the whole reply is `[f(a=1, b="x"), g()]`, optionally inside
   `<|python_start|>...<|python_end|>`
+- openai (gpt-oss): harmony commentary messages to `functions.NAME` (entrypoints/harmony.py)
 """
 
 from __future__ import annotations
@@ -212,3 +213,13 @@ def parse_pythonic(text: str) -> tuple[str, list[ToolCall]]:
 register(
     ToolParser("pythonic", ("[", "<|python_start|>"), parse_pythonic, at_start_only=True), "llama4_pythonic"
 )
+
+
+# ---- gpt-oss harmony -------------------------------------------------------------------------------
+def _harmony(text: str) -> tuple[str, list[ToolCall]]:
+    from expertmesh.entrypoints.harmony import parse_calls
+
+    return parse_calls(text)
+
+
+register(ToolParser("openai", ("<|channel|>", "<|start|>", "<|message|>"), _harmony))
