@@ -138,7 +138,9 @@ def check_params(params: list[Any], tokenizer: Any, vocab_size: int) -> None:
     prompt whose schema, regex or grammar is invalid."""
     for i, p in enumerate(params):
         if getattr(p, "structured_outputs", None) is not None:
+            from expertmesh.structured_outputs.compiler import get_compiler
+
             try:
-                start(p, tokenizer, vocab_size)
+                get_compiler(tokenizer, vocab_size).compile(p.structured_outputs)
             except ValueError as exc:
                 raise ValueError(f"SamplingParams.structured_outputs of prompt {i}: {exc}") from exc
