@@ -67,11 +67,12 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Any]) -> None:
     # Bit k of 32-bit word w allows token 32w + k: on a little-endian host, byte j of the mask
     # holds tokens 8j..8j+7, so one lookup of each byte's 8 bits unpacks the whole mask.
     forbidden = _FORBIDDEN[mask.view(torch.uint8).long()].view(len(rows), words * 32)[:, :vocab]
+    forbidden = forbidden.to(logits.device)  # masks are built on the CPU; logits may be elsewhere
     with torch.inference_mode():  # the model's logits are inference tensors
         if len(rows) == batch:
             logits.masked_fill_(forbidden, float("-inf"))
         else:
-            index = torch.tensor(rows)
+            index = torch.tensor(rows, device=logits.device)
             logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 
