@@ -300,3 +300,24 @@ def test_constrained_answers_under_gloo_dp2_tp2_equal_one_process(llm):
     ]
     for dp, got in run_distributed(_dp2_tp2_rank, 4, timeout=280):
         assert got == expected[dp], dp
+
+
+def test_structural_tag_admits_valid_tags_only(llm):
+    """The compiled structural tag on text tokenized by the model's tokenizer: free text and a
+    valid tag body pass; a body against its schema is refused at the offending token."""
+    from expertmesh.structured_outputs.compiler import get_compiler
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tag = {"triggers": ["<f="], "structures": [{"begin": "<f=add>", "schema": schema, "end": "</f>"}]}
+    tok = llm.get_tokenizer()
+    compiler = get_compiler(tok, llm.llm_engine.config.model_config.vocab_size)
+    so = SO(structural_tag=tag)
+    for text, ok in [
+        ('Sure: <f=add>{"x":12}</f> done.', True),
+        ("No tags at all.", True),
+        ('Bad: <f=add>{"y":1}</f>', False),
+        ('Bad: <f=add>{"x":"one"}</f>', False),
+    ]:
+        matcher = compiler.matcher(so)
+        accepted = matcher.consume_tokens(tok(text, add_special_tokens=False)["input_ids"])
+        assert accepted == ok and matcher.is_error() != ok, text
