@@ -21,11 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from expertmesh.entrypoints import (
-    chat_tools,
-    responses_api,
-    structured_api,
-)  # structured outputs / tools hook
+# structured outputs / tools / responses hook
+from expertmesh.entrypoints import chat_tools, responses_api, structured_api
 from expertmesh.entrypoints.async_engine import AsyncEngine, EngineDead, PromptRejected, Update
 from expertmesh.entrypoints.protocol import (
     ChatCompletionRequest,
