@@ -321,3 +321,33 @@ def test_structural_tag_admits_valid_tags_only(llm):
         matcher = compiler.matcher(so)
         accepted = matcher.consume_tokens(tok(text, add_special_tokens=False)["input_ids"])
         assert accepted == ok and matcher.is_error() != ok, text
+
+
+def test_unbounded_integers_end_and_literals_are_kept(llm):
+    """An integer without bounds is held to +-(2**53 - 1) so a small model's digits end; `const`
+    and `enum` values are data, never rewritten (an object literal gets no additionalProperties)."""
+    literal = {"type": "object", "kind": "x"}
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "m": {"type": ["integer", "null"]},
+            "lit": {"const": literal},
+            "pick": {"enum": [{"type": "integer"}, 3]},
+        },
+        "required": ["n", "m", "lit", "pick"],
+    }
+    params = [
+        SamplingParams(
+            temperature=t,
+            seed=s,
+            max_tokens=120,
+            structured_outputs=SO(json=schema, disable_additional_properties=True),
+        )
+        for t, s in ((0, None), (1.0, 1), (1.0, 2), (1.0, 3))
+    ]
+    for (out,) in _run(llm, PROMPTS, params):
+        assert out.finish_reason == "stop", out.text
+        value = json.loads(out.text)
+        jsonschema.validate(value, {**schema, "additionalProperties": False})
+        assert value["lit"] == literal and abs(value["n"]) < 2**53

@@ -31,16 +31,41 @@ COMPILE_TIMEOUT_S = 10.0
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
 
-def _no_extra_properties(schema: Any) -> Any:
-    """A copy of `schema` whose objects without `additionalProperties` admit no other keys."""
+_LITERALS = ("enum", "const", "default", "examples")  # values, not schemas: never rewritten
+SAFE_INT = (-(2**53 - 1), 2**53 - 1)  # the integers JSON carries exactly everywhere (RFC 8259)
+
+
+def _rewrite(schema: Any, fix: Any) -> Any:
+    """A copy of `schema` with `fix(subschema)` applied to every subschema, innermost first."""
     if isinstance(schema, list):
-        return [_no_extra_properties(s) for s in schema]
+        return [_rewrite(s, fix) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _no_extra_properties(v) for k, v in schema.items()}
-    if out.get("type") == "object" or "properties" in out:
-        out.setdefault("additionalProperties", False)
-    return out
+    return fix({k: v if k in _LITERALS else _rewrite(v, fix) for k, v in schema.items()})
+
+
+def _closed_object(schema: dict) -> dict:
+    """Objects without `additionalProperties` admit no other keys (OpenAI's strict mode)."""
+    if schema.get("type") == "object" or isinstance(schema.get("properties"), dict):
+        schema.setdefault("additionalProperties", False)
+    return schema
+
+
+def _bounded_integer(schema: dict) -> dict:
+    """An integer without bounds is held to the interoperable range (+-(2**53 - 1)), so its digits
+    end (a small model would otherwise write digits until max_tokens)."""
+    kind = schema.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            schema["maximum"] = SAFE_INT[1]
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            schema["minimum"] = SAFE_INT[0]
+    return schema
+
+
+def _prepared(schema: Any, params: StructuredOutputsParams) -> Any:
+    schema = _rewrite(schema, _bounded_integer)
+    return _rewrite(schema, _closed_object) if params.disable_additional_properties else schema
 
 
 def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
@@ -55,9 +80,7 @@ def grammar_for(params: StructuredOutputsParams) -> str:
     if kind in ("json", "structural_tag") and isinstance(value, str):
         value = json.loads(value)
     if kind == "json":
-        if params.disable_additional_properties:
-            value = _no_extra_properties(value)
-        return LLMatcher.grammar_from_json_schema(value, defaults=_json_options(params))
+        return LLMatcher.grammar_from_json_schema(_prepared(value, params), defaults=_json_options(params))
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_json_options(params))
     if kind == "regex":
@@ -82,9 +105,7 @@ def _structural_tag(spec: dict, params: StructuredOutputsParams) -> str:
         trigger = next((t for t in triggers if isinstance(t, str) and t and s["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structural_tag: no trigger starts the begin {s['begin']!r}")
-        schema = s.get("schema", {})
-        if params.disable_additional_properties:
-            schema = _no_extra_properties(schema)
+        schema = _prepared(s.get("schema", {}), params)
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     return llguidance.StructTag.to_grammar(tags)
 
