@@ -73,7 +73,7 @@ def main() -> None:
         ],
     }
     rates: dict[str, list[float]] = {k: [] for k in runs}
-    for name, params in runs.items():  # warm-up (and grammar compile)
+    for params in runs.values():  # warm-up (and grammar compile)
         llm.generate(prompts, params, use_tqdm=False)
     for _ in range(args.repeats):
         for name, params in runs.items():  # interleaved, so drifting load hits both alike
