@@ -521,3 +521,23 @@ def test_logprobs_of_constrained_tokens_are_json_numbers(servers):
         extra_body={"structured_outputs": {"regex": "ab"}},
     )
     assert comp.choices[0].text == "ab" and -9999.0 in comp.choices[0].logprobs.top_logprobs[-1].values()
+
+
+class GetWeather(BaseModel):
+    city: str
+    days: int
+
+
+def test_openai_tool_helpers_parse_the_calls(servers):
+    """openai.pydantic_function_tool + chat.completions.parse: the client parses the arguments."""
+    client = servers["plain"]
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    tool = openai.pydantic_function_tool(GetWeather)
+    for tool_choice in ({"type": "function", "function": {"name": "GetWeather"}}, "required"):
+        completion = parse(
+            model=DEFAULT_SERVED_NAME, messages=ASK, tools=[tool], tool_choice=tool_choice,
+            max_tokens=200, temperature=0, parallel_tool_calls=False,
+        )  # fmt: skip
+        (call,) = completion.choices[0].message.tool_calls
+        assert isinstance(call.function.parsed_arguments, GetWeather)
+        assert completion.choices[0].finish_reason == "tool_calls"
