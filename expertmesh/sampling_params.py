@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
+from expertmesh.structured_outputs.params import StructuredOutputsParams
+
 GREEDY_TEMPERATURE = 1e-5  # below this (and above 0) a temperature samples greedily
 SEED_RANGE = (0, 2**63 - 1)  # what torch.Generator.manual_seed takes (seed + n - 1 must fit too)
 MAX_STOP_TOKEN_ID = 2**31 - 1
@@ -35,6 +37,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs hook: a JSON schema / regex / choice / grammar the output must follow
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +72,9 @@ class SamplingParams:
             raise self._bad("stop", "must be a string or a list of strings", TypeError)
         if isinstance(self.stop, (list, tuple)) and not all(isinstance(s, str) for s in self.stop):
             raise self._bad("stop", "every stop string must be a string", TypeError)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise self._bad("structured_outputs", "must be a StructuredOutputsParams", TypeError)
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise self._bad("stop_token_ids", "must be a list of integers", TypeError)

@@ -28,6 +28,7 @@ from expertmesh.engine.scheduler import Scheduler
 from expertmesh.engine.sequence import Sequence
 from expertmesh.outputs import CompletionOutput, RequestOutput
 from expertmesh.sampling_params import SamplingParams
+from expertmesh.structured_outputs import runtime as structured
 
 log = logging.getLogger("expertmesh")
 
@@ -147,8 +148,15 @@ class LLMEngine:
         if error:
             self.fail(req, error)
             return req
+        try:  # structured outputs hook: one matcher per sequence (a bad grammar fails this request)
+            vocab = self.config.model_config.vocab_size
+            grammars = [structured.start(params, self.tokenizer, vocab) for _ in range(params.n)]
+        except ValueError as exc:
+            self.fail(req, str(exc))
+            return req
         for i in range(params.n):
             seq = Sequence(request_id, i, req.prompt_token_ids, params, self.capacity)
+            seq.grammar = grammars[i]
             req.seqs.append(seq)
             self.scheduler.add(seq)
         return req
@@ -269,6 +277,9 @@ class LLMEngine:
             seq.logprobs.append(logprob)
             seq.cumulative_logprob += logprob[token].logprob
         reason = self.detok.check_stop(seq)
+        grammar_end = structured.advance(seq, token)  # structured outputs hook: the grammar's end stops
+        if reason is None and grammar_end is not None:
+            reason = (grammar_end, None)
         if reason is None and len(seq.output_token_ids) >= seq.max_output_tokens():
             reason = ("length", None)
         if reason is not None:

@@ -8,6 +8,7 @@ import torch
 
 from expertmesh.engine.sequence import Sequence
 from expertmesh.outputs import Logprob
+from expertmesh.structured_outputs.runtime import apply_grammar_masks
 
 
 def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -39,6 +40,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [B, V] float32 -> one token id per sequence."""
+        apply_grammar_masks(logits, seqs)  # structured outputs hook: constrained rows only, in place
         tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:

@@ -21,6 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# structured outputs / tools / responses hook
+from expertmesh.entrypoints import chat_tools, responses_api, structured_api
 from expertmesh.entrypoints.async_engine import AsyncEngine, EngineDead, PromptRejected, Update
 from expertmesh.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -109,9 +111,13 @@ class BodyLimit:
 
 
 def build_app(
-    engine: AsyncEngine, served_model_names: list[str], max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine: AsyncEngine,
+    served_model_names: list[str],
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    tool_options: chat_tools.ToolOptions | None = None,
 ) -> FastAPI:
     app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None)
+    tools = tool_options or chat_tools.configured()  # structured outputs / tools hook
     app.state.engine, app.state.names = engine, list(served_model_names)
     app.add_middleware(BodyLimit, limit=max_request_body_bytes)
     _add_error_handlers(app)
@@ -137,6 +143,7 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _model_name(app, body)
         params = _sampling_params(body, body.max_tokens, body.logprobs)
+        params = await structured_api.constrain(engine, body, params)  # structured outputs hook
         prompts = _completion_prompts(body.prompt)
         renderer = CompletionRenderer(name, params.n, body.logprobs is not None)
         return await _serve(request, engine, body, prompts, params, renderer, add_special_tokens=True)
@@ -146,11 +153,12 @@ def build_app(
         name = _model_name(app, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
+        params, renderer = await chat_tools.prepare(engine, body, params, tools, name, top)  # tools hook
         prompt = await engine.in_pool(_chat_prompt, engine, body)  # a template can be slow: off the loop
-        renderer = ChatRenderer(name, params.n, top)
         # The template already holds the special tokens (BOS): do not add them twice.
         return await _serve(request, engine, body, [prompt], params, renderer, add_special_tokens=False)
 
+    responses_api.add_routes(app, engine, tools)  # /v1/responses hook
     return app
 
 
@@ -202,9 +210,11 @@ def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> str:
             "messages",
             "no_chat_template",
         )
-    messages = [m.for_template() for m in body.messages]
+    messages = [chat_tools.message_for_template(m.for_template()) for m in body.messages]
     try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **chat_tools.template_kwargs(body)
+        )
     except Exception as exc:  # a template that rejects these messages is the client's problem
         raise APIError(f"the chat template failed on these messages: {exc}", "messages") from exc
 
@@ -375,7 +385,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), None, None)
 
+    async def field_error(_: Request, exc: structured_api.APIFieldError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param, "invalid_value")
+
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(structured_api.APIFieldError, field_error)  # structured outputs hook
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(EngineDead, handler(503, code="engine_dead"))

@@ -175,6 +175,16 @@ def _add_serve_parser(sub) -> None:
         default=4 << 20,
         help="larger request bodies are refused with 413 (default %(default)s)",
     )
+    # tools / reasoning hook (entrypoints/chat_tools.py)
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (needs --tool-call-parser)',
+    )
+    serve.add_argument(
+        "--tool-call-parser", default=None, help="how tool calls are read from text: hermes, ..."
+    )
+    serve.add_argument("--reasoning-parser", default=None, help="split <think> text into reasoning_content")
 
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
@@ -250,6 +260,14 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
     kwargs = _engine_kwargs(args, args.model_tag or args.model)
+    from expertmesh.entrypoints import chat_tools  # tools / reasoning hook
+
+    try:
+        chat_tools.configure(
+            chat_tools.ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     serve(kwargs, args.host, args.port, args.served_model_name, args.max_request_body_bytes)
     return 0
 

@@ -113,6 +113,14 @@ class LLM:
     ) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt_params(sampling_params, len(prompts))
+        # structured outputs hook: a schema, regex or grammar that does not compile is a ValueError now
+        if any(getattr(p, "structured_outputs", None) is not None for p in params):
+            from expertmesh.structured_outputs.runtime import check_params
+
+            engine_vocab = (
+                None if self._executor is not None else self.llm_engine.config.model_config.vocab_size
+            )
+            check_params(params, self.get_tokenizer(), engine_vocab or len(self._tokenizer))
         if self._executor is not None:
             return self._executor.generate(prompts, params)
         return offline.generate(self.llm_engine, prompts, params, self._ids, use_tqdm)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from expertmesh.entrypoints.async_engine import Update
+from expertmesh.entrypoints.structured_api import StructuredFields, ToolFields  # structured outputs hook
 from expertmesh.outputs import Logprob, RequestOutput
 
 Stop = str | list[str] | None
@@ -60,7 +61,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-text
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -80,7 +81,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -197,6 +198,11 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
+def _finite(logprob: float) -> float:
+    """A token a grammar forbids has logprob -inf, which JSON cannot carry: -9999.0, as vLLM sends."""
+    return max(logprob, -9999.0)
+
+
 def completion_logprobs(
     token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, offset: int = 0
 ) -> CompletionLogprobs:
@@ -204,8 +210,8 @@ def completion_logprobs(
     for token, entry in zip(token_ids, logprobs or []):
         chosen = entry[token]
         out.tokens.append(_text(chosen))
-        out.token_logprobs.append(chosen.logprob)
-        out.top_logprobs.append({_text(lp): lp.logprob for lp in entry.values()})
+        out.token_logprobs.append(_finite(chosen.logprob))
+        out.top_logprobs.append({_text(lp): _finite(lp.logprob) for lp in entry.values()})
         out.text_offset.append(offset)
         offset += len(_text(chosen))
     return out
@@ -213,7 +219,7 @@ def completion_logprobs(
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, top: int) -> ChatLogprobs:
     def one(lp: Logprob) -> TopLogprob:
-        return TopLogprob(token=_text(lp), logprob=lp.logprob, bytes=list(_text(lp).encode()))
+        return TopLogprob(token=_text(lp), logprob=_finite(lp.logprob), bytes=list(_text(lp).encode()))
 
     content = []
     for token, entry in zip(token_ids, logprobs or []):
