@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from expertmesh.linear_attention_config import LinearAttentionConfig
 from expertmesh.mla_config import MLAConfig
 from expertmesh.rope_config import RopeConfig, opt_float
 
@@ -47,7 +48,8 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# linear_attention: a Gated DeltaNet layer (hybrid families; ModelConfig.linear_attn has its sizes)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 
 
 def _quantization(hf: Any, online: str | None) -> Any:
@@ -95,6 +97,7 @@ class ModelConfig:
     attention_multiplier: float | None = None  # replaces head_dim ** -0.5 (Granite)
     attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale), NoPE layers
     mla: MLAConfig | None = None  # multi-head latent attention's sizes (DeepSeek); None: not MLA
+    linear_attn: LinearAttentionConfig | None = None  # Gated DeltaNet sizes (Qwen3-Next, Qwen3.5)
     # ---- MLP and experts
     num_experts: int = 0
     top_k: int = 0
@@ -241,6 +244,7 @@ def _attention_fields(hf: Any) -> dict:
         attention_multiplier=None if multiplier is None else float(multiplier),
         attn_temperature=tuning,
         mla=MLAConfig.from_hf(hf),
+        linear_attn=LinearAttentionConfig.from_hf(hf),
     )
 
 

@@ -1,0 +1,210 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): the token mixer of a hybrid family's
+"linear_attention" layers, with its per-sequence state (engine/state_cache.py).
+
+Per token: q, k, v (and the output gate z, the write strength b and the decay input a) are
+projected; q, k and v go through a causal depthwise convolution (kernel K, SiLU) whose last K - 1
+inputs are the conv state; q and k are L2-normalised, q scaled by d_k^-1/2; then per value head
+the recurrent state S [d_k, d_v] decays by exp(g), g = -exp(A_log) * softplus(a + dt_bias), takes
+the delta-rule write S += k (beta (v - S^T k))^T with beta = sigmoid(b), and the output is S^T q,
+RMS-normalised and gated by SiLU(z). Prefill chunks and decodes both run the recurrent form in
+float32 (one token at a time; a chunk starting at position 0 starts from a zero state); the conv
+and recurrent states are read from and written back to the sequence's slot.
+
+Tensor parallelism splits the key heads (with the value heads each serves) like attention heads:
+the fused projections are grouped per key head, so a contiguous row shard is a head group; the
+convolution's channels [q | k | v] are sharded per part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertmesh.engine.state_cache import StateSpec
+from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
+from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
+from expertmesh.linear_attention_config import LinearAttentionConfig
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> torch.Tensor:
+    """One token of the gated delta rule for B sequences, in place on `state` [B, H, dk, dv]:
+    q, k [B, H, dk] (normalised, q scaled), v [B, H, dv], g and beta [B, H]; returns [B, H, dv]."""
+    state.mul_(g.exp()[..., None, None])
+    kv_mem = (state * k[..., None]).sum(-2)
+    delta = (v - kv_mem) * beta[..., None]
+    state.add_(k[..., None] * delta[..., None, :])
+    return (state * q[..., None]).sum(-2)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, times w, then times SiLU(gate) (in float32, rounded once)."""
+
+    def __init__(self, dim: int, eps: float, dtype=torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        set_loader(self.weight, default_loader)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * x32.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's layout: fused in_proj_qkvz and in_proj_ba, grouped per key head."""
+
+    def __init__(self, lin: LinearAttentionConfig, hidden: int, eps: float, tp: Any, dtype) -> None:
+        super().__init__()
+        self.tp_rank, tp_size = tp.rank_in_group, tp.world_size
+        self.nk = _divide(lin.num_key_heads, tp_size, "linear_num_key_heads")
+        self.nv = lin.num_value_heads // tp_size
+        self.ratio = lin.num_value_heads // lin.num_key_heads
+        self.dk, self.dv, self.kernel = lin.key_head_dim, lin.value_head_dim, lin.conv_kernel
+        self.full = lin
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkvz = ColumnParallelLinear(
+            hidden, 2 * lin.key_dim + 2 * lin.value_dim, False, tp, dtype
+        )
+        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * lin.num_value_heads, False, tp, dtype)
+        self.conv_weight = nn.Parameter(
+            torch.empty(self.conv_dim, self.kernel, dtype=dtype), requires_grad=False
+        )
+        set_loader(self.conv_weight, self._load_conv)
+        self.A_log = nn.Parameter(torch.empty(self.nv, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype), requires_grad=False)
+        set_loader(self.A_log, self._load_heads)
+        set_loader(self.dt_bias, self._load_heads)
+        self.norm = GatedRMSNorm(self.dv, eps, dtype)
+        self.out_proj = RowParallelLinear(lin.value_dim, hidden, False, tp, dtype=dtype)
+        self.state_spec = StateSpec(
+            "gated_deltanet", ((self.conv_dim, self.kernel - 1), (self.nv, self.dk, self.dv))
+        )
+        self.conv_state: torch.Tensor | None = None  # [slots + 1, conv_dim, K - 1], bind_state
+        self.rec_state: torch.Tensor | None = None  # [slots + 1, nv, dk, dv]
+
+    # ---- loading ----------------------------------------------------------------------------
+    def _load_conv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        """conv1d.weight [channels, 1, K], channels [q | k | v] of every head: this rank's heads
+        of each part."""
+        full, whole = self.full, read(src)  # small: read whole, this rank's channels taken here
+        parts = []
+        for offset, width in (
+            (0, self.key_dim),
+            (full.key_dim, self.key_dim),
+            (2 * full.key_dim, self.value_dim),
+        ):
+            parts.append(whole.narrow(0, offset + self.tp_rank * width, width))
+        value = torch.cat(parts).reshape(self.conv_dim, -1)
+        copy_into(param.data, value, "conv1d weight")
+
+    def _load_heads(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(
+            param.data, read(src).narrow(0, self.tp_rank * self.nv, self.nv), "per value head parameter"
+        )
+
+    def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.conv_state, self.rec_state = tensors
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[T, conv_dim] mixed q|k|v (this rank's heads), z [T, nv, dv], b and a [T, nv]."""
+        t, r = x.shape[0], self.ratio
+        qkvz = self.in_proj_qkvz(x).view(t, self.nk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.nk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        mixed, z, b, a = self._split(x)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        meta, slots = ctx.attn, ctx.state_slots
+        core = torch.empty(x.shape[0], self.nv, self.dv, dtype=torch.float32, device=x.device)
+        nd = meta.num_decodes
+        if nd:
+            rows = slice(0, nd)
+            sl = slots[:nd] if slots is not None else None
+            conv = self._conv_state(sl, nd, fresh=False)
+            out, conv = self._conv_decode(mixed[rows], conv)
+            rec = self._rec_state(sl, nd, fresh=False)
+            core[rows] = self._delta(out, g[rows], beta[rows], rec)
+            self._keep(sl, conv, rec)
+        for i, chunk in enumerate(meta.prefills):
+            rows = chunk.rows
+            sl = slots[nd + i : nd + i + 1] if slots is not None else None
+            fresh = chunk.context == 0
+            conv = self._conv_state(sl, 1, fresh)[0]
+            out, conv = self._conv_prefill(mixed[rows], conv)
+            rec = self._rec_state(sl, 1, fresh)
+            core[rows] = self._delta(out, g[rows], beta[rows], rec)
+            self._keep(sl, conv[None], rec)
+        y = self.norm(core.to(x.dtype), z)
+        return self.out_proj(y.reshape(x.shape[0], -1))
+
+    def _conv_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
+        if slots is None or fresh or self.conv_state is None:
+            return torch.zeros(n, self.conv_dim, self.kernel - 1, dtype=torch.float32)
+        return self.conv_state[slots]
+
+    def _rec_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
+        if slots is None or fresh or self.rec_state is None:
+            return torch.zeros(n, self.nv, self.dk, self.dv, dtype=torch.float32)
+        return self.rec_state[slots]
+
+    def _keep(self, slots: torch.Tensor | None, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        if slots is not None and self.conv_state is not None:
+            self.conv_state[slots] = conv
+            self.rec_state[slots] = rec
+
+    def _conv_decode(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new input per sequence: x [B, C], state [B, C, K-1] -> SiLU(conv) [B, C], new state."""
+        w = self.conv_weight
+        window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1)  # [B, C, K]
+        out = F.silu((window * w).sum(-1))
+        return out, window[:, :, 1:].float()
+
+    def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk x [L, C] after the state [C, K-1]: SiLU(conv) [L, C] and the last K-1 inputs."""
+        w = self.conv_weight
+        full = torch.cat((state.to(w.dtype), x.to(w.dtype).t()), dim=-1)  # [C, K-1+L]
+        out = F.conv1d(full[None], w[:, None, :], groups=self.conv_dim)[0]  # [C, L]
+        return F.silu(out).t(), full[:, -(self.kernel - 1) :].float()
+
+    def _delta(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    ) -> torch.Tensor:
+        """The delta rule over tokens [L, conv_dim] of one sequence (state [1, ...]) or one token of
+        each of B sequences (state [B, ...]): outputs [L or B, nv, dv] float32; state updated."""
+        t = mixed.shape[0]
+        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(t, self.nk, self.dk)).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
+        k = l2norm(k.reshape(t, self.nk, self.dk)).repeat_interleave(self.ratio, dim=1)
+        v = v.reshape(t, self.nv, self.dv)
+        if state.shape[0] == t:  # one token per sequence
+            return delta_rule_step(state, q, k, v, g, beta)
+        out = torch.empty(t, self.nv, self.dv, dtype=torch.float32)
+        for i in range(t):  # one sequence's tokens in order
+            out[i] = delta_rule_step(
+                state, q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1]
+            )[0]
+        return out

@@ -1,0 +1,137 @@
+"""Hybrid families (Gated DeltaNet + gated attention) from their published configs
+(tests/real_configs/2026), shrunk with every flag kept, against transformers: greedy tokens and
+fp32 logprobs at every step of prompts longer than a prefill chunk, in one process, under chunked
+prefill with a budget smaller than the prompt, with prefix caching asked for (off for these
+models), under preemption; the state cache's bytes per sequence against the formula."""
+
+import pytest
+import torch
+from real_checkpoints import published
+from test_real_families import hf_logprobs, logprob_errors
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.engine.block_manager import BlockManager
+from expertmesh.engine.sequence import Sequence
+
+NEW_TOKENS = 12
+TOP = 20
+# The linear-attention sizes shrink like attention heads: 2 key heads serving 2 value heads each.
+LINEAR = dict(
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4
+)
+FAMILIES = {"qwen3-next": ("2026/qwen3-next-80b-a3b-instruct", LINEAR)}
+LENGTHS = [5, 45, 70]
+
+
+def prompts_for(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _run(path: str, prompts, **engine) -> list:
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23, **engine)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    return llm, outs
+
+
+def _reference(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _assert_matches(model, prompts, outs, what: str) -> None:
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = out.outputs[0].token_ids
+        ref = hf_logprobs(model, prompt, tokens)
+        err = logprob_errors(out, ref)
+        assert tokens == ref.argmax(-1).tolist(), f"{what}: prompt of {len(prompt)}: greedy tokens differ"
+        assert err.max() < 2e-4, f"{what}: prompt of {len(prompt)}: |logprob error| per step {err.tolist()}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hybrid_matches_transformers(family, real_checkpoint, engine_log):
+    """One process, whole prompts and then chunked prefill (a budget of 16 tokens, prompts up to
+    70), with prefix caching asked for and turned off (logged), then preemption (a cache of a few
+    blocks for three sequences): every step's top-20 logprobs within fp32 tolerance of
+    transformers' forward over the same tokens, and greedy tokens its argmax."""
+    source, overrides = FAMILIES[family]
+    path = real_checkpoint(published(source), **overrides)
+    prompts = prompts_for()
+    model = _reference(path)
+    llm, outs = _run(path, prompts, enable_prefix_caching=True)
+    assert "prefix caching is off" in engine_log.text and "recurrent" in engine_log.text
+    assert " bytes per sequence" in engine_log.text
+    assert not llm.llm_engine.blocks.enable_prefix_caching
+    _assert_matches(model, prompts, outs, family)
+    del llm
+    llm, chunked = _run(path, prompts, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)
+    _assert_matches(model, prompts, chunked, f"{family} chunked")
+    assert [o.outputs[0].token_ids for o in chunked] == [o.outputs[0].token_ids for o in outs]
+    del llm
+    # 12 blocks of 16 tokens for prompts of 45 + 70 + 5 tokens growing by 12: someone is preempted.
+    engine = _run_preempting(path, prompts)
+    llm, preempted = engine
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _assert_matches(model, prompts, preempted, f"{family} preempted")
+
+
+def _run_preempting(path: str, prompts):
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=_bytes_for_blocks(path, 9))
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    return llm, outs
+
+
+def _bytes_for_blocks(path: str, blocks: int) -> int:
+    """A cache budget of `blocks` KV blocks plus the state slots it then affords (half the budget)."""
+    probe = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23)
+    runner = probe.llm_engine.runner
+    per_block, per_seq = runner.block_bytes(), sum(s.bytes_per_seq for s in runner.state_specs())
+    del probe
+    return max(2 * blocks * per_block, 8 * per_seq)
+
+
+def test_state_bytes_per_sequence_match_the_formula(real_checkpoint):
+    """Per Gated DeltaNet layer: the conv state (2 key dims + value dim channels x kernel - 1) and
+    the recurrent state (value heads x key head dim x value head dim), float32; attention layers
+    none. Every sequence's slot is returned when it finishes."""
+    source, overrides = FAMILIES["qwen3-next"]
+    path = real_checkpoint(published(source), **overrides)
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23)
+    c = llm.llm_engine.config.model_config
+    lin = c.linear_attn
+    linear_layers = sum(t == "linear_attention" for t in c.layer_types)
+    conv = (2 * lin.key_dim + lin.value_dim) * (lin.conv_kernel - 1)
+    rec = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim
+    runner = llm.llm_engine.runner
+    assert sum(s.bytes_per_seq for s in runner.state_specs()) == linear_layers * (conv + rec) * 4
+    assert len(runner.kv_specs()) == c.num_layers - linear_layers
+    blocks = llm.llm_engine.blocks
+    assert 1 <= blocks.state_slots <= llm.llm_engine.config.scheduler_config.max_num_seqs
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert sorted(blocks.free_slots) == list(range(blocks.state_slots))
+
+
+def test_block_manager_hands_out_one_state_slot_per_sequence():
+    """Slots go with the first blocks and come back with them (finish, abort, preemption); a
+    sequence waits while every slot is held; an attention-only manager hands out none."""
+    bm = BlockManager(8, 4, enable_prefix_caching=False, state_slots=2)
+    seqs = [Sequence(str(i), 0, [1, 2, 3], SamplingParams(), 64) for i in range(3)]
+    for s in seqs[:2]:
+        assert bm.can_allocate(s, [], 3)
+        bm.allocate(s, [], 3)
+    assert {s.state_slot for s in seqs[:2]} == {0, 1}
+    assert not bm.can_allocate(seqs[2], [], 3)  # blocks are free, slots are not
+    bm.free(seqs[0])
+    assert seqs[0].state_slot is None and bm.can_allocate(seqs[2], [], 3)
+    bm.allocate(seqs[2], [], 3)
+    assert bm.slot_problems([seqs[1].state_slot, seqs[2].state_slot]) == []
+    assert bm.slot_problems([seqs[1].state_slot]) != []  # a lost slot is reported
+    plain = BlockManager(8, 4, enable_prefix_caching=False)
+    plain.allocate(seqs[0], [], 3)
+    assert seqs[0].state_slot is None and plain.can_allocate(seqs[1], [], 3)
