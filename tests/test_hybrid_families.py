@@ -4,9 +4,13 @@ fp32 logprobs at every step of prompts longer than a prefill chunk, in one proce
 prefill with a budget smaller than the prompt, with prefix caching asked for (off for these
 models), under preemption; the state cache's bytes per sequence against the formula."""
 
+import json
+import os
+
 import pytest
 import torch
 from real_checkpoints import published
+from safetensors.torch import load_file, save_file
 from test_real_families import hf_logprobs, logprob_errors
 
 from expertmesh import LLM, SamplingParams
@@ -19,8 +23,39 @@ TOP = 20
 LINEAR = dict(
     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4
 )
-FAMILIES = {"qwen3-next": ("2026/qwen3-next-80b-a3b-instruct", LINEAR)}
+FAMILIES = {
+    "qwen3-next": "2026/qwen3-next-80b-a3b-instruct",
+    "qwen3.5-moe": "2026/qwen3.5-35b-a3b",  # a vision-language wrapper: its text_config
+}
+
+
+def _source(family: str) -> dict:
+    """The published config with the linear-attention sizes shrunk where the text model has them."""
+    config = published(FAMILIES[family])
+    text = config.get("text_config", config)
+    text.update(LINEAR)
+    return config
+
+
 LENGTHS = [5, 45, 70]
+
+
+def _with_mtp(path: str) -> str:
+    """The published checkpoints carry one multi-token-prediction layer as `mtp.*` tensors
+    (transformers drops them): added in a second file listed by a safetensors index."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return path
+    main = load_file(os.path.join(path, "model.safetensors"))
+    hidden = next(v for k, v in main.items() if k.endswith("embed_tokens.weight")).shape[1]
+    extra = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.randn(hidden)}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "layers.0.input_layernorm"):
+        extra[f"mtp.{name}.weight"] = torch.randn(hidden)
+    save_file(extra, os.path.join(path, "model-mtp.safetensors"), metadata={"format": "pt"})
+    weight_map = {k: "model.safetensors" for k in main} | {k: "model-mtp.safetensors" for k in extra}
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
 
 
 def prompts_for(seed: int = 1) -> list[list[int]]:
@@ -39,7 +74,10 @@ def _run(path: str, prompts, **engine) -> list:
 def _reference(path: str):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    except ValueError:  # a vision-language wrapper: the whole model, fed text only
+        return transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _assert_matches(model, prompts, outs, what: str) -> None:
@@ -58,13 +96,15 @@ def test_hybrid_matches_transformers(family, real_checkpoint, engine_log):
     70), with prefix caching asked for and turned off (logged), then preemption (a cache of a few
     blocks for three sequences): every step's top-20 logprobs within fp32 tolerance of
     transformers' forward over the same tokens, and greedy tokens its argmax."""
-    source, overrides = FAMILIES[family]
-    path = real_checkpoint(published(source), **overrides)
+    path = _with_mtp(real_checkpoint(_source(family)))
     prompts = prompts_for()
     model = _reference(path)
     llm, outs = _run(path, prompts, enable_prefix_caching=True)
     assert "prefix caching is off" in engine_log.text and "recurrent" in engine_log.text
     assert " bytes per sequence" in engine_log.text
+    assert "multi-token prediction" in engine_log.text  # the mtp.* tensors: skipped by a named rule
+    if family == "qwen3.5-moe":
+        assert "vision tower" in engine_log.text
     assert not llm.llm_engine.blocks.enable_prefix_caching
     _assert_matches(model, prompts, outs, family)
     del llm
@@ -100,8 +140,7 @@ def test_state_bytes_per_sequence_match_the_formula(real_checkpoint):
     """Per Gated DeltaNet layer: the conv state (2 key dims + value dim channels x kernel - 1) and
     the recurrent state (value heads x key head dim x value head dim), float32; attention layers
     none. Every sequence's slot is returned when it finishes."""
-    source, overrides = FAMILIES["qwen3-next"]
-    path = real_checkpoint(published(source), **overrides)
+    path = real_checkpoint(_source("qwen3-next"))
     llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23)
     c = llm.llm_engine.config.model_config
     lin = c.linear_attn
@@ -135,3 +174,40 @@ def test_block_manager_hands_out_one_state_slot_per_sequence():
     plain = BlockManager(8, 4, enable_prefix_caching=False)
     plain.allocate(seqs[0], [], 3)
     assert seqs[0].state_slot is None and plain.can_allocate(seqs[1], [], 3)
+
+
+LAYOUTS = [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")]  # (DP, PP, TP, backend)
+
+
+def _layout_rank(rank, world, path, prompts):
+    results = []
+    for dp, pp, tp, backend in LAYOUTS:
+        llm = LLM(
+            path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+            all2all_backend=backend, distributed_executor_backend="external_launcher", max_model_len=128,
+            kv_cache_memory_bytes=1 << 22, enable_chunked_prefill=True, max_num_batched_tokens=32,
+            max_num_seqs=8,
+        )  # fmt: skip
+        dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+        idx = list(range(len(prompts))) if dp == 1 or dp_rank == 0 else []  # DP rank 1 idles (dummies)
+        sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx], sp, use_tqdm=False)
+        results.append(((dp, pp, tp, backend), idx, [o.outputs[0].token_ids for o in outs]))
+    return results
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["qwen3.5-moe"])
+def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
+    """DP2 x TP2 (`naive`, one DP rank idle: its lockstep dummies touch no state) and PP2 x TP2:
+    the linear-attention heads, their projections, convolution channels and states split over
+    TP like attention heads; on every rank the tokens equal the one-process run."""
+    from distributed_utils import run_distributed
+
+    path = real_checkpoint(_source(family))
+    prompts = prompts_for()
+    _, outs = _run(path, prompts)
+    expected = [o.outputs[0].token_ids for o in outs]
+    for rank, per_rank in enumerate(run_distributed(_layout_rank, 4, path, prompts, timeout=230)):
+        for layout, idx, tokens in per_rank:
+            assert tokens == [expected[i] for i in idx], f"{family}: rank {rank}, (DP,PP,TP,backend)={layout}"

@@ -105,16 +105,14 @@ class GatedDeltaNet(nn.Module):
     def _load_conv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
         """conv1d.weight [channels, 1, K], channels [q | k | v] of every head: this rank's heads
         of each part."""
-        full, whole = self.full, read(src)  # small: read whole, this rank's channels taken here
-        parts = []
-        for offset, width in (
-            (0, self.key_dim),
-            (full.key_dim, self.key_dim),
-            (2 * full.key_dim, self.value_dim),
-        ):
-            parts.append(whole.narrow(0, offset + self.tp_rank * width, width))
-        value = torch.cat(parts).reshape(self.conv_dim, -1)
+        value = self._qkv_rows(read(src)).reshape(self.conv_dim, -1)  # small: read whole
         copy_into(param.data, value, "conv1d weight")
+
+    def _qkv_rows(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a [q | k | v]-ordered tensor of every head."""
+        kd = self.full.key_dim
+        parts = ((0, self.key_dim), (kd, self.key_dim), (2 * kd, self.value_dim))
+        return torch.cat([whole.narrow(0, offset + self.tp_rank * width, width) for offset, width in parts])
 
     def _load_heads(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
         copy_into(
@@ -208,3 +206,26 @@ class GatedDeltaNet(nn.Module):
                 state, q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1]
             )[0]
         return out
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's layout: in_proj_qkv ([q | k | v] of every head, the convolution's channel order),
+    in_proj_z, in_proj_b and in_proj_a, each of its own; under TP in_proj_qkv is sharded per part
+    as the convolution is."""
+
+    def __init__(self, lin: LinearAttentionConfig, hidden: int, eps: float, tp: Any, dtype) -> None:
+        super().__init__(lin, hidden, eps, tp, dtype)
+        del self.in_proj_qkvz, self.in_proj_ba
+        self.in_proj_qkv = ColumnParallelLinear(hidden, 2 * lin.key_dim + lin.value_dim, False, tp, dtype)
+        set_loader(self.in_proj_qkv.weight, self._load_qkv)
+        self.in_proj_z = ColumnParallelLinear(hidden, lin.value_dim, False, tp, dtype)
+        self.in_proj_b = ColumnParallelLinear(hidden, lin.num_value_heads, False, tp, dtype)
+        self.in_proj_a = ColumnParallelLinear(hidden, lin.num_value_heads, False, tp, dtype)
+
+    def _load_qkv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, self._qkv_rows(read(src)), "in_proj_qkv weight")
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = x.shape[0]
+        z = self.in_proj_z(x).view(t, self.nv, self.dv)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)

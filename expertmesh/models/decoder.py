@@ -19,7 +19,7 @@ from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import Attention
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from expertmesh.layers.gated_deltanet import GatedDeltaNet
+from expertmesh.layers.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
 from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP
@@ -157,9 +157,14 @@ def _gated_deltanet(cfg: ModelConfig, index: int, family: Family, tp: Any) -> nn
     return GatedDeltaNet(cfg.linear_attn, cfg.hidden_size, cfg.norm_eps, tp, cfg.dtype)
 
 
+def _gated_deltanet_split(cfg: ModelConfig, index: int, family: Family, tp: Any) -> nn.Module:
+    return SplitGatedDeltaNet(cfg.linear_attn, cfg.hidden_size, cfg.norm_eps, tp, cfg.dtype)
+
+
 # Recurrent token mixers of hybrid families' "linear_attention" layers, by name; each declares its
 # per-sequence state (`.state_spec`, engine/state_cache.py) and takes it with `bind_state`.
-LINEAR_MIXERS = {"gated_deltanet": _gated_deltanet}
+# "gated_deltanet": fused in_proj_qkvz / in_proj_ba (Qwen3-Next); "_split": Qwen3.5's four.
+LINEAR_MIXERS = {"gated_deltanet": _gated_deltanet, "gated_deltanet_split": _gated_deltanet_split}
 
 
 def moe_spec(cfg: ModelConfig, family: Family) -> MoESpec:
