@@ -17,6 +17,7 @@ convolution's channels [q | k | v] are sharded per part.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,7 +69,80 @@ class GatedRMSNorm(nn.Module):
         return (y * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class RecurrentMixer(nn.Module):
+    """What every recurrent mixer shares: a causal depthwise convolution (`conv_weight`, optional
+    `conv_bias`, SiLU) over `conv_dim` channels with its conv state, a recurrent state of shape
+    `state_spec.shapes[1]`, both per sequence slot, and the walk over one step's decodes (batched)
+    and prefill chunks (each after its sequence's state; a chunk at position 0 starts from zero).
+    A dummy forward (no `state_slots`) runs from zero state and keeps nothing."""
+
+    conv_dim: int
+    kernel: int
+    conv_bias: nn.Parameter | None = None
+    state_spec: StateSpec
+    conv_state: torch.Tensor | None = None  # [slots + 1, conv_dim, K - 1], bind_state
+    rec_state: torch.Tensor | None = None  # [slots + 1, *state_spec.shapes[1]]
+
+    def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.conv_state, self.rec_state = tensors
+
+    def scan(self, mixed: torch.Tensor, ctx: ForwardContext, rule: Callable) -> torch.Tensor:
+        """Conv then `rule(rows, conv output, state) -> output rows` over every sequence of the
+        step: [T, ...] float32 outputs, the states kept in their slots."""
+        meta, slots = ctx.attn, ctx.state_slots
+        outs: list[torch.Tensor] = []
+        nd = meta.num_decodes
+        if nd:
+            rows = slice(0, nd)
+            sl = slots[:nd] if slots is not None else None
+            conv = self._conv_state(sl, nd, fresh=False)
+            out, conv = self._conv_decode(mixed[rows], conv)
+            rec = self._rec_state(sl, nd, fresh=False)
+            outs.append(rule(rows, out, rec))
+            self._keep(sl, conv, rec)
+        for i, chunk in enumerate(meta.prefills):
+            rows = chunk.rows
+            sl = slots[nd + i : nd + i + 1] if slots is not None else None
+            fresh = chunk.context == 0
+            conv = self._conv_state(sl, 1, fresh)[0]
+            out, conv = self._conv_prefill(mixed[rows], conv)
+            rec = self._rec_state(sl, 1, fresh)
+            outs.append(rule(rows, out, rec))
+            self._keep(sl, conv[None], rec)
+        return torch.cat(outs)
+
+    def _conv_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
+        if slots is None or fresh or self.conv_state is None:
+            return torch.zeros(n, self.conv_dim, self.kernel - 1, dtype=torch.float32)
+        return self.conv_state[slots]
+
+    def _rec_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
+        if slots is None or fresh or self.rec_state is None:
+            return torch.zeros(n, *self.state_spec.shapes[1], dtype=torch.float32)
+        return self.rec_state[slots]
+
+    def _keep(self, slots: torch.Tensor | None, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        if slots is not None and self.conv_state is not None:
+            self.conv_state[slots] = conv
+            self.rec_state[slots] = rec
+
+    def _conv_decode(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new input per sequence: x [B, C], state [B, C, K-1] -> SiLU(conv) [B, C], new state."""
+        w = self.conv_weight
+        window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1)  # [B, C, K]
+        out = (window * w).sum(-1)
+        out = F.silu(out if self.conv_bias is None else out + self.conv_bias)
+        return out, window[:, :, 1:].float()
+
+    def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk x [L, C] after the state [C, K-1]: SiLU(conv) [L, C] and the last K-1 inputs."""
+        w = self.conv_weight
+        full = torch.cat((state.to(w.dtype), x.to(w.dtype).t()), dim=-1)  # [C, K-1+L]
+        out = F.conv1d(full[None], w[:, None, :], self.conv_bias, groups=self.conv_dim)[0]  # [C, L]
+        return F.silu(out).t(), full[:, -(self.kernel - 1) :].float()
+
+
+class GatedDeltaNet(RecurrentMixer):
     """Qwen3-Next's layout: fused in_proj_qkvz and in_proj_ba, grouped per key head."""
 
     def __init__(self, lin: LinearAttentionConfig, hidden: int, eps: float, tp: Any, dtype) -> None:
@@ -98,8 +172,6 @@ class GatedDeltaNet(nn.Module):
         self.state_spec = StateSpec(
             "gated_deltanet", ((self.conv_dim, self.kernel - 1), (self.nv, self.dk, self.dv))
         )
-        self.conv_state: torch.Tensor | None = None  # [slots + 1, conv_dim, K - 1], bind_state
-        self.rec_state: torch.Tensor | None = None  # [slots + 1, nv, dk, dv]
 
     # ---- loading ----------------------------------------------------------------------------
     def _load_conv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
@@ -119,9 +191,6 @@ class GatedDeltaNet(nn.Module):
             param.data, read(src).narrow(0, self.tp_rank * self.nv, self.nv), "per value head parameter"
         )
 
-    def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.conv_state, self.rec_state = tensors
-
     # ---- forward ----------------------------------------------------------------------------
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[T, conv_dim] mixed q|k|v (this rank's heads), z [T, nv, dv], b and a [T, nv]."""
@@ -136,57 +205,9 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._split(x)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        meta, slots = ctx.attn, ctx.state_slots
-        core = torch.empty(x.shape[0], self.nv, self.dv, dtype=torch.float32, device=x.device)
-        nd = meta.num_decodes
-        if nd:
-            rows = slice(0, nd)
-            sl = slots[:nd] if slots is not None else None
-            conv = self._conv_state(sl, nd, fresh=False)
-            out, conv = self._conv_decode(mixed[rows], conv)
-            rec = self._rec_state(sl, nd, fresh=False)
-            core[rows] = self._delta(out, g[rows], beta[rows], rec)
-            self._keep(sl, conv, rec)
-        for i, chunk in enumerate(meta.prefills):
-            rows = chunk.rows
-            sl = slots[nd + i : nd + i + 1] if slots is not None else None
-            fresh = chunk.context == 0
-            conv = self._conv_state(sl, 1, fresh)[0]
-            out, conv = self._conv_prefill(mixed[rows], conv)
-            rec = self._rec_state(sl, 1, fresh)
-            core[rows] = self._delta(out, g[rows], beta[rows], rec)
-            self._keep(sl, conv[None], rec)
+        core = self.scan(mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec))
         y = self.norm(core.to(x.dtype), z)
         return self.out_proj(y.reshape(x.shape[0], -1))
-
-    def _conv_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
-        if slots is None or fresh or self.conv_state is None:
-            return torch.zeros(n, self.conv_dim, self.kernel - 1, dtype=torch.float32)
-        return self.conv_state[slots]
-
-    def _rec_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
-        if slots is None or fresh or self.rec_state is None:
-            return torch.zeros(n, self.nv, self.dk, self.dv, dtype=torch.float32)
-        return self.rec_state[slots]
-
-    def _keep(self, slots: torch.Tensor | None, conv: torch.Tensor, rec: torch.Tensor) -> None:
-        if slots is not None and self.conv_state is not None:
-            self.conv_state[slots] = conv
-            self.rec_state[slots] = rec
-
-    def _conv_decode(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new input per sequence: x [B, C], state [B, C, K-1] -> SiLU(conv) [B, C], new state."""
-        w = self.conv_weight
-        window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1)  # [B, C, K]
-        out = F.silu((window * w).sum(-1))
-        return out, window[:, :, 1:].float()
-
-    def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A chunk x [L, C] after the state [C, K-1]: SiLU(conv) [L, C] and the last K-1 inputs."""
-        w = self.conv_weight
-        full = torch.cat((state.to(w.dtype), x.to(w.dtype).t()), dim=-1)  # [C, K-1+L]
-        out = F.conv1d(full[None], w[:, None, :], groups=self.conv_dim)[0]  # [C, L]
-        return F.silu(out).t(), full[:, -(self.kernel - 1) :].float()
 
     def _delta(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
