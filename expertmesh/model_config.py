@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from expertmesh.linear_attention_config import LinearAttentionConfig
+from expertmesh.linear_attention_config import LinearAttentionConfig, Mamba2Config
 from expertmesh.mla_config import MLAConfig
 from expertmesh.rope_config import RopeConfig, opt_float
 
@@ -98,6 +98,7 @@ class ModelConfig:
     attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale), NoPE layers
     mla: MLAConfig | None = None  # multi-head latent attention's sizes (DeepSeek); None: not MLA
     linear_attn: LinearAttentionConfig | None = None  # Gated DeltaNet sizes (Qwen3-Next, Qwen3.5)
+    mamba: Mamba2Config | None = None  # Mamba2 sizes (Granite-4.0-H)
     # ---- MLP and experts
     num_experts: int = 0
     top_k: int = 0
@@ -227,6 +228,8 @@ def _attention_fields(hf: Any) -> dict:
     if not layer_types and sliding:  # one window for every layer (Mixtral, PhiMoE, Qwen3-MoE)
         layer_types = ("sliding_attention",) * hf.num_hidden_layers
     no_rope = getattr(hf, "no_rope_layers", None)  # Llama 4: 1 = this layer uses RoPE
+    if getattr(hf, "position_embedding_type", None) == "nope":  # Granite-4.0-H: no layer rotates
+        no_rope = [0] * hf.num_hidden_layers
     tuning = None
     if getattr(hf, "attn_temperature_tuning", False):
         tuning = (float(hf.floor_scale), float(hf.attn_scale))
@@ -245,6 +248,7 @@ def _attention_fields(hf: Any) -> dict:
         attn_temperature=tuning,
         mla=MLAConfig.from_hf(hf),
         linear_attn=LinearAttentionConfig.from_hf(hf),
+        mamba=Mamba2Config.from_hf(hf),
     )
 
 

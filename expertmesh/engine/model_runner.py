@@ -65,7 +65,8 @@ class ModelRunner:
         budget = kv_cache.kv_budget_bytes(
             cc.kv_cache_memory_bytes, self.config.device, cc.gpu_memory_utilization, useful
         )
-        self.local_state_slots = state_cache.slots_for(self.state_specs(), budget, sc.max_num_seqs)
+        reserve = -(-sc.max_model_len // self.block_size) * per_block  # one full-length sequence
+        self.local_state_slots = state_cache.slots_for(self.state_specs(), budget, sc.max_num_seqs, reserve)
         if not per_block:  # a pipeline stage of recurrent layers only: its blocks cost nothing
             return sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
         return (budget - self.local_state_slots * per_seq) // per_block

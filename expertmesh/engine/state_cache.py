@@ -19,9 +19,6 @@ import torch
 
 from expertmesh.engine.kv_cache import element_size
 
-# At most this share of the cache budget goes to states; the rest holds KV blocks.
-STATE_BUDGET_SHARE = 0.5
-
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -45,17 +42,18 @@ def bytes_per_seq(specs: list[StateSpec]) -> int:
     return sum(s.bytes_per_seq for s in specs)
 
 
-def slots_for(specs: list[StateSpec], budget: int, max_num_seqs: int) -> int:
-    """Sequences whose state fits in STATE_BUDGET_SHARE of `budget`, at most max_num_seqs; 0 when
-    the model has no state."""
+def slots_for(specs: list[StateSpec], budget: int, max_num_seqs: int, reserve: int) -> int:
+    """Sequences whose state fits in `budget` less `reserve` (the KV blocks of one full-length
+    sequence), at most max_num_seqs; 0 when the model has no state."""
     per_seq = bytes_per_seq(specs)
     if not per_seq:
         return 0
-    slots = min(max_num_seqs, int(budget * STATE_BUDGET_SHARE) // per_seq)
+    slots = min(max_num_seqs, (budget - reserve) // per_seq)
     if slots < 1:
         raise ValueError(
-            f"the cache budget ({budget} bytes) holds no sequence's recurrent state "
-            f"({per_seq} bytes per sequence); raise kv_cache_memory_bytes"
+            f"the cache budget ({budget} bytes) holds no sequence's recurrent state ({per_seq} bytes "
+            f"per sequence) beside one full-length sequence's KV ({reserve} bytes); raise "
+            "kv_cache_memory_bytes or lower max_model_len"
         )
     return slots
 

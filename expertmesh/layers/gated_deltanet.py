@@ -78,7 +78,7 @@ class RecurrentMixer(nn.Module):
 
     conv_dim: int
     kernel: int
-    conv_bias: nn.Parameter | None = None
+    conv_bias: nn.Parameter | None  # registered by each mixer (None: no bias)
     state_spec: StateSpec
     conv_state: torch.Tensor | None = None  # [slots + 1, conv_dim, K - 1], bind_state
     rec_state: torch.Tensor | None = None  # [slots + 1, *state_spec.shapes[1]]
@@ -163,6 +163,7 @@ class GatedDeltaNet(RecurrentMixer):
             torch.empty(self.conv_dim, self.kernel, dtype=dtype), requires_grad=False
         )
         set_loader(self.conv_weight, self._load_conv)
+        self.register_parameter("conv_bias", None)
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype), requires_grad=False)
         set_loader(self.A_log, self._load_heads)

@@ -21,6 +21,7 @@ from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
+from expertmesh.layers.mamba2 import Mamba2Mixer
 from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
@@ -161,10 +162,18 @@ def _gated_deltanet_split(cfg: ModelConfig, index: int, family: Family, tp: Any)
     return SplitGatedDeltaNet(cfg.linear_attn, cfg.hidden_size, cfg.norm_eps, tp, cfg.dtype)
 
 
+def _mamba2(cfg: ModelConfig, index: int, family: Family, tp: Any) -> nn.Module:
+    return Mamba2Mixer(cfg.mamba, cfg.hidden_size, cfg.norm_eps, tp, cfg.dtype)
+
+
 # Recurrent token mixers of hybrid families' "linear_attention" layers, by name; each declares its
 # per-sequence state (`.state_spec`, engine/state_cache.py) and takes it with `bind_state`.
 # "gated_deltanet": fused in_proj_qkvz / in_proj_ba (Qwen3-Next); "_split": Qwen3.5's four.
-LINEAR_MIXERS = {"gated_deltanet": _gated_deltanet, "gated_deltanet_split": _gated_deltanet_split}
+LINEAR_MIXERS = {
+    "gated_deltanet": _gated_deltanet,
+    "gated_deltanet_split": _gated_deltanet_split,
+    "mamba2": _mamba2,
+}
 
 
 def moe_spec(cfg: ModelConfig, family: Family) -> MoESpec:

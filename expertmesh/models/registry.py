@@ -16,6 +16,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeSharedForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoe", "GraniteMoeHybridForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),  # its text tower
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
