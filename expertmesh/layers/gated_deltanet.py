@@ -130,9 +130,10 @@ class RecurrentMixer(nn.Module):
         """One new input per sequence: x [B, C], state [B, C, K-1] -> SiLU(conv) [B, C], new state."""
         w = self.conv_weight
         window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1)  # [B, C, K]
-        out = (window * w).sum(-1)
-        out = F.silu(out if self.conv_bias is None else out + self.conv_bias)
-        return out, window[:, :, 1:].float()
+        out = (window.float() * w.float()).sum(-1)  # accumulated in float32, rounded once as conv1d is
+        if self.conv_bias is not None:
+            out = out + self.conv_bias.float()
+        return F.silu(out.to(w.dtype)), window[:, :, 1:].float()
 
     def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk x [L, C] after the state [C, K-1]: SiLU(conv) [L, C] and the last K-1 inputs."""
@@ -204,7 +205,7 @@ class GatedDeltaNet(RecurrentMixer):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, b, a = self._split(x)
-        beta = b.float().sigmoid()
+        beta = b.sigmoid().float()  # in the model dtype, as the reference rounds it
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = self.scan(mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec))
         y = self.norm(core.to(x.dtype), z)
