@@ -258,3 +258,25 @@ def test_hybrid_bf16_close_to_transformers(family, real_checkpoint):
             and ours.mean() <= theirs.mean() + 0.1
             and ours.max() < max(1.0, theirs.max() + 0.1)
         ), f"{family} bf16, prompt of {len(prompt)}: ours {ours.tolist()} vs transformers' {theirs.tolist()}"
+
+
+def test_chunked_delta_rule_equals_the_recurrent_form():
+    """The prefill's chunked form against the decode's token-by-token rule, in float64, from a
+    non-zero state, over lengths across the chunk (1, 63, 64, 65, 150 with chunks of 64)."""
+    from expertmesh.layers.gated_deltanet import delta_rule_chunked, delta_rule_step, l2norm
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 63, 64, 65, 150):
+        h, dk, dv = 3, 8, 5
+        q = l2norm(torch.randn(n, h, dk, generator=g, dtype=torch.float64)) * dk**-0.5
+        k = l2norm(torch.randn(n, h, dk, generator=g, dtype=torch.float64))
+        v = torch.randn(n, h, dv, generator=g, dtype=torch.float64)
+        decay = -torch.rand(n, h, generator=g, dtype=torch.float64)
+        beta = torch.rand(n, h, generator=g, dtype=torch.float64)
+        s0 = torch.randn(1, h, dk, dv, generator=g, dtype=torch.float64)
+        s_ref, s_chunk = s0.clone(), s0.clone()
+        ref = torch.cat([delta_rule_step(s_ref, q[i : i + 1], k[i : i + 1], v[i : i + 1],
+                                         decay[i : i + 1], beta[i : i + 1]) for i in range(n)])  # fmt: skip
+        out = delta_rule_chunked(s_chunk, q, k, v, decay, beta)
+        assert torch.allclose(out, ref, atol=1e-10), n
+        assert torch.allclose(s_chunk, s_ref, atol=1e-10), n

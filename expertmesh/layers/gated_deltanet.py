@@ -6,9 +6,9 @@ projected; q, k and v go through a causal depthwise convolution (kernel K, SiLU)
 inputs are the conv state; q and k are L2-normalised, q scaled by d_k^-1/2; then per value head
 the recurrent state S [d_k, d_v] decays by exp(g), g = -exp(A_log) * softplus(a + dt_bias), takes
 the delta-rule write S += k (beta (v - S^T k))^T with beta = sigmoid(b), and the output is S^T q,
-RMS-normalised and gated by SiLU(z). Prefill chunks and decodes both run the recurrent form in
-float32 (one token at a time; a chunk starting at position 0 starts from a zero state); the conv
-and recurrent states are read from and written back to the sequence's slot.
+RMS-normalised and gated by SiLU(z). Decodes run the recurrent form, prefill chunks the chunked
+form (delta_rule_chunked), both in float32 (a chunk at position 0 starts from a zero state); the
+conv and recurrent states are read from and written back to the sequence's slot.
 
 Tensor parallelism splits the key heads (with the value heads each serves) like attention heads:
 the fused projections are grouped per key head, so a contiguous row shard is a head group; the
@@ -50,6 +50,48 @@ def delta_rule_step(
     delta = (v - kv_mem) * beta[..., None]
     state.add_(k[..., None] * delta[..., None, :])
     return (state * q[..., None]).sum(-2)
+
+
+def delta_rule_chunked(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """The gated delta rule over one sequence's L tokens in chunks (the WY / UT form): within a
+    chunk the writes are solved as one unit-lower-triangular system, across chunks the state is
+    carried. state [1, H, dk, dv] (updated in place), q, k [L, H, dk], v [L, H, dv], g, beta
+    [L, H]; returns [L, H, dv]. Equals delta_rule_step token by token, up to rounding."""
+    n = q.shape[0]
+    pad = (chunk - n % chunk) % chunk
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, L', d]
+    g, beta = (F.pad(x.t(), (0, pad)) for x in (g, beta))  # [H, L']
+    h = q.shape[0]
+    q, k, v = (x.reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, v))  # [H, N, C, d]
+    beta = beta.reshape(h, -1, chunk)
+    cum = g.reshape(h, -1, chunk).cumsum(-1)  # log decay from the chunk's start to each token
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower part; unit diagonal
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+    )
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp()[..., None]
+    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    s = state[0]
+    out = torch.empty_like(new_v)
+    for i in range(q.shape[1]):
+        v_i = new_v[:, i] - k_cum[:, i] @ s
+        out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_i
+        s.mul_(chunk_decay[:, i]).add_(k_dec[:, i].transpose(-1, -2) @ v_i)
+    return out.reshape(h, -1, out.shape[-1])[:, :n].transpose(0, 1)
 
 
 class GatedRMSNorm(nn.Module):
@@ -223,12 +265,7 @@ class GatedDeltaNet(RecurrentMixer):
         v = v.reshape(t, self.nv, self.dv)
         if state.shape[0] == t:  # one token per sequence
             return delta_rule_step(state, q, k, v, g, beta)
-        out = torch.empty(t, self.nv, self.dv, dtype=torch.float32)
-        for i in range(t):  # one sequence's tokens in order
-            out[i] = delta_rule_step(
-                state, q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1]
-            )[0]
-        return out
+        return delta_rule_chunked(state, q, k, v, g, beta)  # one sequence's tokens
 
 
 class SplitGatedDeltaNet(GatedDeltaNet):
