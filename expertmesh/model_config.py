@@ -156,6 +156,11 @@ class ModelConfig:
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"layer_types {unknown} are not supported; supported: {list(LAYER_TYPES)}")
+        if "linear_attention" in self.layer_types and self.linear_attn is None and self.mamba is None:
+            raise ValueError(
+                "layer_types ['linear_attention'] are not supported without a recurrent layer's sizes in "
+                "the config (Gated DeltaNet: linear_num_key_heads, ...; Mamba2: mamba_n_heads, ...)"
+            )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
         if "chunked_attention" in self.layer_types and not self.attention_chunk_size:

@@ -280,3 +280,20 @@ def test_chunked_delta_rule_equals_the_recurrent_form():
         out = delta_rule_chunked(s_chunk, q, k, v, decay, beta)
         assert torch.allclose(out, ref, atol=1e-10), n
         assert torch.allclose(s_chunk, s_ref, atol=1e-10), n
+
+
+def test_recurrent_layers_a_family_does_not_declare_are_named(real_checkpoint, tmp_path):
+    """Qwen3-Next's config under an attention-only architecture: the error names the layer kind
+    and the families that have one; the next engine on the real file works."""
+    import shutil
+
+    path = real_checkpoint(_source("qwen3-next"))
+    bad = tmp_path / "as-qwen3-moe"
+    shutil.copytree(path, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\] are not supported by Qwen3Moe"):
+        LLM(str(bad), kv_cache_memory_bytes=1 << 22)
+    llm = LLM(path, kv_cache_memory_bytes=1 << 22)
+    assert llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -197,7 +197,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
         self.is_linear = cfg.layer_type(index) == "linear_attention"
         if self.is_linear:  # a hybrid family's recurrent layer: its mixer in place of attention
-            mixer = lookup(LINEAR_MIXERS, family.linear_attention or "", "linear attention kind")
+            if family.linear_attention is None:
+                raise ValueError(
+                    f"layer_types ['linear_attention'] are not supported by {cfg.architecture}; its family "
+                    "declares no recurrent mixer (hybrid families: Qwen3-Next, Qwen3.5-MoE, Granite-4.0-H)"
+                )
+            mixer = lookup(LINEAR_MIXERS, family.linear_attention, "linear attention kind")
             self.linear_attn = mixer(cfg, index, family, env.groups.tp)
         else:
             self.self_attn = lookup(ATTENTION_KINDS, family.attention, "attention kind")(
