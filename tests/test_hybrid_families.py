@@ -183,15 +183,22 @@ def test_block_manager_hands_out_one_state_slot_per_sequence():
     assert seqs[0].state_slot is None and plain.can_allocate(seqs[1], [], 3)
 
 
-LAYOUTS = [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")]  # (DP, PP, TP, backend)
+# (DP, PP, TP, backend) per family: Mamba2 layers are not split over TP, so Granite-4.0-H runs
+# DP2 x PP2 with expert parallelism instead.
+LAYOUTS = {
+    "qwen3.5-moe": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
+    "qwen3-next": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
+    "granite-4.0-h": [(2, 2, 1, "alltoall")],
+}
 
 
-def _layout_rank(rank, world, path, prompts):
+def _layout_rank(rank, world, path, prompts, family):
     results = []
-    for dp, pp, tp, backend in LAYOUTS:
+    for dp, pp, tp, backend in LAYOUTS[family]:
         llm = LLM(
             path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-            all2all_backend=backend, distributed_executor_backend="external_launcher", max_model_len=128,
+            all2all_backend=backend, enable_expert_parallel=backend == "alltoall",
+            distributed_executor_backend="external_launcher", max_model_len=128,
             kv_cache_memory_bytes=1 << 22, enable_chunked_prefill=True, max_num_batched_tokens=32,
             max_num_seqs=8,
         )  # fmt: skip
@@ -204,18 +211,20 @@ def _layout_rank(rank, world, path, prompts):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["qwen3.5-moe"])
+@pytest.mark.parametrize("family", sweep(sorted(LAYOUTS), ["qwen3.5-moe"]))
 def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
     """DP2 x TP2 (`naive`, one DP rank idle: its lockstep dummies touch no state) and PP2 x TP2:
     the linear-attention heads, their projections, convolution channels and states split over
-    TP like attention heads; on every rank the tokens equal the one-process run."""
+    TP like attention heads (Qwen3.5's split projections by default, Qwen3-Next's fused ones with
+    -m slow); Granite-4.0-H's Mamba2 layers under DP2 x PP2 with EP (-m slow). On every rank the
+    tokens equal the one-process run."""
     from distributed_utils import run_distributed
 
     path = real_checkpoint(_source(family))
     prompts = prompts_for()
     _, outs = _run(path, prompts)
     expected = [o.outputs[0].token_ids for o in outs]
-    for rank, per_rank in enumerate(run_distributed(_layout_rank, 4, path, prompts, timeout=230)):
+    for rank, per_rank in enumerate(run_distributed(_layout_rank, 4, path, prompts, family, timeout=230)):
         for layout, idx, tokens in per_rank:
             assert tokens == [expected[i] for i in idx], f"{family}: rank {rank}, (DP,PP,TP,backend)={layout}"
 
