@@ -306,3 +306,29 @@ def test_recurrent_layers_a_family_does_not_declare_are_named(real_checkpoint, t
         LLM(str(bad), kv_cache_memory_bytes=1 << 22)
     llm = LLM(path, kv_cache_memory_bytes=1 << 22)
     assert llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_chunked_ssd_scan_equals_the_recurrent_form():
+    """Mamba2's prefill scan against the decode's token-by-token update, in float64, from a
+    non-zero state, over lengths across the chunk of 64."""
+    from expertmesh.layers.mamba2 import ssd_chunked
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 63, 64, 65, 150):
+        h, p, s = 3, 4, 5
+        x = torch.randn(n, h, p, generator=g, dtype=torch.float64)
+        dt = torch.rand(n, h, generator=g, dtype=torch.float64)
+        a = -torch.rand(h, generator=g, dtype=torch.float64) * 2
+        b, c = (torch.randn(n, h, s, generator=g, dtype=torch.float64) for _ in range(2))
+        s0 = torch.randn(h, p, s, generator=g, dtype=torch.float64)
+        state, ref = s0.clone(), []
+        for i in range(n):
+            state = (
+                state * (dt[i] * a).exp()[:, None, None]
+                + dt[i][:, None, None] * x[i][:, :, None] * b[i][:, None, :]
+            )
+            ref.append((state * c[i][:, None, :]).sum(-1))
+        chunked = s0.clone()
+        out = ssd_chunked(chunked, x, dt, a, b, c)
+        assert torch.allclose(out, torch.stack(ref), atol=1e-10), n
+        assert torch.allclose(chunked, state, atol=1e-10), n

@@ -5,9 +5,8 @@ Per token: in_proj gives the gate z [intermediate], x|B|C [conv channels] and dt
 go through the causal depthwise convolution (with bias, SiLU); per head h with its group's B and
 C [state size]: dt = softplus(dt + dt_bias), the state [head_dim, state size] decays by
 exp(dt * A), A = -exp(A_log), and takes dt * x_h B^T; the output is state C + D x_h, then
-RMSNorm per group of (output * SiLU(z)) times w, and out_proj. Prefill and decode both run this
-recurrent form in float32 (transformers' prefill runs the chunked SSD scan: the same sums in
-another order).
+RMSNorm per group of (output * SiLU(z)) times w, and out_proj. Decodes run this recurrent form,
+prefill chunks the chunked scan (ssd_chunked), both in float32.
 """
 
 from __future__ import annotations
@@ -24,6 +23,37 @@ from expertmesh.layers.gated_deltanet import RecurrentMixer
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 from expertmesh.linear_attention_config import Mamba2Config
+
+
+def ssd_chunked(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """The selective scan S_t = exp(dt_t a) S_{t-1} + dt_t x_t b_t^T, y_t = S_t c_t over one
+    sequence's L tokens in chunks (state space duality: within a chunk one masked matmul, across
+    chunks the state carried). state [H, P, N] (updated in place), x [L, H, P], dt [L, H], a [H],
+    b and c [L, H, N]; returns y [L, H, P] without the D skip. Equals the token-by-token update up
+    to rounding."""
+    n_tok = x.shape[0]
+    mask = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    out = torch.empty_like(x)
+    for start in range(0, n_tok, chunk):
+        end = min(start + chunk, n_tok)
+        m = end - start
+        xs, dts, bs, cs = (t[start:end].transpose(0, 1) for t in (x, dt, b, c))  # heads first
+        cum = (dts * a[:, None]).cumsum(-1)  # [H, m] log decay from the chunk's start
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~mask[:m, :m], float("-inf")).exp()
+        w = decay * (cs @ bs.transpose(-1, -2)) * dts[:, None, :]  # [H, m, m]
+        y = w @ xs + cum.exp()[..., None] * (cs @ state.transpose(-1, -2))  # [H, m, P]
+        to_end = (cum[:, -1:] - cum).exp() * dts  # [H, m]
+        state.mul_(cum[:, -1].exp()[:, None, None]).add_((xs * to_end[..., None]).transpose(-1, -2) @ bs)
+        out[start:end] = y.transpose(0, 1)
+    return out
 
 
 class GroupGatedRMSNorm(nn.Module):
@@ -104,15 +134,11 @@ class Mamba2Mixer(RecurrentMixer):
         b = b.view(t, m.n_groups, m.state_size).repeat_interleave(rep, dim=1)  # [t, heads, N]
         c = c.view(t, m.n_groups, m.state_size).repeat_interleave(rep, dim=1)
         a = -self.A_log.float().exp()
-        decay = (dt * a).exp()  # [t, heads]
+        decay = (dt * a).exp()  # [t, heads]: the decode step's
         d = self.D.float()[:, None]
         if state.shape[0] == t:  # one token per sequence
             state.mul_(decay[:, :, None, None]).add_(dt[:, :, None, None] * xs[..., None] * b[:, :, None, :])
             y = (state * c[:, :, None, :]).sum(-1) + d * xs
             return y.reshape(t, -1)
-        out = torch.empty(t, heads, m.head_dim, dtype=torch.float32)
-        s = state[0]
-        for i in range(t):
-            s.mul_(decay[i, :, None, None]).add_(dt[i, :, None, None] * xs[i, :, :, None] * b[i, :, None, :])
-            out[i] = (s * c[i, :, None, :]).sum(-1) + d * xs[i]
-        return out.reshape(t, -1)
+        y = ssd_chunked(state[0], xs, dt, a, b, c)  # one sequence's tokens
+        return (y + d * xs).reshape(t, -1)
