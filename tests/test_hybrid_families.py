@@ -332,3 +332,31 @@ def test_chunked_ssd_scan_equals_the_recurrent_form():
         out = ssd_chunked(chunked, x, dt, a, b, c)
         assert torch.allclose(out, torch.stack(ref), atol=1e-10), n
         assert torch.allclose(chunked, state, atol=1e-10), n
+
+
+def test_abort_and_a_failed_step_return_the_state_slot(real_checkpoint, monkeypatch):
+    """An aborted sequence mid-decode and the sequences of a step that raised give their slots
+    back at once; the next request starts from a zero state (its tokens equal a fresh engine's)."""
+    path = real_checkpoint(_source("qwen3-next"))
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23, max_num_seqs=2)
+    engine = llm.llm_engine
+    blocks = engine.blocks
+    prompt = prompts_for()[1]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.add_request("a", prompt, sp)
+    engine.step()
+    engine.step()
+    assert len(blocks.free_slots) == blocks.state_slots - 1
+    engine.abort_request("a")
+    assert sorted(blocks.free_slots) == list(range(blocks.state_slots))
+    failed = engine.add_request("b", prompt[:9], sp)
+    real_forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    engine.step()
+    assert "boom" in failed.error and sorted(blocks.free_slots) == list(range(blocks.state_slots))
+    monkeypatch.setattr(engine.runner, "forward", real_forward)
+    engine.check_invariants()
+    after = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    fresh = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23, max_num_seqs=2)
+    expected = fresh.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == expected
