@@ -129,10 +129,9 @@ class LLMEngine:
     def _agree_on_state_slots(self, runner: ModelRunner) -> int:
         """Hybrid models: the recurrent-state slots every rank affords (the fewest), allocated; they
         bound the running sequences. 0 for a model without recurrent layers."""
-        local = getattr(runner, "local_state_slots", 0)
         if not runner.state_layers:
             return 0
-        t = torch.tensor([local])
+        t = torch.tensor([runner.local_state_slots])
         t = self.groups.world.all_reduce(t, op="min") if self.groups.world.world_size > 1 else t
         runner.allocate_states(int(t))
         log.info(

@@ -36,6 +36,7 @@ class ModelRunner:
         self.state_layers = model.state_layers() if hasattr(model, "state_layers") else []
         self.states: list[tuple[torch.Tensor, ...]] = []
         self.num_state_slots = 0
+        self.local_state_slots = 0  # what this rank's budget affords, set by local_block_budget
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_specs(self) -> list[kv_cache.KVCacheSpec]:
