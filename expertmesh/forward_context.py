@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from expertmesh.layers.attention import AttentionMetadata
 from expertmesh.layers.rotary import RotaryTables
 
@@ -17,3 +19,6 @@ class ForwardContext:
     rope: RotaryTables | None = None
     # False for a lockstep dummy forward: its token is not counted in the expert load.
     count_load: bool = True
+    # Hybrid models: each sequence's recurrent-state slot (engine/state_cache.py), decodes then
+    # prefill chunks in AttentionMetadata order; None (a dummy forward): zero state, not kept.
+    state_slots: torch.Tensor | None = None

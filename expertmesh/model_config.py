@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from expertmesh.linear_attention_config import LinearAttentionConfig, Mamba2Config
 from expertmesh.mla_config import MLAConfig
 from expertmesh.rope_config import RopeConfig, opt_float
 
@@ -47,7 +48,8 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# linear_attention: a Gated DeltaNet layer (hybrid families; ModelConfig.linear_attn has its sizes)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 
 
 def _quantization(hf: Any, online: str | None) -> Any:
@@ -95,6 +97,8 @@ class ModelConfig:
     attention_multiplier: float | None = None  # replaces head_dim ** -0.5 (Granite)
     attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale), NoPE layers
     mla: MLAConfig | None = None  # multi-head latent attention's sizes (DeepSeek); None: not MLA
+    linear_attn: LinearAttentionConfig | None = None  # Gated DeltaNet sizes (Qwen3-Next, Qwen3.5)
+    mamba: Mamba2Config | None = None  # Mamba2 sizes (Granite-4.0-H)
     # ---- MLP and experts
     num_experts: int = 0
     top_k: int = 0
@@ -152,6 +156,11 @@ class ModelConfig:
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"layer_types {unknown} are not supported; supported: {list(LAYER_TYPES)}")
+        if "linear_attention" in self.layer_types and self.linear_attn is None and self.mamba is None:
+            raise ValueError(
+                "layer_types ['linear_attention'] are not supported without a recurrent layer's sizes in "
+                "the config (Gated DeltaNet: linear_num_key_heads, ...; Mamba2: mamba_n_heads, ...)"
+            )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
         if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
@@ -224,6 +233,8 @@ def _attention_fields(hf: Any) -> dict:
     if not layer_types and sliding:  # one window for every layer (Mixtral, PhiMoE, Qwen3-MoE)
         layer_types = ("sliding_attention",) * hf.num_hidden_layers
     no_rope = getattr(hf, "no_rope_layers", None)  # Llama 4: 1 = this layer uses RoPE
+    if getattr(hf, "position_embedding_type", None) == "nope":  # Granite-4.0-H: no layer rotates
+        no_rope = [0] * hf.num_hidden_layers
     tuning = None
     if getattr(hf, "attn_temperature_tuning", False):
         tuning = (float(hf.floor_scale), float(hf.attn_scale))
@@ -241,6 +252,8 @@ def _attention_fields(hf: Any) -> dict:
         attention_multiplier=None if multiplier is None else float(multiplier),
         attn_temperature=tuning,
         mla=MLAConfig.from_hf(hf),
+        linear_attn=LinearAttentionConfig.from_hf(hf),
+        mamba=Mamba2Config.from_hf(hf),
     )
 
 

@@ -8,6 +8,9 @@ its other blocks are new. A freed block keeps its key and stays reusable: free b
 key are handed out first, then cached ones, least recently freed first (LRU), and a cached block
 handed out is evicted (its key forgotten). A sequence frees its blocks last first, so the tail of
 a prompt is evicted before the head others may share.
+
+Hybrid models (engine/state_cache.py): with `state_slots`, each sequence also holds one slot of
+recurrent state from its first blocks to its release; a sequence without a free slot waits.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from expertmesh.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache holds {num_blocks} blocks; at least 1 is needed")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -31,6 +36,8 @@ class BlockManager:
         # Free blocks in the order they are handed out (keyless first, then cached ones by LRU).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up / found
+        self.state_slots = state_slots
+        self.free_slots: list[int] = list(range(state_slots - 1, -1, -1))  # popped from the end
 
     @property
     def num_free(self) -> int:
@@ -87,6 +94,8 @@ class BlockManager:
         """Whether `seq` can start from `hits` and hold `num_tokens` tokens."""
         need = -(-num_tokens // self.block_size) - len(hits)
         reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)  # hits now on the free list
+        if self.state_slots and not self.free_slots:
+            return False
         return need <= self.num_free - reclaimed
 
     def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
@@ -97,6 +106,8 @@ class BlockManager:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
         seq.block_table = list(hits)
+        if self.state_slots:
+            seq.state_slot = self.free_slots.pop()
         seq.num_keyed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         self.grow(seq, num_tokens)
@@ -128,9 +139,19 @@ class BlockManager:
                     self.free_blocks.move_to_end(block, last=False)  # nothing to keep: reused first
         seq.block_table = []
         seq.num_computed_tokens = seq.num_keyed_blocks = 0
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slot_problems(self, held: list[int]) -> list[str]:
+        """What is wrong with the state slots, given the slots queued sequences hold."""
+        if sorted(held + self.free_slots) != list(range(self.state_slots)):
+            return [f"state slots held {sorted(held)} and free {sorted(self.free_slots)} do not partition "
+                    f"the {self.state_slots} slots"]  # fmt: skip
+        return []
 
     def problems(self, tables: list[list[int]]) -> list[str]:
         """What is wrong with the accounting, given the block tables of every queued sequence:

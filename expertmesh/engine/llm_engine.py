@@ -108,7 +108,9 @@ class LLMEngine:
         log.info("%s", runner.describe_kv())
         num_blocks = self._agree_on_blocks(runner.local_block_budget())
         runner.allocate_kv(num_blocks)
-        self.blocks = BlockManager(num_blocks, config.cache_config.block_size, prefix_caching_allowed(config))
+        slots = self._agree_on_state_slots(runner)
+        prefix_caching = prefix_caching_allowed(config) and not self._has_state(runner)
+        self.blocks = BlockManager(num_blocks, config.cache_config.block_size, prefix_caching, slots)
         self.scheduler = Scheduler(config.scheduler_config, self.blocks)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -124,6 +126,29 @@ class LLMEngine:
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, self.blocks.block_size, self.capacity
         )
+
+    def _agree_on_state_slots(self, runner: ModelRunner) -> int:
+        """Hybrid models: the recurrent-state slots every rank affords (the fewest), allocated; they
+        bound the running sequences. 0 for a model without recurrent layers."""
+        if not runner.state_layers:
+            return 0
+        t = torch.tensor([runner.local_state_slots])
+        t = self.groups.world.all_reduce(t, op="min") if self.groups.world.world_size > 1 else t
+        runner.allocate_states(int(t))
+        log.info(
+            "state cache: %d sequence slots (max_num_seqs=%d)",
+            int(t),
+            self.config.scheduler_config.max_num_seqs,
+        )
+        return int(t)
+
+    def _has_state(self, runner: ModelRunner) -> bool:
+        if runner.state_layers and self.config.cache_config.enable_prefix_caching:
+            log.info(
+                "prefix caching is off: this model's recurrent layers keep a per-sequence state that a "
+                "cached block does not hold (state snapshots at block boundaries are not implemented)"
+            )
+        return bool(runner.state_layers)
 
     def _agree_on_blocks(self, local: int) -> int:
         """Every rank must use the same block count: the smallest one anyone can afford."""
@@ -314,6 +339,7 @@ class LLMEngine:
         prefix cache and the blocks' keys agree, and nothing finished is still queued or held."""
         queued = [*self.scheduler.running, *self.scheduler.waiting]
         problems = self.blocks.problems([seq.block_table for seq in queued])
+        problems += self.blocks.slot_problems([s.state_slot for s in queued if s.state_slot is not None])
         if len({id(s) for s in queued}) != len(queued):
             problems.append("a sequence is queued twice")
         if any(seq.is_finished for seq in queued):

@@ -11,7 +11,7 @@ import torch
 
 from expertmesh.config import EngineConfig
 from expertmesh.distributed.group import ParallelGroups
-from expertmesh.engine import kv_cache
+from expertmesh.engine import kv_cache, state_cache
 from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sampler import Sampler, top_logprobs
 from expertmesh.engine.scheduler import ScheduledBatch
@@ -32,6 +32,11 @@ class ModelRunner:
         # Our compiled CPU kernels, if the model builder chose them (models/build.py): decode
         # steps then carry int32 block tables for the in-place paged attention.
         self.kernels = getattr(model, "cpu_kernels", None)
+        # Recurrent layers of hybrid models (engine/state_cache.py); [] for attention-only ones.
+        self.state_layers = model.state_layers() if hasattr(model, "state_layers") else []
+        self.states: list[tuple[torch.Tensor, ...]] = []
+        self.num_state_slots = 0
+        self.local_state_slots = 0  # what this rank's budget affords, set by local_block_budget
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_specs(self) -> list[kv_cache.KVCacheSpec]:
@@ -45,16 +50,34 @@ class ModelRunner:
         return kv_cache.bytes_per_block(self.kv_specs(), self.block_size, self.config.model_config.dtype)
 
     def describe_kv(self) -> str:
-        return kv_cache.describe(self.kv_specs(), self.config.model_config.dtype)
+        line = kv_cache.describe(self.kv_specs(), self.config.model_config.dtype)
+        return state_cache.describe(line, self.state_specs())
+
+    def state_specs(self) -> list[state_cache.StateSpec]:
+        return [layer.state_spec for layer in self.state_layers]
 
     def local_block_budget(self) -> int:
+        """KV blocks this rank affords; a hybrid model's state slots (`local_state_slots`) are
+        taken from the same budget first."""
         sc, cc = self.config.scheduler_config, self.config.cache_config
         per_block = self.block_bytes()
-        useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size) * per_block
+        per_seq = state_cache.bytes_per_seq(self.state_specs())
+        useful = sc.max_num_seqs * (-(-sc.max_model_len // self.block_size) * per_block + per_seq)
         budget = kv_cache.kv_budget_bytes(
             cc.kv_cache_memory_bytes, self.config.device, cc.gpu_memory_utilization, useful
         )
-        return budget // per_block
+        reserve = -(-sc.max_model_len // self.block_size) * per_block  # one full-length sequence
+        self.local_state_slots = state_cache.slots_for(self.state_specs(), budget, sc.max_num_seqs, reserve)
+        if not per_block:  # a pipeline stage of recurrent layers only: its blocks cost nothing
+            return sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
+        return (budget - self.local_state_slots * per_seq) // per_block
+
+    def allocate_states(self, num_slots: int) -> None:
+        """`num_slots` sequences' recurrent state per recurrent layer, bound to its layer."""
+        self.num_state_slots = num_slots
+        self.states = state_cache.allocate(self.state_specs(), num_slots, self.config.device)
+        for layer, tensors in zip(self.state_layers, self.states, strict=True):
+            layer.bind_state(tensors)
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -99,7 +122,10 @@ class ModelRunner:
                 last.append(len(ids) - 1)
         meta = self._attention_metadata(batch, slots, prefills)
         meta.seq_lens = torch.tensor(lens)
-        return torch.tensor(ids), torch.tensor(pos), ForwardContext(meta, [len(ids)]), last
+        ctx = ForwardContext(meta, [len(ids)])
+        if self.state_layers:
+            ctx.state_slots = torch.tensor([s.state_slot for s in batch.decodes + batch.prefills])
+        return torch.tensor(ids), torch.tensor(pos), ctx, last
 
     def _attention_metadata(
         self, batch: ScheduledBatch, slots: list[int], prefills: list[PrefillChunk]

@@ -35,6 +35,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_keys: list[bytes] = []
         self.num_keyed_blocks = 0  # leading blocks of block_table already offered to the cache
+        self.state_slot: int | None = None  # its row of the recurrent-state cache (hybrid models)
         self.scheduled_once = False
         self.max_len = max_len  # prompt + output never exceeds this (max_model_len, KV capacity)
         self.finish_reason: str | None = None

@@ -38,6 +38,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + w), w stored zero-centred (Qwen3-Next, Qwen3.5), in float32 with the
+    product rounded once, as the reference does."""
+
+    def __init__(self, dim: int, eps: float, dtype=torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+        set_loader(self.weight, default_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype=torch.float32) -> None:
         super().__init__()
@@ -88,7 +104,7 @@ class ProjectionRMSNorm(nn.Module):
         return (self.weight * y.to(x.dtype)).view(x.shape)
 
 
-NORMS = {"rms": RMSNorm, "layer": LayerNorm}
+NORMS = {"rms": RMSNorm, "layer": LayerNorm, "rms_offset": OffsetRMSNorm}
 
 
 @dataclass(frozen=True)

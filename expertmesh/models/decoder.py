@@ -19,7 +19,9 @@ from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import Attention
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from expertmesh.layers.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
+from expertmesh.layers.mamba2 import Mamba2Mixer
 from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
@@ -119,9 +121,59 @@ class DecoderAttention(nn.Module):
         return form
 
 
+class GatedDecoderAttention(nn.Module):
+    """GQA whose output is gated per channel by sigmoid(gate), the gate projected with the query
+    (q_proj holds [query, gate] per head: Qwen3-Next, Qwen3.5), per-head q/k norm of the family's
+    norm kind before RoPE, partial RoPE from the config."""
+
+    def __init__(self, cfg: ModelConfig, index: int, family: Family, tp: Any) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        # The query and its gate as 2 x num_heads "heads" of head_dim: a TP shard keeps pairs whole.
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, 2 * cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, cfg.dtype
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp, dtype=cfg.dtype)
+        h, hk = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
+        self.sizes, self.heads = (2 * h * d, hk * d, hk * d), (h, hk, d)
+        norm = lookup(NORMS, family.norm, "norm")
+        self.q_norm, self.k_norm = norm(d, cfg.norm_eps, cfg.dtype), norm(d, cfg.norm_eps, cfg.dtype)
+        self.attn = Attention(h, hk, d, d**-0.5, None, group=tp)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h, hk, d = self.heads
+        qg, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, gate = qg.view(-1, h, 2 * d).chunk(2, dim=-1)
+        q, k, v = self.q_norm(q.contiguous()), self.k_norm(k.view(-1, hk, d)), v.view(-1, hk, d)
+        y = self.attn(q, k, v, ctx.attn, rope=ctx.rope)
+        return self.o_proj(y * torch.sigmoid(gate.reshape(y.shape)))
+
+
 # Attention kinds a family picks by name; each owns its projections and its KV-cache kind
 # (`.attn.kv_spec`): per-head K/V for GQA/MHA, one latent row per token for MLA.
-ATTENTION_KINDS = {"gqa": DecoderAttention, "mla": MLAAttention}
+ATTENTION_KINDS = {"gqa": DecoderAttention, "mla": MLAAttention, "gated_gqa": GatedDecoderAttention}
+
+
+def _gated_deltanet(cfg: ModelConfig, index: int, family: Family, tp: Any) -> nn.Module:
+    return GatedDeltaNet(cfg.linear_attn, cfg.hidden_size, cfg.norm_eps, tp, cfg.dtype)
+
+
+def _gated_deltanet_split(cfg: ModelConfig, index: int, family: Family, tp: Any) -> nn.Module:
+    return SplitGatedDeltaNet(cfg.linear_attn, cfg.hidden_size, cfg.norm_eps, tp, cfg.dtype)
+
+
+def _mamba2(cfg: ModelConfig, index: int, family: Family, tp: Any) -> nn.Module:
+    return Mamba2Mixer(cfg.mamba, cfg.hidden_size, cfg.norm_eps, tp, cfg.dtype)
+
+
+# Recurrent token mixers of hybrid families' "linear_attention" layers, by name; each declares its
+# per-sequence state (`.state_spec`, engine/state_cache.py) and takes it with `bind_state`.
+# "gated_deltanet": fused in_proj_qkvz / in_proj_ba (Qwen3-Next); "_split": Qwen3.5's four.
+LINEAR_MIXERS = {
+    "gated_deltanet": _gated_deltanet,
+    "gated_deltanet_split": _gated_deltanet_split,
+    "mamba2": _mamba2,
+}
 
 
 def moe_spec(cfg: ModelConfig, family: Family) -> MoESpec:
@@ -143,9 +195,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lookup(NORMS, family.norm, "norm")
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
-        self.self_attn = lookup(ATTENTION_KINDS, family.attention, "attention kind")(
-            cfg, index, family, env.groups.tp
-        )
+        self.is_linear = cfg.layer_type(index) == "linear_attention"
+        if self.is_linear:  # a hybrid family's recurrent layer: its mixer in place of attention
+            if family.linear_attention is None:
+                raise ValueError(
+                    f"layer_types ['linear_attention'] are not supported by {cfg.architecture}; its family "
+                    "declares no recurrent mixer (hybrid families: Qwen3-Next, Qwen3.5-MoE, Granite-4.0-H)"
+                )
+            mixer = lookup(LINEAR_MIXERS, family.linear_attention, "linear attention kind")
+            self.linear_attn = mixer(cfg, index, family, env.groups.tp)
+        else:
+            self.self_attn = lookup(ATTENTION_KINDS, family.attention, "attention kind")(
+                cfg, index, family, env.groups.tp
+            )
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
@@ -163,6 +225,8 @@ class DecoderLayer(nn.Module):
     def native_form(self, keep: list) -> dict | None:
         """The whole layer's descriptor fields (layers/native_decode.py) when every block has a
         native form: RMSNorms, GQA attention, a MoE block (dense MLP layers have none yet)."""
+        if self.is_linear:
+            return None
         blocks = (self.input_layernorm, self.post_attention_layernorm, self.self_attn)
         if not self.is_moe or not all(hasattr(b, "native_form") for b in blocks):
             return None
@@ -185,7 +249,8 @@ class DecoderLayer(nn.Module):
         return self._modules[self.mlp_name].native_routing(h)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        y = self.self_attn(positions, self.input_layernorm(x), ctx)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        y = mixer(positions, self.input_layernorm(x), ctx)
         x = x + (y if self.residual_multiplier == 1.0 else y * self.residual_multiplier)
         mlp = getattr(self, self.mlp_name)
         h = self.post_attention_layernorm(x)
@@ -278,4 +343,8 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[Any]:
         """The modules that own a KV cache (`kv_spec`, `bind_kv_cache`), one per layer."""
-        return [layer.self_attn.attn for layer in self.model.layers.values()]
+        return [layer.self_attn.attn for layer in self.model.layers.values() if not layer.is_linear]
+
+    def state_layers(self) -> list[Any]:
+        """The modules that own a per-sequence recurrent state (`state_spec`, `bind_state`)."""
+        return [layer.linear_attn for layer in self.model.layers.values() if layer.is_linear]

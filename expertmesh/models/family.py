@@ -16,7 +16,9 @@ from expertmesh.registries import lookup
 @dataclass(frozen=True)
 class Family:
     attention: str = "gqa"  # models/decoder.py ATTENTION_KINDS: "gqa" (per-head KV), "mla" (latent KV)
-    norm: str = "rms"  # layers/norm.py NORMS: "rms", "layer" (with bias)
+    # models/decoder.py LINEAR_MIXERS: the mixer of the config's "linear_attention" layers (hybrids)
+    linear_attention: str | None = None
+    norm: str = "rms"  # layers/norm.py NORMS: "rms", "layer" (with bias), "rms_offset" ((1 + w))
     qk_norm: str | None = None  # layers/norm.py QK_NORMS: "per_head", "projection", "l2"
     rope_interleaved: bool = False  # GPT-J pairs instead of NeoX halves
     attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator

@@ -1,0 +1,82 @@
+"""Per-sequence recurrent state beside the paged KV cache (DESIGN.md section 14).
+
+Hybrid families (Gated DeltaNet, Mamba2) keep, per sequence and per recurrent layer, a fixed-size
+state instead of growing K/V: a causal convolution's last inputs and the recurrent (DeltaNet or
+SSM) state. Each layer declares it (`StateSpec`: the shapes of its tensors, float32 by default);
+the engine allocates `slots + 1` rows of each (the last is a scratch row that a lockstep dummy
+forward may write), and the block manager hands one slot to each running sequence with its KV
+blocks and takes it back with them (finish, abort, failure, preemption). A preempted sequence is
+recomputed: its prefill restarts at position 0, which starts from a zero state, so a slot is never
+cleared by hand. An attention-only model declares no state and pays nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from expertmesh.engine.kv_cache import element_size
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one recurrent layer keeps per sequence: tensors of `shapes`, in `dtype`."""
+
+    kind: str  # e.g. "gated_deltanet": the layer kind, for the start-up line
+    shapes: tuple[tuple[int, ...], ...]  # e.g. ((conv channels, kernel - 1), (heads, d_k, d_v))
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not self.shapes or any(not s or min(s) < 1 for s in self.shapes):
+            raise ValueError(f"state spec {self}: every tensor needs a non-empty shape of sizes >= 1")
+
+    @property
+    def bytes_per_seq(self) -> int:
+        return sum(math.prod(s) for s in self.shapes) * element_size(self.dtype)
+
+
+def bytes_per_seq(specs: list[StateSpec]) -> int:
+    """State bytes one sequence takes over all of a rank's recurrent layers."""
+    return sum(s.bytes_per_seq for s in specs)
+
+
+def slots_for(specs: list[StateSpec], budget: int, max_num_seqs: int, reserve: int) -> int:
+    """Sequences whose state fits in `budget` less `reserve` (the KV blocks of one full-length
+    sequence), at most max_num_seqs; 0 when the model has no state."""
+    per_seq = bytes_per_seq(specs)
+    if not per_seq:
+        return 0
+    slots = min(max_num_seqs, (budget - reserve) // per_seq)
+    if slots < 1:
+        raise ValueError(
+            f"the cache budget ({budget} bytes) holds no sequence's recurrent state ({per_seq} bytes "
+            f"per sequence) beside one full-length sequence's KV ({reserve} bytes); raise "
+            "kv_cache_memory_bytes or lower max_model_len"
+        )
+    return slots
+
+
+def describe(kv_line: str, specs: list[StateSpec]) -> str:
+    """The KV start-up line with the per-sequence state added: `KV cache: N bytes per token + M
+    bytes per sequence (...)`; unchanged for a model without state."""
+    if not specs:
+        return kv_line
+    kinds = []
+    for kind in sorted({s.kind for s in specs}):
+        mine = [s for s in specs if s.kind == kind]
+        shapes = " + ".join("x".join(map(str, shape)) for shape in mine[0].shapes)
+        kinds.append(f"{kind} ({len(mine)} layers, {shapes} {mine[0].dtype} values a layer)")
+    added = f" + {bytes_per_seq(specs)} bytes per sequence"
+    head, sep, tail = kv_line.partition(" bytes per token")
+    return f"{head}{sep}{added}{tail}; state: " + "; ".join(kinds)
+
+
+def allocate(specs: list[StateSpec], num_slots: int, device: str) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, one zeroed [num_slots + 1, *shape] tensor per state tensor (the extra row is the
+    scratch slot of dummy forwards)."""
+    return [
+        tuple(torch.zeros((num_slots + 1, *shape), dtype=spec.dtype, device=device) for shape in spec.shapes)
+        for spec in specs
+    ]
