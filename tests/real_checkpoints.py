@@ -112,7 +112,10 @@ def _shrink_text(c: dict, s: Sizes) -> dict:
         c["num_key_value_heads"] = s.heads if kv == heads else s.kv_heads
     if c.get("head_dim"):
         ratio = heads * c["head_dim"] / old_hidden  # q width : hidden, e.g. 3 for GLM-4.5-Air
-        c["head_dim"] = max(8, round(ratio * s.hidden / s.heads / 8) * 8)
+        new_head_dim = max(8, round(ratio * s.hidden / s.heads / 8) * 8)
+        if c.get("rotary_dim"):  # MiniMax's legacy partial rotary: the same share of the head
+            c["rotary_dim"] = c["rotary_dim"] * new_head_dim // c["head_dim"]
+        c["head_dim"] = new_head_dim
     _shrink_widths(c, s)
     _shrink_experts(c, s)
     _shrink_positions(c, s)
@@ -126,7 +129,7 @@ def _shrink_text(c: dict, s: Sizes) -> dict:
 
 def _shrink_layers(c: dict, n: int, old: int) -> None:
     c["num_hidden_layers"] = n
-    for key in ("layer_types", "no_rope_layers"):  # periodic patterns: a prefix keeps them
+    for key in ("layer_types", "no_rope_layers", "attn_type_list"):  # periodic patterns: a prefix keeps them
         if c.get(key):
             c[key] = c[key][:n]
     if c.get("moe_layers") is not None:
@@ -251,8 +254,9 @@ def build(config: dict, path: str, tokenizer_dir: str, seed: int = 0, original_f
     model.save_pretrained(path, save_original_format=original_format)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))  # the published style
     text = config.get("text_config", config)
-    if text.get("num_nextn_predict_layers"):
-        add_mtp_layers(path, text["num_hidden_layers"], text["num_nextn_predict_layers"])
+    mtp = text.get("num_nextn_predict_layers") or text.get("num_mtp_modules")  # MiniMax: 3 modules
+    if mtp:
+        add_mtp_layers(path, text["num_hidden_layers"], mtp)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
     return path

@@ -33,6 +33,7 @@ MATRIX = {
     "llama4-interleaved": Sizes(),
     "qwen3-yarn": Sizes(),
     "phi-3.5-moe": Sizes(),
+    "minimax-m2.7": Sizes(experts=7),  # whole-width q/k norm with its squares summed over TP
 }
 
 
@@ -71,7 +72,8 @@ def _rank_main(rank, world, path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "family", sweep(sorted(MATRIX), ["gpt-oss", "glm-4.5", "granite-shared", "llama4-interleaved"])
+    "family",
+    sweep(sorted(MATRIX), ["gpt-oss", "glm-4.5", "granite-shared", "llama4-interleaved", "minimax-m2.7"]),
 )
 def test_layout_matrix_equals_one_process(family, real_checkpoint):
     source, overrides = FAMILIES[family]

@@ -1,0 +1,54 @@
+"""The 2026 families (tests/real_configs/2026, shrunk with every flag kept) beyond the fp32 /
+bf16 comparisons of test_real_families and the layout matrix of test_real_layouts: chunked
+prefill and prefix caching give the tokens of one unchunked, uncached run, and the published
+checkpoints' extra tensors (MTP modules) are skipped by a named, logged rule."""
+
+import pytest
+import torch
+from real_checkpoints import Sizes, published, shrink
+from test_chunked_prefill import SHORT, compare
+from test_prefix_caching import _run, _shared_prefix_prompts, _tokens
+from test_real_families import FAMILIES
+
+from expertmesh import LLM
+from expertmesh.layers.norm import ProjectionRMSNorm
+
+CHUNKED_AND_CACHED = ["minimax-m2.7"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", CHUNKED_AND_CACHED)
+def test_chunked_prefill_equals_unchunked(family, real_checkpoint):
+    source, overrides = FAMILIES[family]
+    llm = compare(real_checkpoint(source, **overrides), SHORT, 256, family)
+    assert llm.llm_engine.stats()["steps"] > 8  # the 150-token prompt took three steps to prefill
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", CHUNKED_AND_CACHED)
+def test_prefix_cache_hits_give_the_same_tokens(family, real_checkpoint):
+    source, overrides = FAMILIES[family]
+    path = real_checkpoint(source, sizes=Sizes(), **overrides)
+    ps = _shared_prefix_prompts(70, [3, 20, 1, 40])
+    kw = dict(max_model_len=128, kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=64, max_num_seqs=8)
+    off = LLM(path, enable_prefix_caching=False, **kw)
+    on = LLM(path, **kw)
+    expected = _tokens(_run(off, ps))
+    assert _tokens(_run(on, ps[:1]) + _run(on, ps[1:])) == expected
+    assert on.llm_engine.stats()["prefix_cache_hits"] == 3 * 64  # the 70-token prefix: 4 full blocks
+
+
+def test_minimax_declares_its_blocks_and_skips_its_mtp_modules(real_checkpoint, engine_log):
+    """Whole-width q/k norm, partial rotary from the legacy rotary_dim, the corrected sigmoid
+    router; the 3 MTP modules the weights carry are consumed by the named rule, and logged."""
+    config = shrink(published("2026/minimax-m2.7"))
+    assert config["rotary_dim"] * 2 == config["head_dim"] and config["num_mtp_modules"] == 3
+    llm = LLM(real_checkpoint("2026/minimax-m2.7"), max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    model = llm.llm_engine.runner.model
+    cfg = llm.llm_engine.config.model_config
+    assert cfg.rope.rotary_dim == config["rotary_dim"] and cfg.num_nextn_predict_layers == 3
+    attn = model.model.layers["0"].self_attn
+    assert isinstance(attn.q_norm, ProjectionRMSNorm) and isinstance(attn.k_norm, ProjectionRMSNorm)
+    router = model.model.layers["0"].block_sparse_moe.gate
+    assert router.rule == "sigmoid_grouped" and torch.count_nonzero(router.e_score_correction_bias)
+    assert "by rule 'mtp layers (num_nextn_predict_layers / num_mtp_modules" in engine_log.text
