@@ -5,15 +5,19 @@ checkpoints' extra tensors (MTP modules) are skipped by a named, logged rule."""
 
 import pytest
 import torch
+import json
+import shutil
+from pathlib import Path
+
 from real_checkpoints import Sizes, published, shrink
 from test_chunked_prefill import SHORT, compare
 from test_prefix_caching import _run, _shared_prefix_prompts, _tokens
-from test_real_families import FAMILIES
+from test_real_families import FAMILIES, hf_logprobs, logprob_errors, prompts_for
 
-from expertmesh import LLM
+from expertmesh import LLM, SamplingParams
 from expertmesh.layers.norm import ProjectionRMSNorm
 
-CHUNKED_AND_CACHED = ["minimax-m2.7"]
+CHUNKED_AND_CACHED = ["minimax-m2.7", "kimi-k2.5"]
 
 
 @pytest.mark.timeout(120)
@@ -52,3 +56,41 @@ def test_minimax_declares_its_blocks_and_skips_its_mtp_modules(real_checkpoint, 
     router = model.model.layers["0"].block_sparse_moe.gate
     assert router.rule == "sigmoid_grouped" and torch.count_nonzero(router.e_score_correction_bias)
     assert "by rule 'mtp layers (num_nextn_predict_layers / num_mtp_modules" in engine_log.text
+
+
+@pytest.mark.timeout(120)
+def test_kimi_k2_model_type_is_read_as_deepseek_v3(real_checkpoint, engine_log, tmp_path):
+    """Kimi-K2-Instruct's published config says model_type "kimi_k2", which transformers reads only
+    with remote code: we read it as DeepSeek-V3 (logged). The reference is transformers on the same
+    tensors with model_type deepseek_v3 (its auto_map's DeepseekV3Config); greedy tokens and fp32
+    logprobs equal at every step."""
+    import transformers
+
+    published_config = shrink(published("2026/kimi-k2-instruct"))
+    assert published_config["model_type"] == "kimi_k2"
+    reference = real_checkpoint("2026/kimi-k2-instruct", model_type="deepseek_v3")
+    kimi = tmp_path / "kimi-k2"
+    shutil.copytree(reference, kimi)
+    (kimi / "config.json").write_text(json.dumps(published_config, indent=2))
+    with pytest.raises((ValueError, OSError)):  # what a user of plain transformers meets offline
+        transformers.AutoConfig.from_pretrained(kimi, trust_remote_code=False)
+    llm = LLM(str(kimi), max_model_len=128, kv_cache_memory_bytes=1 << 23)
+    assert "model_type 'kimi_k2' read as 'deepseek_v3'" in engine_log.text
+    prompts = prompts_for(512)[2:5]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = hf_logprobs(model, prompt, out.outputs[0].token_ids)
+        assert out.outputs[0].token_ids == ref.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens"
+        assert logprob_errors(out, ref).max() < 2e-4
+    assert Path(kimi, "config.json").read_text() == json.dumps(published_config, indent=2)
+
+
+def test_kimi_k25_serves_its_text_tower_and_logs_the_vision_skip(real_checkpoint, engine_log):
+    path = real_checkpoint("2026/kimi-k2.5")
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    cfg = llm.llm_engine.config.model_config
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.factor == 64.0 and cfg.rope.beta_fast == 32.0
+    assert cfg.mla is not None and cfg.first_k_dense_replace == 1
+    assert "by rule 'vision tower and projector (expertmesh serves text)'" in engine_log.text

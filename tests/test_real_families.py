@@ -60,10 +60,14 @@ FAMILIES = {
     # 2026 (tests/real_configs/2026/SOURCES.md)
     "minimax-m2.7": ("2026/minimax-m2.7", {}),
     "minimax-m2.5": ("2026/minimax-m2.5", {}),
+    "kimi-k2.5": ("2026/kimi-k2.5", {}),  # the DeepSeek-V3 text tower, vision skipped
 }
 
 
 def hf_model(path: str, dtype=torch.float32):
+    if transformers.AutoConfig.from_pretrained(path).model_type == "kimi_k25":
+        # Its auto_map names remote code for AutoModelForCausalLM; the native class, text-only input.
+        return transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
     try:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except ValueError:  # a multimodal checkpoint: its text tower is the reference

@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),  # its text tower
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
+    "KimiK25ForConditionalGeneration": ("kimi", "KimiK25ForConditionalGeneration"),  # its text tower
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
