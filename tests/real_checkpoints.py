@@ -237,8 +237,10 @@ def _shrink_vision(v: dict) -> dict:
         projector_output_dim=32,
     )  # fmt: skip
     if "vt_hidden_size" in v:  # Kimi-K2.5's MoonViT and its projector
-        v.update(vt_hidden_size=32, vt_intermediate_size=64, vt_num_hidden_layers=1, vt_num_attention_heads=2,
-                 mm_hidden_size=32, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=2)  # fmt: skip
+        v.update(
+            vt_hidden_size=32, vt_intermediate_size=64, vt_num_hidden_layers=1, vt_num_attention_heads=2,
+            mm_hidden_size=32, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=2,
+        )  # fmt: skip
         v.pop("_attn_implementation", None)  # flash_attention_2 is not on this machine
     return v
 

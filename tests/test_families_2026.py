@@ -3,12 +3,12 @@ bf16 comparisons of test_real_families and the layout matrix of test_real_layout
 prefill and prefix caching give the tokens of one unchunked, uncached run, and the published
 checkpoints' extra tensors (MTP modules) are skipped by a named, logged rule."""
 
-import pytest
-import torch
 import json
 import shutil
 from pathlib import Path
 
+import pytest
+import torch
 from real_checkpoints import Sizes, published, shrink
 from test_chunked_prefill import SHORT, compare
 from test_prefix_caching import _run, _shared_prefix_prompts, _tokens

@@ -33,10 +33,8 @@ MATRIX = {
     "llama4-interleaved": Sizes(),
     "qwen3-yarn": Sizes(),
     "phi-3.5-moe": Sizes(),
-    "minimax-m2.7": Sizes(experts=7),
-    "kimi-k2.5": Sizes(
-        experts=7
-    ),  # MLA text tower under language_model., vision skipped  # whole-width q/k norm with its squares summed over TP
+    "minimax-m2.7": Sizes(experts=7),  # whole-width q/k norm, its squares summed over TP
+    "kimi-k2.5": Sizes(experts=7),  # MLA text tower under language_model., vision skipped
 }
 
 

@@ -6,8 +6,8 @@ under `language_model.`; the MoonViT vision tower and its projector are skipped 
 
 from dataclasses import replace
 
-from expertmesh.models.deepseek import DeepseekV3ForCausalLM
 from expertmesh.models.decoder import CausalLM
+from expertmesh.models.deepseek import DeepseekV3ForCausalLM
 
 V3 = DeepseekV3ForCausalLM.family
 
