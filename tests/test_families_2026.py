@@ -94,3 +94,42 @@ def test_kimi_k25_serves_its_text_tower_and_logs_the_vision_skip(real_checkpoint
     assert cfg.rope.rope_type == "yarn" and cfg.rope.factor == 64.0 and cfg.rope.beta_fast == 32.0
     assert cfg.mla is not None and cfg.first_k_dense_replace == 1
     assert "by rule 'vision tower and projector (expertmesh serves text)'" in engine_log.text
+
+
+@pytest.mark.parametrize("name", ["minimax-m2.5", "minimax-m2.7", "kimi-k2.5", "kimi-k2-instruct"])
+def test_published_2026_configs_shrink_with_every_flag_kept(name):
+    """Every key survives shrinking; a flag (not a size) keeps its published value; our config
+    reading (hf_config.load_hf_config) takes each file, Kimi-K2's kimi_k2 included."""
+    from expertmesh.hf_config import load_hf_config
+
+    full = published(f"2026/{name}")
+    small = shrink(full)
+    sizes = {
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "moe_intermediate_size", "num_local_experts", "n_routed_experts",
+        "num_experts_per_tok", "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id",
+        "pad_token_id", "rope_scaling", "initializer_range", "torch_dtype", "dtype", "kv_lora_rank",
+        "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+        "rotary_dim", "attn_type_list", "quantization_config", "text_config", "vision_config",
+    }  # fmt: skip
+    pairs = [(full, small)]
+    if "text_config" in full:
+        pairs.append((full["text_config"], small["text_config"]))
+    for old, new in pairs:
+        added = {"initializer_range"}  # set by shrink for clear greedy margins
+        assert set(new) - added == set(old) - {"quantization_config"} - added, name
+        assert all(new[k] == v for k, v in old.items() if k not in sizes), name
+    text = small.get("text_config", small)
+    if "rotary_dim" in text:
+        assert text["rotary_dim"] / text["head_dim"] == full["rotary_dim"] / full["head_dim"]
+    assert text.get("attn_type_list", [1] * text["num_hidden_layers"]) == [1] * text["num_hidden_layers"]
+    hf = load_hf_config_from(small, load_hf_config)
+    assert hf.architectures == full["architectures"]
+
+
+def load_hf_config_from(config: dict, load) -> object:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "config.json").write_text(json.dumps(config))
+        return load(d)
