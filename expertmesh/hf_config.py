@@ -2,7 +2,8 @@
 
 transformers 5 validates config fields strictly, and a few published checkpoints carry values its
 classes reject although their own code reads them: Llama 4 Scout and Maverick ship
-`"attn_temperature_tuning": 4` (the reference code tests it for truth; transformers wants a bool).
+`"attn_temperature_tuning": 4` (the reference code tests it for truth; transformers wants a bool);
+Kimi-K2 ships `"model_type": "kimi_k2"`, which transformers reads only with remote code.
 Each fix is a named rule; a rule that changes a field logs what it changed, and a file that needs
 no fix goes to `AutoConfig.from_pretrained` untouched.
 """
@@ -26,9 +27,19 @@ def _truthy_temperature_tuning(part: dict) -> str | None:
     return None
 
 
+def _kimi_k2_as_deepseek_v3(part: dict) -> str | None:
+    # Kimi-K2's published model_type (also in Kimi-K2.5's text_config) is not registered in
+    # transformers, whose reading needs remote code; its auto_map names DeepseekV3Config.
+    if part.get("model_type") == "kimi_k2":
+        part["model_type"] = "deepseek_v3"
+        return "model_type 'kimi_k2' read as 'deepseek_v3' (its auto_map's DeepseekV3Config)"
+    return None
+
+
 # name -> rule over one config level (the top level and its text_config, where there is one)
 CONFIG_FIXES: dict[str, Callable[[dict], str | None]] = {
     "attn_temperature_tuning as bool": _truthy_temperature_tuning,
+    "kimi_k2 as deepseek_v3": _kimi_k2_as_deepseek_v3,
 }
 
 

@@ -286,5 +286,7 @@ def _mlp_fields(hf: Any) -> dict:
         embedding_multiplier=float(_first(hf, "embedding_multiplier", default=1.0)),
         residual_multiplier=float(_first(hf, "residual_multiplier", default=1.0)),
         logits_scaling=float(_first(hf, "logits_scaling", default=1.0)),
-        num_nextn_predict_layers=int(_first(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
+        num_nextn_predict_layers=int(
+            _first(hf, "num_nextn_predict_layers", "num_mtp_layers", "num_mtp_modules", default=0)
+        ),
     )

@@ -99,6 +99,7 @@ def _float32(c: dict) -> None:
 
 
 def _shrink_text(c: dict, s: Sizes) -> dict:
+    c.pop("quantization_config", None)  # a text tower's own (Kimi-K2.5's int4 experts): as above
     # Llama 4's published files say attn_temperature_tuning: 4; transformers >= 5 accepts only a bool
     # (AutoConfig raises on the int), so the flag is kept as its truth value.
     if type(c.get("attn_temperature_tuning")) is int:
@@ -112,7 +113,10 @@ def _shrink_text(c: dict, s: Sizes) -> dict:
         c["num_key_value_heads"] = s.heads if kv == heads else s.kv_heads
     if c.get("head_dim"):
         ratio = heads * c["head_dim"] / old_hidden  # q width : hidden, e.g. 3 for GLM-4.5-Air
-        c["head_dim"] = max(8, round(ratio * s.hidden / s.heads / 8) * 8)
+        new_head_dim = max(8, round(ratio * s.hidden / s.heads / 8) * 8)
+        if c.get("rotary_dim"):  # MiniMax's legacy partial rotary: the same share of the head
+            c["rotary_dim"] = c["rotary_dim"] * new_head_dim // c["head_dim"]
+        c["head_dim"] = new_head_dim
     _shrink_widths(c, s)
     _shrink_experts(c, s)
     _shrink_positions(c, s)
@@ -126,7 +130,7 @@ def _shrink_text(c: dict, s: Sizes) -> dict:
 
 def _shrink_layers(c: dict, n: int, old: int) -> None:
     c["num_hidden_layers"] = n
-    for key in ("layer_types", "no_rope_layers"):  # periodic patterns: a prefix keeps them
+    for key in ("layer_types", "no_rope_layers", "attn_type_list"):  # periodic patterns: a prefix keeps them
         if c.get(key):
             c[key] = c[key][:n]
     if c.get("moe_layers") is not None:
@@ -232,6 +236,12 @@ def _shrink_vision(v: dict) -> dict:
         image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
         projector_output_dim=32,
     )  # fmt: skip
+    if "vt_hidden_size" in v:  # Kimi-K2.5's MoonViT and its projector
+        v.update(
+            vt_hidden_size=32, vt_intermediate_size=64, vt_num_hidden_layers=1, vt_num_attention_heads=2,
+            mm_hidden_size=32, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=2,
+        )  # fmt: skip
+        v.pop("_attn_implementation", None)  # flash_attention_2 is not on this machine
     return v
 
 
@@ -245,17 +255,38 @@ def build(config: dict, path: str, tokenizer_dir: str, seed: int = 0, original_f
     hf = transformers.AutoConfig.from_pretrained(path)
     arch = config["architectures"][0]
     cls = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
-    model = cls.from_config(hf) if cls is transformers.AutoModelForCausalLM else cls._from_config(hf)
+    if cls is transformers.AutoModelForCausalLM and "text_config" in config:
+        cls = transformers.AutoModelForImageTextToText  # Kimi-K2.5 (its auto_map names remote code)
+    auto = cls in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText)
+    model = cls.from_config(hf) if auto else cls._from_config(hf)
     model = model.float().eval()
     randomize_small(model, seed)
     model.save_pretrained(path, save_original_format=original_format)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))  # the published style
+    if config.get("model_type") == "kimi_k25":
+        _hub_names_kimi_k25(path)
     text = config.get("text_config", config)
-    if text.get("num_nextn_predict_layers"):
-        add_mtp_layers(path, text["num_hidden_layers"], text["num_nextn_predict_layers"])
+    mtp = text.get("num_nextn_predict_layers") or text.get("num_mtp_modules")  # MiniMax: 3 modules
+    if mtp:
+        add_mtp_layers(path, text["num_hidden_layers"], mtp)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
     return path
+
+
+def _hub_names_kimi_k25(path: str) -> None:
+    """transformers 5.25 saves Kimi-K2.5's text layers as `language_model.model.blocks.<i>` (its
+    vision tower's `blocks` rename reversed over every key) and the projector's norm under
+    `model.`; the published shards say `language_model.model.layers.<i>` and `mm_projector.`."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    fixed = {
+        k.replace("language_model.model.blocks.", "language_model.model.layers.").replace(
+            "model.mm_projector.", "mm_projector."
+        ): v
+        for k, v in tensors.items()
+    }
+    save_file(fixed, file, metadata={"format": "pt"})
 
 
 def randomize_small(model: torch.nn.Module, seed: int) -> None:

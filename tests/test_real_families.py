@@ -57,10 +57,17 @@ FAMILIES = {
     "phi-mini-moe": ("phi-mini-moe", {}),
     "mixtral": ("mixtral-8x7b-instruct", {}),
     "qwen1.5-moe": ("qwen1.5-moe-a2.7b", {}),
+    # 2026 (tests/real_configs/2026/SOURCES.md)
+    "minimax-m2.7": ("2026/minimax-m2.7", {}),
+    "minimax-m2.5": ("2026/minimax-m2.5", {}),
+    "kimi-k2.5": ("2026/kimi-k2.5", {}),  # the DeepSeek-V3 text tower, vision skipped
 }
 
 
 def hf_model(path: str, dtype=torch.float32):
+    if transformers.AutoConfig.from_pretrained(path).model_type == "kimi_k25":
+        # Its auto_map names remote code for AutoModelForCausalLM; the native class, text-only input.
+        return transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
     try:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except ValueError:  # a multimodal checkpoint: its text tower is the reference
@@ -72,9 +79,13 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> list[list[i
     """transformers' greedy generate; prompts of one length go as one batch (no padding)."""
     with torch.no_grad():
         y = model.generate(
-            torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            torch.tensor(prompts),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
             pad_token_id=0,
-        )  # fmt: skip
+            use_mtp=False,
+        )  # fmt: skip  (MiniMax's `use_mtp: true` would turn on transformers' MTP drafting)
     return y[:, len(prompts[0]) :].tolist()
 
 

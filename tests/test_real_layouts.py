@@ -33,6 +33,8 @@ MATRIX = {
     "llama4-interleaved": Sizes(),
     "qwen3-yarn": Sizes(),
     "phi-3.5-moe": Sizes(),
+    "minimax-m2.7": Sizes(experts=7),  # whole-width q/k norm, its squares summed over TP
+    "kimi-k2.5": Sizes(experts=7),  # MLA text tower under language_model., vision skipped
 }
 
 
@@ -71,7 +73,8 @@ def _rank_main(rank, world, path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "family", sweep(sorted(MATRIX), ["gpt-oss", "glm-4.5", "granite-shared", "llama4-interleaved"])
+    "family",
+    sweep(sorted(MATRIX), ["gpt-oss", "glm-4.5", "granite-shared", "llama4-interleaved", "minimax-m2.7"]),
 )
 def test_layout_matrix_equals_one_process(family, real_checkpoint):
     source, overrides = FAMILIES[family]

@@ -168,7 +168,9 @@ def skip_rule(key: str, model: Any) -> str | None:
         return rule
     layer = layer_index(names.canonical(key))
     if layer is not None and cfg.num_layers <= layer < cfg.num_layers + cfg.num_nextn_predict_layers:
-        return "mtp layers (num_nextn_predict_layers; speculative decoding is not supported)"
+        return (
+            "mtp layers (num_nextn_predict_layers / num_mtp_modules; speculative decoding is not supported)"
+        )
     return None
 
 
