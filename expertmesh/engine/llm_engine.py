@@ -94,7 +94,28 @@ def validate_request(ids: Any, params: Any, max_model_len: int, capacity: int, v
         return error
     if params.logprobs is not None and params.logprobs > vocab_size:
         return f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}"
+    for name in ("allowed_token_ids", "logit_bias"):
+        outside = [t for t in getattr(params, name) or () if t >= vocab_size]
+        if outside:
+            return (
+                f"SamplingParams.{name}: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
     return validate_prompt(ids, max_model_len, capacity, vocab_size)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as vLLM tokenizes it: as written (leading space stripped) and with one leading
+    space, the second kept when it differs in its first token and has the same length."""
+    if tokenizer is None:
+        raise ValueError("SamplingParams.bad_words needs a tokenizer (the engine has none)")
+    out: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [ids for ids in (plain,) if ids]
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
 
 
 class LLMEngine:
@@ -110,6 +131,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.cache_config.block_size, prefix_caching_allowed(config))
         self.scheduler = Scheduler(config.scheduler_config, self.blocks)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
+        runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
         self.requests: dict[str, Request] = {}
         self.capacity = min(
             config.scheduler_config.max_model_len, num_blocks * config.cache_config.block_size
@@ -140,8 +162,16 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: Any, params: SamplingParams, prompt: str | None = None
     ) -> Request:
         """Queue a request; one that cannot run comes back (and out of the next step) with `.error`."""
+        keep = getattr(params, "truncate_prompt_tokens", None)
+        if keep is not None and not isinstance(prompt_token_ids, (str, bytes, dict)):
+            prompt_token_ids = list(prompt_token_ids)[-keep:]  # vLLM keeps the last N tokens
         error = validate_request(prompt_token_ids, params, **self.prompt_limits())
         ids = as_token_ids(prompt_token_ids)[0]
+        if not error and params.bad_words and not params.bad_words_token_ids:
+            try:
+                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            except ValueError as exc:
+                error = str(exc)
         req = Request(request_id, prompt, ids)
         self.requests[request_id] = req
         if error:
@@ -227,7 +257,7 @@ class LLMEngine:
         for seq in batch.seqs:
             seq.num_computed_tokens += batch.num_new[seq.seq_id]
             self.blocks.cache_full_blocks(seq)
-        for seq, token, lp in zip(sampled, tokens, logprobs):
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
             self._append(seq, token, lp)
         self.num_steps += 1
         return self._collect()
