@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -64,7 +65,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             self._int(name)
-        for name in ("seed", "max_tokens", "logprobs", "truncate_prompt_tokens"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 self._int(name)
         for name in (
@@ -134,6 +135,8 @@ class SamplingParams:
             raise self._bad("min_tokens", "must be in [0, max_tokens]")
         if self.logprobs is not None and self.logprobs < 0:
             raise self._bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise self._bad("prompt_logprobs", "must be >= 0")
         if not -2 <= self.presence_penalty <= 2:
             raise self._bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:

@@ -191,3 +191,32 @@ def test_ids_outside_the_vocabulary_fail_that_request_only(llm):
         and outs[1].error is None
         and len(outs[1].outputs[0].token_ids) == N
     )
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_prompt_logprobs_equal_transformers_log_softmax(path, hf, chunk):
+    """Every prompt token's logprob (the first None), chunked prefill or not, and again when the
+    prompt's blocks sit in the prefix cache (a request for prompt logprobs recomputes them)."""
+    kw = dict(max_num_batched_tokens=chunk, max_num_seqs=chunk) if chunk else {}
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 23, enable_prefix_caching=True, **kw)
+    prompts = prompts_of_lengths([37, 6], seed=26)
+    with torch.no_grad(), one_thread():
+        refs = [hf(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in prompts]
+    plain = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([{"prompt_token_ids": prompts[0]}], plain, use_tqdm=False)  # fills the prefix cache
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [sp, plain], use_tqdm=False)
+    assert outs[1].prompt_logprobs is None and outs[0].num_cached_tokens == 0
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], plain, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0  # the cache held the prompt: prompt logprobs skipped it
+    got, ref, prompt = outs[0].prompt_logprobs, refs[0], prompts[0]
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        entry = got[i]
+        assert prompt[i] in entry and len(entry) in (3, 4)
+        torch.testing.assert_close(
+            entry[prompt[i]].logprob, float(ref[i - 1, prompt[i]]), atol=2e-4, rtol=1e-4
+        )
+        assert entry[prompt[i]].rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+        top = ref[i - 1].topk(3)
+        assert sorted(t for t, lp in entry.items() if lp.rank <= 3) == sorted(top.indices.tolist())

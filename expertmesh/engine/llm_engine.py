@@ -92,8 +92,9 @@ def validate_request(ids: Any, params: Any, max_model_len: int, capacity: int, v
     ids, error = as_token_ids(ids)
     if error:
         return error
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        return f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}"
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None and getattr(params, name) > vocab_size:
+            return f"SamplingParams.{name}={getattr(params, name)} exceeds the vocabulary size {vocab_size}"
     for name in ("allowed_token_ids", "logit_bias"):
         outside = [t for t in getattr(params, name) or () if t >= vocab_size]
         if outside:
@@ -245,8 +246,9 @@ class LLMEngine:
             ids, pos, ctx, last = self.runner.prepare(batch, self.blocks)
             ctx.dp_token_counts = counts
             sampled = batch.sampled  # after prepare: it orders the decodes
-            logits = self._forward_counting(ids, pos, ctx, last)
-            tokens, logprobs = self.runner.sample(logits, sampled)
+            prompt = self.runner.prompt_logprob_rows(batch, ctx)
+            logits = self._forward_counting(ids, pos, ctx, last, [r for _, rows, _ in prompt for r in rows])
+            tokens, logprobs, prompt_lps = self.runner.sample(logits, sampled, prompt)
         except Exception as exc:
             if self.groups.world.world_size > 1:
                 raise  # peers are inside the same collectives: no rank can go on alone
@@ -254,6 +256,10 @@ class LLMEngine:
             for rid in dict.fromkeys(s.request_id for s in batch.seqs):
                 self.fail(self.requests[rid], f"the engine step failed: {exc!r}")
             return self._collect()
+        for (seq, _, first), entries in zip(prompt, prompt_lps, strict=True):
+            for index, entry in enumerate(entries, start=first):
+                if index == len(seq.prompt_logprobs):  # a recomputed (preempted) prefill adds nothing
+                    seq.prompt_logprobs.append(entry)
         for seq in batch.seqs:
             seq.num_computed_tokens += batch.num_new[seq.seq_id]
             self.blocks.cache_full_blocks(seq)
@@ -276,12 +282,12 @@ class LLMEngine:
         self._forward_counting(ids, pos, ctx, last)
         self.num_dummy_steps += 1
 
-    def _forward_counting(self, ids, pos, ctx, last):
+    def _forward_counting(self, ids, pos, ctx, last, extra=()):
         """The runner's forward, noting the bytes the MoE exchange moved in this step."""
         if self.expert_load is not None:  # every forward, dummies too: EPLB keeps lockstep by it
             self.expert_load.begin_step()
         before = self.traffic() if self.dispatchers else None  # none in one process: stays zero
-        logits = self.runner.forward(ids, pos, ctx, last)
+        logits = self.runner.forward(ids, pos, ctx, last, list(extra))
         if self.expert_load is not None:
             self.expert_load.end_step()
         if before is not None:
@@ -325,7 +331,10 @@ class LLMEngine:
             for s in req.seqs
         ]
         cached = req.seqs[0].num_cached_tokens if req.seqs else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error, cached)
+        prompt_lps = req.seqs[0].prompt_logprobs if req.seqs else None
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error, cached, prompt_lps
+        )
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the KV accounting holds: every block's reference count is the

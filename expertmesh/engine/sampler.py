@@ -115,6 +115,30 @@ class Sampler:
         return tokens.tolist()
 
 
+def prompt_logprobs(logits: torch.Tensor, prompt: list) -> list[list[dict[int, Logprob]]]:
+    """logits [R, V] of the rows `prompt` lists ((seq, rows, first token index) each, in order) ->
+    per entry, each scored prompt token's logprob and the top `prompt_logprobs`, as vLLM gives."""
+    out, at = [], 0
+    for seq, rows, first in prompt:
+        logp = logits[at : at + len(rows)].log_softmax(-1)
+        at += len(rows)
+        n = seq.params.prompt_logprobs
+        entries = []
+        for j, row in enumerate(logp):
+            tok = seq.prompt_token_ids[first + j]
+            entry: dict[int, Logprob] = {}
+            if n:
+                values, ids = row.topk(n)
+                entry = {
+                    int(t): Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(values, ids, strict=True))
+                }
+            if tok not in entry:
+                entry[tok] = Logprob(float(row[tok]), int((row > row[tok]).sum()) + 1)
+            entries.append(entry)
+        out.append(entries)
+    return out
+
+
 def top_logprobs(
     logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
 ) -> list[dict[int, Logprob] | None]:
