@@ -175,6 +175,12 @@ def _add_serve_parser(sub) -> None:
         default=4 << 20,
         help="larger request bodies are refused with 413 (default %(default)s)",
     )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+        "(default: the EXPERTMESH_API_KEY environment variable, else no key)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
@@ -250,7 +256,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
     kwargs = _engine_kwargs(args, args.model_tag or args.model)
-    serve(kwargs, args.host, args.port, args.served_model_name, args.max_request_body_bytes)
+    api_key = args.api_key or os.environ.get("EXPERTMESH_API_KEY") or None
+    serve(kwargs, args.host, args.port, args.served_model_name, args.max_request_body_bytes, api_key)
     return 0
 
 
