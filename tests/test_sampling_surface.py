@@ -220,3 +220,39 @@ def test_prompt_logprobs_equal_transformers_log_softmax(path, hf, chunk):
         assert entry[prompt[i]].rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
         top = ref[i - 1].topk(3)
         assert sorted(t for t, lp in entry.items() if lp.rank <= 3) == sorted(top.indices.tolist())
+
+
+TP_PROMPTS = prompts_of_lengths([9, 5, 13], seed=27)
+TP_PARAMS = [
+    dict(temperature=0, max_tokens=N, ignore_eos=True, repetition_penalty=1.6, logit_bias={7: 4.0}),
+    dict(
+        temperature=0.9, seed=11, max_tokens=N, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5
+    ),
+    dict(temperature=0, max_tokens=N, ignore_eos=True, prompt_logprobs=2),
+]
+
+
+def _tp_run(path, **kw):
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22, **kw)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in TP_PROMPTS],
+        [SamplingParams(**p) for p in TP_PARAMS],
+        use_tqdm=False,
+    )
+    lps = [(t, round(lp.logprob, 4)) for e in outs[2].prompt_logprobs[1:] for t, lp in sorted(e.items())]
+    return [o.outputs[0].token_ids for o in outs], lps
+
+
+def _tp2_rank(rank, world, path):
+    return _tp_run(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+
+
+@pytest.mark.timeout(120)
+def test_penalties_bias_and_prompt_logprobs_under_tp2_equal_one_process(path):
+    from distributed_utils import run_distributed
+
+    one_tokens, one_lps = _tp_run(path)
+    for tokens, lps in run_distributed(_tp2_rank, 2, path, timeout=90):
+        assert tokens == one_tokens
+        assert [t for t, _ in lps] == [t for t, _ in one_lps]
+        assert [v for _, v in lps] == pytest.approx([v for _, v in one_lps], abs=2e-3)
