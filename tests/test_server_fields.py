@@ -233,6 +233,27 @@ def test_echo_logprobs_equal_transformers_log_softmax(served):
 @pytest.mark.timeout(60)
 def test_prompt_logprobs_field_and_chat_extras(served):
     server, llm = served
+    ref = llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    for route, body in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MSGS}),
+    ):
+        r = _post(server, route, {**body, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})
+        assert r.status_code == 200, r.text
+        plp = r.json()["prompt_logprobs"] if "chat" in route else r.json()["choices"][0]["prompt_logprobs"]
+        assert plp[0] is None and all(len(e) in (2, 3) for e in plp[1:])
+        if "chat" not in route:
+            assert [{int(t): v["logprob"] for t, v in e.items()} for e in plp[1:]] == [
+                {t: lp.logprob for t, lp in e.items()} for e in ref.prompt_logprobs[1:]
+            ]
+        _bad(server, route, {**body, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs")
+    # truncate_prompt_tokens cuts a prompt longer than max_model_len before the length check
+    long = _post(
+        server, "/v1/completions", {"prompt": "word " * 700, "max_tokens": 2, "truncate_prompt_tokens": 5}
+    )
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 5, long.text
     r = _post(server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 3, "temperature": 0,
                                                "add_generation_prompt": False})  # fmt: skip
     assert r.status_code == 200, r.text

@@ -177,6 +177,8 @@ def build_app(
         params = _sampling_params(body, body.max_tokens if generate else 1, body.logprobs, prompt_lps)
         prompts = _completion_prompts(body.prompt)
         echo = await engine.in_pool(_echo_texts, engine, prompts) if body.echo else None
+        if body.truncate_prompt_tokens is not None:  # cut before the length check, as vLLM does
+            prompts = await engine.in_pool(_truncated, engine, prompts, body.truncate_prompt_tokens, True)
         renderer = CompletionRenderer(name, params.n, body.logprobs is not None, echo, generate)
         return await _serve(request, engine, body, prompts, params, renderer, add_special_tokens=True)
 
@@ -189,6 +191,9 @@ def build_app(
             body, body.max_completion_tokens or body.max_tokens, top, body.prompt_logprobs
         )
         prompt = await engine.in_pool(_chat_prompt, engine, body)  # a template can be slow: off the loop
+        if body.truncate_prompt_tokens is not None:
+            keep, special = body.truncate_prompt_tokens, body.add_special_tokens
+            prompt = (await engine.in_pool(_truncated, engine, [prompt], keep, special))[0]
         renderer = ChatRenderer(name, params.n, top)
         # The template already holds the special tokens (BOS): by default do not add them twice.
         return await _serve(
@@ -242,6 +247,21 @@ def _detokenize(engine: AsyncEngine, tokens: list[int]) -> str:
             f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens", "invalid_value"
         )
     return tok.decode(tokens)
+
+
+def _truncated(
+    engine: AsyncEngine, prompts: list[str | list[int]], keep: int, special: bool
+) -> list[list[int]]:
+    """Each prompt as token ids, only its last `keep` (truncate_prompt_tokens)."""
+    out = []
+    for p in prompts:
+        ids = (
+            _tokenizer_or_400(engine, "prompt")(p, add_special_tokens=special)["input_ids"]
+            if isinstance(p, str)
+            else p
+        )
+        out.append(list(ids)[-keep:])
+    return out
 
 
 def _echo_texts(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[tuple[str, str]]:

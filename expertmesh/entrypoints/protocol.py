@@ -117,6 +117,8 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to a value this server cannot honour, else None."""
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs is not supported with stream=true; ask without stream"
         for name in NOT_YET_SUPPORTED:
             if getattr(self, name) is not None:
                 return name, f"{name} is not supported by this server yet"
@@ -235,11 +237,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs in a response: per prompt token (the first null) {token id: logprob info}
+PromptLogprobs = list[dict[str, dict[str, Any]] | None] | None
+
+
+def prompt_logprobs_body(final: RequestOutput) -> PromptLogprobs:
+    if final.prompt_logprobs is None:
+        return None
+
+    def one(lp: Logprob) -> dict[str, Any]:
+        return {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+
+    return [None if e is None else {str(t): one(lp) for t, lp in e.items()} for e in final.prompt_logprobs]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
 class CompletionResponse(BaseModel):
@@ -284,6 +301,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs = None
 
 
 class DeltaMessage(BaseModel):
@@ -427,11 +445,13 @@ class CompletionRenderer(Renderer):
         self.echo, self.generate = echo, generate
 
     def _choice(self, i: int, final: RequestOutput, c: Any) -> CompletionChoice:
+        plp = prompt_logprobs_body(final)
         if self.echo is None:
             lps = completion_logprobs(c.token_ids, c.logprobs) if self.logprobs else None
             return CompletionChoice(
-                index=i * self.n + c.index, text=c.text, logprobs=lps, finish_reason=c.finish_reason
-            )
+                index=i * self.n + c.index, text=c.text, logprobs=lps, finish_reason=c.finish_reason,
+                prompt_logprobs=plp,
+            )  # fmt: skip
         text, first = self.echo[i]
         lps = None
         if self.logprobs:
@@ -441,7 +461,9 @@ class CompletionRenderer(Renderer):
                 completion_logprobs(c.token_ids, c.logprobs, len(text), out=lps)
         finish = c.finish_reason if self.generate else "length"
         body = text + c.text if self.generate else text
-        return CompletionChoice(index=i * self.n + c.index, text=body, logprobs=lps, finish_reason=finish)
+        return CompletionChoice(
+            index=i * self.n + c.index, text=body, logprobs=lps, finish_reason=finish, prompt_logprobs=plp
+        )
 
     def stream_chunks(self, prompt_index: int, update: Update) -> list[BaseModel]:
         choices = []
@@ -506,4 +528,7 @@ class ChatRenderer(Renderer):
             for final in finals
             for c in final.outputs
         ]
-        return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=self.usage(finals))
+        return ChatCompletionResponse(
+            id=self.id, model=self.model, choices=choices, usage=self.usage(finals),
+            prompt_logprobs=prompt_logprobs_body(finals[0]),
+        )  # fmt: skip
