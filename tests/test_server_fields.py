@@ -184,7 +184,12 @@ def test_sampling_extras_equal_the_offline_engine(served):
         {"min_tokens": 6, "stop_token_ids": [first]},
         {"top_k": 3, "min_p": 0.1, "temperature": 1.0, "seed": 4},
         {"truncate_prompt_tokens": 3},
+        {"stop": [plain.outputs[0].text[4:7]], "include_stop_str_in_output": True},
+        {"stop": [plain.outputs[0].text[4:7]]},
+        {"skip_special_tokens": False, "ignore_eos": True},
     ]
+    stopped = [c for c in cases if "stop" in c]
+    assert stopped[0]["stop"][0].strip()  # a stop string the greedy text holds
     for extra in cases:
         kw = {k: {int(t): b for t, b in v.items()} if k == "logit_bias" else v for k, v in extra.items()}
         kw.setdefault("temperature", 0)
