@@ -37,3 +37,5 @@ class RequestOutput:
     error: str | None = None
     # Prompt tokens whose K/V came from the prefix cache (vLLM's field; None when it never ran).
     num_cached_tokens: int | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (vLLM's shape).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

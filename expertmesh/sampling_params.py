@@ -35,10 +35,18 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured outputs hook: a JSON schema / regex / choice / grammar the output must follow
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +56,12 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        # bad_words as token-id sequences: filled by the engine, which has the tokenizer.
+        self.bad_words_token_ids: list[list[int]] = []
 
     def _bad(self, name: str, rule: str, kind: type[Exception] = ValueError) -> Exception:
         return kind(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {rule}")
@@ -55,10 +69,17 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             self._int(name)
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 self._int(name)
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Real):
                 raise self._bad(name, "must be a number", TypeError)
@@ -75,6 +96,23 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise self._bad("structured_outputs", "must be a StructuredOutputsParams", TypeError)
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or not all(_is_int_like(t) for t in bias)
+            or not all(isinstance(b, Real) and not isinstance(b, bool) for b in bias.values())
+        ):
+            raise self._bad("logit_bias", "must map token ids (integers) to numbers", TypeError)
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, (list, tuple)) or not all(_is_int(t) for t in allowed)
+        ):
+            raise self._bad("allowed_token_ids", "must be a list of integers", TypeError)
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words)
+        ):
+            raise self._bad("bad_words", "must be a list of strings", TypeError)
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise self._bad("stop_token_ids", "must be a list of integers", TypeError)
@@ -104,11 +142,46 @@ class SamplingParams:
             raise self._bad("min_tokens", "must be in [0, max_tokens]")
         if self.logprobs is not None and self.logprobs < 0:
             raise self._bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise self._bad("prompt_logprobs", "must be >= 0")
+        if not -2 <= self.presence_penalty <= 2:
+            raise self._bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise self._bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise self._bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.logit_bias is not None and not all(
+            math.isfinite(float(b)) and -100 <= float(b) <= 100 for b in self.logit_bias.values()
+        ):
+            raise self._bad("logit_bias", "biases must be finite numbers in [-100, 100]")
+        if self.logit_bias is not None and not all(0 <= int(t) <= MAX_STOP_TOKEN_ID for t in self.logit_bias):
+            raise self._bad("logit_bias", "token ids must be >= 0")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or not all(0 <= t <= MAX_STOP_TOKEN_ID for t in self.allowed_token_ids)
+        ):
+            raise self._bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+        if self.bad_words is not None and not all(w.strip() for w in self.bad_words):
+            raise self._bad("bad_words", "every bad word must be non-empty")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise self._bad("truncate_prompt_tokens", "must be >= 1")
         stops = (self.stop,) if isinstance(self.stop, str) else self.stop or ()
         if not all(stops):
             raise self._bad("stop", "every stop string must be non-empty (an empty one matches at once)")
         if not all(0 <= int(t) <= MAX_STOP_TOKEN_ID for t in self.stop_token_ids or ()):
             raise self._bad("stop_token_ids", "token ids must be >= 0")
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Whether the sampler must change this row's logits before temperature (else untouched)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words_token_ids
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +190,11 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return self._stop
+
+
+def _is_int_like(value: Any) -> bool:
+    """An integer, or a string of one (JSON object keys are strings: OpenAI's logit_bias)."""
+    return _is_int(value) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())
 
 
 def _is_int(value: Any) -> bool:

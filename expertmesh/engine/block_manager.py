@@ -82,6 +82,8 @@ class BlockManager:
         blocks, leaving at least its last token to compute (its logits are needed)."""
         if not self.enable_prefix_caching or seq.block_table:
             return []
+        if seq.params.prompt_logprobs is not None:  # every prompt position's logits are needed
+            return []
         hits = []
         for key in self.keys(seq, (seq.num_tokens - 1) // self.block_size):
             block = self.cached.get(key)

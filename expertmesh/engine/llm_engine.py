@@ -93,9 +93,31 @@ def validate_request(ids: Any, params: Any, max_model_len: int, capacity: int, v
     ids, error = as_token_ids(ids)
     if error:
         return error
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        return f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}"
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None and getattr(params, name) > vocab_size:
+            return f"SamplingParams.{name}={getattr(params, name)} exceeds the vocabulary size {vocab_size}"
+    for name in ("allowed_token_ids", "logit_bias"):
+        outside = [t for t in getattr(params, name) or () if t >= vocab_size]
+        if outside:
+            return (
+                f"SamplingParams.{name}: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
     return validate_prompt(ids, max_model_len, capacity, vocab_size)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as vLLM tokenizes it: as written (leading space stripped) and with one leading
+    space, the second kept when it differs in its first token and has the same length."""
+    if tokenizer is None:
+        raise ValueError("SamplingParams.bad_words needs a tokenizer (the engine has none)")
+    out: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [ids for ids in (plain,) if ids]
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
 
 
 class LLMEngine:
@@ -113,6 +135,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.cache_config.block_size, prefix_caching, slots)
         self.scheduler = Scheduler(config.scheduler_config, self.blocks)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
+        runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
         self.requests: dict[str, Request] = {}
         self.capacity = min(
             config.scheduler_config.max_model_len, num_blocks * config.cache_config.block_size
@@ -166,8 +189,16 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: Any, params: SamplingParams, prompt: str | None = None
     ) -> Request:
         """Queue a request; one that cannot run comes back (and out of the next step) with `.error`."""
+        keep = getattr(params, "truncate_prompt_tokens", None)
+        if keep is not None and not isinstance(prompt_token_ids, (str, bytes, dict)):
+            prompt_token_ids = list(prompt_token_ids)[-keep:]  # vLLM keeps the last N tokens
         error = validate_request(prompt_token_ids, params, **self.prompt_limits())
         ids = as_token_ids(prompt_token_ids)[0]
+        if not error and params.bad_words and not params.bad_words_token_ids:
+            try:
+                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            except ValueError as exc:
+                error = str(exc)
         req = Request(request_id, prompt, ids)
         self.requests[request_id] = req
         if error:
@@ -248,8 +279,9 @@ class LLMEngine:
             ids, pos, ctx, last = self.runner.prepare(batch, self.blocks)
             ctx.dp_token_counts = counts
             sampled = batch.sampled  # after prepare: it orders the decodes
-            logits = self._forward_counting(ids, pos, ctx, last)
-            tokens, logprobs = self.runner.sample(logits, sampled)
+            prompt = self.runner.prompt_logprob_rows(batch, ctx)
+            logits = self._forward_counting(ids, pos, ctx, last, [r for _, rows, _ in prompt for r in rows])
+            tokens, logprobs, prompt_lps = self.runner.sample(logits, sampled, prompt)
         except Exception as exc:
             if self.groups.world.world_size > 1:
                 raise  # peers are inside the same collectives: no rank can go on alone
@@ -257,10 +289,14 @@ class LLMEngine:
             for rid in dict.fromkeys(s.request_id for s in batch.seqs):
                 self.fail(self.requests[rid], f"the engine step failed: {exc!r}")
             return self._collect()
+        for (seq, _, first), entries in zip(prompt, prompt_lps, strict=True):
+            for index, entry in enumerate(entries, start=first):
+                if index == len(seq.prompt_logprobs):  # a recomputed (preempted) prefill adds nothing
+                    seq.prompt_logprobs.append(entry)
         for seq in batch.seqs:
             seq.num_computed_tokens += batch.num_new[seq.seq_id]
             self.blocks.cache_full_blocks(seq)
-        for seq, token, lp in zip(sampled, tokens, logprobs):
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
             self._append(seq, token, lp)
         self.num_steps += 1
         return self._collect()
@@ -279,12 +315,12 @@ class LLMEngine:
         self._forward_counting(ids, pos, ctx, last)
         self.num_dummy_steps += 1
 
-    def _forward_counting(self, ids, pos, ctx, last):
+    def _forward_counting(self, ids, pos, ctx, last, extra=()):
         """The runner's forward, noting the bytes the MoE exchange moved in this step."""
         if self.expert_load is not None:  # every forward, dummies too: EPLB keeps lockstep by it
             self.expert_load.begin_step()
         before = self.traffic() if self.dispatchers else None  # none in one process: stays zero
-        logits = self.runner.forward(ids, pos, ctx, last)
+        logits = self.runner.forward(ids, pos, ctx, last, list(extra))
         if self.expert_load is not None:
             self.expert_load.end_step()
         if before is not None:
@@ -331,7 +367,10 @@ class LLMEngine:
             for s in req.seqs
         ]
         cached = req.seqs[0].num_cached_tokens if req.seqs else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error, cached)
+        prompt_lps = req.seqs[0].prompt_logprobs if req.seqs else None
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error, cached, prompt_lps
+        )
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the KV accounting holds: every block's reference count is the

@@ -13,7 +13,7 @@ from expertmesh.config import EngineConfig
 from expertmesh.distributed.group import ParallelGroups
 from expertmesh.engine import kv_cache, state_cache
 from expertmesh.engine.block_manager import BlockManager
-from expertmesh.engine.sampler import Sampler, top_logprobs
+from expertmesh.engine.sampler import Sampler, prompt_logprobs, top_logprobs
 from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
@@ -191,11 +191,19 @@ class ModelRunner:
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, last: list[int]
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        ctx: ForwardContext,
+        last: list[int],
+        extra: list[int] = (),
     ) -> torch.Tensor | None:
-        """Runs this rank's stage; returns float32 logits [B, V] on the last stage, else None."""
+        """Runs this rank's stage; returns float32 logits [B, V] on the last stage, else None: the
+        rows `last` (sampled), then the rows `extra` (prompt logprobs)."""
         pp = self.groups.pp
-        if pp.world_size == 1 and len(last) == ids.shape[0]:  # every row sampled: a decode-only step
+        if (
+            pp.world_size == 1 and len(last) == ids.shape[0] and not extra
+        ):  # every row sampled: a decode-only step
             logits = self.model.decode_logits(ids, pos, ctx)
             if logits is not None:
                 return logits
@@ -211,18 +219,39 @@ class ModelRunner:
         if pp.rank_in_group < pp.world_size - 1:
             pp.send(hidden, pp.rank_in_group + 1)
             return None
-        if not last:  # only partial prefill chunks: nothing to sample (alike on every rank)
+        if not last and not extra:  # only partial prefill chunks: nothing to sample (alike on every rank)
             return None
-        return self.model.compute_logits(hidden[last]).float()
+        return self.model.compute_logits(hidden[list(last) + list(extra)]).float()
 
-    def sample(self, logits: torch.Tensor | None, seqs: list) -> tuple[list[int], list]:
-        """Tokens (and logprobs) chosen on the last stage's TP rank 0, known to every rank of the replica."""
-        if not seqs:  # every rank of the replica scheduled the same batch: all return here
-            return [], []
+    @staticmethod
+    def prompt_logprob_rows(batch, ctx: ForwardContext) -> list[tuple[object, list[int], int]]:
+        """(sequence, rows, first prompt token index they score) for each prefill chunk of a
+        sequence asking for prompt logprobs: a position's logits score the next prompt token."""
+        out = []
+        for seq, chunk in zip(batch.prefills, ctx.attn.prefills, strict=True):
+            if seq.prompt_logprobs is None:
+                continue
+            end = min(
+                chunk.context + chunk.length, len(seq.prompt_token_ids) - 1
+            )  # last position scores none
+            if end > chunk.context:
+                rows = list(range(chunk.start, chunk.start + end - chunk.context))
+                out.append((seq, rows, chunk.context + 1))
+        return out
+
+    def sample(self, logits: torch.Tensor | None, seqs: list, prompt: list = ()) -> tuple[list, list, list]:
+        """Tokens, their logprobs and the prompt logprobs `prompt` (prompt_logprob_rows) asked for,
+        chosen on the last stage's TP rank 0, known to every rank of the replica."""
+        if not seqs and not prompt:  # every rank of the replica scheduled the same batch: all return here
+            return [], [], []
         payload = None
         if logits is not None:
-            tokens = self.sampler(logits, seqs)
-            payload = (tokens, top_logprobs(logits, seqs, tokens))
+            tokens = self.sampler(logits[: len(seqs)], seqs) if seqs else []
+            payload = (
+                tokens,
+                top_logprobs(logits[: len(seqs)], seqs, tokens) if seqs else [],
+                prompt_logprobs(logits[len(seqs) :], prompt),
+            )
         if self.groups.tp.world_size > 1 and logits is not None:
             payload = self.groups.tp.broadcast_object(payload, 0)
         if self.groups.pp.world_size > 1:

@@ -1,5 +1,13 @@
-"""Sampling from last-position logits: greedy rows by argmax, the others by temperature, top-k,
-top-p and min-p, then an exponential race so each seeded row draws only from its own generator.
+"""Sampling from last-position logits, as one pipeline of steps on the rank that samples:
+
+1. `apply_logits_processors`, only on the rows whose params ask for one (the others keep their
+   logits bit for bit): logit_bias, allowed_token_ids, bad_words, min_tokens (EOS and stop ids
+   masked), then the penalties (repetition over prompt + output, frequency and presence over the
+   output), with vLLM's semantics;
+2. greedy rows by argmax, the others by temperature, top-k, top-p and min-p, then an exponential
+   race so each seeded row draws only from its own generator.
+
+Logprobs are reported from the raw logits (vLLM's default), before step 1.
 """
 
 from __future__ import annotations
@@ -34,13 +42,71 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+NEG_INF = float("-inf")
+
+
+def _bad_word_bans(seq: Sequence) -> list[int]:
+    """Token ids the bad words forbid next: a one-token word always, a longer word's last token
+    when the output so far ends with the word's other tokens (vLLM's rule)."""
+    out, bans = seq.output_token_ids, []
+    for word in seq.params.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix):
+            bans.append(word[-1])
+    return bans
+
+
+def _process_row(row: torch.Tensor, seq: Sequence, eos_ids: frozenset[int]) -> torch.Tensor:
+    """One row's logits [V] after the request's logits processors, in the pipeline's order."""
+    p, vocab = seq.params, row.shape[0]
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < vocab]
+        row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[[t for t in p.allowed_token_ids if t < vocab]] = True
+        row.masked_fill_(~keep, NEG_INF)
+    bans = _bad_word_bans(seq) if p.bad_words_token_ids else []
+    if len(seq.output_token_ids) < p.min_tokens:
+        bans += list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_ids))
+    bans = [t for t in bans if t < vocab]
+    if bans:
+        before = row[bans].clone()
+        row[bans] = NEG_INF
+        if not torch.isfinite(row).any():  # a grammar that allows only these ids here: the grammar wins
+            row[bans] = before
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and seq.output_token_ids:
+        counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def apply_logits_processors(
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int] = frozenset()
+) -> torch.Tensor:
+    """logits [B, V] float32 -> the same, or a copy whose processed rows changed (others untouched)."""
+    rows = [i for i, s in enumerate(seqs) if s.params.uses_logits_processors]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        logits[i] = _process_row(logits[i], seqs[i], eos_ids)
+    return logits
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_ids: frozenset[int] = frozenset()  # the engine's EOS ids: min_tokens masks them
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [B, V] float32 -> one token id per sequence."""
         apply_grammar_masks(logits, seqs)  # structured outputs hook: constrained rows only, in place
+        logits = apply_logits_processors(logits, seqs, self.eos_ids)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
@@ -52,6 +118,30 @@ class Sampler:
                 noise[j].exponential_(generator=s.generator or self.generator)
             tokens[rows] = (probs / noise).argmax(dim=-1)
         return tokens.tolist()
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: list) -> list[list[dict[int, Logprob]]]:
+    """logits [R, V] of the rows `prompt` lists ((seq, rows, first token index) each, in order) ->
+    per entry, each scored prompt token's logprob and the top `prompt_logprobs`, as vLLM gives."""
+    out, at = [], 0
+    for seq, rows, first in prompt:
+        logp = logits[at : at + len(rows)].log_softmax(-1)
+        at += len(rows)
+        n = seq.params.prompt_logprobs
+        entries = []
+        for j, row in enumerate(logp):
+            tok = seq.prompt_token_ids[first + j]
+            entry: dict[int, Logprob] = {}
+            if n:
+                values, ids = row.topk(n)
+                entry = {
+                    int(t): Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(values, ids, strict=True))
+                }
+            if tok not in entry:
+                entry[tok] = Logprob(float(row[tok]), int((row > row[tok]).sum()) + 1)
+            entries.append(entry)
+        out.append(entries)
+    return out
 
 
 def top_logprobs(
@@ -71,7 +161,9 @@ def top_logprobs(
         entry: dict[int, Logprob] = {}
         if n:
             values, ids = row.topk(n)
-            entry = {int(t): Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(values, ids))}
+            entry = {
+                int(t): Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(values, ids, strict=True))
+            }
         tok = tokens[i]
         if tok not in entry:
             entry[tok] = Logprob(float(row[tok]), int((row > row[tok]).sum()) + 1)

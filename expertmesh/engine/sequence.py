@@ -43,6 +43,10 @@ class Sequence:
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # Prompt logprobs by token index (the first has none, as in vLLM), when asked for.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.num_preemptions = 0
         # A per-request generator makes seeded sampling independent of the rest of the batch.
         self.generator: torch.Generator | None = None

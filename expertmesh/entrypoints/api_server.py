@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP server: `expertmesh serve [MODEL]` (FastAPI + uvicorn).
 
 Endpoints: /health, /v1/models, /v1/completions, /v1/chat/completions (both with `stream`),
-/metrics (Prometheus, entrypoints/metrics.py). Every error has OpenAI's body, {"error": {message,
-type, param, code}}, and touches only the request that caused it. A request body larger than
+/tokenize, /detokenize (vLLM's shapes), /metrics (Prometheus, entrypoints/metrics.py). With an
+API key every route but /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise).
+Every error has OpenAI's body, {"error": {message, type, param, code}}, and touches only the
+request that caused it. A request body larger than
 `max_request_body_bytes` (default 4 MiB) is refused with 413 before it is read whole; chat
 templates and tokenization run off the event loop (async_engine.py).
 """
@@ -10,6 +12,7 @@ templates and tokenization run off the event loop (async_engine.py).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -29,12 +32,14 @@ from expertmesh.entrypoints.protocol import (
     ChatRenderer,
     CompletionRenderer,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     Renderer,
     SamplingFields,
+    TokenizeRequest,
     UsageInfo,
     add_usage,
 )
@@ -79,6 +84,27 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+class ApiKey:
+    """ASGI middleware: 401 unless `Authorization: Bearer <key>`, on every route but the open ones."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.OPEN:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self._expected):  # the key itself is never logged
+            response = error_response(
+                401, "a valid API key is required: Authorization: Bearer <key>", None, "invalid_api_key"
+            )
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: 413 for a body over `limit` bytes, by its Content-Length or as it streams in."""
 
@@ -115,11 +141,14 @@ def build_app(
     served_model_names: list[str],
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tool_options: chat_tools.ToolOptions | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title="expertmesh", docs_url=None, redoc_url=None)
     tools = tool_options or chat_tools.configured()  # structured outputs / tools hook
     app.state.engine, app.state.names = engine, list(served_model_names)
     app.add_middleware(BodyLimit, limit=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)  # added last: runs first, before the body is read
     _add_error_handlers(app)
 
     @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
@@ -142,24 +171,114 @@ def build_app(
     @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         name = _model_name(app, body)
-        params = _sampling_params(body, body.max_tokens, body.logprobs)
+        _reject_unsupported(body)
+        if body.echo and body.stream:
+            raise APIError(
+                "echo is not supported with stream=true; ask without stream", "echo", "invalid_value"
+            )
+        generate = body.max_tokens != 0  # 0 with echo: the prompt and its logprobs only (run one token)
+        prompt_lps = body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
+        params = _sampling_params(body, body.max_tokens if generate else 1, body.logprobs, prompt_lps)
         params = await structured_api.constrain(engine, body, params)  # structured outputs hook
         prompts = _completion_prompts(body.prompt)
-        renderer = CompletionRenderer(name, params.n, body.logprobs is not None)
+        echo = await engine.in_pool(_echo_texts, engine, prompts) if body.echo else None
+        if body.truncate_prompt_tokens is not None:  # cut before the length check, as vLLM does
+            prompts = await engine.in_pool(_truncated, engine, prompts, body.truncate_prompt_tokens, True)
+        renderer = CompletionRenderer(name, params.n, body.logprobs is not None, echo, generate)
         return await _serve(request, engine, body, prompts, params, renderer, add_special_tokens=True)
 
     @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         name = _model_name(app, body)
+        _reject_unsupported(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
+        params = _sampling_params(
+            body, body.max_completion_tokens or body.max_tokens, top, body.prompt_logprobs
+        )
         params, renderer = await chat_tools.prepare(engine, body, params, tools, name, top)  # tools hook
         prompt = await engine.in_pool(_chat_prompt, engine, body)  # a template can be slow: off the loop
-        # The template already holds the special tokens (BOS): do not add them twice.
-        return await _serve(request, engine, body, [prompt], params, renderer, add_special_tokens=False)
+        if body.truncate_prompt_tokens is not None:
+            keep, special = body.truncate_prompt_tokens, body.add_special_tokens
+            prompt = (await engine.in_pool(_truncated, engine, [prompt], keep, special))[0]
+        # The template already holds the special tokens (BOS): by default do not add them twice.
+        return await _serve(
+            request, engine, body, [prompt], params, renderer, add_special_tokens=body.add_special_tokens
+        )
+
+    @app.post("/tokenize", responses={400: _ERROR})
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(
+                "send exactly one of prompt and messages", "prompt" if body.prompt is None else "messages"
+            )
+        ids = await engine.in_pool(_tokenize, engine, body)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses={400: _ERROR})
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return {"prompt": await engine.in_pool(_detokenize, engine, body.tokens)}
 
     responses_api.add_routes(app, engine, tools)  # /v1/responses hook
     return app
+
+
+def _reject_unsupported(body: SamplingFields) -> None:
+    found = body.unsupported()
+    if found is not None:
+        raise APIError(found[1], found[0], "unsupported_parameter")
+
+
+def _tokenizer_or_400(engine: AsyncEngine, param: str) -> Any:
+    tok = engine.thread_tokenizer()
+    if tok is None:
+        raise APIError("this model has no tokenizer", param, "no_tokenizer")
+    return tok
+
+
+def _tokenize(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        tok = _tokenizer_or_400(engine, "prompt")
+        return list(tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+    chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+    text = _chat_prompt(engine, chat)
+    return list(_tokenizer_or_400(engine, "messages")(text, add_special_tokens=False)["input_ids"])
+
+
+def _detokenize(engine: AsyncEngine, tokens: list[int]) -> str:
+    tok = _tokenizer_or_400(engine, "tokens")
+    vocab = len(tok)
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens", "invalid_value"
+        )
+    return tok.decode(tokens)
+
+
+def _truncated(
+    engine: AsyncEngine, prompts: list[str | list[int]], keep: int, special: bool
+) -> list[list[int]]:
+    """Each prompt as token ids, only its last `keep` (truncate_prompt_tokens)."""
+    out = []
+    for p in prompts:
+        ids = (
+            _tokenizer_or_400(engine, "prompt")(p, add_special_tokens=special)["input_ids"]
+            if isinstance(p, str)
+            else p
+        )
+        out.append(list(ids)[-keep:])
+    return out
+
+
+def _echo_texts(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[tuple[str, str]]:
+    """Per prompt, its text (token-id prompts decoded) and its first token's text, for echo."""
+    tok = _tokenizer_or_400(engine, "echo")
+    out = []
+    for p in prompts:
+        ids = p if isinstance(p, list) else tok(p, add_special_tokens=True)["input_ids"]
+        text = p if isinstance(p, str) else tok.decode(p)
+        out.append((text, tok.decode(ids[:1]) if ids else ""))
+    return out
 
 
 # ---- request -> engine ------------------------------------------------------------------------
@@ -174,17 +293,33 @@ def _model_name(app: FastAPI, body: SamplingFields) -> str:
     return body.model
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
     try:
         return SamplingParams(
             n=body.n,
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
             seed=body.seed,
             stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=body.logit_bias,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
     except (TypeError, ValueError) as exc:
         field = re.match(r"SamplingParams\.(\w+)=", str(exc))
@@ -213,7 +348,11 @@ def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> str:
     messages = [chat_tools.message_for_template(m.for_template()) for m in body.messages]
     try:
         return tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **chat_tools.template_kwargs(body)
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **chat_tools.template_kwargs(body),
         )
     except Exception as exc:  # a template that rejects these messages is the client's problem
         raise APIError(f"the chat template failed on these messages: {exc}", "messages") from exc
@@ -402,4 +541,6 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
         return error_response(400, f"malformed JSON body: {err.get('msg')}", None, "invalid_json")
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     where = ".".join(loc) or "body"
+    if err.get("type") == "extra_forbidden":  # no field is silently dropped
+        return error_response(400, f"unknown field {where!r}", loc[0] if loc else None, "unknown_parameter")
     return error_response(400, f"{where}: {err.get('msg')}", loc[0] if loc else None, "invalid_value")

@@ -364,6 +364,7 @@ class AsyncEngine:
     def _name_tokens(self, out: RequestOutput) -> None:
         for completion in out.outputs:
             self._name_tokens_in(completion.logprobs or [])
+        self._name_tokens_in([e for e in out.prompt_logprobs or () if e])  # echo's prompt logprobs
 
     def _name_tokens_in(self, logprobs: list[dict[int, Logprob]]) -> None:
         """Fill in each logprob's token text here, the only thread that uses the tokenizer."""

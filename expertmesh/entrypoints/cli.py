@@ -185,6 +185,12 @@ def _add_serve_parser(sub) -> None:
         "--tool-call-parser", default=None, help="how tool calls are read from text: hermes, ..."
     )
     serve.add_argument("--reasoning-parser", default=None, help="split <think> text into reasoning_content")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+        "(default: the EXPERTMESH_API_KEY environment variable, else no key)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
@@ -268,7 +274,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    serve(kwargs, args.host, args.port, args.served_model_name, args.max_request_body_bytes)
+    api_key = args.api_key or os.environ.get("EXPERTMESH_API_KEY") or None
+    serve(kwargs, args.host, args.port, args.served_model_name, args.max_request_body_bytes, api_key)
     return 0
 
 

@@ -25,6 +25,7 @@ def serve(
     port: int = 8000,
     served_model_names: list[str] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> None:
     """Load the model and serve it until interrupted; exits non-zero, naming the rank, when a rank
     of a multi-rank run dies or hangs."""
@@ -32,21 +33,27 @@ def serve(
 
     names = served_model_names or [llm_kwargs.get("model") or DEFAULT_SERVED_NAME]
     if _under_torchrun(llm_kwargs):
-        return _serve_torchrun(llm_kwargs, host, port, names, max_request_body_bytes)
+        return _serve_torchrun(llm_kwargs, host, port, names, max_request_body_bytes, api_key)
     from expertmesh import LLM
 
     setup_logging()  # the mp path logs here (worker pids, a dead worker) before any rank does
     llm = LLM(**_with_executor(llm_kwargs))
     try:
         _run(
-            AsyncEngine(llm), names, host, port, max_request_body_bytes, stop_on_failure=bool(llm.worker_pids)
+            AsyncEngine(llm),
+            names,
+            host,
+            port,
+            max_request_body_bytes,
+            stop_on_failure=bool(llm.worker_pids),
+            api_key=api_key,
         )
     finally:
         llm.shutdown()
 
 
 def _serve_torchrun(
-    llm_kwargs: dict[str, Any], host: str, port: int, names: list[str], max_body: int
+    llm_kwargs: dict[str, Any], host: str, port: int, names: list[str], max_body: int, api_key: str | None
 ) -> None:
     from expertmesh.engine.builder import EngineArgs, build_engine
     from expertmesh.executor.driver_client import DriverClient
@@ -58,14 +65,22 @@ def _serve_torchrun(
     if executor.rank != DRIVER:
         executor.follow()  # until rank 0 stops (or a peer's failure ends this process)
         return
-    _run(AsyncEngine(DriverClient(executor, engine.tokenizer)), names, host, port, max_body, True)
+    _run(AsyncEngine(DriverClient(executor, engine.tokenizer)), names, host, port, max_body, True, api_key)
 
 
-def _run(engine: AsyncEngine, names: list[str], host: str, port: int, max_body: int, stop_on_failure: bool):
+def _run(
+    engine: AsyncEngine,
+    names: list[str],
+    host: str,
+    port: int,
+    max_body: int,
+    stop_on_failure: bool,
+    api_key: str | None = None,
+):
     import uvicorn
 
     config = uvicorn.Config(
-        build_app(engine, names, max_body),
+        build_app(engine, names, max_body, api_key),
         host=host,
         port=port,
         log_level="info",
@@ -80,7 +95,7 @@ def _run(engine: AsyncEngine, names: list[str], host: str, port: int, max_body: 
             server.should_exit = True
 
         engine.on_failure = stop
-    log.info("serving %s on http://%s:%d", names, host, port)
+    log.info("serving %s on http://%s:%d%s", names, host, port, " (API key required)" if api_key else "")
     try:
         server.run()
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully and re-raised it
