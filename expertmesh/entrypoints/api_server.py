@@ -294,7 +294,7 @@ def _model_name(app: FastAPI, body: SamplingFields) -> str:
 
 
 def _sampling_params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
     try:
         return SamplingParams(
