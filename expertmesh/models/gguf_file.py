@@ -240,7 +240,9 @@ class GGUFTensorFile:
         for t in self.reader.tensors:
             if t.tensor_type.name not in ("F32", "F16", "BF16") and t.tensor_type.name not in logged:
                 logged.add(t.tensor_type.name)
-                log.info("GGUF %s: %s tensors dequantized at load", os.path.basename(path), t.tensor_type.name)
+                log.info(
+                    "GGUF %s: %s tensors dequantized at load", os.path.basename(path), t.tensor_type.name
+                )
             name, hf = t.name, None
             top = name.rsplit(".", 1)
             if top[0] in _TOP:
@@ -290,6 +292,8 @@ def piece_of(name: str) -> str:
 
 # ---- the model directory ------------------------------------------------------------------------
 def _cache_root() -> str:
+    if os.environ.get("EXPERTMESH_GGUF_DIR"):
+        return os.environ["EXPERTMESH_GGUF_DIR"]
     root = os.environ.get("EXPERTMESH_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "expertmesh"
     )
