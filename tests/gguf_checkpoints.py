@@ -16,11 +16,13 @@ ATTN = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
-    "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }  # fmt: skip
 EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
-ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -47,6 +49,8 @@ def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> lis
             if arch == "llama" and piece in ("self_attn.q_proj", "self_attn.k_proj") and kind == "weight":
                 heads = cfg["num_attention_heads"] if "q_proj" in piece else cfg["num_key_value_heads"]
                 w = _permute(w, heads)
+            if piece == "mlp.shared_expert_gate":
+                w = w.reshape(-1)  # llama.cpp holds it as a vector [H]
             tensors.append((f"blk.{layer}.{ATTN[piece]}.{kind}", w))
         block = "block_sparse_moe" if arch == "llama" else "mlp"
         for proj, name in EXPERT.items():
@@ -67,6 +71,9 @@ def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> lis
         w.add_expert_count(n_experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_vocab_size(cfg["vocab_size"])
+        if arch == "qwen2moe":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         if arch == "qwen3moe":
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

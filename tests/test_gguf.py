@@ -29,13 +29,13 @@ def gguf_model(checkpoint, tmp_path_factory):
     """gguf_model(qtype, split=1) -> the GGUF paths of the tiny Qwen3-MoE checkpoint."""
     made = {}
 
-    def make(qtype: str, split: int = 1) -> list[str]:
-        if (qtype, split) not in made:
-            d = tmp_path_factory.mktemp(f"gguf-{qtype}-{split}")
-            made[qtype, split] = write_gguf(
-                checkpoint("qwen3_moe"), str(d / f"tiny-{qtype}.gguf"), qtype, split
+    def make(qtype: str, split: int = 1, family: str = "qwen3_moe") -> list[str]:
+        if (qtype, split, family) not in made:
+            d = tmp_path_factory.mktemp(f"gguf-{family}-{qtype}-{split}")
+            made[qtype, split, family] = write_gguf(
+                checkpoint(family), str(d / f"tiny-{qtype}.gguf"), qtype, split
             )
-        return made[qtype, split]
+        return made[qtype, split, family]
 
     return make
 
@@ -138,6 +138,15 @@ def test_greedy_tokens_equal_transformers_on_the_gguf_file(gguf_model, checkpoin
     assert _greedy(path) == _transformers_greedy(path, checkpoint("qwen3_moe"))
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
+    """Families transformers does not read from GGUF here: an F32 file holds the checkpoint's
+    values exactly, so its tokens equal our run of the checkpoint. Mixtral is written as llama.cpp's
+    `llama` with Q/K rows permuted (undone at load); Qwen2-MoE carries a shared expert and biases."""
+    (path,) = gguf_model("F32", family=family)
+    assert _greedy(path) == _greedy(checkpoint(family))
+
+
 def test_tokenizer_from_metadata_and_override(gguf_model, checkpoint):
     from transformers import AutoTokenizer
 
@@ -181,16 +190,22 @@ def test_bad_gguf_files_fail_naming_the_problem(gguf_model, tmp_path):
     assert len(_greedy(ok)[0]) == GREEDY["max_tokens"]
 
 
-def _rank_main(rank, world, path, layouts):
-    return [_greedy(path, **kw, distributed_executor_backend="external_launcher") for kw in layouts]
+def _rank_main(rank, world, runs):
+    return [_greedy(path, **kw, distributed_executor_backend="external_launcher") for path, kw in runs]
 
 
 @pytest.mark.timeout(150)
 def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model):
-    (path,) = gguf_model("Q4_0")
-    want = _greedy(path)
-    layouts = [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)]
-    results = run_distributed(_rank_main, 2, path, layouts, timeout=140)
-    for per_rank in results:
-        assert per_rank[0] == want  # TP2: both ranks run every prompt
-        assert per_rank[1] == want  # DP2 + EP: each rank ran all prompts itself, experts split
+    """Q4_0 Qwen3-MoE under TP2 and DP2 + EP, and a permuted-Q/K Mixtral file under TP2 (each rank
+    un-permutes, then keeps its heads)."""
+    (qwen,) = gguf_model("Q4_0")
+    (mixtral,) = gguf_model("Q8_0", family="mixtral")
+    runs = [
+        (qwen, dict(tensor_parallel_size=2)),
+        (qwen, dict(data_parallel_size=2, enable_expert_parallel=True)),
+        (mixtral, dict(tensor_parallel_size=2)),
+    ]
+    want = [_greedy(path) for path, _ in runs]
+    results = run_distributed(_rank_main, 2, runs, timeout=140)
+    for per_rank in results:  # TP: both ranks run every prompt; DP + EP: each rank ran them all
+        assert per_rank == want

@@ -282,6 +282,8 @@ class GGUFTensorFile:
         data = t.data
         if e is not None:
             shape, data = shape[1:], data[e]
+        elif key.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp: a vector [H]
+            shape, data = (1, *shape), data[None]
         return GGUFTensor(data, t.tensor_type, shape, key, permute)
 
 
