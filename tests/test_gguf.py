@@ -132,7 +132,40 @@ def _transformers_greedy(path: str, hf_dir: str) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_held_codes_dequantize_like_gguf(gguf_model, qtype):
+    """Q8_0 / Q4_0 / Q4_1 served as our int8 / int4 kind: code * scale + offset per 32 inputs gives
+    gguf's dequantized values bit for bit, for any whole-block region (a TP rank's columns)."""
+    (path,) = gguf_model(qtype)
+    ref = dequantized_state([path])
+    f = GGUFTensorFile(path, INFO)
+    held = 0
+    for name, full in ref.items():
+        for key, e in _hf_name(name, 8):
+            src = f.get_slice(key)
+            if src.held_kind is None:
+                assert full.dim() == 1 or key.startswith(("lm_head", "model.embed")), key
+                continue
+            held += 1
+            want = full if e is None else full[e]
+            assert src.held_kind == ({"Q8_0": "int8"}.get(qtype, "int4"), 32)
+            # whole rows; a TP rank's whole blocks; a rank's 16 inputs inside one block (a 32-wide
+            # row split in two: held.local_groups then asks for one scale a row)
+            regions = (
+                ((0, want.shape[0]), (0, want.shape[1]), 32),
+                ((2, 7), (32, 64), 32),
+                ((1, 4), (48, 64), 16),
+            )
+            for (o0, o1), (i0, i1), group in regions:
+                codes, s, m = src.quantized((o0, o1), (i0, i1), group, i0 // group)
+                if qtype == "Q8_0":
+                    codes = codes.view(torch.int8)
+                w = codes.float() * s.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
+                assert torch.equal(w, want[o0:o1, i0:i1]), key
+    assert held > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_greedy_tokens_equal_transformers_on_the_gguf_file(gguf_model, checkpoint, qtype):
     (path,) = gguf_model(qtype)
     assert _greedy(path) == _transformers_greedy(path, checkpoint("qwen3_moe"))

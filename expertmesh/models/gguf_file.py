@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -189,15 +190,62 @@ def _undo_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
+# Types held as stored in our int8 / int4 group kinds (layers/quantization/held.py), W = code * s + o
+# per 32 inputs, bit for bit gguf's dequantization (q * d, and q * d + m, are exact in float32:
+# an fp16 scale times a code of at most 8 bits needs 19 bits):
+#   Q8_0 = d * q (q int8): int8 codes q, scale d, offset 0
+#   Q4_0 = d * (q - 8) (q 0..15): int4 codes q, scale d, offset -8 d
+#   Q4_1 = d * q + m: int4 codes q, scale d, offset m
+HELD = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
 class GGUFTensor(LogicalTensor):
     """One GGUF tensor (or one expert of a stacked one) in HF orientation [out, in]; indexing reads
-    and dequantizes only the rows asked for (whole heads for a permuted Q/K weight)."""
+    and dequantizes only the rows asked for (whole heads for a permuted Q/K weight). Q8_0, Q4_0 and
+    Q4_1 matrices say how they map onto our held kinds (`held_kind`, `quantized`)."""
 
     def __init__(self, data: np.ndarray, qtype: Any, shape: tuple[int, ...], key: str, permute: int = 0):
         from gguf import GGMLQuantizationType as Q
 
         self.data, self.qtype, self.shape, self.base, self.permute = data, qtype, shape, key, permute
         self.dtype = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(qtype, torch.float32)
+        # the head and embedding take float weights (the head's kernels are not the held ones)
+        if (
+            qtype.name in HELD
+            and len(shape) == 2
+            and not permute
+            and not key.startswith(("lm_head", "model.embed"))
+        ):
+            self.held_kind = (HELD[qtype.name], 32)
+
+    def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
+        """Codes [o, i] uint8, scales and offsets [o, groups] float32 of the region (whole blocks)."""
+        (o0, o1), (i0, i1) = rows, cols
+        b0, b1 = i0 // 32, -(-i1 // 32)
+        # whole blocks, or (group = the region: a rank's part of a 32-wide row) inside one block
+        if (group == 32 and i0 % 32) or (group != 32 and b1 - b0 != 1):
+            raise ValueError(
+                f"{self.base}: GGUF {self.qtype.name} blocks are 32 inputs; asked {group} at {i0}"
+            )
+        raw = np.asarray(self.data[o0:o1]).reshape(o1 - o0, -1, BLOCK_BYTES[self.qtype.name])[:, b0:b1]
+        raw = np.ascontiguousarray(raw)
+
+        def half(at: int) -> torch.Tensor:  # the fp16 field at byte `at` of every block, as float32
+            return torch.from_numpy(
+                np.ascontiguousarray(raw[..., at : at + 2]).view(np.float16)[..., 0]
+            ).float()
+
+        d = half(0)
+        raw = torch.from_numpy(raw)
+        if self.qtype.name == "Q8_0":
+            codes = raw[..., 2:].reshape(o1 - o0, -1)
+            return codes[:, i0 - b0 * 32 : i1 - b0 * 32], d, torch.zeros_like(d)
+        qs = raw[..., 4:] if self.qtype.name == "Q4_1" else raw[..., 2:]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(o1 - o0, -1)[:, i0 - b0 * 32 : i1 - b0 * 32]
+        if self.qtype.name == "Q4_1":
+            return codes, d, half(2)
+        return codes, d, -8 * d
 
     def _rows(self, r0: int, r1: int) -> torch.Tensor:
         from gguf import GGMLQuantizationType as Q
@@ -292,6 +340,37 @@ def piece_of(name: str) -> str:
     return m.group(2) if m else ""
 
 
+# ---- the weight format --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFFormat:
+    """quantization_config {"quant_method": "gguf"}: Q8_0 / Q4_0 / Q4_1 matrices held as int8 / int4
+    codes with a scale and offset per 32 inputs; every other type dequantized at load."""
+
+    held_types: tuple[str, ...] = ()
+    method: str = "gguf"
+    online: bool = False
+    holds_compressed = True
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> GGUFFormat:
+        return cls(tuple(cfg.get("held_types", ())))
+
+    def describe(self) -> str:
+        return f"gguf, {'/'.join(self.held_types) or 'no'} matrices held as int codes (groups of 32)"
+
+    def name(self) -> str:
+        return "gguf"
+
+    def view(self, handles: dict[str, Any]) -> Any:
+        from expertmesh.layers.quantization.view import CheckpointView
+
+        class GGUFView(CheckpointView):
+            def get_slice(self, key: str) -> Any:  # codes where the plan holds the key
+                return self.serve(key, self.stored(key))
+
+        return GGUFView(handles)
+
+
 # ---- the model directory ------------------------------------------------------------------------
 def _cache_root() -> str:
     if os.environ.get("EXPERTMESH_GGUF_DIR"):
@@ -327,6 +406,9 @@ def gguf_model_dir(model: str) -> str:
     if cfg["architectures"][0] == "Qwen2MoeForCausalLM":
         cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
     cfg["torch_dtype"] = "float32"
+    held = sorted({t.tensor_type.name for t in reader.tensors} & set(HELD))
+    if held:  # the loader holds these codes as stored (GGUFFormat); quantization="dequantize" does not
+        cfg["quantization_config"] = {"quant_method": "gguf", "held_types": held}
     os.makedirs(out, exist_ok=True)
     tmp = f"{out}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)

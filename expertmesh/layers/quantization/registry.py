@@ -22,6 +22,15 @@ from expertmesh.layers.quantization.gptq import GptqFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
 from expertmesh.layers.quantization.online import OnlineScheme
 
+
+def _gguf_format(cfg: dict) -> Any:  # lazily: models/gguf_file.py imports this package
+    from expertmesh.models.gguf_file import GGUFFormat
+
+    return GGUFFormat.from_config(cfg)
+
+
+_gguf_format.from_config = _gguf_format  # type: ignore[attr-defined]
+
 # quant_method -> the format (its `from_config` parses the rest of quantization_config)
 CHECKPOINT_FORMATS: dict[str, Any] = {
     "awq": AwqFormat,
@@ -29,6 +38,7 @@ CHECKPOINT_FORMATS: dict[str, Any] = {
     "fp8": Fp8Format,
     "gptq": GptqFormat,
     "mxfp4": Mxfp4Format,
+    "gguf": _gguf_format,
 }
 
 
