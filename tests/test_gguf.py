@@ -3,6 +3,8 @@ greedy tokens equal transformers' run of the same file, split sets and directori
 EP2 equal one process, and bad files fail naming what is wrong."""
 
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -178,6 +180,25 @@ def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
     `llama` with Q/K rows permuted (undone at load); Qwen2-MoE carries a shared expert and biases."""
     (path,) = gguf_model("F32", family=family)
     assert _greedy(path) == _greedy(checkpoint(family))
+
+
+LLAMA_CPP = os.environ.get("EXPERTMESH_LLAMA_CPP")  # llama.cpp's sources: convert_hf_to_gguf.py, gguf-py
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
+@pytest.mark.parametrize("family,outtype", [("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("mixtral", "f32")])
+def test_file_written_by_llama_cpps_converter(checkpoint, tmp_path, family, outtype):
+    """llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's sdist; needs sentencepiece):
+    Qwen3-MoE against transformers on the same file; Mixtral (written as llama, Q/K permuted)
+    against our run of its checkpoint."""
+    out = str(tmp_path / f"converted-{outtype}.gguf")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*cmd, checkpoint(family), "--outtype", outtype, "--outfile", out], check=True)
+    if family == "qwen3_moe":
+        assert _greedy(out) == _transformers_greedy(out, checkpoint(family))
+    else:
+        assert _greedy(out) == _greedy(checkpoint(family))
 
 
 def test_tokenizer_from_metadata_and_override(gguf_model, checkpoint):
