@@ -229,7 +229,7 @@ class GGUFTensor(LogicalTensor):
                 f"{self.base}: GGUF {self.qtype.name} blocks are 32 inputs; asked {group} at {i0}"
             )
         raw = np.asarray(self.data[o0:o1]).reshape(o1 - o0, -1, BLOCK_BYTES[self.qtype.name])[:, b0:b1]
-        raw = np.ascontiguousarray(raw)
+        raw = np.array(raw)  # a copy: the memory map is read-only
 
         def half(at: int) -> torch.Tensor:  # the fp16 field at byte `at` of every block, as float32
             return torch.from_numpy(

@@ -22,15 +22,6 @@ from expertmesh.layers.quantization.gptq import GptqFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
 from expertmesh.layers.quantization.online import OnlineScheme
 
-
-def _gguf_format(cfg: dict) -> Any:  # lazily: models/gguf_file.py imports this package
-    from expertmesh.models.gguf_file import GGUFFormat
-
-    return GGUFFormat.from_config(cfg)
-
-
-_gguf_format.from_config = _gguf_format  # type: ignore[attr-defined]
-
 # quant_method -> the format (its `from_config` parses the rest of quantization_config)
 CHECKPOINT_FORMATS: dict[str, Any] = {
     "awq": AwqFormat,
@@ -38,7 +29,6 @@ CHECKPOINT_FORMATS: dict[str, Any] = {
     "fp8": Fp8Format,
     "gptq": GptqFormat,
     "mxfp4": Mxfp4Format,
-    "gguf": _gguf_format,
 }
 
 
@@ -125,6 +115,10 @@ def checkpoint_format(quant: Any) -> Any:
     """The format of a config.json `quantization_config` (dict or transformers object)."""
     cfg = _as_dict(quant)
     method = cfg.get("quant_method")
+    if method == "gguf":  # written by models/gguf_file.py for a GGUF file's held types, never by users
+        from expertmesh.models.gguf_file import GGUFFormat
+
+        return GGUFFormat.from_config(cfg)
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "
