@@ -9,9 +9,14 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*
 
 
 def resolve_model(model: str | None, revision: str | None = None) -> str:
-    """A local directory holding config.json, fetching a hub id with huggingface_hub if needed."""
+    """A local directory holding config.json, fetching a hub id with huggingface_hub if needed
+    (for a GGUF file or a directory of one: the directory made from its metadata)."""
     if model is None:
         model = DEFAULT_MODEL_DIR
+    from expertmesh.models.gguf_file import gguf_model_dir, is_gguf
+
+    if is_gguf(model):  # llama.cpp's format: config and tokenizer from its metadata (models/gguf_file.py)
+        return gguf_model_dir(model)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
             raise FileNotFoundError(f"model directory {model!r} has no config.json")

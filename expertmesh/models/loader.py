@@ -64,6 +64,18 @@ def _open(path: str):
         raise WeightLoadError(f"cannot read the weights file {path}: {exc}") from exc
 
 
+def _gguf_opener(info: dict):
+    from expertmesh.models.gguf_file import GGUFError, GGUFTensorFile
+
+    def open_one(path: str) -> GGUFTensorFile:
+        try:
+            return GGUFTensorFile(path, info)
+        except (GGUFError, OSError) as exc:
+            raise WeightLoadError(str(exc)) from exc
+
+    return open_one
+
+
 def load_weights(
     model: Any,
     model_dir: str,
@@ -73,8 +85,11 @@ def load_weights(
 ) -> set[int]:
     """Fill every parameter; returns the ids of the modules that took their weights compressed while
     loading (one pass: layers/quantization/streaming.py), which the build then leaves alone."""
-    files = safetensors_files(model_dir)
-    with opened(files, _open) as handles:
+    from expertmesh.models.gguf_file import gguf_info
+
+    gguf = gguf_info(model_dir)  # a GGUF model (models/gguf_file.py): its files, tensors under HF names
+    files, opener = (gguf["files"], _gguf_opener(gguf)) if gguf else (safetensors_files(model_dir), _open)
+    with opened(files, opener) as handles:
         view = _view(model, handles)
         check_against_twin(model, view)
         model.held_weights = _plan_held(model, view)

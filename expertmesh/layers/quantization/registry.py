@@ -115,6 +115,10 @@ def checkpoint_format(quant: Any) -> Any:
     """The format of a config.json `quantization_config` (dict or transformers object)."""
     cfg = _as_dict(quant)
     method = cfg.get("quant_method")
+    if method == "gguf":  # written by models/gguf_file.py for a GGUF file's held types, never by users
+        from expertmesh.models.gguf_file import GGUFFormat
+
+        return GGUFFormat.from_config(cfg)
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "

@@ -1,0 +1,140 @@
+"""Tiny GGUF files written from tiny HF checkpoints with `gguf.GGUFWriter`, named and laid out the
+way llama.cpp's convert_hf_to_gguf.py writes them (experts stacked as ffn_*_exps [E, I, H], llama's
+Q/K rows permuted), matrices quantized with `gguf.quants.quantize`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+ATTN = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}  # fmt: skip
+EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+          "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's `LlamaModel.permute`."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> list[str]:
+    """The checkpoint in hf_dir as GGUF; matrices (2-D and expert stacks) in `qtype`, vectors F32.
+    `split` > 1 writes llama.cpp's split set (`-0000k-of-0000n.gguf`, tensors dealt in order)."""
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    arch = ARCH[cfg["model_type"]]
+    sd = {k: v.float().numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    tensors: list[tuple[str, np.ndarray]] = [("token_embd.weight", sd.pop("model.embed_tokens.weight"))]
+    tensors.append(("output_norm.weight", sd.pop("model.norm.weight")))
+    if "lm_head.weight" in sd:
+        tensors.append(("output.weight", sd.pop("lm_head.weight")))
+    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for key in sorted(k for k in sd if k.startswith(p) and ".experts." not in k):
+            piece, kind = key[len(p) :].rsplit(".", 1)
+            w = sd[key]
+            if arch == "llama" and piece in ("self_attn.q_proj", "self_attn.k_proj") and kind == "weight":
+                heads = cfg["num_attention_heads"] if "q_proj" in piece else cfg["num_key_value_heads"]
+                w = _permute(w, heads)
+            if piece == "mlp.shared_expert_gate":
+                w = w.reshape(-1)  # llama.cpp holds it as a vector [H]
+            tensors.append((f"blk.{layer}.{ATTN[piece]}.{kind}", w))
+        block = "block_sparse_moe" if arch == "llama" else "mlp"
+        for proj, name in EXPERT.items():
+            keys = [f"{p}{block}.experts.{e}.{proj}.weight" for e in range(n_experts)]
+            if keys[0] in sd:
+                tensors.append((f"blk.{layer}.{name}.weight", np.stack([sd[k] for k in keys])))
+
+    def add_meta(w: gguf.GGUFWriter) -> None:
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        rope = cfg.get("rope_parameters") or {}
+        w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_vocab_size(cfg["vocab_size"])
+        if arch == "qwen2moe":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        _add_tokenizer(w, hf_dir)
+
+    paths = []
+    chunks = np.array_split(np.arange(len(tensors)), split)
+    for i, idx in enumerate(chunks):
+        path = out if split == 1 else f"{out[: -len('.gguf')]}-{i + 1:05d}-of-{split:05d}.gguf"
+        w = gguf.GGUFWriter(path, arch)
+        if i == 0:
+            add_meta(w)
+        if split > 1:
+            w.add_uint16("split.no", i)
+            w.add_uint16("split.count", split)
+            w.add_int32("split.tensors.count", len(tensors))
+        for j in idx:
+            name, arr = tensors[j]
+            _add_tensor(w, name, arr, qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(path)
+    return paths
+
+
+def _add_tensor(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: str) -> None:
+    t = gguf.GGMLQuantizationType[qtype]
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.ndim == 1 or t == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, arr)
+    elif t == gguf.GGMLQuantizationType.F16:
+        w.add_tensor(name, arr.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: str) -> None:
+    """The byte-level BPE as llama.cpp's gpt2 tokenizer model (tokens, types, merges)."""
+    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["content"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_unk_token_id(vocab["<unk>"])
+
+
+def dequantized_state(paths: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF files dequantized by gguf's own library (the reference)."""
+    out = {}
+    for path in paths:
+        for t in gguf.GGUFReader(path).tensors:
+            out[t.name] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    return out

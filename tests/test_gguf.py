@@ -1,0 +1,265 @@
+"""GGUF files (llama.cpp's format): tensors dequantize bit for bit like gguf's own dequantizer,
+greedy tokens equal transformers' run of the same file, split sets and directories load, TP2 and
+EP2 equal one process, and bad files fail naming what is wrong."""
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from checkpoints import prompts_of_lengths
+from distributed_utils import run_distributed
+from gguf_checkpoints import dequantized_state, write_gguf
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.models.gguf_file import GGUFError, GGUFTensor, GGUFTensorFile, gguf_files, gguf_model_dir
+
+PROMPTS = prompts_of_lengths([5, 11, 3], seed=36)
+GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _gguf_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("EXPERTMESH_GGUF_DIR", str(tmp_path_factory.getbasetemp() / "gguf-models"))
+
+
+@pytest.fixture(scope="session")
+def gguf_model(checkpoint, tmp_path_factory):
+    """gguf_model(qtype, split=1) -> the GGUF paths of the tiny Qwen3-MoE checkpoint."""
+    made = {}
+
+    def make(qtype: str, split: int = 1, family: str = "qwen3_moe") -> list[str]:
+        if (qtype, split, family) not in made:
+            d = tmp_path_factory.mktemp(f"gguf-{family}-{qtype}-{split}")
+            made[qtype, split, family] = write_gguf(
+                checkpoint(family), str(d / f"tiny-{qtype}.gguf"), qtype, split
+            )
+        return made[qtype, split, family]
+
+    return make
+
+
+def _hf_name(name: str, arch_experts: int) -> list[tuple[str, int | None]]:
+    """Reference side of the name map, spelled out independently of the code under test."""
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}  # fmt: skip
+    if name in fixed:
+        return [(fixed[name], None)]
+    _, layer, piece, kind = name.split(".")
+    p = f"model.layers.{layer}."
+    exps = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+    if piece in exps:
+        return [(f"{p}mlp.experts.{e}.{exps[piece]}.{kind}", e) for e in range(arch_experts)]
+    pieces = {
+        "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+    }  # fmt: skip
+    return [(f"{p}{pieces[piece]}.{kind}", None)]
+
+
+INFO = {"arch": "qwen3moe", "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_every_tensor_and_slice_dequantizes_like_gguf(gguf_model, qtype):
+    (path,) = gguf_model(qtype)
+    ref = dequantized_state([path])
+    f = GGUFTensorFile(path, INFO)
+    seen = set()
+    for name, full in ref.items():
+        for key, e in _hf_name(name, 8):
+            want = full if e is None else full[e]
+            src = f.get_slice(key)
+            seen.add(key)
+            assert tuple(src.get_shape()) == tuple(want.shape), key
+            got = src[:]
+            assert torch.equal(got.float(), want), key
+            if want.dim() == 2:  # a TP rank's rows and columns: just that region, the same values
+                r0, r1, c0, c1 = 1, want.shape[0] - 3, 32, want.shape[1]
+                assert torch.equal(src[r0:r1, c0:c1].float(), want[r0:r1, c0:c1]), key
+    assert seen == set(f.keys())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "BF16"])
+def test_k_quants_and_others_dequantize_like_gguf(qtype):
+    """Random blocks of each type (finite fp16 scales): rows cut from a stacked expert tensor give
+    gguf.quants.dequantize's values for those rows, bit for bit."""
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(0)
+    experts, rows, cols = 3, 6, 512
+    raw = rng.integers(0, 256, (experts, rows, cols // block * size), dtype=np.uint8)
+    if qtype == "BF16":
+        raw[..., 1::2] = rng.integers(0x3C, 0x40, raw[..., 1::2].shape)  # moderate exponents
+    else:
+        # scale fields (fp16): finite values; every K-quant/IQ block's d sits at a fixed place
+        b = raw.reshape(experts, rows, cols // block, size)
+        d = rng.uniform(-0.1, 0.1, b.shape[:3]).astype(np.float16).view(np.uint8).reshape(*b.shape[:3], 2)
+        at = {"Q6_K": size - 2, "Q3_K": size - 2, "Q2_K": size - 4}.get(qtype, 0)
+        b[..., at : at + 2] = d
+        if qtype in ("Q4_K", "Q5_K", "Q2_K"):
+            b[..., at + 2 : at + 4] = d
+    want = torch.from_numpy(gguf.quants.dequantize(raw, t).astype(np.float32))
+    for e in range(experts):
+        src = GGUFTensor(raw[e], t, (rows, cols), f"w{e}")
+        assert torch.equal(src[:].float(), want[e])
+        assert torch.equal(src[2:5, 256:].float(), want[e, 2:5, 256:])
+
+
+def _greedy(path: str, **kw) -> list[list[int]]:
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _transformers_greedy(path: str, hf_dir: str) -> list[list[int]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # transformers' qwen3moe GGUF mapping drops the expert width: the checkpoint's config (PEERS.md)
+    config = AutoConfig.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), config=config
+    ).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    for p in PROMPTS:
+        y = model.generate(
+            torch.tensor([p]), max_new_tokens=GREEDY["max_tokens"], do_sample=False, pad_token_id=0
+        )
+        out.append(y[0, len(p) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_held_codes_dequantize_like_gguf(gguf_model, qtype):
+    """Q8_0 / Q4_0 / Q4_1 served as our int8 / int4 kind: code * scale + offset per 32 inputs gives
+    gguf's dequantized values bit for bit, for any whole-block region (a TP rank's columns)."""
+    (path,) = gguf_model(qtype)
+    ref = dequantized_state([path])
+    f = GGUFTensorFile(path, INFO)
+    held = 0
+    for name, full in ref.items():
+        for key, e in _hf_name(name, 8):
+            src = f.get_slice(key)
+            if src.held_kind is None:
+                assert full.dim() == 1 or key.startswith(("lm_head", "model.embed")), key
+                continue
+            held += 1
+            want = full if e is None else full[e]
+            assert src.held_kind == ({"Q8_0": "int8"}.get(qtype, "int4"), 32)
+            # whole rows; a TP rank's whole blocks; a rank's 16 inputs inside one block (a 32-wide
+            # row split in two: held.local_groups then asks for one scale a row)
+            regions = (
+                ((0, want.shape[0]), (0, want.shape[1]), 32),
+                ((2, 7), (32, 64), 32),
+                ((1, 4), (48, 64), 16),
+            )
+            for (o0, o1), (i0, i1), group in regions:
+                codes, s, m = src.quantized((o0, o1), (i0, i1), group, i0 // group)
+                if qtype == "Q8_0":
+                    codes = codes.view(torch.int8)
+                w = codes.float() * s.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
+                assert torch.equal(w, want[o0:o1, i0:i1]), key
+    assert held > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_greedy_tokens_equal_transformers_on_the_gguf_file(gguf_model, checkpoint, qtype):
+    (path,) = gguf_model(qtype)
+    assert _greedy(path) == _transformers_greedy(path, checkpoint("qwen3_moe"))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
+    """Families transformers does not read from GGUF here: an F32 file holds the checkpoint's
+    values exactly, so its tokens equal our run of the checkpoint. Mixtral is written as llama.cpp's
+    `llama` with Q/K rows permuted (undone at load); Qwen2-MoE carries a shared expert and biases."""
+    (path,) = gguf_model("F32", family=family)
+    assert _greedy(path) == _greedy(checkpoint(family))
+
+
+LLAMA_CPP = os.environ.get("EXPERTMESH_LLAMA_CPP")  # llama.cpp's sources: convert_hf_to_gguf.py, gguf-py
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
+@pytest.mark.parametrize("family,outtype", [("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("mixtral", "f32")])
+def test_file_written_by_llama_cpps_converter(checkpoint, tmp_path, family, outtype):
+    """llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's sdist; needs sentencepiece):
+    Qwen3-MoE against transformers on the same file; Mixtral (written as llama, Q/K permuted)
+    against our run of its checkpoint."""
+    out = str(tmp_path / f"converted-{outtype}.gguf")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*cmd, checkpoint(family), "--outtype", outtype, "--outfile", out], check=True)
+    if family == "qwen3_moe":
+        assert _greedy(out) == _transformers_greedy(out, checkpoint(family))
+    else:
+        assert _greedy(out) == _greedy(checkpoint(family))
+
+
+def test_tokenizer_from_metadata_and_override(gguf_model, checkpoint):
+    from transformers import AutoTokenizer
+
+    (path,) = gguf_model("Q8_0")
+    text = "The quick brown fox returns a value"
+    want = AutoTokenizer.from_pretrained(checkpoint("qwen3_moe"))(text)["input_ids"]
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert llm.get_tokenizer()(text)["input_ids"] == want
+    out = llm.generate([text, {"prompt_token_ids": want}], SamplingParams(**GREEDY), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+    llm2 = LLM(path, tokenizer=checkpoint("qwen3_moe"), max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert llm2.get_tokenizer()(text)["input_ids"] == want
+
+
+def test_split_files_and_directory_load_like_one_file(gguf_model):
+    parts = gguf_model("Q8_0", split=3)
+    assert len(parts) == 3 and parts[1].endswith("-00002-of-00003.gguf")
+    (single,) = gguf_model("Q8_0")
+    assert gguf_files(parts[2]) == parts  # any part names the set
+    want = _greedy(single)
+    assert _greedy(os.path.dirname(parts[0])) == want  # the directory holding the set
+
+
+def test_bad_gguf_files_fail_naming_the_problem(gguf_model, tmp_path):
+    parts = gguf_model("Q8_0", split=3)
+    lonely = tmp_path / "m-00001-of-00002.gguf"
+    lonely.write_bytes(open(parts[0], "rb").read())
+    with pytest.raises(GGUFError, match="missing parts.*m-00002-of-00002.gguf"):
+        gguf_files(str(lonely))
+    junk = tmp_path / "junk" / "x.gguf"
+    junk.parent.mkdir()
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(GGUFError, match="x.gguf: not a readable GGUF file"):
+        gguf_model_dir(str(junk))
+    w = gguf.GGUFWriter(str(tmp_path / "bert.gguf"), "bert")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(GGUFError, match="architecture 'bert' is not supported"):
+        LLM(str(tmp_path / "bert.gguf"))
+    (ok,) = gguf_model("Q8_0")  # a failure leaves nothing behind: the next load works
+    assert len(_greedy(ok)[0]) == GREEDY["max_tokens"]
+
+
+def _rank_main(rank, world, runs):
+    return [_greedy(path, **kw, distributed_executor_backend="external_launcher") for path, kw in runs]
+
+
+@pytest.mark.timeout(150)
+def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model):
+    """Q4_0 Qwen3-MoE under TP2 and DP2 + EP, and a permuted-Q/K Mixtral file under TP2 (each rank
+    un-permutes, then keeps its heads)."""
+    (qwen,) = gguf_model("Q4_0")
+    (mixtral,) = gguf_model("Q8_0", family="mixtral")
+    runs = [
+        (qwen, dict(tensor_parallel_size=2)),
+        (qwen, dict(data_parallel_size=2, enable_expert_parallel=True)),
+        (mixtral, dict(tensor_parallel_size=2)),
+    ]
+    want = [_greedy(path) for path, _ in runs]
+    results = run_distributed(_rank_main, 2, runs, timeout=140)
+    for per_rank in results:  # TP: both ranks run every prompt; DP + EP: each rank ran them all
+        assert per_rank == want
