@@ -31,6 +31,9 @@ from expertmesh.outputs import CompletionOutput, RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
 log = logging.getLogger("expertmesh")
+# The warm-up's widest decode batch: the per-sequence Python work of a wider one costs start-up
+# time (and every test's LLM) while its kernels are those a batch of 64 already ran.
+WARMUP_MAX_SEQS = 64
 
 
 @dataclass
@@ -140,9 +143,10 @@ class LLMEngine:
     # ---- warm-up --------------------------------------------------------------------------
     def warmup_plan(self) -> tuple[int, int, list[int]]:
         """(requests, prompt length, decode batch sizes) of the warm-up: prompts that fill one step's
-        token budget between them, then decode batches halving from the largest down to 1."""
+        token budget between them, then decode batches halving from the largest (max_num_seqs, at
+        most WARMUP_MAX_SEQS) down to 1."""
         sc, bs = self.config.scheduler_config, self.blocks.block_size
-        n = max(1, sc.max_num_seqs)
+        n = max(1, min(sc.max_num_seqs, WARMUP_MAX_SEQS))
         sizes = sorted({max(1, n >> k) for k in range(n.bit_length())}, reverse=True)
         new = min(len(sizes) + 1, max(1, self.capacity - 1))
         prompt = max(1, min(sc.max_num_batched_tokens // n, self.capacity - new))
