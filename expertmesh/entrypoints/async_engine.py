@@ -68,13 +68,27 @@ class Update:
 class IncrementalText:
     """Emits the new suffix of a sequence's text each step.
 
-    Decodes the whole output every step (a suffix alone can decode differently) and holds back
-    what may still change: an incomplete UTF-8 character, or a tail that could be the start of a
-    stop string (the finished text is cut before it).
+    `decoded` builds the text incrementally, as vLLM's detokenizer does: each step decodes only
+    the tokens since the last stable point plus the few before them (their context: a suffix
+    alone can decode differently, a SentencePiece word's leading space), so a token costs the
+    same at position 10 and 10,000. `delta` holds back what may still change: an incomplete
+    UTF-8 character, or a tail that could be the start of a stop string (the finished text, the
+    engine's whole decode, is cut before it).
     """
 
     def __init__(self, hold: int) -> None:
         self.sent, self.hold = "", hold
+        self.text = ""  # the stable text decoded so far
+        self.prefix = self.read = 0  # tokens[prefix:read]: the context; tokens[read:]: not yet in text
+
+    def decoded(self, tokens: list[int], decode: Callable[[list[int]], str]) -> str:
+        """The text of `tokens` (which only grow), decoding only its last few tokens."""
+        context = decode(tokens[self.prefix : self.read])
+        window = decode(tokens[self.prefix :])
+        if len(window) > len(context) and not window.endswith("\ufffd"):
+            self.text += window[len(context) :]
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text
 
     def delta(self, text: str, finished: bool) -> str:
         if not finished:
@@ -357,7 +371,8 @@ class AsyncEngine:
             elif p is not None and p.final_text is not None:
                 full, done = p.final_text, True
             else:
-                full, done = self.client.decode(tokens, tracked.params.skip_special_tokens), False
+                skip = tracked.params.skip_special_tokens
+                full, done = text.decoded(tokens, lambda ids, s=skip: self.client.decode(ids, s)), False
             deltas.append(SeqDelta(i, list(new), logprobs, text.delta(full, done)))
         return deltas
 
