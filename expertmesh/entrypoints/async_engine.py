@@ -65,6 +65,22 @@ class Update:
     final: RequestOutput | None = None  # set on a request's last update
 
 
+def coalesce(first: Update, then: Update) -> Update:
+    """Two consecutive updates of one request as one: each sequence's tokens, logprobs and text
+    joined in order, the later `final`."""
+    merged = {d.index: SeqDelta(d.index, list(d.token_ids), d.logprobs, d.text) for d in first.deltas}
+    for d in then.deltas:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = d
+            continue
+        m.token_ids += d.token_ids
+        if m.logprobs is not None or d.logprobs is not None:
+            m.logprobs = [*(m.logprobs or []), *(d.logprobs or [])]
+        m.text += d.text
+    return Update(sorted(merged.values(), key=lambda d: d.index), then.final)
+
+
 class IncrementalText:
     """Emits the new suffix of a sequence's text each step.
 
@@ -198,8 +214,18 @@ class AsyncEngine:
                 item = await channel.updates.get()
                 if isinstance(item, BaseException):
                     raise item
+                # A reader that fell behind gets every queued step in one update (one event).
+                pending: BaseException | None = None
+                while item.final is None and not channel.updates.empty():
+                    more = channel.updates.get_nowait()
+                    if isinstance(more, BaseException):
+                        pending = more
+                        break
+                    item = coalesce(item, more)
                 finished = item.final is not None
                 yield item
+                if pending is not None:
+                    raise pending
         finally:
             if added and not finished:
                 self.abort(rid)
