@@ -79,6 +79,9 @@ class EngineArgs:
     # Decode-only steps through whole decoder layers in one native call where every block has a
     # native form (layers/native_decode.py); False: the per-op path only (A/B, debugging).
     native_decode: bool = True
+    # Dummy requests through every shape class before the first real one (engine.warmup); False
+    # starts at once, the first requests then paying the kernels' and memory's first-use costs.
+    warmup: bool = True
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
@@ -164,6 +167,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         load = ExpertLoad(net, env.moe_plan, placement.groups, mc.top_k, mc.num_experts)
         engine.expert_load = load.to(placement.device)
         load.configure(parallel.eplb_config if parallel.enable_eplb else None)
+    if args.warmup:
+        watchdog.set_doing("warming up")
+        engine.warmup()
     log.info(
         "Loaded %s (%s) on rank %d of %d",
         config.model_config.architecture,

@@ -65,16 +65,46 @@ class Update:
     final: RequestOutput | None = None  # set on a request's last update
 
 
+def coalesce(first: Update, then: Update) -> Update:
+    """Two consecutive updates of one request as one: each sequence's tokens, logprobs and text
+    joined in order, the later `final`."""
+    merged = {d.index: SeqDelta(d.index, list(d.token_ids), d.logprobs, d.text) for d in first.deltas}
+    for d in then.deltas:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = d
+            continue
+        m.token_ids += d.token_ids
+        if m.logprobs is not None or d.logprobs is not None:
+            m.logprobs = [*(m.logprobs or []), *(d.logprobs or [])]
+        m.text += d.text
+    return Update(sorted(merged.values(), key=lambda d: d.index), then.final)
+
+
 class IncrementalText:
     """Emits the new suffix of a sequence's text each step.
 
-    Decodes the whole output every step (a suffix alone can decode differently) and holds back
-    what may still change: an incomplete UTF-8 character, or a tail that could be the start of a
-    stop string (the finished text is cut before it).
+    `decoded` builds the text incrementally, as vLLM's detokenizer does: each step decodes only
+    the tokens since the last stable point plus the few before them (their context: a suffix
+    alone can decode differently, a SentencePiece word's leading space), so a token costs the
+    same at position 10 and 10,000. `delta` holds back what may still change: an incomplete
+    UTF-8 character, or a tail that could be the start of a stop string (the finished text, the
+    engine's whole decode, is cut before it).
     """
 
     def __init__(self, hold: int) -> None:
         self.sent, self.hold = "", hold
+        self.text = ""  # the stable text decoded so far
+        self.prefix = self.read = 0  # tokens[prefix:read]: the context; tokens[read:]: not yet in text
+
+    def decoded(self, tokens: list[int], decode: Callable[[list[int]], str]) -> str:
+        """The text of `tokens` (which only grow), decoding only its last few tokens."""
+        context = decode(tokens[self.prefix : self.read])
+        window = decode(tokens[self.prefix :])
+        if len(window) > len(context) and not window.endswith("\ufffd"):
+            self.text += window[len(context) :]
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text
 
     def delta(self, text: str, finished: bool) -> str:
         if not finished:
@@ -184,8 +214,18 @@ class AsyncEngine:
                 item = await channel.updates.get()
                 if isinstance(item, BaseException):
                     raise item
+                # A reader that fell behind gets every queued step in one update (one event).
+                pending: BaseException | None = None
+                while item.final is None and not channel.updates.empty():
+                    more = channel.updates.get_nowait()
+                    if isinstance(more, BaseException):
+                        pending = more
+                        break
+                    item = coalesce(item, more)
                 finished = item.final is not None
                 yield item
+                if pending is not None:
+                    raise pending
         finally:
             if added and not finished:
                 self.abort(rid)
@@ -357,7 +397,8 @@ class AsyncEngine:
             elif p is not None and p.final_text is not None:
                 full, done = p.final_text, True
             else:
-                full, done = self.client.decode(tokens, tracked.params.skip_special_tokens), False
+                skip = tracked.params.skip_special_tokens
+                full, done = text.decoded(tokens, lambda ids, s=skip: self.client.decode(ids, s)), False
             deltas.append(SeqDelta(i, list(new), logprobs, text.delta(full, done)))
         return deltas
 

@@ -96,6 +96,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
     p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the start-up warm-up (dummy requests of every step shape before the first request)",
+    )
+    p.add_argument(
         "--distributed-timeout-seconds",
         type=float,
         default=60.0,  # = distributed.watchdog.DEFAULT_TIMEOUT_S (not imported: --help stays fast)
@@ -217,6 +223,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         enable_eplb=args.enable_eplb,
         num_redundant_experts=args.num_redundant_experts,
         eplb_config=args.eplb_config,
+        warmup=args.warmup,
     )
 
 

@@ -59,6 +59,7 @@ class LLM:
         allow_nonfinite_weights: bool = False,
         quantization: str | None = None,
         native_decode: bool = True,
+        warmup: bool = True,
     ) -> None:
         self._executor = None
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}

@@ -47,6 +47,7 @@ class TorchrunExecutor:
         self._leader = is_replica_leader(engine)
         self._open = True
         info = {"limits": engine.prompt_limits(), "stats": self.stepper.rank_stats()}
+        info["warmup_steps"] = engine.num_warmup_steps  # rank 0 sees that every rank warmed
         self.ready_info: dict[int, Any] = dict(enumerate(self.world.all_gather_object(info)))
         role = "answers HTTP and drives" if self.rank == DRIVER else "follows rank 0"
         log.info("serve under torchrun: rank %d pid %d %s", self.rank, os.getpid(), role)

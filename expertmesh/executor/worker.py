@@ -57,6 +57,7 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
         watchdog.current().on_fire.append(lambda message: send(conn, ("error", message)))
         stepper = EngineStepper(engine)
         ready = {"limits": engine.prompt_limits(), "stats": stepper.rank_stats()}
+        ready["warmup_steps"] = engine.num_warmup_steps  # so the parent can see every rank warmed
         send(conn, ("ready", {**ready, "moe": engine.expert_load is not None}))
         _serve_calls(engine, stepper, conn)
     except (EOFError, OSError):
