@@ -266,7 +266,7 @@ def test_engine_bf16_logprobs_close_to_transformers(checkpoint, family):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     errors = []
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         tokens = out.outputs[0].token_ids
         with torch.no_grad():
             logits = model(torch.tensor([prompt + tokens])).logits[0].float()
@@ -377,7 +377,7 @@ def test_generic_path_without_avx512(generic_kernels):
         q, k = (torch.randn(37, n, 64, generator=g).to(dtype) for n in (4, 2))
         no_cache = torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0)
         q_got, k_got, _ = generic.rope_cache(q, k, k, tables.cos, tables.sin, *no_cache)
-        assert all(torch.equal(a, b) for a, b in zip((q_got, k_got), tables.apply(q, k)))
+        assert all(torch.equal(a, b) for a, b in zip((q_got, k_got), tables.apply(q, k), strict=True))
 
 
 # ---- per-head products (multi-head latent attention's absorbed projections) -----------------

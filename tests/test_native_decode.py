@@ -74,9 +74,9 @@ def _generate(llm: LLM, vocab_logprobs: int = 4) -> list[tuple[list[int], list[d
 
 
 def _assert_same(ref: list, got: list, atol: float) -> None:
-    for (ref_ids, ref_lps), (ids, lps) in zip(ref, got):
+    for (ref_ids, ref_lps), (ids, lps) in zip(ref, got, strict=True):
         assert ids == ref_ids
-        for a, b in zip(ref_lps, lps):
+        for a, b in zip(ref_lps, lps, strict=True):
             assert a.keys() == b.keys()
             for t in a:
                 assert abs(a[t].logprob - b[t].logprob) <= atol, (t, a[t].logprob, b[t].logprob)

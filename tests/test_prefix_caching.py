@@ -44,8 +44,8 @@ def test_repeated_1000_token_prefix_is_found_and_gives_the_same_tokens(checkpoin
     assert first[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens >= 992 for o in rest), [o.num_cached_tokens for o in rest]
     assert _tokens(first + rest) == expected
-    for a, b in zip(first + rest, _run(off, ps)):  # logprobs too (fp32)
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+    for a, b in zip(first + rest, _run(off, ps), strict=True):  # logprobs too (fp32)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert all(abs(lp.logprob - y[t].logprob) < 1e-4 for t, lp in x.items())
     stats = on.llm_engine.stats()
     assert stats["prefix_cache_queries"] == sum(len(p) for p in ps)
@@ -226,8 +226,8 @@ def test_samples_of_one_request_compute_its_prompt_once(checkpoint):
         (want,) = _run(off, [prompt], sp)
         (got,) = _run(on, [prompt], sp)
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], sp
-        for a, b in zip(got.outputs, want.outputs):
-            for x, y in zip(a.logprobs or [], b.logprobs or []):
+        for a, b in zip(got.outputs, want.outputs, strict=True):
+            for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
                 assert all(abs(lp.logprob - y[t].logprob) < 1e-4 for t, lp in x.items())
         assert on.llm_engine.stats()["prefix_cache_hits"] == (sp.n - 1) * 64, sp
     chunked = LLM(path, max_num_batched_tokens=32, max_num_seqs=8, **kw)

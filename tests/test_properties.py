@@ -83,7 +83,7 @@ PARAMS = st.builds(
 def test_no_prompt_input_leaves_the_engine_unusable(llm, batch):
     outs = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
     assert len(outs) == len(batch)
-    for out, (_, sp) in zip(outs, batch):
+    for out, (_, sp) in zip(outs, batch, strict=True):
         if out.error is None:
             assert len(out.outputs) == sp.n and all(
                 1 <= len(c.token_ids) <= sp.max_tokens for c in out.outputs

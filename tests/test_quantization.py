@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import one_thread, prompts_of_lengths
+from expect import assert_length
 from quantized_checkpoints import fake_quantized, from_fp8, to_fp8, to_int4_packed, to_mxfp4
 from real_checkpoints import Sizes
 from safetensors import safe_open
@@ -45,6 +46,9 @@ FP8_BLOCK = (8, 16)  # divides every dim of the shrunk V3 (transformers splits a
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(outs) == len(prompts)
+    for o in outs:  # ignore_eos: exactly NEW_TOKENS each, so equal lists cannot both be short
+        assert_length(o.outputs[0].token_ids, NEW_TOKENS, f"prompt of {len(o.prompt_token_ids)} tokens")
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -52,7 +56,9 @@ def assert_greedy_matches(ours: list[list[int]], ref_model, prompts: list[list[i
     """Our tokens against the reference model's, step by step; returns the allowed divergences."""
     allowed = 0
     with torch.no_grad(), one_thread():
-        for prompt, tokens in zip(prompts, ours):
+        for prompt, tokens in zip(prompts, ours, strict=True):
+            # every call site asks for NEW_TOKENS with ignore_eos: a short or empty output fails here
+            assert_length(tokens, NEW_TOKENS, f"prompt of {len(prompt)} tokens")
             ids = list(prompt)
             for step, token in enumerate(tokens):
                 logits = ref_model(torch.tensor([ids])).logits[0, -1].float()

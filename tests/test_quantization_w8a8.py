@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checkpoints import prompts_of_lengths
+from expect import assert_length, first_difference
 from quantized_checkpoints import fake_quantized
 from test_quantization import LENGTHS, _greedy, _online_quantized_key, _qwen3, assert_greedy_matches
 from transformers import AutoModelForCausalLM
@@ -203,8 +204,10 @@ def test_w8a8_tp2_and_ep_layouts_equal_one_process_up_to_rounding_ties(real_chec
     divergences = 0
     for rank, results in enumerate(run_distributed(_layouts_main, 2, path, "w8a8-g16", prompts, timeout=220)):
         for layout, tokens in results:
-            for ours, ref in zip(tokens, expected):
-                step = next((s for s, (a, b) in enumerate(zip(ours, ref.token_ids)) if a != b), None)
+            for ours, ref in zip(tokens, expected, strict=True):
+                assert_length(ours, 16, f"rank {rank}, (TP, EP)={layout}")
+                assert_length(ref.token_ids, 16, "one process")
+                step = first_difference(ours, ref.token_ids)
                 if step is None:
                     continue
                 top = sorted((v.logprob for v in ref.logprobs[step].values()), reverse=True)

@@ -227,7 +227,7 @@ class LLMEngine:
         for seq in batch.seqs:
             seq.num_computed_tokens += batch.num_new[seq.seq_id]
             self.blocks.cache_full_blocks(seq)
-        for seq, token, lp in zip(sampled, tokens, logprobs):
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
             self._append(seq, token, lp)
         self.num_steps += 1
         return self._collect()
