@@ -190,7 +190,8 @@ def _input_mismatch(every: list[tuple[int, str]], lists: list[list[str]]) -> str
         a, b = lists[lead], lists[rank]
         if a == b:
             continue
-        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), min(len(a), len(b)))
+        # a and b may differ in length (one a prefix of the other): that case is the default below
+        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         problems.append(
             f"rank {rank} differs from rank {lead} (DP replica {dp}) first at prompt index {index} "
             f"(they got {len(b)} and {len(a)} prompts)"
