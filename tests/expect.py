@@ -4,7 +4,11 @@
 engine returns none: every comparison here first asserts the lengths it expects.
 """
 
+import os
 from collections.abc import Sequence
+from typing import NoReturn
+
+import pytest
 
 
 def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
@@ -35,3 +39,17 @@ def assert_tokens_equal(
         f"{what}: {len(got)} tokens against the reference's {len(want)}, first difference at step {step}: "
         f"ours {got[step : step + 4]}, reference {want[step : step + 4]}"
     )
+
+
+def kernels_disabled() -> bool:
+    """EXPERTMESH_DISABLE_CPU_KERNELS set deliberately: the only reason a kernel test may skip."""
+    return os.environ.get("EXPERTMESH_DISABLE_CPU_KERNELS", "0") not in ("", "0")
+
+
+def no_kernels() -> NoReturn:
+    """cpu_kernels.load() gave None: a skip only when switched off on purpose, else a build failure."""
+    from expertmesh.layers import cpu_kernels
+
+    if kernels_disabled():
+        pytest.skip("CPU kernels switched off by EXPERTMESH_DISABLE_CPU_KERNELS")
+    pytest.fail(f"the CPU kernels did not build or load: {cpu_kernels.last_error}")

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import one_thread, prompts_of_lengths
-from expect import assert_length
+from expect import assert_length, no_kernels
 from quantized_checkpoints import fake_quantized, from_fp8, to_fp8, to_int4_packed, to_mxfp4
 from real_checkpoints import Sizes
 from safetensors import safe_open
@@ -105,7 +105,7 @@ KINDS = [("int8", 128), ("int8", 0), ("int4", 128), ("int4", 32), ("fp8", 0), ("
 def test_quantized_gemm_kernel_equals_its_dequantized_weight(kind, group):
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler: the torch fallback is the only path (tested below)")
+        no_kernels()
     torch.manual_seed(1)
     # (200, 200, 1), (75, 72, 1): one row over spans of the one-row kernels and a tail the tiles take
     for out_f, in_f, rows in [
@@ -131,7 +131,7 @@ def test_fp4_gemm_kernel_equals_its_dequantized_weight():
     shapes, a partial last group and 0 rows, against the same weights dequantized."""
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     torch.manual_seed(9)
     for out_f, in_f, rows in [(37, 96, 1), (10, 40, 7), (64, 256, 33), (8, 32, 0)]:
         g = -(-in_f // 32)
@@ -154,7 +154,7 @@ def test_quantized_moe_kernel_equals_per_expert_products(kind, e, hidden, inter,
     one-row kernels over whole spans of panels and a tail), experts with no tokens among them."""
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     torch.manual_seed(2)
     k = 2
     w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
