@@ -22,13 +22,18 @@ import pytest
 from expertmesh.layers import cpu_kernels
 
 V4 = ["-march=x86-64-v4"]  # AVX-512 F/BW/VL/DQ/CD: no BF16, VBMI or VNNI
+NO_EXTRAS = ["vdpbf16ps", "vpdpbusd", "vpmultishiftqb"]  # BF16, VNNI, VBMI instructions
 # name -> (flags, instructions the object must contain, instructions it must not)
 VARIANTS = {
     # no AVX2 either (psabi: a note that vector arguments change ABI without AVX, not a defect)
     "generic x86-64": (["-march=x86-64", "-Wno-psabi"], [], ["ymm"]),
     "AVX2": (["-march=x86-64-v3"], ["ymm"], ["zmm"]),
-    "AVX-512F only": (["-march=x86-64-v3", "-mavx512f"], ["zmm"], ["vdpbf16ps", "vpdpbusd", "vpmultishiftqb"]),
-    "AVX-512 F/BW/VL/DQ": (V4, ["zmm"], ["vdpbf16ps", "vpdpbusd", "vpmultishiftqb"]),
+    "AVX-512F only": (
+        ["-march=x86-64-v3", "-mavx512f"],
+        ["zmm"],
+        ["vdpbf16ps", "vpdpbusd", "vpmultishiftqb"],
+    ),
+    "AVX-512 F/BW/VL/DQ": (V4, ["zmm"], NO_EXTRAS),
     "+BF16": ([*V4, "-mavx512bf16"], ["vdpbf16ps"], ["vpdpbusd"]),
     "+VBMI": ([*V4, "-mavx512vbmi"], ["vpmultishiftqb"], ["vdpbf16ps", "vpdpbusd"]),
     "+VNNI": ([*V4, "-mavx512vnni"], ["vpdpbusd"], ["vdpbf16ps"]),
