@@ -18,6 +18,10 @@ from expect import assert_tokens_equal
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fault_script.py")
 WATCHDOG_S = 3
+# the tests folder and this checkout first: the ranks run the package under test, not an installed one
+PYTHONPATH = os.pathsep.join(
+    [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+)
 
 
 def _torchrun(path: str, fault: str, limit: float = 80) -> tuple[int, str, float]:
@@ -25,7 +29,7 @@ def _torchrun(path: str, fault: str, limit: float = 80) -> tuple[int, str, float
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
         SCRIPT, path, fault, str(WATCHDOG_S),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     start = time.monotonic()
     # Its own session: on a timeout every rank goes too (a stopped one would outlive torchrun).
     proc = subprocess.Popen(
