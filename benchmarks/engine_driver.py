@@ -177,7 +177,7 @@ def load_llamacpp(spec: dict) -> GenerateFn:
         live = [s for s in range(len(prompts)) if max_tokens[s] > 1]
         while live:
             step = run([(outs[s][-1], len(prompts[s]) + len(outs[s]) - 1, s, True) for s in live])
-            for s, t in zip(live, step):
+            for s, t in zip(live, step, strict=True):
                 outs[s].append(t)
             live = [s for s in live if len(outs[s]) < max_tokens[s]]
         return outs

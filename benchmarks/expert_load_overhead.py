@@ -51,7 +51,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"on": [], "off": []}
     for r in range(2 * args.rounds):
         side = "on" if r % 2 == 0 else "off"
-        for moe, view in zip(load.moes, views):
+        for moe, view in zip(load.moes, views, strict=True):
             moe.load = view if side == "on" else None
         times[side].append(_generate(llm, args.batch, args.max_tokens))
     on, off = statistics.median(times["on"]), statistics.median(times["off"])

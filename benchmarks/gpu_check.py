@@ -47,7 +47,7 @@ def check_family(family: str, workdir: str) -> str:
     vocab = llm.llm_engine.config.model_config.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
     worst = 0.0
-    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": q} for q in prompts], one)):
+    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": q} for q in prompts], one), strict=True):
         with torch.no_grad():
             logits = ref_model(torch.tensor([p], device="cuda")).logits[0, -1].float().log_softmax(-1).cpu()
         lp = out.outputs[0].logprobs[0]

@@ -154,7 +154,11 @@ def alternate(first, second, steps: int, rounds: int) -> tuple[float, float, flo
         pair = ((first, a), (second, b))
         for eng, into in pair if r % 2 == 0 else pair[::-1]:
             into.append(sum(time_steps(eng, steps)) / steps)
-    return statistics.median(a), statistics.median(b), statistics.median(y / x for x, y in zip(a, b))
+    return (
+        statistics.median(a),
+        statistics.median(b),
+        statistics.median(y / x for x, y in zip(a, b, strict=True)),
+    )
 
 
 def whole_step_ab(engine, other, steps: int, rounds: int = 15) -> None:

@@ -283,6 +283,7 @@ def plot(rows: list[dict], path: str) -> None:
             axes,
             ("ttft", "tpot", "output_tok_s"),
             ("TTFT (ms)", "TPOT (ms)", "output tokens/s"),
+            strict=True,
         ):
             if key == "output_tok_s":
                 ax.plot(rates, [r[key] for r in mine], "o-", label=server)

@@ -300,7 +300,7 @@ def measure_roofline(args: argparse.Namespace, model: str, workloads: list[dict]
     machine, detail = roofline.measure(shape, args.dtype, args.threads)
     bounds = {}
     for w in workloads:
-        requests = [(len(p), m) for p, m in zip(w["prompts"], w["max_tokens"])]
+        requests = [(len(p), m) for p, m in zip(w["prompts"], w["max_tokens"], strict=True)]
         bounds[w["name"]] = roofline.bound_tokens_per_s(
             shape, requests, machine, args.dtype, count_prompt=w.get("count") == "prompt"
         )
@@ -323,7 +323,7 @@ def speed_ratio(result: dict, peer: dict, name: str, clock: str = "median_s") ->
     if a is None or b is None:
         return None
     if result.get("interleaved") and peer.get("interleaved") and len(a[key]) == len(b[key]):
-        return statistics.median(tb / ta for ta, tb in zip(a[key], b[key]))
+        return statistics.median(tb / ta for ta, tb in zip(a[key], b[key], strict=True))
     return b[clock] / a[clock]
 
 
@@ -418,7 +418,7 @@ def plot(
 
 
 def make_spec(args: argparse.Namespace, model: str, workloads: list[dict]) -> dict:
-    longest = max(len(p) + m for w in workloads for p, m in zip(w["prompts"], w["max_tokens"]))
+    longest = max(len(p) + m for w in workloads for p, m in zip(w["prompts"], w["max_tokens"], strict=True))
     return {
         "model": model,
         "dtype": args.dtype,

@@ -79,10 +79,13 @@ def real_checkpoint(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def kernels():
     """expertmesh's compiled CPU kernels (this machine image has a C compiler: a build failure fails)."""
+    from expect import no_kernels
+
     from expertmesh.layers import cpu_kernels
 
     k = cpu_kernels.load()
-    assert k is not None, "the CPU kernels did not build; see the warning logged by cpu_kernels.load()"
+    if k is None:
+        no_kernels()  # fails naming the compiler error; skips only under EXPERTMESH_DISABLE_CPU_KERNELS
     return k
 
 

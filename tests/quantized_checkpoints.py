@@ -22,7 +22,26 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertmesh.layers.quantization.fp8 import quantize_blocks
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's FP8 layout written here in plain torch (not the engine's packer): each
+    [bo, bi] block of w scaled by its largest |value| / 448 into e4m3; returns the e4m3 weight and
+    the float32 `weight_scale_inv` [ceil(O / bo), ceil(I / bi)] that multiplies it back."""
+    (o, i), (bo, bi) = w.shape, block
+    rows, cols = -(-o // bo), -(-i // bi)
+    w = w.float()
+    scale = torch.empty(rows, cols)
+    full = torch.empty(o, i)
+    for r in range(rows):
+        for c in range(cols):
+            tile = w[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi]
+            s = torch.clamp(tile.abs().max() / E4M3_MAX, min=1e-12)
+            scale[r, c] = s
+            full[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi] = s
+    return (w / full).to(torch.float8_e4m3fn), scale
+
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 

@@ -112,7 +112,7 @@ def client(url: str) -> openai.OpenAI:
 def check_answers_equal_one_process(url: str, refs: dict[str, list], count: int = 4) -> None:
     """Completions and chat, streaming or not, through the `openai` client: one process's text."""
     c = client(url)
-    for prompt, expected in zip(PROMPTS[:count], refs["completions"]):
+    for prompt, expected in zip(PROMPTS[:count], refs["completions"][:count], strict=True):
         kw = dict(model=DEFAULT_SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         out = c.completions.create(**kw)
         assert (out.choices[0].text, out.choices[0].finish_reason) == (expected.text, expected.finish_reason)
@@ -121,7 +121,7 @@ def check_answers_equal_one_process(url: str, refs: dict[str, list], count: int 
             expected.text,
             expected.finish_reason,
         )
-    for content, expected in zip(CHATS, refs["chat"]):
+    for content, expected in zip(CHATS, refs["chat"], strict=True):
         messages = [{"role": "user", "content": content}]
         kw = dict(model=DEFAULT_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         assert c.chat.completions.create(**kw).choices[0].message.content == expected.text

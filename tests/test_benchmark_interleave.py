@@ -40,9 +40,9 @@ def test_engines_take_turns_and_a_dead_one_is_named(checkpoint, tmp_path):
         for w in r["workloads"]:
             assert len(w["times_s"]) == len(w["cpu_s"]) == 2 and w["lengths_ok"]
     # the same greedy tokens either way (native decode on and off), and ratios paired by round
-    for a, b in zip(results["first"]["workloads"], results["second"]["workloads"]):
+    for a, b in zip(results["first"]["workloads"], results["second"]["workloads"], strict=True):
         assert a["first_output"] == b["first_output"]
-        expected = sorted(tb / ta for ta, tb in zip(a["times_s"], b["times_s"]))
+        expected = sorted(tb / ta for ta, tb in zip(a["times_s"], b["times_s"], strict=True))
         ratio = throughput.speed_ratio(results["first"], results["second"], a["name"])
         assert ratio == pytest.approx(sum(expected) / 2)
     assert throughput.speed_ratio(results["first"], results["dead"], "fixed b=1") is None

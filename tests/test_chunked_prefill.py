@@ -42,12 +42,12 @@ def generate(llm: LLM, ps: list[list[int]], new_tokens: int = 8):
 
 
 def assert_same(chunked, whole, what: str) -> None:
-    for a, b in zip(chunked, whole):
+    for a, b in zip(chunked, whole, strict=True):
         n = len(a.prompt_token_ids)
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert ta == tb, f"{what}: prompt of {n} tokens: {ta} != {tb}"
         assert len(a.outputs[0].logprobs) == len(ta)  # one entry per token: none for partial chunks
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             for tok, lp in step_a.items():
                 assert abs(lp.logprob - step_b[tok].logprob) < 1e-4, f"{what}: prompt of {n} tokens"
 

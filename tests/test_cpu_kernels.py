@@ -15,10 +15,20 @@ import torch.nn.functional as F
 from expertmesh import LLM, SamplingParams
 from expertmesh.config import RopeConfig
 from expertmesh.layers import cpu_gemm, cpu_kernels
-from expertmesh.layers.attention import decode_key_mask
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.norm import RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding
+
+
+def _key_mask(lens: list[int], max_len: int, window: int | None) -> torch.Tensor:
+    """[B, 1, 1, max_len]: the newest token (position len - 1) sees key j when j <= len - 1 and,
+    with a sliding window, when it is fewer than `window` positions back. Written here, element
+    by element, as the reference (not the engine's decode_key_mask)."""
+    mask = torch.zeros(len(lens), 1, 1, max_len, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for j in range(max_len):
+            mask[b, 0, 0, j] = j <= n - 1 and (window is None or (n - 1) - j < window)
+    return mask
 
 
 def _tolerance(dtype):
@@ -97,13 +107,13 @@ def _paged_case(dtype, lens, heads, kv_heads, head_dim, block_size=16, seed=0):
 
 
 def _reference_decode(q, k_cache, v_cache, tables, lens, scale, window):
-    """torch SDPA over K/V gathered densely, with the engine's own key mask."""
+    """torch SDPA over K/V gathered densely, with the key mask written in this test."""
     b, _, d = q.shape
     _, bs, hk, _ = k_cache.shape
     blocks = tables.long().flatten()
     k = k_cache[blocks].view(b, -1, hk, d).transpose(1, 2).float()
     v = v_cache[blocks].view(b, -1, hk, d).transpose(1, 2).float()
-    mask = decode_key_mask(lens.long(), tables.shape[1] * bs, window)
+    mask = _key_mask(lens.tolist(), tables.shape[1] * bs, window)
     y = F.scaled_dot_product_attention(
         q.float().unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -148,7 +158,7 @@ def test_paged_decode_latent_row_matches_sdpa(kernels, dtype, lens, heads, rank,
     assert got.shape == (len(lens), heads, rank)
     blocks = tables.long().flatten()
     rows = cache[blocks].view(len(lens), 1, -1, rank + rope).float()
-    mask = decode_key_mask(lt.long(), tables.shape[1] * 16, None)
+    mask = _key_mask(lt.tolist(), tables.shape[1] * 16, None)
     want = F.scaled_dot_product_attention(
         q.float().unsqueeze(2), rows, rows[..., :rank], attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -266,7 +276,7 @@ def test_engine_bf16_logprobs_close_to_transformers(checkpoint, family):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     errors = []
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         tokens = out.outputs[0].token_ids
         with torch.no_grad():
             logits = model(torch.tensor([prompt + tokens])).logits[0].float()
@@ -377,7 +387,7 @@ def test_generic_path_without_avx512(generic_kernels):
         q, k = (torch.randn(37, n, 64, generator=g).to(dtype) for n in (4, 2))
         no_cache = torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0)
         q_got, k_got, _ = generic.rope_cache(q, k, k, tables.cos, tables.sin, *no_cache)
-        assert all(torch.equal(a, b) for a, b in zip((q_got, k_got), tables.apply(q, k)))
+        assert all(torch.equal(a, b) for a, b in zip((q_got, k_got), tables.apply(q, k), strict=True))
 
 
 # ---- per-head products (multi-head latent attention's absorbed projections) -----------------

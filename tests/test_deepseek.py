@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 from checkpoints import hf_greedy, hf_last_logits, one_thread, prompts_of_lengths
+from expect import assert_tokens_equal
 from real_checkpoints import Sizes, deepseek_v2, published, randomize_small, shrink
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -69,12 +70,14 @@ def test_greedy_tokens_and_logprobs_match_transformers(real_checkpoint, name):
     llm = LLM(path, max_model_len=256, kv_cache_memory_bytes=1 << 24)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    for prompt, out, ref in zip(prompts, outs, hf_greedy(path, prompts, NEW_TOKENS)):
-        assert out.outputs[0].token_ids == ref, f"{name}: the prompt of {len(prompt)} tokens diverged"
+    for prompt, out, ref in zip(prompts, outs, hf_greedy(path, prompts, NEW_TOKENS), strict=True):
+        assert_tokens_equal(
+            out.outputs[0].token_ids, ref, f"{name}: the prompt of {len(prompt)} tokens", NEW_TOKENS
+        )
     vocab = llm.llm_engine.config.model_config.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
-    for out, logits in zip(outs, hf_last_logits(path, prompts)):
+    for out, logits in zip(outs, hf_last_logits(path, prompts), strict=True):
         ours = torch.tensor([out.outputs[0].logprobs[0][t].logprob for t in range(vocab)])
         torch.testing.assert_close(ours, logits.log_softmax(-1), atol=2e-4, rtol=1e-4)
 
@@ -95,7 +98,7 @@ def test_bf16_logprobs_close_to_transformers(real_checkpoint, name):
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
     ours_err, hf_err = [], []
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         tokens, rows = out.outputs[0].token_ids, slice(len(prompt) - 1, len(prompt) + 5)
         with torch.no_grad(), one_thread():
             ref_bf16, ref = (
@@ -128,7 +131,7 @@ def test_v3_with_rope_in_halves(real_checkpoint):
     vocab = llm.llm_engine.config.model_config.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
-    for out, logits in zip(outs, hf_last_logits(path, prompts)):
+    for out, logits in zip(outs, hf_last_logits(path, prompts), strict=True):
         ours = torch.tensor([out.outputs[0].logprobs[0][t].logprob for t in range(vocab)])
         torch.testing.assert_close(ours, logits.log_softmax(-1), atol=2e-4, rtol=1e-4)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -320,7 +323,7 @@ def test_moe_layer_freq_follows_deepseeks_rule(tokenizer_dir, tmp_path):
         use_tqdm=False,
     )
     hf.generation_config.eos_token_id = None
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         with one_thread():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
 def _assert_checks(texts: list[str], where: str) -> None:
-    for check, text in zip(CHECKS, texts):
+    for check, text in zip(CHECKS, texts, strict=True):
         assert text.startswith(check["expect"]), f"{where}: {check['prompt']!r} -> {text!r}"
 
 
@@ -110,7 +110,10 @@ BF16_GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
 def _bf16_run(llm) -> list[tuple[list[int], list[float], str]]:
     """Per checkable prompt: greedy token ids, each one's logprob, and the text."""
     outs = [o.outputs[0] for o in llm.generate([c["prompt"] for c in CHECKS], BF16_GREEDY, use_tqdm=False)]
-    return [(o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)], o.text) for o in outs]
+    return [
+        (o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)], o.text)
+        for o in outs
+    ]
 
 
 def _dp2_tp2_bf16(rank, world):
@@ -138,6 +141,10 @@ def test_bf16_dp2_tp2_completes_checkable_prompts_as_one_process():
     _assert_checks([text for _, _, text in ref], "one process, bf16")
     for rank, got in enumerate(run_distributed(_dp2_tp2_bf16, 4, timeout=110)):
         assert [ids for ids, _, _ in got] == [ids for ids, _, _ in ref], f"rank {rank}: tokens differ"
-        diffs = [abs(a - b) for (_, la, _), (_, lb, _) in zip(got, ref) for a, b in zip(la, lb)]
+        diffs = [
+            abs(a - b)
+            for (_, la, _), (_, lb, _) in zip(got, ref, strict=True)
+            for a, b in zip(la, lb, strict=True)
+        ]
         off = [d for d in diffs if d > 2e-3]
         assert len(off) <= 0.015 * len(diffs), f"rank {rank}: {len(off)} of {len(diffs)} positions off: {off}"

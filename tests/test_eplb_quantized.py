@@ -89,12 +89,14 @@ def _move_rank(rank, world, cases):
         fe.set_slots(new.local_experts(rank), new.slot_map(rank))
         want = _experts(case, fast, new, rank)
         same = all(
-            torch.equal(a, b) for i in range(4) for a, b in zip(fe.slot_tensors(i), want.slot_tensors(i))
+            torch.equal(a, b)
+            for i in range(4)
+            for a, b in zip(fe.slot_tensors(i), want.slot_tensors(i), strict=True)
         )
         x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
         slots = torch.tensor([[s, (s + 1) % 8] for s in new.local_slots(rank)[:3]])
         w = torch.full((3, 2), 0.5)
-        kept = all(o is s.offsets and not o.any() for o, s in zip(shared, stacks))
+        kept = all(o is s.offsets and not o.any() for o, s in zip(shared, stacks, strict=True))
         form = "fused" if fe.fused is not None else type(fe.packed[0][0]).__name__
         out[(case, fast)] = (
             same,

@@ -148,13 +148,18 @@ def test_eplb_window_holds_the_last_forwards_and_a_rebalance_places_by_it(checkp
             last = llm.expert_load()["last_step"]
             per_forward.append([last[layer] for layer in sorted(last)])
         assert handed == [] and load.steps == 3
-        want = [[a + b for a, b in zip(x, y)] for x, y in zip(per_forward[-2], per_forward[-1])]
+        want = [
+            [a + b for a, b in zip(x, y, strict=True)]
+            for x, y in zip(per_forward[-2], per_forward[-1], strict=True)
+        ]
         assert load.window_load().tolist() == want
         engine.step()  # its begin_step rebalances, from the last two forwards' pairs
     finally:
         log.removeHandler(caplog.handler)
     assert len(handed) == len(want) and [list(h) for h in handed] == want
-    since_start = [[a + b for a, b in zip(x, y)] for x, y in zip(want, per_forward[0])]
+    since_start = [
+        [a + b for a, b in zip(x, y, strict=True)] for x, y in zip(want, per_forward[0], strict=True)
+    ]
     assert since_start != want  # (the first forward, the prefill, routed pairs too)
     assert "EPLB balancedness (mean / max pairs of an EP rank, 2 MoE layers) after 2 forwards" in caplog.text
 
@@ -197,7 +202,7 @@ def test_counts_equal_transformers_routing(checkpoint):
     out = greedy(llm, PROMPTS, 3)
     stats = llm.expert_load()
     # The engine routed each prompt and its first two generated tokens (the third is never fed back).
-    ran = [p + o[:-1] for p, o in zip(PROMPTS, out)]
+    ran = [p + o[:-1] for p, o in zip(PROMPTS, out, strict=True)]
     assert stats["layers"] == hf_counts(path, ran)
     n = sum(len(s) for s in ran)
     assert all(sum(c) == n * 2 for c in stats["layers"].values()) and stats["tokens"] == {0: n, 1: n}
@@ -211,7 +216,7 @@ def test_counts_under_a_skewed_router(checkpoint, skewed):
     llm = LLM(path, **KW)
     out = greedy(llm, PROMPTS, 3)
     stats = llm.expert_load()
-    ran = [p + o[:-1] for p, o in zip(PROMPTS, out)]
+    ran = [p + o[:-1] for p, o in zip(PROMPTS, out, strict=True)]
     assert stats["layers"] == hf_counts(path, ran, skew=True)
     for counts in stats["layers"].values():
         assert counts[0] + counts[1] > 0.9 * sum(counts)  # most pairs go to the two hot experts
@@ -312,7 +317,7 @@ def test_mp_workers_report_the_load_with_eplb(checkpoint):
         stats = llm.expert_load()
     finally:
         llm.shutdown()
-    n = sum(len(p) + len(o) - 1 for p, o in zip(PROMPTS, out))
+    n = sum(len(p) + len(o) - 1 for p, o in zip(PROMPTS, out, strict=True))
     assert stats["tokens"] == {0: n, 1: n} and stats["num_slots"] == 10
     assert all(sum(r) == 2 * n for r in stats["ep_rank_tokens"].values())
     assert [len(r) for r in stats["placement"][0]] == [5, 5]
@@ -350,7 +355,9 @@ def test_server_gauges(checkpoint):
     client = llm.engine_client()
     snap = client.stats()
     # kv_blocks_used is what the AsyncEngine adds to the client's numbers (async_engine._snapshot)
-    snap["kv_blocks_used"] = [t - f for t, f in zip(snap["kv_blocks_total"], snap["kv_blocks_free"])]
+    snap["kv_blocks_used"] = [
+        t - f for t, f in zip(snap["kv_blocks_total"], snap["kv_blocks_free"], strict=True)
+    ]
     body, _ = RequestMetrics(lambda: snap).exposition()
     samples = {
         (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
@@ -415,7 +422,11 @@ def _move_rank(rank, world, packed):
     sent = move_expert_weights(fe, old, new, group, rank)
     fe.set_slots(new.local_experts(rank), new.slot_map(rank))
     want = _experts_for(new, rank, packed)
-    same = all(torch.equal(a, b) for i in range(4) for a, b in zip(fe.slot_tensors(i), want.slot_tensors(i)))
+    same = all(
+        torch.equal(a, b)
+        for i in range(4)
+        for a, b in zip(fe.slot_tensors(i), want.slot_tensors(i), strict=True)
+    )
     x = torch.randn(3, MOVE_H, generator=torch.Generator().manual_seed(1))
     slots = torch.tensor([[s, (s + 1) % 8] for s in new.local_slots(rank)[:3]])
     w = torch.full((3, 2), 0.5)

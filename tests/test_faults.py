@@ -3,6 +3,7 @@ every rank naming the ranks and the first differing prompt (they printed wrong t
 a gloo SIGABRT); a frozen or stuck rank ends the whole run within the watchdog's timeout, with a
 message naming it and what its peer waited in (it hung for 300 s in silence)."""
 
+import ast
 import contextlib
 import os
 import re
@@ -13,9 +14,14 @@ import time
 
 import pytest
 from distributed_utils import free_port
+from expect import assert_tokens_equal
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fault_script.py")
 WATCHDOG_S = 3
+# the tests folder and this checkout first: the ranks run the package under test, not an installed one
+PYTHONPATH = os.pathsep.join(
+    [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+)
 
 
 def _torchrun(path: str, fault: str, limit: float = 80) -> tuple[int, str, float]:
@@ -23,7 +29,7 @@ def _torchrun(path: str, fault: str, limit: float = 80) -> tuple[int, str, float
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
         SCRIPT, path, fault, str(WATCHDOG_S),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
     start = time.monotonic()
     # Its own session: on a timeout every rank goes too (a stopped one would outlive torchrun).
     proc = subprocess.Popen(
@@ -50,10 +56,25 @@ def test_different_inputs_in_a_replica_fail_on_every_rank(checkpoint, fault, ind
 
 @pytest.mark.timeout(90)  # ~20 s each here; start-up is slow when the 2 cores are shared
 def test_no_fault_same_tokens_on_both_ranks(checkpoint):
-    code, out, _ = _torchrun(checkpoint("mixtral"), "none")
+    """Both ranks print the tokens of rank 0's broadcast, so their equality alone proves little:
+    each must equal a one-process run of the same prompts (fault_script.py's), 8 tokens each."""
+    from expertmesh import LLM, SamplingParams
+
+    path = checkpoint("mixtral")
+    code, out, _ = _torchrun(path, "none")
     assert code == 0, out
     lines = sorted(re.findall(r"rank \d tokens (\[\[.*?\]\])", out))  # a list of lists, wherever lines break
-    assert len(lines) == 2 and lines[0] == lines[1], out
+    assert len(lines) == 2, out
+    one = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 22)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+    assert [len(t) for t in want] == [8, 8]
+    for line in lines:
+        got = ast.literal_eval(line)
+        assert len(got) == len(want), line
+        for g, w in zip(got, want, strict=True):
+            assert_tokens_equal(g, w, "TP2 rank against one process", length=8)
 
 
 @pytest.mark.timeout(90)  # ~20 s each here; start-up is slow when the 2 cores are shared

@@ -51,7 +51,24 @@ def test_api_from_its_schema(case, fuzzed_server):
 
 @pytest.mark.timeout(60)
 def test_after_the_fuzzing_the_engine_is_whole(fuzzed_server):
+    """Run alone (no schemathesis cases before it) it would prove nothing, so it sends its own bad
+    requests first: each a 4xx, and the engine still answers as offline LLM.generate."""
     server, engine, text = fuzzed_server
+    bad = [
+        b"{not json",
+        b'{"model": "tiny", "prompt": "x", "max_tokens": "six"}',
+        b'{"model": "tiny", "prompt": "x", "temperature": -1}',
+        b'{"model": "tiny", "prompt": [[1e30]]}',
+        b'{"model": "tiny", "prompt": "x", "n": 100000, "max_tokens": 40}',
+    ]
+    for raw in bad:
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert 400 <= r.status_code < 500, (raw, r.status_code, r.text[:300])
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == text

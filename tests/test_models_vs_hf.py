@@ -3,6 +3,7 @@
 import pytest
 import torch
 from checkpoints import FAMILIES, hf_greedy, hf_last_logits, prompts_of_lengths
+from expect import assert_tokens_equal
 
 from expertmesh import LLM, SamplingParams
 
@@ -19,16 +20,18 @@ def test_greedy_tokens_and_logits_match_transformers(family, checkpoint):
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     expected = hf_greedy(path, prompts, NEW_TOKENS)
-    for prompt, out, ref in zip(prompts, outs, expected):
+    for prompt, out, ref in zip(prompts, outs, expected, strict=True):
         assert out.prompt_token_ids == prompt
-        assert out.outputs[0].token_ids == ref, f"{family}: prompt of {len(prompt)} tokens diverged"
+        what = f"{family}: prompt of {len(prompt)} tokens"
+        assert_tokens_equal(out.outputs[0].token_ids, ref, what, length=NEW_TOKENS)
         assert out.outputs[0].finish_reason == "length"
 
     # Full-vocabulary logprobs of the first generated token == transformers' last-position logits.
     vocab = llm.llm_engine.config.model_config.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
-    for out, logits in zip(outs, hf_last_logits(path, prompts)):
+    for out, logits in zip(outs, hf_last_logits(path, prompts), strict=True):
+        assert len(out.outputs[0].logprobs) == 1 and len(out.outputs[0].token_ids) == 1
         ours = torch.full((vocab,), float("nan"))
         for token, lp in out.outputs[0].logprobs[0].items():
             ours[token] = lp.logprob

@@ -4,6 +4,7 @@ codes: uneven shapes, experts with no rows, one row, top-4, biases on and off, t
 
 import pytest
 import torch
+from expect import no_kernels
 from real_checkpoints import Sizes
 
 from expertmesh import LLM, SamplingParams
@@ -48,7 +49,7 @@ def _both(fe: FusedExperts, pairs, x, ids, weights):
 def test_biased_clamped_experts_in_one_call_equal_the_per_expert_path(kind, bias, shard_rank):
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     torch.manual_seed(3)
     fe, pairs = _experts(kind, ClampedSwiGLU(LIMIT, 1.702), bias, shard_rank, kernels)
     assert fe.fused is not None and isinstance(fe.fused[0], QuantizedMoE) and fe.packed is None
@@ -73,7 +74,7 @@ def test_biased_clamped_experts_in_one_call_equal_the_per_expert_path(kind, bias
 def test_gated_biased_experts_take_moe_q_ex_and_weight_on_input_stays_per_expert():
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     torch.manual_seed(4)
     fe, pairs = _experts("int8", GatedActivation("silu"), True, 0, kernels)
     assert fe.fused is not None and fe.fused[3] == "silu" and fe.native_form([]) is None
@@ -88,7 +89,7 @@ def test_gated_biased_experts_take_moe_q_ex_and_weight_on_input_stays_per_expert
 def test_moe_q_ex_refuses_biases_it_cannot_read():
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     with pytest.raises(ValueError, match=r"contiguous float32 biases, not torch.bfloat16 \(8, 80\)"):
         QuantizedMoE(kernels, torch.zeros(8, 80, dtype=torch.bfloat16))
 
@@ -111,7 +112,7 @@ def _float_pair(dtype, act, bias, shard_rank, e=8, local=(0, 2, 3, 5, 6, 7), hid
 def test_float_biased_clamped_experts_in_one_call_equal_the_torch_path(dtype, act, bias, shard_rank):
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     fe, ref = _float_pair(dtype, act, bias, shard_rank)
     fe.use_cpu_kernels(kernels)
     if not bias and isinstance(act, GatedActivation):
@@ -138,7 +139,7 @@ def test_gpt_oss_float_experts_run_in_one_call_and_never_natively(real_checkpoin
     """gpt-oss's biased, clamped experts in float (its checkpoint dtype): moe_*_ex, not per expert,
     and no native decode form (the native layers' shims take neither biases nor the clamp)."""
     if cpu_kernels.load() is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     llm = LLM(
         real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2)), max_model_len=64, kv_cache_memory_bytes=1 << 21
     )

@@ -19,7 +19,10 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
     "PYTHONUNBUFFERED": "1",
-    "PYTHONPATH": os.path.dirname(__file__),
+    # the tests folder and this checkout: the ranks run the package under test, not an installed one
+    "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    ),
 }
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))

@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 import torch
+from expect import no_kernels
 
 from expertmesh.layers import cpu_features, cpu_kernels
 from expertmesh.layers.quantization.packed import QuantizedWeight, decode_codes
@@ -57,7 +58,7 @@ def test_nibble_decodes_bit_for_bit(tmp_path, flags):
     Lake), without (baseline x86-64 or any other) the table."""
     compiler = cpu_kernels._compiler()
     if compiler is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     if flags == NO_VBMI and "avx512vbmi" not in cpu_features.cpu_flags():
         pytest.skip("the same build as native here: this CPU has no AVX512-VBMI")
     src, exe = tmp_path / "fp4.c", tmp_path / "fp4"
@@ -74,7 +75,7 @@ def test_fp4_gemm_every_code_in_every_lane_is_exact():
     one-hot, so y = W^T exactly. 16 rows take the panel-decode path, single rows and 3 the tiles."""
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     out_f, in_f = 40, 48  # 40 outputs: panels of 8 (AVX2) or 16 (AVX-512) with a partial last one
     o, i = torch.arange(out_f)[:, None], torch.arange(in_f)[None, :]
     codes = ((o + i) % 16).to(torch.uint8)

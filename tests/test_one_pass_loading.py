@@ -87,13 +87,19 @@ WIDE = Sizes(layers=4, hidden=1024, heads=8, kv_heads=4, experts=8, expert_inter
 EXPERT_WEIGHTS = 4 * 8 * 3 * 1024 * 1024
 
 
+def _other_bytes(tensors: dict) -> int:
+    """Bytes of the weights that are not routed experts, as stored (they stay in that dtype)."""
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if ".experts." not in k)
+
+
 def _qwen3_bf16(path: str, tokenizer_dir: str) -> int:
-    """Qwen3-MoE in bf16 under transformers' names (fused [E, 2I, H] experts), constant weights."""
+    """Qwen3-MoE in bf16 under transformers' names (fused [E, 2I, H] experts), constant weights;
+    returns the bytes of its non-expert weights."""
     config = shrink(published("qwen3-30b-a3b"), WIDE, torch_dtype="bfloat16")
     state = _meta_state(path, config)
-    return _save(
-        path, {k: torch.full(v.shape, 0.02, dtype=torch.bfloat16) for k, v in state.items()}, tokenizer_dir
-    )
+    tensors = {k: torch.full(v.shape, 0.02, dtype=torch.bfloat16) for k, v in state.items()}
+    _save(path, tensors, tokenizer_dir)
+    return _other_bytes(tensors)
 
 
 def _gpt_oss_mxfp4(path: str, tokenizer_dir: str) -> int:
@@ -109,7 +115,8 @@ def _gpt_oss_mxfp4(path: str, tokenizer_dir: str) -> int:
             tensors[key + "_scales"] = torch.full((e, o, i // 32), 120, dtype=torch.uint8)
         else:
             tensors[key] = torch.full(v.shape, 0.02, dtype=v.dtype)
-    return _save(path, tensors, tokenizer_dir)
+    _save(path, tensors, tokenizer_dir)
+    return _other_bytes(tensors)
 
 
 @pytest.mark.timeout(240)
@@ -119,13 +126,24 @@ def test_compressed_weights_load_in_one_pass(tmp_path, tokenizer_dir, case):
     expert weights are resident compressed (not at the dense or int16 size)."""
     path = str(tmp_path / case.replace(" ", "-"))
     if case == "mxfp4":
-        _gpt_oss_mxfp4(path, tokenizer_dir)
+        other = _gpt_oss_mxfp4(path, tokenizer_dir)
         quantization, per_weight = None, 0.625
     else:
-        _qwen3_bf16(path, tokenizer_dir)
+        other = _qwen3_bf16(path, tokenizer_dir)
         quantization, per_weight = "int4-g32", 0.5 + 8 / 32
     peak_kb, steady_kb, before_kb = _peak_and_steady(path, quantization)
-    assert (steady_kb - before_kb) * 1024 > EXPERT_WEIGHTS * per_weight  # the experts are resident
+    grown = (steady_kb - before_kb) * 1024  # measured from outside: the process's RSS, less its imports
+    assert grown > EXPERT_WEIGHTS * per_weight  # the experts are resident
+    # ... and held once, compressed: the RSS grown past the compressed experts and the other weights
+    # is bounded by 3 bytes a weight. Part of that gap is not yet accounted for (issue 41: the KV
+    # cache, kernels' buffers and the allocator explain only some of it, and it varies between runs
+    # by tens of MB); a leftover float32 copy of the experts (4 bytes a weight) is past it.
+    held = EXPERT_WEIGHTS * per_weight + other
+    print(f"grown {grown / 2**20:.0f} MB, held {held / 2**20:.0f} MB, other {other / 2**20:.0f} MB")
+    limit = held + 3 * EXPERT_WEIGHTS
+    assert grown <= limit, (
+        f"grown {grown / 2**20:.0f} MB, held {held / 2**20:.0f} MB, limit {limit / 2**20:.0f}"
+    )
     assert peak_kb <= 1.15 * steady_kb, f"peak {peak_kb / 1024:.0f} MB, steady {steady_kb / 1024:.0f} MB"
 
 

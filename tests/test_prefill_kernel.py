@@ -163,9 +163,11 @@ def test_layer_forward_mixed_step_both_paths(kernels, dtype):
     caches[1].copy_(caches[0])
     positions = [n - 1 for n in lens] + list(range(fresh)) + list(range(ctx, ctx + new))
     owner = [0, 1] + [2] * fresh + [3] * new
-    slots = torch.tensor([int(seq_tables[o][p // BS]) * BS + p % BS for o, p in zip(owner, positions)])
+    slots = torch.tensor(
+        [int(seq_tables[o][p // BS]) * BS + p % BS for o, p in zip(owner, positions, strict=True)]
+    )
     out = []
-    for use_kernels, cache in zip((True, False), caches):
+    for use_kernels, cache in zip((True, False), caches, strict=True):
         attn = _layer(heads, kv_heads, d, 21, None, True, torch.Generator().manual_seed(2))
         attn.bind_kv_cache(cache)
         attn.use_cpu_kernels(kernels if use_kernels else None)

@@ -44,8 +44,8 @@ def test_repeated_1000_token_prefix_is_found_and_gives_the_same_tokens(checkpoin
     assert first[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens >= 992 for o in rest), [o.num_cached_tokens for o in rest]
     assert _tokens(first + rest) == expected
-    for a, b in zip(first + rest, _run(off, ps)):  # logprobs too (fp32)
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+    for a, b in zip(first + rest, _run(off, ps), strict=True):  # logprobs too (fp32)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert all(abs(lp.logprob - y[t].logprob) < 1e-4 for t, lp in x.items())
     stats = on.llm_engine.stats()
     assert stats["prefix_cache_queries"] == sum(len(p) for p in ps)
@@ -226,8 +226,8 @@ def test_samples_of_one_request_compute_its_prompt_once(checkpoint):
         (want,) = _run(off, [prompt], sp)
         (got,) = _run(on, [prompt], sp)
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], sp
-        for a, b in zip(got.outputs, want.outputs):
-            for x, y in zip(a.logprobs or [], b.logprobs or []):
+        for a, b in zip(got.outputs, want.outputs, strict=True):
+            for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
                 assert all(abs(lp.logprob - y[t].logprob) < 1e-4 for t, lp in x.items())
         assert on.llm_engine.stats()["prefix_cache_hits"] == (sp.n - 1) * 64, sp
     chunked = LLM(path, max_num_batched_tokens=32, max_num_seqs=8, **kw)
@@ -243,3 +243,43 @@ def test_samples_of_one_request_compute_its_prompt_once(checkpoint):
         engine.check_invariants()
     assert "aborted" not in done and [len(c.token_ids) for c in done["kept"].outputs] == [4, 4]
     assert engine.scheduler.first_samples == {} and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.timeout(60)
+def test_a_poisoned_cached_block_changes_the_output_only_where_it_is_reused(checkpoint):
+    """Reuse proven by the cache's contents, not its counters: after a prompt ran, its cached
+    blocks' K/V are overwritten with garbage. The same prompt again must read them (its first-token
+    logprobs change), a prompt sharing no block must not (it equals the run without caching), and
+    a prompt sharing the poisoned blocks must change too."""
+    import torch
+
+    path = checkpoint("mixtral")
+    kw = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, block_size=4)
+    off = LLM(path, enable_prefix_caching=False, **kw)
+    on = LLM(path, **kw)
+    a, b = prompts_of_lengths([18, 18], seed=21)
+    b[0] = (a[0] + 1) % 100  # no shared first block
+    shared = a[:16] + b[16:]  # four full blocks of a, then its own
+    want = {name: _run(off, [p])[0].outputs[0] for name, p in (("a", a), ("b", b), ("shared", shared))}
+    first = _run(on, [a])[0].outputs[0]
+    assert first.token_ids == want["a"].token_ids and len(first.token_ids) == GREEDY.max_tokens
+    engine = on.llm_engine
+    cached = sorted(engine.blocks.cached.values())
+    assert len(cached) >= 4, cached
+    with torch.no_grad():
+        for t in engine.runner.kv:
+            t[:, cached] = 50.0  # garbage keys and values in every plane of every layer
+
+    def lp0(out):  # the first generated token's logprob under its own distribution
+        return out.logprobs[0][out.token_ids[0]].logprob
+
+    again = _run(on, [a])[0]
+    assert again.num_cached_tokens >= 16
+    assert lp0(again.outputs[0]) != pytest.approx(lp0(want["a"]), abs=1e-4)  # read the poisoned blocks
+    other = _run(on, [b])[0]
+    assert other.num_cached_tokens == 0
+    assert other.outputs[0].token_ids == want["b"].token_ids  # nothing reused: unaffected
+    assert lp0(other.outputs[0]) == pytest.approx(lp0(want["b"]), abs=1e-5)
+    mixed = _run(on, [shared])[0]
+    assert mixed.num_cached_tokens >= 16
+    assert lp0(mixed.outputs[0]) != pytest.approx(lp0(want["shared"]), abs=1e-4)

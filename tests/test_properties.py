@@ -56,7 +56,11 @@ TOKEN = st.one_of(
     st.text(max_size=2),
     st.none(),
 )
+# Token-id prompts that every engine must serve: ids below the smallest vocab of the test models
+# (512), short enough for max_model_len=32 with room to generate.
+VALID = st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, 511), min_size=1, max_size=16)})
 PROMPT = st.one_of(
+    VALID,
     st.text(max_size=80),
     st.fixed_dictionaries({"prompt_token_ids": st.lists(TOKEN, max_size=40)}),
     st.fixed_dictionaries({"prompt_token_ids": st.one_of(st.integers(), st.text(max_size=5), st.none())}),
@@ -76,6 +80,17 @@ PARAMS = st.builds(
 )
 
 
+def _surely_valid(prompt: object, vocab: int) -> bool:
+    """A prompt the engine must serve, decided here without the engine: a dict holding only a
+    non-empty list of at most 16 plain ints, each a valid id."""
+    if not isinstance(prompt, dict) or set(prompt) != {"prompt_token_ids"}:
+        return False
+    ids = prompt["prompt_token_ids"]
+    return (
+        isinstance(ids, list) and 1 <= len(ids) <= 16 and all(type(t) is int and 0 <= t < vocab for t in ids)  # noqa: E721 - bool is not a token id
+    )
+
+
 @settings(
     max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -83,7 +98,10 @@ PARAMS = st.builds(
 def test_no_prompt_input_leaves_the_engine_unusable(llm, batch):
     outs = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
     assert len(outs) == len(batch)
-    for out, (_, sp) in zip(outs, batch):
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    for out, (prompt, sp) in zip(outs, batch, strict=True):
+        if _surely_valid(prompt, vocab):  # an engine that rejects everything must not pass
+            assert out.error is None, (prompt, out.error)
         if out.error is None:
             assert len(out.outputs) == sp.n and all(
                 1 <= len(c.token_ids) <= sp.max_tokens for c in out.outputs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from expect import no_kernels
 from test_quant_wide_tiles import _weight as wide_tiles_weight
 
 from expertmesh.layers import cpu_kernels
@@ -39,7 +40,7 @@ ROWS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 33, 49, 64, 83]
 def kernels():
     k = cpu_kernels.load()
     if k is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     if not k.quant_bf16_pairs:
         pytest.skip(
             "no AVX512-BF16 / VBMI here: kinds 6-9 run as 1 / 0 / 3 / 2 (test_without_the_pair_tiles)"

@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import one_thread, prompts_of_lengths
+from expect import assert_length, no_kernels
 from quantized_checkpoints import fake_quantized, from_fp8, to_fp8, to_int4_packed, to_mxfp4
 from real_checkpoints import Sizes
 from safetensors import safe_open
@@ -45,6 +46,9 @@ FP8_BLOCK = (8, 16)  # divides every dim of the shrunk V3 (transformers splits a
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(outs) == len(prompts)
+    for o in outs:  # ignore_eos: exactly NEW_TOKENS each, so equal lists cannot both be short
+        assert_length(o.outputs[0].token_ids, NEW_TOKENS, f"prompt of {len(o.prompt_token_ids)} tokens")
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -52,7 +56,9 @@ def assert_greedy_matches(ours: list[list[int]], ref_model, prompts: list[list[i
     """Our tokens against the reference model's, step by step; returns the allowed divergences."""
     allowed = 0
     with torch.no_grad(), one_thread():
-        for prompt, tokens in zip(prompts, ours):
+        for prompt, tokens in zip(prompts, ours, strict=True):
+            # every call site asks for NEW_TOKENS with ignore_eos: a short or empty output fails here
+            assert_length(tokens, NEW_TOKENS, f"prompt of {len(prompt)} tokens")
             ids = list(prompt)
             for step, token in enumerate(tokens):
                 logits = ref_model(torch.tensor([ids])).logits[0, -1].float()
@@ -99,7 +105,7 @@ KINDS = [("int8", 128), ("int8", 0), ("int4", 128), ("int4", 32), ("fp8", 0), ("
 def test_quantized_gemm_kernel_equals_its_dequantized_weight(kind, group):
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler: the torch fallback is the only path (tested below)")
+        no_kernels()
     torch.manual_seed(1)
     # (200, 200, 1), (75, 72, 1): one row over spans of the one-row kernels and a tail the tiles take
     for out_f, in_f, rows in [
@@ -125,7 +131,7 @@ def test_fp4_gemm_kernel_equals_its_dequantized_weight():
     shapes, a partial last group and 0 rows, against the same weights dequantized."""
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     torch.manual_seed(9)
     for out_f, in_f, rows in [(37, 96, 1), (10, 40, 7), (64, 256, 33), (8, 32, 0)]:
         g = -(-in_f // 32)
@@ -148,7 +154,7 @@ def test_quantized_moe_kernel_equals_per_expert_products(kind, e, hidden, inter,
     one-row kernels over whole spans of panels and a tail), experts with no tokens among them."""
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     torch.manual_seed(2)
     k = 2
     w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]

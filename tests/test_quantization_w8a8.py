@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checkpoints import prompts_of_lengths
+from expect import assert_length, first_difference, no_kernels
 from quantized_checkpoints import fake_quantized
 from test_quantization import LENGTHS, _greedy, _online_quantized_key, _qwen3, assert_greedy_matches
 from transformers import AutoModelForCausalLM
@@ -66,7 +67,7 @@ STEP = {"w8a8": 4, "w4a8": 8}  # inputs a lane's integer product takes at once
 def test_activation_quantized_gemm_kernel_equals_the_same_arithmetic_in_torch(kind, group):
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler: the torch fallback is the only path (tested below)")
+        no_kernels()
     torch.manual_seed(11)
     for out_f, in_f, rows in SHAPES:
         w, x, b = torch.randn(out_f, in_f), torch.randn(rows, in_f) * 3, torch.randn(out_f)
@@ -102,7 +103,7 @@ def test_activation_quantized_gemm_kernel_equals_the_same_arithmetic_in_torch(ki
 def test_activation_quantized_moe_kernel_equals_per_expert_products(kind, e, hidden, inter, n):
     kernels = cpu_kernels.load()
     if kernels is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     torch.manual_seed(12)
     k = 2
     w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
@@ -203,8 +204,10 @@ def test_w8a8_tp2_and_ep_layouts_equal_one_process_up_to_rounding_ties(real_chec
     divergences = 0
     for rank, results in enumerate(run_distributed(_layouts_main, 2, path, "w8a8-g16", prompts, timeout=220)):
         for layout, tokens in results:
-            for ours, ref in zip(tokens, expected):
-                step = next((s for s, (a, b) in enumerate(zip(ours, ref.token_ids)) if a != b), None)
+            for ours, ref in zip(tokens, expected, strict=True):
+                assert_length(ours, 16, f"rank {rank}, (TP, EP)={layout}")
+                assert_length(ref.token_ids, 16, "one process")
+                step = first_difference(ours, ref.token_ids)
                 if step is None:
                     continue
                 top = sorted((v.logprob for v in ref.logprobs[step].values()), reverse=True)
@@ -230,7 +233,7 @@ def test_generic_build_without_avx2_equals_the_reference(tmp_path):
     AVX2's and AVX-512's."""
     compiler = cpu_kernels._compiler()
     if compiler is None:
-        pytest.skip("no C compiler")
+        no_kernels()
     _build_equals_the_reference(cpu_kernels.build(tmp_path / "generic.so", compiler, ("-mno-avx2",)))
 
 

@@ -99,7 +99,7 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 def logprob_errors(out, ref: torch.Tensor) -> torch.Tensor:
     """[steps]: the largest |our logprob - reference| over the tokens we returned at each step."""
     errors = []
-    for step, row in zip(out.outputs[0].logprobs, ref):
+    for step, row in zip(out.outputs[0].logprobs, ref, strict=True):
         ids = torch.tensor(list(step))
         ours = torch.tensor([lp.logprob for lp in step.values()])
         assert torch.isfinite(ours).all()
@@ -124,7 +124,7 @@ def _check(family: str, path: str, dtype: str, prompts: list[list[int]]):
     firsts = llm.generate([{"prompt_token_ids": p} for p in prompts], first, use_tqdm=False)
     model = hf_model(path, getattr(torch, dtype))
     tokens, errors = [], []
-    for prompt, out, whole in zip(prompts, outs, firsts):
+    for prompt, out, whole in zip(prompts, outs, firsts, strict=True):
         ref = hf_logprobs(model, prompt, out.outputs[0].token_ids)
         assert len(whole.outputs[0].logprobs[0]) == vocab
         err = torch.maximum(logprob_errors(out, ref), logprob_errors(whole, ref[:1]).max())
@@ -136,7 +136,7 @@ def _check(family: str, path: str, dtype: str, prompts: list[list[int]]):
 def _fp32_check(family: str, path: str):
     prompts = prompts_for(512)
     tokens, errors, model = _check(family, path, "float32", prompts)
-    for prompt, toks, (err, argmax, _) in zip(prompts, tokens, errors):
+    for prompt, toks, (err, argmax, _) in zip(prompts, tokens, errors, strict=True):
         assert toks == argmax, f"{family}: prompt of {len(prompt)} tokens, greedy tokens differ"
         assert err.max() < 2e-4, f"{family}: prompt of {len(prompt)}: |logprob error| per step {err.tolist()}"
     return prompts, tokens, model
@@ -188,13 +188,13 @@ def test_family_bf16_close_to_transformers(family, real_checkpoint):
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     fp32, bf16 = hf_model(path), hf_model(path, torch.bfloat16)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         tokens = out.outputs[0].token_ids
         exact = hf_logprobs(fp32, prompt, tokens)
         ours = logprob_errors(out, exact)
         ids = [torch.tensor(list(step)) for step in out.outputs[0].logprobs]  # the same tokens
         theirs_all = (hf_logprobs(bf16, prompt, tokens) - exact).abs()
-        theirs = torch.stack([row[i].max() for row, i in zip(theirs_all, ids)])
+        theirs = torch.stack([row[i].max() for row, i in zip(theirs_all, ids, strict=True)])
         # A router near-tie can flip a step (either engine's: both show isolated jumps of ~0.5-0.8
         # here), and a flip early in a sequence shifts the later steps of both; a wrong kernel, a
         # lost bias or head is off at most steps and on average. Measured on phi-3.5-moe, 8 prompts

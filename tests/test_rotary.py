@@ -270,25 +270,25 @@ def test_apply_matches_transformers_layouts():
     cos, sin = LlamaRotaryEmbedding(config)(q, pos[None])
     ref = llama_apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     got = tables.apply(q, k)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     half = [t[..., : HEAD_DIM // 2].squeeze(1)[None] for t in (tables.cos, tables.sin)]
     ref = gpt_oss_apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], *half)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     # Partial rotary (GLM): the first half rotated, the rest passed through.
     glm = Glm4MoeConfig(hidden_size=256, num_attention_heads=4, head_dim=HEAD_DIM, partial_rotary_factor=0.5)
     tables = _ours(glm).lookup(pos, torch.float32)
     cos, sin = Glm4MoeRotaryEmbedding(glm)(q, pos[None])
     ref = glm_apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    for a, b in zip(tables.apply(q, k), ref):
+    for a, b in zip(tables.apply(q, k), ref, strict=True):
         torch.testing.assert_close(a, b[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     # GPT-J pairs (Llama 4's complex product).
     l4 = Llama4TextConfig(hidden_size=256, num_attention_heads=4, head_dim=HEAD_DIM)
     tables = _ours(l4, interleaved=True).lookup(pos, torch.float32)
     freqs = Llama4TextRotaryEmbedding(l4)(q, pos[None])
     ref = llama4_apply(q[None], k[None], freqs)
-    for a, b in zip(tables.apply(q, k), ref):
+    for a, b in zip(tables.apply(q, k), ref, strict=True):
         torch.testing.assert_close(a, b[0], rtol=1e-5, atol=1e-5)
 
 

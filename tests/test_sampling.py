@@ -97,9 +97,11 @@ def test_n_samples_and_logprobs(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for c in out.outputs:
         assert len(c.logprobs) == 8
-        for token, step in zip(c.token_ids, c.logprobs):
+        for token, step in zip(c.token_ids, c.logprobs, strict=True):
             assert token in step and len(step) in (2, 3)
             assert all(lp.logprob <= 0 for lp in step.values())
         assert math.isclose(
-            c.cumulative_logprob, sum(s[t].logprob for t, s in zip(c.token_ids, c.logprobs)), rel_tol=1e-5
+            c.cumulative_logprob,
+            sum(s[t].logprob for t, s in zip(c.token_ids, c.logprobs, strict=True)),
+            rel_tol=1e-5,
         )

@@ -160,7 +160,7 @@ def test_request_metrics_count_what_was_served(served):
 def test_completions_equal_offline_streaming_or_not(served):
     server, refs = served
     client = _client(server)
-    for prompt, ref in zip(PROMPTS, refs["greedy"]):
+    for prompt, ref in zip(PROMPTS, refs["greedy"], strict=True):
         out = client.completions.create(
             model=DEFAULT_SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
         )
@@ -179,7 +179,7 @@ def test_completions_equal_offline_streaming_or_not(served):
 def test_chat_equal_offline_streaming_or_not(served):
     server, refs = served
     client = _client(server)
-    for content, ref in zip(CHATS, refs["chat"]):
+    for content, ref in zip(CHATS, refs["chat"], strict=True):
         messages = [{"role": "user", "content": content}]
         kw = dict(model=DEFAULT_SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         out = client.chat.completions.create(**kw)
@@ -207,7 +207,7 @@ def test_n_seed_stop_logprobs_and_usage_chunk(served):
     )
     expected = [c.text for r in refs["sampled"] for c in r.outputs]
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
-    for prompt, ref in zip(PROMPTS, refs["stop"]):
+    for prompt, ref in zip(PROMPTS, refs["stop"], strict=True):
         kw = dict(
             model=DEFAULT_SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[" 8", "e"]
         )
@@ -241,7 +241,7 @@ def test_n_seed_stop_logprobs_and_usage_chunk(served):
 @pytest.mark.timeout(90)
 def test_32_concurrent_clients_then_every_block_free(served):
     server, refs = served
-    expected = {p: r.outputs[0].text for p, r in zip(PROMPTS, refs["short"])}
+    expected = {p: r.outputs[0].text for p, r in zip(PROMPTS, refs["short"], strict=True)}
 
     def client_session(k: int) -> list[bool]:
         client, ok = _client(server), []

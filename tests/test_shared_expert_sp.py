@@ -52,5 +52,5 @@ def test_qwen2_moe_ep_sequence_parallel_equals_one_process(checkpoint):
     for rank, per_rank in enumerate(results):
         modes = [mode for mode, _, _ in per_rank]
         assert modes == ["ep_sp", "ep_sp", "dp_tp"]
-        for (mode, idx, tokens), (_, backend) in zip(per_rank, settings):
+        for (mode, idx, tokens), (_, backend) in zip(per_rank, settings, strict=True):
             assert tokens == [expected[i] for i in idx], f"rank {rank} {mode} {backend}"

@@ -141,7 +141,7 @@ def check_movable(moes: list[Any], group: Any) -> None:
     forms = [slot_form(m.experts, f"MoE layer {m.layer_index}") for m in moes]
     ranks = group.all_gather_object(forms)
     for r, theirs in enumerate(ranks):
-        for m, mine, other in zip(moes, forms, theirs):
+        for m, mine, other in zip(moes, forms, theirs, strict=True):
             if other != mine:
                 raise ValueError(
                     f"EPLB cannot move the experts of MoE layer {m.layer_index}: EP rank {r} holds "

@@ -167,7 +167,7 @@ def check_same_inputs(groups: ParallelGroups, requests: Sequence[Any], params: S
     layout = groups.layout
     if layout.tp * layout.pp == 1:
         return  # one rank per replica: nothing to compare
-    digests = [request_digest(r.prompt_token_ids, r.error, p) for r, p in zip(requests, params)]
+    digests = [request_digest(r.prompt_token_ids, r.error, p) for r, p in zip(requests, params, strict=True)]
     mine = hashlib.blake2b("".join(digests).encode(), digest_size=8).hexdigest()
     dp = layout.coords(groups.global_rank)[0]
     every = groups.world.all_gather_object((dp, mine))
@@ -190,7 +190,8 @@ def _input_mismatch(every: list[tuple[int, str]], lists: list[list[str]]) -> str
         a, b = lists[lead], lists[rank]
         if a == b:
             continue
-        index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        # a and b may differ in length (one a prefix of the other): that case is the default below
+        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         problems.append(
             f"rank {rank} differs from rank {lead} (DP replica {dp}) first at prompt index {index} "
             f"(they got {len(b)} and {len(a)} prompts)"

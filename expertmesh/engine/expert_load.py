@@ -130,7 +130,7 @@ class ExpertLoad:
             p, n = moe.placement, moe.placement.num_slots
             now = p.expert_load_per_rank(total[i, :n].tolist())
             last.append(_balancedness(p.expert_load_per_rank(step[i, :n].tolist())))
-            overall.append(_balancedness([a + int(b) for a, b in zip(now, f_ranks[i])]))
+            overall.append(_balancedness([a + int(b) for a, b in zip(now, f_ranks[i], strict=True)]))
         if self.groups.world.rank_in_group == 0 and self.moes:
             log.info(
                 "EPLB balancedness (mean / max pairs of an EP rank, %d MoE layers) after %d forwards: "
@@ -181,10 +181,10 @@ class ExpertLoad:
         for i, moe in enumerate(self.moes):
             p, n = moe.placement, moe.placement.num_slots
             per_expert = self._per_expert(total[i, :n], p)
-            layers[moe.layer_index] = [a + int(b) for a, b in zip(per_expert, f_experts[i])]
+            layers[moe.layer_index] = [a + int(b) for a, b in zip(per_expert, f_experts[i], strict=True)]
             last[moe.layer_index] = self._per_expert(step[i, :n], p)
             now = p.expert_load_per_rank(total[i, :n].tolist())
-            ranks[moe.layer_index] = [a + int(b) for a, b in zip(now, f_ranks[i])]
+            ranks[moe.layer_index] = [a + int(b) for a, b in zip(now, f_ranks[i], strict=True)]
             placement[moe.layer_index] = [p.local_experts(r) for r in range(p.ep_size)]
         part = {"layers": layers, "last_step": last, "ep_rank_tokens": ranks, "placement": placement}
         moved = self.bytes_moved

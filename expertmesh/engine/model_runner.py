@@ -84,7 +84,7 @@ class ModelRunner:
         specs = self.kv_specs()
         mc = self.config.model_config
         self.kv = kv_cache.allocate(specs, num_blocks, self.block_size, mc.dtype, self.config.device)
-        for layer, tensor in zip(self.attn_layers, self.kv):
+        for layer, tensor in zip(self.attn_layers, self.kv, strict=True):
             layer.bind_kv_cache(tensor)
         for native in decoders(self.model):  # their descriptors hold the cache's address
             native.reset()
@@ -169,7 +169,7 @@ class ModelRunner:
         and then reused: {spec: (K buffer, V buffer) or (latent buffer,)}."""
         ws = self._workspace or {}
         out = {}
-        for spec, cache in zip(self.kv_specs(), self.kv):
+        for spec, cache in zip(self.kv_specs(), self.kv, strict=True):
             if spec in out:
                 continue
             buf = ws.get(spec)

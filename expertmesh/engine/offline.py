@@ -35,7 +35,7 @@ def generate(
     done: dict[str, RequestOutput] = {}
     watchdog.set_doing("in generate")
     try:
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp in zip(prompts, params, strict=True):
             order.append(_add(engine, str(next(ids)), prompt, sp))
         check_same_inputs(engine.groups, [engine.requests[r] for r in order], params)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)

@@ -384,7 +384,7 @@ class AsyncEngine:
         gained = {p.index: p for p in progress}
         no_logprobs = [] if tracked.params.logprobs is not None else None
         deltas = []
-        for i, (tokens, text) in enumerate(zip(tracked.tokens, tracked.texts)):
+        for i, (tokens, text) in enumerate(zip(tracked.tokens, tracked.texts, strict=True)):
             p = gained.get(i)
             if p is None and final is None:
                 continue
@@ -417,5 +417,8 @@ class AsyncEngine:
     def _snapshot(self) -> None:
         """Numbers for /metrics, read by the server thread: one dict swap, no locking."""
         stats = dict(self.client.stats())  # engine/client.py's merge_stats shape: lists by DP replica
-        used = [total - free for total, free in zip(stats["kv_blocks_total"], stats["kv_blocks_free"])]
+        used = [
+            total - free
+            for total, free in zip(stats["kv_blocks_total"], stats["kv_blocks_free"], strict=True)
+        ]
         self.metrics = {**stats, "generation_tokens_total": self._tokens_total, "kv_blocks_used": used}

@@ -51,7 +51,8 @@ def _samples(key: str) -> Callable[[dict[str, Any]], dict]:
 
 def _kv_usage(snap: dict[str, Any]) -> list[float]:
     return [
-        used / total if total else 0.0 for used, total in zip(snap["kv_blocks_used"], snap["kv_blocks_total"])
+        used / total if total else 0.0
+        for used, total in zip(snap["kv_blocks_used"], snap["kv_blocks_total"], strict=True)
     ]
 
 

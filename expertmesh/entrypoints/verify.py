@@ -171,7 +171,7 @@ def run_cases(rank: int, world: int, spec: dict, cases: list[Case], setup: Calla
 
 
 def first_difference(ours: list[int], ref: list[int]) -> int | None:
-    for j, (a, b) in enumerate(zip(ours, ref)):
+    for j, (a, b) in enumerate(zip(ours, ref, strict=False)):  # lengths may differ: reported below
         if a != b:
             return j
     return None if len(ours) == len(ref) else min(len(ours), len(ref))
@@ -183,7 +183,11 @@ def compare(cases: list[Case], per_rank: list[list[tuple]], expected: list[list[
         agree, first = 0, None
         for rank, results in enumerate(per_rank):
             idx, tokens, _, _ = results[c]
-            bad = [(i, first_difference(t, expected[i])) for i, t in zip(idx, tokens) if t != expected[i]]
+            bad = [
+                (i, first_difference(t, expected[i]))
+                for i, t in zip(idx, tokens, strict=True)
+                if t != expected[i]
+            ]
             agree += not bad
             if bad and first is None:
                 i, j = bad[0]
@@ -218,7 +222,8 @@ COLUMNS = (("layout", 20), ("backend", 24), ("ranks agreeing", 15), ("first diff
 
 def table(rows: list[dict], skipped: list[tuple[Case, str]]) -> str:
     def line(cells: list[str], tail: str) -> str:
-        return " ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, COLUMNS)) + tail
+        # a case not run has fewer cells than columns (its reason goes in the tail)
+        return " ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=False)) + tail
 
     lines = [line([name for name, _ in COLUMNS], f"{'a2a bytes':>12} {'tok/s':>8}")]
     for r in rows:

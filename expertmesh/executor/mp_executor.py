@@ -118,7 +118,7 @@ class MPExecutor:
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         for d, indices in enumerate(split):
             leader = self.layout.rank_of(d, 0, 0)  # first pipeline stage, TP rank 0
-            for i, out in zip(indices, replies[leader]):
+            for i, out in zip(indices, replies[leader], strict=True):
                 outputs[i] = out
         return outputs  # type: ignore[return-value]
 

@@ -424,14 +424,21 @@ class CpuKernels(AttentionKernels):
         return q_out, k_out, v_out
 
 
+# Why the last load() gave None (the compiler's stderr, or the missing compiler), for tests that
+# must fail, not skip, when the kernels do not build.
+last_error: str | None = None
+
+
 @cache
 def load() -> CpuKernels | None:
     """The compiled kernels for this machine, building them if needed; None if they cannot be built."""
+    global last_error
     if os.environ.get("EXPERTMESH_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
         log.info("CPU kernels disabled by EXPERTMESH_DISABLE_CPU_KERNELS; using torch ops")
         return None
     compiler = _compiler()
     if compiler is None:
+        last_error = "no C compiler found (set CC)"
         log.warning("no C compiler found (set CC); CPU kernels unavailable, using torch ops (slower)")
         return None
     key = hashlib.sha256()
@@ -443,6 +450,7 @@ def load() -> CpuKernels | None:
         kernels = build(path, compiler)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
+        last_error = detail.strip()
         log.warning("CPU kernels could not be built or loaded (%s); using torch ops (slower)", detail.strip())
         return None
     amx, onednn = cpu_features.amx_bf16(), cpu_features.onednn_bf16()

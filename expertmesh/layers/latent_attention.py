@@ -124,10 +124,12 @@ class LatentAttention(nn.Module):
     def _contexts(self, meta: AttentionMetadata) -> Iterator[torch.Tensor]:
         """Each decode's cached rows [len, width], in batch order."""
         if meta.decode_block_tables is not None:
-            pairs = zip(meta.decode_block_tables.long(), meta.decode_context_lens.tolist())
+            pairs = zip(meta.decode_block_tables.long(), meta.decode_context_lens.tolist(), strict=True)
         else:
             pairs = (
-                (t, n) for g in meta.decode_groups for t, n in zip(g.block_tables, g.context_lens.tolist())
+                (t, n)
+                for g in meta.decode_groups
+                for t, n in zip(g.block_tables, g.context_lens.tolist(), strict=True)
             )
         bs = self.cache.shape[1]
         for table, n in pairs:
