@@ -63,7 +63,7 @@ def test_json_schema_validates_greedy_and_sampled(llm, schema):
         )
         for s in range(3)
     ]
-    for (out,), p in zip(_run(llm, PROMPTS, params), params):
+    for (out,), p in zip(_run(llm, PROMPTS, params), params, strict=True):
         assert out.finish_reason == "stop", (p, out.text)
         jsonschema.validate(json.loads(out.text), schema)
         assert "\n" not in out.text  # whitespace outside strings is bounded (compact JSON)
@@ -85,7 +85,7 @@ def test_json_object_regex_choice_grammar(llm):
             for c, _ in cases
         ]
         outs = _run(llm, [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))], params)
-        for (out,), (constraint, ok) in zip(outs, cases):
+        for (out,), (constraint, ok) in zip(outs, cases, strict=True):
             assert out.finish_reason == "stop" and ok(out.text), (constraint, out.text)
 
 
@@ -125,7 +125,7 @@ def test_unconstrained_requests_unchanged_by_a_constrained_neighbour(llm):
     mixed = _run(
         llm, [PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]], [constrained, plain[0], constrained, plain[1]]
     )
-    for a, b in zip(alone, [mixed[1], mixed[3]]):
+    for a, b in zip(alone, [mixed[1], mixed[3]], strict=True):
         assert a[0].token_ids == b[0].token_ids and a[0].text == b[0].text
         assert a[0].logprobs == b[0].logprobs
     jsonschema.validate(json.loads(mixed[0][0].text), SCORES)

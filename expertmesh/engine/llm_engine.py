@@ -244,7 +244,7 @@ class LLMEngine:
             self.expert_load = load
             if load is not None:
                 load.counts.copy_(counts)
-            for b, saved in zip(self.dispatchers, traffic):
+            for b, saved in zip(self.dispatchers, traffic, strict=True):
                 b.stats.clear()
                 b.stats.update(saved)
             self.last_step_traffic = {"bytes_sent": 0, "bytes_received": 0}

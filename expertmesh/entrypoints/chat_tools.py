@@ -382,7 +382,7 @@ def special_texts(tokenizer: Any) -> dict[int, str]:
     key = id(tokenizer)
     if key not in _special_texts:
         ids = getattr(tokenizer, "all_special_ids", None) or []
-        texts = dict(zip(ids, tokenizer.convert_ids_to_tokens(ids))) if ids else {}
+        texts = dict(zip(ids, tokenizer.convert_ids_to_tokens(ids), strict=True)) if ids else {}
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         texts.update({i: t.content for i, t in added.items() if getattr(t, "special", False)})
         _special_texts[key] = texts

@@ -387,7 +387,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]] | Non
         return TopLogprob(token=_text(lp), logprob=_finite(lp.logprob), bytes=list(_text(lp).encode()))
 
     content = []
-    for token, entry in zip(token_ids, logprobs or []):
+    for token, entry in zip(token_ids, logprobs or [], strict=False):  # no logprobs: nothing to pair
         best = sorted((lp for lp in entry.values() if (lp.rank or 0) <= top), key=lambda lp: lp.rank or 0)
         chosen = one(entry[token])
         content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[one(lp) for lp in best]))
