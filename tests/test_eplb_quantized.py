@@ -83,7 +83,8 @@ def _move_rank(rank, world, cases):
     for case, fast in cases:
         fe = _experts(case, fast, old, rank)
         stacks = fe.fused[1:3] if fe.fused is not None else ()
-        shared = [s.offsets for s in stacks if s.shared_offsets]
+        with_shared = [s for s in stacks if s.shared_offsets]
+        shared = [s.offsets for s in with_shared]
         n = len(fe.slot_tensors(0))
         sent = move_expert_weights(fe, old, new, group, rank)
         fe.set_slots(new.local_experts(rank), new.slot_map(rank))
@@ -96,7 +97,7 @@ def _move_rank(rank, world, cases):
         x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
         slots = torch.tensor([[s, (s + 1) % 8] for s in new.local_slots(rank)[:3]])
         w = torch.full((3, 2), 0.5)
-        kept = all(o is s.offsets and not o.any() for o, s in zip(shared, stacks, strict=True))
+        kept = all(o is s.offsets and not o.any() for o, s in zip(shared, with_shared, strict=True))
         form = "fused" if fe.fused is not None else type(fe.packed[0][0]).__name__
         out[(case, fast)] = (
             same,

@@ -53,7 +53,7 @@ def _reference_logliks(tok) -> list[list[float]]:
 def _write_tasks(root: Path, labels: list[int]) -> None:
     mc = root / "mc.jsonl"
     mc.write_text("".join(json.dumps({"q": q, "choices": c, "label": y}) + "\n"
-                          for (q, c), y in zip(MC_DOCS, labels)))  # fmt: skip
+                          for (q, c), y in zip(MC_DOCS, labels, strict=True)))  # fmt: skip
     gen = root / "gen.jsonl"
     gen.write_text("".join(json.dumps({"q": q, "a": ""}) + "\n" for q in CHAT_DOCS))
     # JSON is valid YAML: the task configs lm-eval's TaskManager reads from include_path.
@@ -121,7 +121,7 @@ def test_lm_eval_local_completions_and_chat(tmp_path: Path) -> None:
     samples = sorted(mc["samples"]["em_mc"], key=lambda s: s["doc_id"])
     got = [[ll for ll, _greedy in s["filtered_resps"]] for s in samples]
     assert len(got) == len(ref)
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert g == pytest.approx(r, abs=5e-4)  # float32: a few tokens' log-softmax, summed
     assert mc["results"]["em_mc"]["acc,none"] == pytest.approx(half / len(MC_DOCS))
     gens = [s["filtered_resps"][0] for s in sorted(chat["samples"]["em_gen"], key=lambda s: s["doc_id"])]
