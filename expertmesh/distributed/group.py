@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from expertmesh.distributed import watchdog
+import expertmesh.distributed.watchdog as watchdog
 from expertmesh.distributed.layout import ParallelLayout, check_world_size
 
 ReduceOp = Literal["sum", "max", "min"]

@@ -21,6 +21,12 @@ Where each expert lives is an ``ExpertPlacement`` per MoE layer: physical slots 
 experts plus ``num_redundant_experts`` replicas, vLLM's EPLB terms), each on one EP rank, every
 rank a fixed number of them. The plan makes the start-up placement (``expert_placement``); EPLB
 (distributed/eplb.py) only ever hands a layer a new ``ExpertPlacement`` with the same slots.
+
+``balanced_placement`` (EPLB's, deterministic, so every rank computes the same one from the same counts):
+  1. replicas: R times, one more replica for the expert with the highest load per replica
+     (ties: the lower id), never more replicas than EP ranks;
+  2. packing: replicas in order of falling load per replica, each onto the EP rank with the least
+     load so far among those with a free slot that do not hold that expert yet (ties: lower rank).
 """
 
 from __future__ import annotations
@@ -137,6 +143,66 @@ def static_placement(num_experts: int, ep_size: int, placement: Placement = "con
     return ExpertPlacement(tuple(order), num_experts, ep_size)
 
 
+def replica_counts(load: list[float], num_slots: int, ep_size: int) -> list[int]:
+    """Replicas of each logical expert: one each, then the extra slots to the hottest per replica."""
+    num_experts = len(load)
+    extra = num_slots - num_experts
+    if extra < 0 or extra > num_experts * (ep_size - 1):
+        raise ValueError(
+            f"num_redundant_experts={extra} must be between 0 and num_experts x (EP size - 1) = "
+            f"{num_experts * (ep_size - 1)}: no EP rank holds two copies of one expert"
+        )
+    counts = [1] * num_experts
+    for _ in range(extra):
+        best = max(
+            (e for e in range(num_experts) if counts[e] < ep_size), key=lambda e: (load[e] / counts[e], -e)
+        )
+        counts[best] += 1
+    return counts
+
+
+def balanced_placement(load: list[float], ep_size: int, num_slots: int) -> ExpertPlacement:
+    """The placement of E = len(load) experts in `num_slots` slots that evens the load per EP rank."""
+    num_experts = len(load)
+    if num_slots < ep_size:
+        raise ValueError(f"{num_slots} expert slots cannot fill {ep_size} EP ranks (each needs one)")
+    if any(v < 0 for v in load):
+        raise ValueError(f"expert load must be >= 0, got {list(load)}")
+    counts = replica_counts([float(v) for v in load], num_slots, ep_size)
+    capacity = slots_per_rank(num_slots, ep_size)
+    items = sorted(
+        ((load[e] / counts[e], e) for e in range(num_experts) for _ in range(counts[e])),
+        key=lambda it: (-it[0], it[1]),
+    )
+    held: list[list[int]] = [[] for _ in range(ep_size)]
+    rank_load = [0.0] * ep_size
+    for share, e in items:
+        free = [r for r in range(ep_size) if len(held[r]) < capacity[r] and e not in held[r]]
+        if not free:
+            free = [_make_room(held, capacity, e)]
+        rank = min(free, key=lambda r: (rank_load[r], r))
+        held[rank].append(e)
+        rank_load[rank] += share
+    return ExpertPlacement(tuple(e for mine in held for e in sorted(mine)), num_experts, ep_size)
+
+
+def _make_room(held: list[list[int]], capacity: list[int], e: int) -> int:
+    """Every rank with a free slot already holds `e`: move one of another rank's experts into that
+    free slot, freeing a place for `e` there. Returns the rank that now has room."""
+    for q in range(len(held)):
+        if len(held[q]) >= capacity[q]:
+            continue
+        for p in range(len(held)):
+            if e in held[p]:
+                continue
+            for f in held[p]:
+                if f not in held[q]:
+                    held[p].remove(f)
+                    held[q].append(f)
+                    return p
+    raise RuntimeError(f"no placement keeps expert {e}'s replicas on distinct EP ranks")  # not reachable
+
+
 @dataclass(frozen=True)
 class MoEPlan:
     mode: MoEMode
@@ -215,8 +281,6 @@ class MoEPlan:
             return static_placement(num_experts, 1)
         if not num_redundant_experts and load is None:
             return static_placement(num_experts, self.ep_size, placement)
-        from expertmesh.distributed.eplb import balanced_placement
-
         return balanced_placement(
             [1] * num_experts if load is None else load, self.ep_size, num_experts + num_redundant_experts
         )
