@@ -12,7 +12,7 @@ import torch
 from real_checkpoints import published
 from safetensors.torch import load_file, save_file
 from sweeps import sweep
-from test_real_families import hf_logprobs, logprob_errors
+from test_real_families import assert_bf16_bound, hf_logprobs, logprob_errors
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.engine.block_manager import BlockManager
@@ -255,18 +255,7 @@ def test_hybrid_bf16_close_to_transformers(family, real_checkpoint):
     fp32 = _reference(path)
     bf16 = _reference(path, torch.bfloat16)
     for prompt, out in zip(prompts, outs, strict=True):
-        tokens = out.outputs[0].token_ids
-        exact = hf_logprobs(fp32, prompt, tokens)
-        ours = logprob_errors(out, exact)
-        ids = [torch.tensor(list(step)) for step in out.outputs[0].logprobs]
-        theirs_all = (hf_logprobs(bf16, prompt, tokens) - exact).abs()
-        theirs = torch.stack([row[i].max() for row, i in zip(theirs_all, ids, strict=True)])
-        worse = int((ours > theirs + 0.1).sum())
-        assert (
-            worse <= len(tokens) // 5
-            and ours.mean() <= theirs.mean() + 0.1
-            and ours.max() < max(1.0, theirs.max() + 0.1)
-        ), f"{family} bf16, prompt of {len(prompt)}: ours {ours.tolist()} vs transformers' {theirs.tolist()}"
+        assert_bf16_bound(family, prompt, out, fp32, bf16)
 
 
 def test_chunked_delta_rule_equals_the_recurrent_form():
