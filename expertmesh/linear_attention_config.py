@@ -57,8 +57,9 @@ class LinearAttentionConfig:
 
 @dataclass(frozen=True)
 class Mamba2Config:
-    """Mamba2 layers' sizes (Granite-4.0-H): `num_heads` heads of `head_dim` channels, B and C of
-    `state_size` per group of heads (`n_groups`), a causal conv of `conv_kernel` taps."""
+    """Mamba2 layers' sizes (Granite-4.0-H; Nemotron-H under its own key names): `num_heads` heads
+    of `head_dim` channels, B and C of `state_size` per group of heads (`n_groups`), a causal conv
+    of `conv_kernel` taps."""
 
     num_heads: int
     head_dim: int
@@ -77,9 +78,20 @@ class Mamba2Config:
     def from_hf(cls, hf: Any) -> Mamba2Config | None:
         if "linear_attention" not in (getattr(hf, "layer_types", None) or ()):
             return None
+        limit = tuple(float(v) for v in (getattr(hf, "time_step_limit", None) or (0.0, float("inf"))))
+        if getattr(hf, "mamba_num_heads", None) is not None:  # Nemotron-H's names
+            return cls(
+                num_heads=int(hf.mamba_num_heads),
+                head_dim=int(hf.mamba_head_dim),
+                state_size=int(hf.ssm_state_size),
+                n_groups=int(hf.n_groups),
+                conv_kernel=int(hf.conv_kernel),
+                conv_bias=bool(getattr(hf, "use_conv_bias", True)),
+                proj_bias=bool(getattr(hf, "use_bias", False)),  # what its in/out projections read
+                time_step_limit=limit,
+            )
         if getattr(hf, "mamba_n_heads", None) is None:
             return None
-        limit = tuple(float(v) for v in (getattr(hf, "time_step_limit", None) or (0.0, float("inf"))))
         return cls(
             num_heads=int(hf.mamba_n_heads),
             head_dim=int(hf.mamba_d_head),

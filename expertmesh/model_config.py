@@ -48,8 +48,10 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-# linear_attention: a Gated DeltaNet layer (hybrid families; ModelConfig.linear_attn has its sizes)
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+# linear_attention: a recurrent layer (hybrid families; ModelConfig.linear_attn / .mamba have its
+# sizes); moe and mlp: a layer that is only an MoE block or a dense MLP (Nemotron-H's one block a
+# layer, its hybrid_override_pattern's E and -)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention", "moe", "mlp")
 
 
 def _quantization(hf: Any, online: str | None) -> Any:
@@ -174,6 +176,8 @@ class ModelConfig:
         """Every config's rule at once; each key defaults to a no-op."""
         if self.moe_layers is not None and layer not in self.moe_layers:
             return False
+        if "moe" in self.layer_types:  # one block a layer: the pattern says which are MoE
+            return self.is_moe and self.layer_types[layer] == "moe"
         return (
             self.is_moe
             and layer not in self.mlp_only_layers
@@ -210,9 +214,11 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=getattr(text, "intermediate_size", 0) or 0,
             max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
-            norm_eps=float(_first(text, "rms_norm_eps", "layer_norm_eps", "norm_eps", default=1e-5)),
+            norm_eps=float(
+                _first(text, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", default=1e-5)
+            ),
             dtype=resolve_dtype(dtype, str(checkpoint_dtype) if checkpoint_dtype else None),
-            hidden_act=getattr(text, "hidden_act", "silu"),
+            hidden_act=_first(text, "hidden_act", "mlp_hidden_act", default="silu"),  # Nemotron-H: mlp_
             rope=RopeConfig.from_hf(text, head_dim),
             tie_word_embeddings=bool(_first(text, "tie_word_embeddings", default=False))
             and bool(getattr(hf, "tie_word_embeddings", True)),
@@ -260,7 +266,13 @@ def _attention_fields(hf: Any) -> dict:
 def _mlp_fields(hf: Any) -> dict:
     inter = getattr(hf, "intermediate_size", 0) or 0
     moe_inter = int(_first(hf, "moe_intermediate_size", default=inter) or 0)
-    shared = _first(hf, "shared_expert_intermediate_size", "shared_intermediate_size", default=0)
+    shared = _first(
+        hf,
+        "shared_expert_intermediate_size",
+        "shared_intermediate_size",
+        "moe_shared_expert_intermediate_size",  # Nemotron-H
+        default=0,
+    )
     if not shared and getattr(hf, "n_shared_experts", None):  # GLM, DeepSeek: n copies, fused
         shared = hf.n_shared_experts * moe_inter
     moe_layers = getattr(hf, "moe_layers", None)

@@ -9,7 +9,12 @@ import torch.nn.functional as F
 
 from expertmesh.registries import lookup
 
-_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),  # Nemotron-H's squared ReLU (its MLPs are not gated)
+}
 
 
 def get_act(name: str):
@@ -67,10 +72,27 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
-EXPERT_ACTIVATIONS = {"gated": GatedActivation, "swiglu_clamped": ClampedSwiGLU}
+@dataclass(frozen=True)
+class UngatedActivation:
+    """act(up) of experts without a gate (Nemotron-H: relu^2 over up_proj, then down_proj). The
+    experts' first weight holds only the up rows (`parts`: the checkpoint's up half, shard 1); the
+    fused experts kernels compute gated pairs only, so these run on the per-expert path."""
+
+    act: str
+    kernel_name = None
+    parts = (1,)
+
+    def __post_init__(self) -> None:
+        get_act(self.act)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _ACTS[self.act](x)
+
+
+EXPERT_ACTIVATIONS = {"gated": GatedActivation, "swiglu_clamped": ClampedSwiGLU, "ungated": UngatedActivation}
 
 
 def expert_activation(name: str, hidden_act: str, limit: float, alpha: float):
     """The activation a family names, with the config's parameters."""
     kind = lookup(EXPERT_ACTIVATIONS, name, "expert activation")
-    return kind(hidden_act) if kind is GatedActivation else kind(limit, alpha)
+    return kind(hidden_act) if kind in (GatedActivation, UngatedActivation) else kind(limit, alpha)

@@ -66,18 +66,21 @@ class FusedExperts(nn.Module):
         self.shard_rank, self.inter = shard_rank, intermediate // shard_size
         self.full_inter = intermediate
         e = len(self.expert_ids)
-        # [E, 2I, H] and [E, H, I]
-        self.w13 = nn.Parameter(huge_pages.empty((e, 2 * self.inter, hidden), dtype), requires_grad=False)
+        # The checkpoint halves w13 holds: gate (0) and up (1), or up only for ungated experts.
+        self.parts = getattr(self.act, "parts", (0, 1))
+        # [E, 2I, H] (or [E, I, H] ungated) and [E, H, I]
+        rows = len(self.parts) * self.inter
+        self.w13 = nn.Parameter(huge_pages.empty((e, rows, hidden), dtype), requires_grad=False)
         self.w2 = nn.Parameter(huge_pages.empty((e, hidden, self.inter), dtype), requires_grad=False)
         local = local_slot_map(num_experts, self.expert_ids) if slot_map is None else slot_map.clone()
         self.register_buffer("local_index", local, persistent=False)  # global expert -> local slot or -1
-        set_loader(self.w13, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})
+        set_loader(self.w13, self._load_w13, {(x, s) for x in self.expert_ids for s in self.parts})
         set_loader(self.w2, self._load_w2, {(x, None) for x in self.expert_ids})
         self.w13_bias = self.w2_bias = None
         if bias:
-            self.w13_bias = nn.Parameter(torch.empty(e, 2 * self.inter, dtype=dtype), requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.empty(e, rows, dtype=dtype), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
-            set_loader(self.w13_bias, self._load_w13, {(x, s) for x in self.expert_ids for s in (0, 1)})
+            set_loader(self.w13_bias, self._load_w13, {(x, s) for x in self.expert_ids for s in self.parts})
             set_loader(self.w2_bias, self._load_w2, {(x, None) for x in self.expert_ids})
 
     def owns(self, expert: int) -> bool:
@@ -112,7 +115,9 @@ class FusedExperts(nn.Module):
     def _load_w13(self, param: nn.Parameter, src: Any, shard_id: tuple[int, int]) -> None:
         """Weights [I, H] and biases [I]: this shard's rows of the gate (0) or up (1) part."""
         expert, half = shard_id
-        dst = param.data[self.expert_ids.index(expert)].narrow(0, half * self.inter, self.inter)
+        dst = param.data[self.expert_ids.index(expert)].narrow(
+            0, self.parts.index(half) * self.inter, self.inter
+        )
         copy_into(dst, read(src, 0, self.shard_rank * self.inter, self.inter), f"expert {expert} w13[{half}]")
 
     def _load_w2(self, param: nn.Parameter, src: Any, shard_id: tuple[int, None]) -> None:

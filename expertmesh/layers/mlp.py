@@ -1,4 +1,5 @@
-"""Dense gated MLP (Llama, Qwen2-MoE's shared expert and dense layers), tensor parallel."""
+"""Dense MLPs, tensor parallel: gated (Llama, Qwen2-MoE's shared expert and dense layers) and
+ungated (Nemotron-H: act(up) then down)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from expertmesh.layers.activation import gated, get_act
-from expertmesh.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from expertmesh.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
@@ -22,3 +23,18 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gated(self.gate_up_proj(x), self.act))
+
+
+class UngatedMLP(nn.Module):
+    """down(act(up(x))) with no gate projection (Nemotron-H's MLP layers and shared expert)."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, act: str, group: Any, reduce: bool = True, dtype=torch.float32
+    ) -> None:
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, False, group, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, group, reduce=reduce, dtype=dtype)
+        self.act = get_act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))

@@ -27,11 +27,12 @@ from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.linear import ReplicatedLinear
-from expertmesh.layers.mlp import GatedMLP
+from expertmesh.layers.mlp import GatedMLP, UngatedMLP
 from expertmesh.layers.routing import Router
 from expertmesh.registries import lookup
 
-SHARED_EXPERTS = ("sigmoid_gated", "plain")  # Qwen2-MoE's gated one; GLM / Llama 4 / Granite's
+# Qwen2-MoE's gated one; GLM / Llama 4 / Granite's; Nemotron-H's act(up) without a gate projection
+SHARED_EXPERTS = ("sigmoid_gated", "plain", "ungated")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class MoE(nn.Module):
         if spec.shared_expert is not None and spec.shared_width:
             lookup(dict.fromkeys(SHARED_EXPERTS), spec.shared_expert, "shared expert")
             # A dense MLP under plain TP, on the full local batch (never on an SP slice).
-            self.shared_expert = GatedMLP(
+            mlp = UngatedMLP if spec.shared_expert == "ungated" else GatedMLP
+            self.shared_expert = mlp(
                 cfg.hidden_size, spec.shared_width, cfg.hidden_act, groups.tp, False, cfg.dtype
             )
             if spec.shared_expert == "sigmoid_gated":

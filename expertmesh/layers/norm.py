@@ -54,6 +54,21 @@ class OffsetRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
+class Float32RMSNorm(nn.Module):
+    """RMSNorm with the weight product in float32, rounded once (Nemotron-H, as its reference)."""
+
+    def __init__(self, dim: int, eps: float, dtype=torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        set_loader(self.weight, default_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype=torch.float32) -> None:
         super().__init__()
@@ -104,7 +119,7 @@ class ProjectionRMSNorm(nn.Module):
         return (self.weight * y.to(x.dtype)).view(x.shape)
 
 
-NORMS = {"rms": RMSNorm, "layer": LayerNorm, "rms_offset": OffsetRMSNorm}
+NORMS = {"rms": RMSNorm, "layer": LayerNorm, "rms_offset": OffsetRMSNorm, "rms_float32": Float32RMSNorm}
 
 
 @dataclass(frozen=True)

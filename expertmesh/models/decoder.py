@@ -23,7 +23,7 @@ from expertmesh.layers.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
 from expertmesh.layers.mamba2 import Mamba2Mixer
 from expertmesh.layers.mla import MLAAttention
-from expertmesh.layers.mlp import GatedMLP
+from expertmesh.layers.mlp import GatedMLP, UngatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
 from expertmesh.layers.native_decode import NativeDecoder
 from expertmesh.layers.norm import NORMS, QK_NORMS, L2Norm, ProjectionRMSNorm, RMSNorm
@@ -68,7 +68,7 @@ class DecoderAttention(nn.Module):
         )
         h, hk, d = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
         self.sizes, self.heads = (h * d, hk * d, hk * d), (h, hk, d)
-        self.use_rope = cfg.uses_rope(index)
+        self.use_rope = cfg.uses_rope(index) and family.rope
         self.q_norm, self.k_norm, self.norm_after_rope = _qk_norms(
             cfg, family, self.qkv_proj, tp, self.use_rope
         )
@@ -248,6 +248,14 @@ class DecoderLayer(nn.Module):
         routing near-tie): local expert slots [n, k] int32 and weights [n, k] float32."""
         return self._modules[self.mlp_name].native_routing(h)
 
+    def kv_module(self) -> Any:
+        """The module owning this layer's KV cache, or None (a recurrent layer)."""
+        return None if self.is_linear else self.self_attn.attn
+
+    def state_module(self) -> Any:
+        """The module owning this layer's per-sequence recurrent state, or None."""
+        return self.linear_attn if self.is_linear else None
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixer = self.linear_attn if self.is_linear else self.self_attn
         y = mixer(positions, self.input_layernorm(x), ctx)
@@ -256,6 +264,66 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         y = mlp(h, ctx) if self.is_moe else mlp(h)
         return x + (y if self.residual_multiplier == 1.0 else y * self.residual_multiplier)
+
+
+def _dense_mlp(cfg: ModelConfig, family: Family, tp: Any) -> nn.Module:
+    mlp = lookup({"gated": GatedMLP, "ungated": UngatedMLP}, family.dense_mlp, "dense MLP kind")
+    return mlp(cfg.hidden_size, cfg.dense_intermediate_size, cfg.hidden_act, tp, dtype=cfg.dtype)
+
+
+class BlockLayer(nn.Module):
+    """One block a layer (Nemotron-H): a norm, then the one block the config's layer_types names
+    for this layer (a recurrent mixer, attention, the MoE or a dense MLP), then the residual; the
+    block lives at `mixer` as in the checkpoint."""
+
+    def __init__(self, cfg: ModelConfig, index: int, family: Family, env: Any) -> None:
+        super().__init__()
+        self.norm = lookup(NORMS, family.norm, "norm")(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
+        self.kind = kind = cfg.layer_type(index)
+        self.is_linear, self.is_moe = kind == "linear_attention", kind == "moe"
+        self.is_attention = not self.is_linear and kind not in ("moe", "mlp")
+        tp = env.groups.tp
+        if self.is_linear:
+            if family.linear_attention is None:
+                raise ValueError(
+                    f"layer_types ['linear_attention']: {cfg.architecture} declares no recurrent mixer"
+                )
+            self.mixer = lookup(LINEAR_MIXERS, family.linear_attention, "linear attention kind")(
+                cfg, index, family, tp
+            )
+        elif self.is_moe:
+            if not cfg.is_moe:
+                raise ValueError(f"layer {index} is an MoE layer but the config has no experts")
+            dispatcher = env.make_dispatcher(cfg.num_experts)
+            placement = env.placement_for(index, cfg.num_experts)
+            self.mixer = MoE(
+                cfg, moe_spec(cfg, family), env.moe_plan, env.groups, dispatcher, placement, index
+            )
+        elif kind == "mlp":
+            self.mixer = _dense_mlp(cfg, family, tp)
+        else:
+            self.mixer = lookup(ATTENTION_KINDS, family.attention, "attention kind")(cfg, index, family, tp)
+
+    def kv_module(self) -> Any:
+        return self.mixer.attn if self.is_attention else None
+
+    def state_module(self) -> Any:
+        return self.mixer if self.is_linear else None
+
+    def native_form(self, keep: list) -> dict | None:
+        return None  # a native decode layer is attention + MoE; these blocks run in torch
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.norm(x)
+        if self.is_moe:
+            return x + self.mixer(h, ctx)
+        if self.kind == "mlp":
+            return x + self.mixer(h)
+        return x + self.mixer(positions, h, ctx)
+
+
+# How a family's layers are built (Family.layer).
+LAYER_KINDS = {"decoder": DecoderLayer, "block": BlockLayer}
 
 
 class DecoderModel(nn.Module):
@@ -273,7 +341,8 @@ class DecoderModel(nn.Module):
         self.embedding_multiplier = cfg.embedding_multiplier
         self.dtype = cfg.dtype
         # Layers of other pipeline stages are absent; a ModuleDict keeps checkpoint indices.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, family, env) for i in self.layer_range})
+        layer = lookup(LAYER_KINDS, family.layer, "layer kind")
+        self.layers = nn.ModuleDict({str(i): layer(cfg, i, family, env) for i in self.layer_range})
         norm = lookup(NORMS, family.norm, "norm")
         self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
         self.native: NativeDecoder | None = None  # decode steps in one native call, see use_cpu_kernels
@@ -343,8 +412,8 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[Any]:
         """The modules that own a KV cache (`kv_spec`, `bind_kv_cache`), one per layer."""
-        return [layer.self_attn.attn for layer in self.model.layers.values() if not layer.is_linear]
+        return [m for m in (layer.kv_module() for layer in self.model.layers.values()) if m is not None]
 
     def state_layers(self) -> list[Any]:
         """The modules that own a per-sequence recurrent state (`state_spec`, `bind_state`)."""
-        return [layer.linear_attn for layer in self.model.layers.values() if layer.is_linear]
+        return [m for m in (layer.state_module() for layer in self.model.layers.values()) if m is not None]

@@ -18,7 +18,14 @@ class Family:
     attention: str = "gqa"  # models/decoder.py ATTENTION_KINDS: "gqa" (per-head KV), "mla" (latent KV)
     # models/decoder.py LINEAR_MIXERS: the mixer of the config's "linear_attention" layers (hybrids)
     linear_attention: str | None = None
-    norm: str = "rms"  # layers/norm.py NORMS: "rms", "layer" (with bias), "rms_offset" ((1 + w))
+    # models/decoder.py LAYER_KINDS: "decoder" (a token mixer then an MLP / MoE per layer) or
+    # "block" (one block a layer, its kind from the config's layer_types: Nemotron-H)
+    layer: str = "decoder"
+    norm: str = (
+        "rms"  # layers/norm.py NORMS: "rms", "layer" (with bias), "rms_offset" ((1 + w)), "rms_float32"
+    )
+    rope: bool = True  # False: no layer rotates (attention without positional encoding)
+    dense_mlp: str = "gated"  # "gated" (act(gate) * up) or "ungated" (act(up)): dense layers' MLP
     qk_norm: str | None = None  # layers/norm.py QK_NORMS: "per_head", "projection", "l2"
     rope_interleaved: bool = False  # GPT-J pairs instead of NeoX halves
     attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator
