@@ -28,6 +28,7 @@ FAMILIES = {
     "qwen3-next": "2026/qwen3-next-80b-a3b-instruct",
     "qwen3.5-moe": "2026/qwen3.5-35b-a3b",  # a vision-language wrapper: its text_config
     "granite-4.0-h": "2026/granite-4.0-h-tiny",
+    "nemotron-h": "2026/nemotron-3-nano-30b-a3b",
 }
 # Mamba2 sizes shrunk (heads x head_dim = 2 x hidden, as transformers checks: mamba_expand 2), and
 # the shrunk 4 layers given the published pattern's two kinds (its first 4 layers are all Mamba).
@@ -36,15 +37,30 @@ MAMBA = dict(
 )
 
 
+# Nemotron-H under its own key names: Mamba2 shrunk alike (its 8 groups of 8 heads to 4 groups of
+# 2, so the gated norm still works per group), the shared expert twice an expert's width as
+# published, and the 4 shrunk layers given the published pattern's kinds in its order (M, E, *)
+# plus a dense MLP block (-, which transformers' NemotronH supports and Nemotron-3-Nano's pattern
+# does not use), so every block kind is checked.
+NEMOTRON = dict(
+    mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=4,
+    moe_shared_expert_intermediate_size=64, hybrid_override_pattern="ME*-",
+)  # fmt: skip
+
+
 def _source(family: str) -> dict:
     """The published config with the linear-attention sizes shrunk where the text model has them."""
     config = published(FAMILIES[family])
     text = config.get("text_config", config)
-    text.update(MAMBA if "mamba_n_heads" in text else LINEAR)
+    if "hybrid_override_pattern" in text:
+        text.update(NEMOTRON)
+    else:
+        text.update(MAMBA if "mamba_n_heads" in text else LINEAR)
     return config
 
 
 LENGTHS = [5, 45, 70]
+NO_MTP = ("granite-4.0-h", "nemotron-h")  # checkpoints without multi-token-prediction tensors
 
 
 def _with_mtp(path: str) -> str:
@@ -104,13 +120,13 @@ def test_hybrid_matches_transformers(family, real_checkpoint, engine_log):
     blocks for three sequences): every step's top-20 logprobs within fp32 tolerance of
     transformers' forward over the same tokens, and greedy tokens its argmax."""
     path = real_checkpoint(_source(family))
-    path = path if family == "granite-4.0-h" else _with_mtp(path)
+    path = path if family in NO_MTP else _with_mtp(path)
     prompts = prompts_for()
     model = _reference(path)
     llm, outs = _run(path, prompts, enable_prefix_caching=True)
     assert "prefix caching is off" in engine_log.text and "recurrent" in engine_log.text
     assert " bytes per sequence" in engine_log.text
-    if family != "granite-4.0-h":  # Granite ships no MTP layer
+    if family not in NO_MTP:
         assert "multi-token prediction" in engine_log.text  # the mtp.* tensors: skipped by a named rule
     if family == "qwen3.5-moe":
         assert "vision tower" in engine_log.text
@@ -183,12 +199,14 @@ def test_block_manager_hands_out_one_state_slot_per_sequence():
     assert seqs[0].state_slot is None and plain.can_allocate(seqs[1], [], 3)
 
 
-# (DP, PP, TP, backend) per family: Mamba2 layers are not split over TP, so Granite-4.0-H runs
-# DP2 x PP2 with expert parallelism instead.
+# (DP, PP, TP, backend) per family. Mamba2 under TP2: Nemotron-H's shrunk 4 groups split 2 a rank,
+# Granite-4.0-H's one group spans both ranks (its gated norm sums squares over TP).
 LAYOUTS = {
     "qwen3.5-moe": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
     "qwen3-next": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
-    "granite-4.0-h": [(2, 2, 1, "alltoall")],
+    "granite-4.0-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
+    # DP2 x PP2: the pattern ME*- leaves the second stage without a recurrent layer
+    "nemotron-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall")],
 }
 
 
@@ -211,13 +229,14 @@ def _layout_rank(rank, world, path, prompts, family):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", sweep(sorted(LAYOUTS), ["qwen3.5-moe"]))
+@pytest.mark.parametrize("family", sweep(sorted(LAYOUTS), ["qwen3.5-moe", "nemotron-h"]))
 def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
     """DP2 x TP2 (`naive`, one DP rank idle: its lockstep dummies touch no state) and PP2 x TP2:
     the linear-attention heads, their projections, convolution channels and states split over
     TP like attention heads (Qwen3.5's split projections by default, Qwen3-Next's fused ones with
-    -m slow); Granite-4.0-H's Mamba2 layers under DP2 x PP2 with EP (-m slow). On every rank the
-    tokens equal the one-process run."""
+    -m slow); Mamba2 heads and groups likewise (Nemotron-H by default, also DP2 x PP2 with EP
+    `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2, with -m slow). On
+    every rank the tokens equal the one-process run."""
     from distributed_utils import run_distributed
 
     path = real_checkpoint(_source(family))
@@ -229,16 +248,20 @@ def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
             assert tokens == [expected[i] for i in idx], f"{family}: rank {rank}, (DP,PP,TP,backend)={layout}"
 
 
-def test_mamba2_under_tensor_parallelism_is_refused_by_name():
-    """Mamba2 layers are not split over TP yet: building one for a TP group of 2 says so."""
+def test_mamba2_heads_or_groups_that_do_not_split_over_tp_are_refused_by_name():
+    """8 heads split over 3 ranks, or 4 groups over 8 ranks when neither count divides the
+    other (here 6 groups of 2 heads over 4): the error names both counts."""
     from types import SimpleNamespace
 
     from expertmesh.layers.mamba2 import Mamba2Mixer
     from expertmesh.linear_attention_config import Mamba2Config
 
-    m = Mamba2Config(num_heads=8, head_dim=16, state_size=8, n_groups=1, conv_kernel=4)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: Mamba2 layers are not split over TP"):
-        Mamba2Mixer(m, 64, 1e-5, SimpleNamespace(world_size=2, rank_in_group=0), torch.float32)
+    for heads, groups, tp in ((8, 1, 3), (12, 6, 4)):
+        m = Mamba2Config(num_heads=heads, head_dim=16, state_size=8, n_groups=groups, conv_kernel=4)
+        with pytest.raises(
+            ValueError, match=f"tensor_parallel_size={tp}: Mamba2 layers split their {heads} heads"
+        ):
+            Mamba2Mixer(m, 64, 1e-5, SimpleNamespace(world_size=tp, rank_in_group=0), torch.float32)
 
 
 @pytest.mark.timeout(240)

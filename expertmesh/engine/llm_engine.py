@@ -160,10 +160,13 @@ class LLMEngine:
 
     def _agree_on_state_slots(self, runner: ModelRunner) -> int:
         """Hybrid models: the recurrent-state slots every rank affords (the fewest), allocated; they
-        bound the running sequences. 0 for a model without recurrent layers."""
-        if not runner.state_layers:
+        bound the running sequences. 0 for a model without recurrent layers. Decided over the
+        whole model (every rank agrees): a pipeline stage without recurrent layers (Nemotron-H's
+        pattern may leave one so) still takes part, affording max_num_seqs."""
+        if not self._model_has_state():
             return 0
-        t = torch.tensor([runner.local_state_slots])
+        local = runner.local_state_slots if runner.state_layers else self.config.scheduler_config.max_num_seqs
+        t = torch.tensor([local])
         t = self.groups.world.all_reduce(t, op="min") if self.groups.world.world_size > 1 else t
         runner.allocate_states(int(t))
         log.info(
@@ -173,13 +176,17 @@ class LLMEngine:
         )
         return int(t)
 
+    def _model_has_state(self) -> bool:
+        return "linear_attention" in self.config.model_config.layer_types
+
     def _has_state(self, runner: ModelRunner) -> bool:
-        if runner.state_layers and self.config.cache_config.enable_prefix_caching:
+        has_state = self._model_has_state()  # the whole model's: every stage decides alike
+        if has_state and self.config.cache_config.enable_prefix_caching:
             log.info(
                 "prefix caching is off: this model's recurrent layers keep a per-sequence state that a "
                 "cached block does not hold (state snapshots at block boundaries are not implemented)"
             )
-        return bool(runner.state_layers)
+        return has_state
 
     def _agree_on_blocks(self, local: int) -> int:
         """Every rank must use the same block count: the smallest one anyone can afford."""

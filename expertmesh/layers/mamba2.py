@@ -7,6 +7,10 @@ C [state size]: dt = softplus(dt + dt_bias), the state [head_dim, state size] de
 exp(dt * A), A = -exp(A_log), and takes dt * x_h B^T; the output is state C + D x_h, then
 RMSNorm per group of (output * SiLU(z)) times w, and out_proj. Decodes run this recurrent form,
 prefill chunks the chunked scan (ssd_chunked), both in float32.
+
+Tensor parallelism splits the heads like attention heads (Mamba2Mixer's docstring): in_proj's
+rows and the conv's channels are gathered per part for this rank, the gated norm sums its
+squares over TP only where a group spans ranks, out_proj is row parallel.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from torch import nn
 from expertmesh.engine.state_cache import StateSpec
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.gated_deltanet import RecurrentMixer
-from expertmesh.layers.linear import ReplicatedLinear
-from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
+from expertmesh.layers.linear import ReplicatedLinear, RowParallelLinear
+from expertmesh.layers.weights import copy_into, read, set_loader
 from expertmesh.linear_attention_config import Mamba2Config
 
 
@@ -57,35 +61,85 @@ def ssd_chunked(
 
 
 class GroupGatedRMSNorm(nn.Module):
-    """x * SiLU(gate), RMS-normalised per group of `group` channels, times w (float32, rounded once)."""
+    """x * SiLU(gate), RMS-normalised per group of `group` channels, times w (float32, rounded once).
 
-    def __init__(self, dim: int, group: int, eps: float, dtype=torch.float32) -> None:
+    Under TP a rank holds `dim` of the channels from `first` on. Where its channels are whole
+    groups it normalises alone; where a group spans ranks (fewer groups than ranks: Granite-4.0-H's
+    one group) each rank's partial sum of squares goes into its group's column of a [T, groups]
+    tensor summed over the TP group, so every rank divides by its whole group's sum."""
+
+    def __init__(
+        self,
+        dim: int,
+        group: int,
+        eps: float,
+        dtype=torch.float32,
+        tp: Any = None,
+        first: int = 0,
+        groups: int = 1,
+    ) -> None:
         super().__init__()
-        self.eps, self.group = eps, group
+        self.eps, self.group, self.tp, self.first, self.groups = eps, group, tp, first, groups
+        self.spans_ranks = dim < group  # this rank's channels lie inside one group
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-        set_loader(self.weight, default_loader)
+        set_loader(self.weight, self._load)
+
+    def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, read(src).narrow(0, self.first, param.shape[0]), "gated norm weight")
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())
+        if self.spans_ranks:
+            partial = h.new_zeros(h.shape[0], self.groups)
+            column = self.first // self.group
+            partial[:, column] = h.pow(2).sum(-1)
+            total = self.tp.all_reduce(partial)[:, column : column + 1]
+            g = h * torch.rsqrt(total / self.group + self.eps)
+            return self.weight * g.to(dtype)
         g = h.view(*h.shape[:-1], -1, self.group)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view(h.shape).to(dtype)
 
 
 class Mamba2Mixer(RecurrentMixer):
+    """Under tensor parallelism each rank keeps num_heads / TP heads (their z, x, dt, A, D,
+    dt_bias, conv channels and states), the groups of B and C those heads read (n_groups / TP
+    of them, or the one group a rank's heads share when there are fewer groups than ranks), and
+    out_proj's matching input columns (summed over TP as attention's o_proj is)."""
+
     def __init__(self, m: Mamba2Config, hidden: int, eps: float, tp: Any, dtype) -> None:
         super().__init__()
-        if tp.world_size > 1:
+        t, r = tp.world_size, tp.rank_in_group
+        if m.num_heads % t or (m.n_groups % t and t % m.n_groups):
             raise ValueError(
-                f"tensor_parallel_size={tp.world_size}: Mamba2 layers are not split over TP yet; "
-                "use data or pipeline parallelism for this model"
+                f"tensor_parallel_size={t}: Mamba2 layers split their {m.num_heads} heads and "
+                f"{m.n_groups} groups over TP; both must divide by it (or the groups divide it)"
             )
         self.m = m
-        self.inter = m.num_heads * m.head_dim
-        self.conv_dim = self.inter + 2 * m.n_groups * m.state_size
+        self.heads = m.num_heads // t
+        self.groups = max(1, m.n_groups // t)
+        self.group0 = (r * self.heads) // (m.num_heads // m.n_groups)  # first group this rank reads
+        self.head0 = r * self.heads
+        self.inter = self.heads * m.head_dim
+        n = m.state_size
+        self.conv_dim = self.inter + 2 * self.groups * n
         self.kernel = m.conv_kernel
-        self.in_proj = ReplicatedLinear(hidden, self.inter + self.conv_dim + m.num_heads, m.proj_bias, dtype)
+        full_inter, gn = m.num_heads * m.head_dim, m.n_groups * n
+        # (offset, width) of this rank's rows of in_proj [z | x | B | C | dt] and of the conv's [x | B | C]
+        x0, b0 = self.head0 * m.head_dim, self.group0 * n
+        self._in_rows = (
+            (x0, self.inter),
+            (full_inter + x0, self.inter),
+            (2 * full_inter + b0, self.groups * n),
+            (2 * full_inter + gn + b0, self.groups * n),
+            (2 * full_inter + 2 * gn + self.head0, self.heads),
+        )
+        self._conv_rows = tuple((off - full_inter, w) for off, w in self._in_rows[1:4])
+        self.in_proj = ReplicatedLinear(hidden, self.inter + self.conv_dim + self.heads, m.proj_bias, dtype)
+        set_loader(self.in_proj.weight, self._load_rows)
+        if self.in_proj.bias is not None:
+            set_loader(self.in_proj.bias, self._load_rows)
         self.conv_weight = nn.Parameter(
             torch.empty(self.conv_dim, self.kernel, dtype=dtype), requires_grad=False
         )
@@ -97,24 +151,38 @@ class Mamba2Mixer(RecurrentMixer):
         )
         self.register_parameter("conv_bias", bias)
         if bias is not None:
-            set_loader(bias, default_loader)
-        self.A_log = nn.Parameter(torch.empty(m.num_heads, dtype=torch.float32), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(m.num_heads, dtype=torch.float32), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.empty(m.num_heads, dtype=dtype), requires_grad=False)
+            set_loader(bias, self._load_conv)
+        self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.heads, dtype=dtype), requires_grad=False)
         for p in (self.A_log, self.D, self.dt_bias):
-            set_loader(p, default_loader)
-        self.norm = GroupGatedRMSNorm(self.inter, self.inter // m.n_groups, eps, dtype)
-        self.out_proj = ReplicatedLinear(self.inter, hidden, m.proj_bias, dtype)
+            set_loader(p, self._load_heads)
+        self.norm = GroupGatedRMSNorm(
+            self.inter, full_inter // m.n_groups, eps, dtype, tp, self.head0 * m.head_dim, m.n_groups
+        )
+        self.out_proj = RowParallelLinear(full_inter, hidden, m.proj_bias, tp, dtype=dtype)
         self.state_spec = StateSpec(
-            "mamba2", ((self.conv_dim, self.kernel - 1), (m.num_heads, m.head_dim, m.state_size))
+            "mamba2", ((self.conv_dim, self.kernel - 1), (self.heads, m.head_dim, m.state_size))
         )
 
+    # Each loader reads its source whole, then takes this rank's rows (as the DeltaNet's do), so a
+    # one-rank twin's shape check (weights.whole_tensors) sees the same code path.
+    def _load_rows(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        whole = read(src)
+        rows = torch.cat([whole.narrow(0, off, width) for off, width in self._in_rows])
+        copy_into(param.data, rows, "in_proj rows of this rank's heads and groups")
+
     def _load_conv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        copy_into(param.data, read(src).reshape(self.conv_dim, -1), "conv1d weight")
+        whole = read(src)
+        rows = torch.cat([whole.narrow(0, off, width) for off, width in self._conv_rows])
+        copy_into(param.data, rows.reshape(param.shape), "conv1d channels of this rank")
+
+    def _load_heads(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, read(src).narrow(0, self.head0, self.heads), "per head parameter")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         m = self.m
-        z, xbc, dt = self.in_proj(x).split([self.inter, self.conv_dim, m.num_heads], dim=-1)
+        z, xbc, dt = self.in_proj(x).split([self.inter, self.conv_dim, self.heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         lo, hi = m.time_step_limit
         if lo > 0.0 or hi != float("inf"):
@@ -127,12 +195,12 @@ class Mamba2Mixer(RecurrentMixer):
         """Tokens [L, conv_dim] of one sequence (state [1, ...]) or one token of each of B sequences
         (state [B, ...]): outputs [L or B, intermediate] float32; state updated in place."""
         m, t = self.m, xbc.shape[0]
-        n, heads = m.n_groups * m.state_size, m.num_heads
+        n, heads = self.groups * m.state_size, self.heads
         xs, b, c = xbc.float().split([self.inter, n, n], dim=-1)
         xs = xs.view(t, heads, m.head_dim)
-        rep = heads // m.n_groups
-        b = b.view(t, m.n_groups, m.state_size).repeat_interleave(rep, dim=1)  # [t, heads, N]
-        c = c.view(t, m.n_groups, m.state_size).repeat_interleave(rep, dim=1)
+        rep = heads // self.groups
+        b = b.view(t, self.groups, m.state_size).repeat_interleave(rep, dim=1)  # [t, heads, N]
+        c = c.view(t, self.groups, m.state_size).repeat_interleave(rep, dim=1)
         a = -self.A_log.float().exp()
         decay = (dt * a).exp()  # [t, heads]: the decode step's
         d = self.D.float()[:, None]
