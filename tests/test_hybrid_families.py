@@ -1,8 +1,9 @@
 """Hybrid families (Gated DeltaNet + gated attention) from their published configs
 (tests/real_configs/2026), shrunk with every flag kept, against transformers: greedy tokens and
 fp32 logprobs at every step of prompts longer than a prefill chunk, in one process, under chunked
-prefill with a budget smaller than the prompt, with prefix caching asked for (off for these
-models), under preemption; the state cache's bytes per sequence against the formula."""
+prefill with a budget smaller than the prompt, with prefix caching (recurrent-state snapshots at
+block boundaries: hits equal cold runs, a poisoned snapshot shows), under preemption, in DP / TP /
+PP / EP layouts; the state cache's bytes per sequence against the formula."""
 
 import json
 import os
@@ -116,21 +117,21 @@ def _assert_matches(model, prompts, outs, what: str) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hybrid_matches_transformers(family, real_checkpoint, engine_log):
     """One process, whole prompts and then chunked prefill (a budget of 16 tokens, prompts up to
-    70), with prefix caching asked for and turned off (logged), then preemption (a cache of a few
-    blocks for three sequences): every step's top-20 logprobs within fp32 tolerance of
-    transformers' forward over the same tokens, and greedy tokens its argmax."""
+    70), with prefix caching on (state snapshots: prefills stop at the last full block), then
+    preemption (a cache of a few blocks for three sequences): every step's top-20 logprobs within
+    fp32 tolerance of transformers' forward over the same tokens, and greedy tokens its argmax."""
     path = real_checkpoint(_source(family))
     path = path if family in NO_MTP else _with_mtp(path)
     prompts = prompts_for()
     model = _reference(path)
     llm, outs = _run(path, prompts, enable_prefix_caching=True)
-    assert "prefix caching is off" in engine_log.text and "recurrent" in engine_log.text
+    assert "prefix caching with recurrent layers" in engine_log.text
     assert " bytes per sequence" in engine_log.text
     if family not in NO_MTP:
         assert "multi-token prediction" in engine_log.text  # the mtp.* tensors: skipped by a named rule
     if family == "qwen3.5-moe":
         assert "vision tower" in engine_log.text
-    assert not llm.llm_engine.blocks.enable_prefix_caching
+    assert llm.llm_engine.blocks.enable_prefix_caching and llm.llm_engine.runner.snapshots is not None
     _assert_matches(model, prompts, outs, family)
     del llm
     llm, chunked = _run(path, prompts, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)
@@ -149,7 +150,8 @@ def _run_preempting(path: str, prompts):
     by 12: someone is preempted."""
     probe = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23)
     runner = probe.llm_engine.runner
-    budget = 9 * runner.block_bytes() + 3 * sum(s.bytes_per_seq for s in runner.state_specs())
+    # each state slot with its prefix-cache snapshot: twice the state bytes
+    budget = 9 * runner.block_bytes() + 3 * 2 * sum(s.bytes_per_seq for s in runner.state_specs())
     del probe
     llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=budget, max_num_seqs=3)
     assert llm.llm_engine.blocks.num_blocks == 9 and llm.llm_engine.blocks.state_slots == 3
@@ -372,3 +374,67 @@ def test_abort_and_a_failed_step_return_the_state_slot(real_checkpoint, monkeypa
     fresh = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23, max_num_seqs=2)
     expected = fresh.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert after == expected
+
+
+def _shared_prefix(prefix_len: int, suffixes: list[int], seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 512, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(3, 512, (n,), generator=g).tolist() for n in suffixes]
+
+
+def _logprob_rows(out) -> list[dict]:
+    return [{t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", sweep(sorted(FAMILIES), ["nemotron-h", "qwen3.5-moe"]))
+def test_hybrid_prefix_caching_restores_state_snapshots(family, real_checkpoint, engine_log):
+    """Prompts sharing a 70-token prefix: the first computes it (its prefill stops at the last
+    full block, 64, where the recurrent state is snapshotted), the rest start there (4 blocks of
+    KV hit and the snapshot restored) and give the tokens of an engine without prefix caching,
+    logprobs within fp32 tolerance. The same engine with the snapshots poisoned after the first
+    prompt gives other outputs (the restored state is used); invariants hold throughout and the
+    snapshots count in the state memory (one per sequence slot)."""
+    path = real_checkpoint(_source(family))
+    ps = _shared_prefix(70, [3, 20, 1, 40])
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23, max_num_seqs=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    off = LLM(path, enable_prefix_caching=False, **kw)
+    cold = off.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    assert off.llm_engine.runner.snapshots is None
+
+    def warm(poison: bool):
+        on = LLM(path, **kw)
+        engine = on.llm_engine
+        assert engine.blocks.enable_prefix_caching and "state after a cached prompt" in engine_log.text
+        runner = engine.runner
+        rows = runner.num_state_slots + runner.snapshots.count + 1  # slots, snapshots, scratch
+        assert all(t.shape[0] == rows for tensors in runner.states for t in tensors)
+        assert runner.snapshots.count == runner.num_state_slots
+        first = on.generate([{"prompt_token_ids": ps[0]}], sp, use_tqdm=False)
+        assert len(engine.blocks.snapshot_of) >= 1
+        if poison:
+            g = torch.Generator().manual_seed(0)
+            for tensors in runner.states:
+                for t in tensors:
+                    snaps = t[runner.num_state_slots : runner.num_state_slots + runner.snapshots.count]
+                    snaps.copy_(torch.randn(snaps.shape, generator=g) * 100)
+        rest = on.generate([{"prompt_token_ids": p} for p in ps[1:]], sp, use_tqdm=False)
+        engine.check_invariants()
+        assert [o.num_cached_tokens for o in rest] == [64, 64, 64]
+        return first + rest
+
+    outs = warm(poison=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cold]
+    for a, b in zip(outs, cold, strict=True):
+        for x, y in zip(_logprob_rows(a), _logprob_rows(b), strict=True):
+            assert all(abs(lp - y[t]) < 1e-4 for t, lp in x.items() if t in y)
+    poisoned = warm(poison=True)
+    worst = max(
+        abs(lp - y[t])
+        for a, b in zip(poisoned[1:], cold[1:], strict=True)
+        for x, y in zip(_logprob_rows(a), _logprob_rows(b), strict=True)
+        for t, lp in x.items()
+        if t in y
+    )
+    assert worst > 1e-2, "a poisoned snapshot changed nothing: the restored state is not used"

@@ -11,6 +11,12 @@ a prompt is evicted before the head others may share.
 
 Hybrid models (engine/state_cache.py): with `state_slots`, each sequence also holds one slot of
 recurrent state from its first blocks to its release; a sequence without a free slot waits.
+With prefix caching they keep `snapshots` of the state: when a step leaves a sequence's computed
+tokens at a block boundary, the state is copied to a snapshot under that block's key (the least
+recently used snapshot gives way when none is free; an evicted block takes its snapshot with
+it). A hit then ends at the last cached block that has a snapshot, and the sequence's slot starts
+as a copy of it. So that a prompt's last full block gets one, a prefill chunk stops there
+(`chunk_end`).
 """
 
 from __future__ import annotations
@@ -20,11 +26,17 @@ from array import array
 from collections import Counter, OrderedDict
 
 from expertmesh.engine.sequence import Sequence
+from expertmesh.engine.state_cache import StateSnapshots
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        state_slots: int = 0,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache holds {num_blocks} blocks; at least 1 is needed")
@@ -38,6 +50,10 @@ class BlockManager:
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up / found
         self.state_slots = state_slots
         self.free_slots: list[int] = list(range(state_slots - 1, -1, -1))  # popped from the end
+        # key -> snapshot index, least recently used first; free snapshot indices
+        self.snapshots = snapshots if enable_prefix_caching else None
+        self.snapshot_of: OrderedDict[bytes, int] = OrderedDict()
+        self.free_snapshots: list[int] = list(range(snapshots.count - 1, -1, -1)) if self.snapshots else []
 
     @property
     def num_free(self) -> int:
@@ -60,9 +76,12 @@ class BlockManager:
     def _new_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         key = self.block_keys[block]
-        if key is not None:  # evict: the cached prefix it held is gone
+        if key is not None:  # evict: the cached prefix it held is gone, its state snapshot too
             del self.cached[key]
             self.block_keys[block] = None
+            snap = self.snapshot_of.pop(key, None)
+            if snap is not None:
+                self.free_snapshots.append(snap)
         self.ref_counts[block] = 1
         return block
 
@@ -84,13 +103,24 @@ class BlockManager:
             return []
         if seq.params.prompt_logprobs is not None:  # every prompt position's logits are needed
             return []
-        hits = []
-        for key in self.keys(seq, (seq.num_tokens - 1) // self.block_size):
+        hits, keys = [], self.keys(seq, (seq.num_tokens - 1) // self.block_size)
+        for key in keys:
             block = self.cached.get(key)
             if block is None:
                 break
             hits.append(block)
+        if self.snapshots is not None:  # recurrent state: only up to the last block with a snapshot
+            while hits and keys[len(hits) - 1] not in self.snapshot_of:
+                hits.pop()
         return hits
+
+    def chunk_end(self, seq: Sequence, start: int, n: int) -> int:
+        """Tokens of a prefill chunk from `start`: `n`, or fewer so the chunk ends at the sequence's
+        last full block (where its state snapshot is taken) when it would pass it."""
+        if self.snapshots is None or n <= 1:
+            return n
+        boundary = (seq.num_tokens - 1) // self.block_size * self.block_size
+        return boundary - start if start < boundary < start + n else n
 
     def can_allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
         """Whether `seq` can start from `hits` and hold `num_tokens` tokens."""
@@ -110,6 +140,10 @@ class BlockManager:
         seq.block_table = list(hits)
         if self.state_slots:
             seq.state_slot = self.free_slots.pop()
+            if hits and self.snapshots is not None:  # the state after the last hit block
+                key = self.block_keys[hits[-1]]
+                self.snapshot_of.move_to_end(key)
+                self.snapshots.restore(self.snapshot_of[key], seq.state_slot)
         seq.num_keyed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         self.grow(seq, num_tokens)
@@ -130,6 +164,21 @@ class BlockManager:
                 self.block_keys[block] = keys[i]
                 self.cached[keys[i]] = block
         seq.num_keyed_blocks = full
+        if self.snapshots is not None and seq.state_slot is not None:
+            if seq.num_computed_tokens == full * self.block_size:  # the state is at a block's end
+                self._snapshot(seq.state_slot, keys[full - 1])
+
+    def _snapshot(self, slot: int, key: bytes) -> None:
+        if key in self.snapshot_of or key not in self.cached:
+            return
+        if not self.free_snapshots:  # the least recently used snapshot gives way
+            if not self.snapshot_of:
+                return
+            _, snap = self.snapshot_of.popitem(last=False)
+            self.free_snapshots.append(snap)
+        snap = self.free_snapshots.pop()
+        self.snapshots.save(slot, snap)
+        self.snapshot_of[key] = snap
 
     # ---- release ----------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
@@ -174,4 +223,10 @@ class BlockManager:
             k is not None for k in self.block_keys
         ):
             out.append("the prefix cache's keys and the blocks' keys disagree")
+        if any(k not in self.cached for k in self.snapshot_of):
+            out.append("a state snapshot outlived its cached block")
+        if self.snapshots is not None and sorted([*self.snapshot_of.values(), *self.free_snapshots]) != list(
+            range(self.snapshots.count)
+        ):
+            out.append("state snapshots held and free do not partition the snapshots")
         return out

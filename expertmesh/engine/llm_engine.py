@@ -138,8 +138,10 @@ class LLMEngine:
         num_blocks = self._agree_on_blocks(runner.local_block_budget())
         runner.allocate_kv(num_blocks)
         slots = self._agree_on_state_slots(runner)
-        prefix_caching = prefix_caching_allowed(config) and not self._has_state(runner)
-        self.blocks = BlockManager(num_blocks, config.cache_config.block_size, prefix_caching, slots)
+        prefix_caching = prefix_caching_allowed(config) and self._state_allows_prefix_caching(runner)
+        self.blocks = BlockManager(
+            num_blocks, config.cache_config.block_size, prefix_caching, slots, runner.snapshots
+        )
         self.scheduler = Scheduler(config.scheduler_config, self.blocks)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
@@ -168,25 +170,28 @@ class LLMEngine:
         local = runner.local_state_slots if runner.state_layers else self.config.scheduler_config.max_num_seqs
         t = torch.tensor([local])
         t = self.groups.world.all_reduce(t, op="min") if self.groups.world.world_size > 1 else t
-        runner.allocate_states(int(t))
+        snapshots = int(t) if runner.keeps_snapshots() else 0  # one per slot, budgeted with it
+        runner.allocate_states(int(t), snapshots)
         log.info(
-            "state cache: %d sequence slots (max_num_seqs=%d)",
+            "state cache: %d sequence slots (max_num_seqs=%d) + %d prefix-cache snapshots",
             int(t),
             self.config.scheduler_config.max_num_seqs,
+            snapshots,
         )
         return int(t)
 
     def _model_has_state(self) -> bool:
         return "linear_attention" in self.config.model_config.layer_types
 
-    def _has_state(self, runner: ModelRunner) -> bool:
-        has_state = self._model_has_state()  # the whole model's: every stage decides alike
-        if has_state and self.config.cache_config.enable_prefix_caching:
+    def _state_allows_prefix_caching(self, runner: ModelRunner) -> bool:
+        """A hybrid model caches prefixes with state snapshots at block boundaries (logged)."""
+        if self._model_has_state() and runner.keeps_snapshots():
             log.info(
-                "prefix caching is off: this model's recurrent layers keep a per-sequence state that a "
-                "cached block does not hold (state snapshots at block boundaries are not implemented)"
+                "prefix caching with recurrent layers: the state after a cached prompt's last full "
+                "block is kept as a snapshot (one per sequence slot, evicted with its block); a hit "
+                "starts from it"
             )
-        return has_state
+        return True
 
     def _agree_on_blocks(self, local: int) -> int:
         """Every rank must use the same block count: the smallest one anyone can afford."""
@@ -258,7 +263,9 @@ class LLMEngine:
             self.num_warmup_steps = self.num_steps + self.num_dummy_steps
             self.num_steps = self.num_dummy_steps = 0
             b = self.blocks  # a fresh one alike (same blocks, prefix caching and state slots), empty
-            self.blocks = BlockManager(b.num_blocks, b.block_size, b.enable_prefix_caching, b.state_slots)
+            self.blocks = BlockManager(
+                b.num_blocks, b.block_size, b.enable_prefix_caching, b.state_slots, b.snapshots
+            )
             self.scheduler = Scheduler(self.config.scheduler_config, self.blocks)
         log.info(
             "warm-up: %d forwards (%d requests of %d prompt tokens, decode batches %s) in %.2f s",

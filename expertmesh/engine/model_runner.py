@@ -37,6 +37,7 @@ class ModelRunner:
         self.states: list[tuple[torch.Tensor, ...]] = []
         self.num_state_slots = 0
         self.local_state_slots = 0  # what this rank's budget affords, set by local_block_budget
+        self.snapshots: state_cache.StateSnapshots | None = None  # hybrid prefix caching
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_specs(self) -> list[kv_cache.KVCacheSpec]:
@@ -61,23 +62,37 @@ class ModelRunner:
         taken from the same budget first."""
         sc, cc = self.config.scheduler_config, self.config.cache_config
         per_block = self.block_bytes()
-        per_seq = state_cache.bytes_per_seq(self.state_specs())
+        # With prefix caching, each sequence slot comes with one state snapshot (StateSnapshots).
+        copies = 2 if self.keeps_snapshots() else 1
+        per_seq = state_cache.bytes_per_seq(self.state_specs()) * copies
         useful = sc.max_num_seqs * (-(-sc.max_model_len // self.block_size) * per_block + per_seq)
         budget = kv_cache.kv_budget_bytes(
             cc.kv_cache_memory_bytes, self.config.device, cc.gpu_memory_utilization, useful
         )
         reserve = -(-sc.max_model_len // self.block_size) * per_block  # one full-length sequence
-        self.local_state_slots = state_cache.slots_for(self.state_specs(), budget, sc.max_num_seqs, reserve)
+        self.local_state_slots = state_cache.slots_for(
+            self.state_specs(), budget, sc.max_num_seqs, reserve, copies
+        )
         if not per_block:  # a pipeline stage of recurrent layers only: its blocks cost nothing
             return sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
         return (budget - self.local_state_slots * per_seq) // per_block
 
-    def allocate_states(self, num_slots: int) -> None:
-        """`num_slots` sequences' recurrent state per recurrent layer, bound to its layer."""
+    def keeps_snapshots(self) -> bool:
+        """Whether a hybrid model's prefix caching keeps recurrent-state snapshots (decided from
+        the whole model's config, so every pipeline stage agrees)."""
+        cc, mc = self.config.cache_config, self.config.model_config
+        return bool(cc.enable_prefix_caching) and "linear_attention" in mc.layer_types
+
+    def allocate_states(self, num_slots: int, num_snapshots: int = 0) -> None:
+        """`num_slots` sequences' recurrent state per recurrent layer, bound to its layer, and
+        `num_snapshots` prefix-cache snapshot rows after them (`snapshots`)."""
         self.num_state_slots = num_slots
-        self.states = state_cache.allocate(self.state_specs(), num_slots, self.config.device)
+        self.states = state_cache.allocate(self.state_specs(), num_slots + num_snapshots, self.config.device)
         for layer, tensors in zip(self.state_layers, self.states, strict=True):
             layer.bind_state(tensors)
+        self.snapshots = (
+            state_cache.StateSnapshots(self.states, num_slots, num_snapshots) if num_snapshots else None
+        )
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

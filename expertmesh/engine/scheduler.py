@@ -97,7 +97,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one in this loop
-            n = self._chunk(seq.num_uncomputed, budget)
+            n = self.blocks.chunk_end(seq, seq.num_computed_tokens, self._chunk(seq.num_uncomputed, budget))
             if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
                 continue
             self.blocks.grow(seq, seq.num_computed_tokens + n)
@@ -125,7 +125,7 @@ class Scheduler:
                 continue
             hits = self.blocks.cached_prefix(seq)
             start = len(hits) * self.blocks.block_size
-            n = self._chunk(seq.num_tokens - start, budget)
+            n = self.blocks.chunk_end(seq, start, self._chunk(seq.num_tokens - start, budget))
             if n == 0 or not self.blocks.can_allocate(seq, hits, start + n):
                 break
             self.waiting.popleft()

@@ -42,10 +42,11 @@ def bytes_per_seq(specs: list[StateSpec]) -> int:
     return sum(s.bytes_per_seq for s in specs)
 
 
-def slots_for(specs: list[StateSpec], budget: int, max_num_seqs: int, reserve: int) -> int:
+def slots_for(specs: list[StateSpec], budget: int, max_num_seqs: int, reserve: int, copies: int = 1) -> int:
     """Sequences whose state fits in `budget` less `reserve` (the KV blocks of one full-length
-    sequence), at most max_num_seqs; 0 when the model has no state."""
-    per_seq = bytes_per_seq(specs)
+    sequence), at most max_num_seqs; 0 when the model has no state. `copies` 2: each sequence
+    slot comes with one prefix-cache snapshot (StateSnapshots)."""
+    per_seq = bytes_per_seq(specs) * copies
     if not per_seq:
         return 0
     slots = min(max_num_seqs, (budget - reserve) // per_seq)
@@ -80,3 +81,25 @@ def allocate(specs: list[StateSpec], num_slots: int, device: str) -> list[tuple[
         tuple(torch.zeros((num_slots + 1, *shape), dtype=spec.dtype, device=device) for shape in spec.shapes)
         for spec in specs
     ]
+
+
+class StateSnapshots:
+    """Prefix caching for recurrent layers: `count` snapshot rows after the `slots` sequence rows
+    of every state tensor. A snapshot holds a sequence's state right after the last token of a
+    cached full KV block (the block manager keys it by that block's prefix key, and forgets it
+    when the block is evicted); a request whose cached prefix ends at that block starts from a
+    copy of it instead of position 0. Copies are this rank's own (a pipeline stage without
+    recurrent layers copies nothing)."""
+
+    def __init__(self, states: list[tuple[torch.Tensor, ...]], slots: int, count: int) -> None:
+        self.states, self.slots, self.count = states, slots, count
+
+    def save(self, slot: int, snapshot: int) -> None:
+        for tensors in self.states:
+            for t in tensors:
+                t[self.slots + snapshot].copy_(t[slot])
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        for tensors in self.states:
+            for t in tensors:
+                t[slot].copy_(t[self.slots + snapshot])
