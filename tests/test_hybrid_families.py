@@ -348,10 +348,11 @@ def test_chunked_ssd_scan_equals_the_recurrent_form():
         assert torch.allclose(chunked, state, atol=1e-10), n
 
 
-def test_abort_and_a_failed_step_return_the_state_slot(real_checkpoint, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3-next", "nemotron-h"])
+def test_abort_and_a_failed_step_return_the_state_slot(family, real_checkpoint, monkeypatch):
     """An aborted sequence mid-decode and the sequences of a step that raised give their slots
     back at once; the next request starts from a zero state (its tokens equal a fresh engine's)."""
-    path = real_checkpoint(_source("qwen3-next"))
+    path = real_checkpoint(_source(family))
     llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23, max_num_seqs=2)
     engine = llm.llm_engine
     blocks = engine.blocks
@@ -438,3 +439,56 @@ def test_hybrid_prefix_caching_restores_state_snapshots(family, real_checkpoint,
         if t in y
     )
     assert worst > 1e-2, "a poisoned snapshot changed nothing: the restored state is not used"
+
+
+def test_state_snapshots_follow_their_blocks():
+    """Block-manager accounting of snapshots (no model): taken when a sequence's computed tokens
+    end a cached block, the least recently used one gives way when none is free, an evicted
+    block takes its snapshot with it, a hit ends at the last block with a snapshot and restores
+    it into the new sequence's slot; a prefill chunk stops at the last full block."""
+    from expertmesh.engine.state_cache import StateSnapshots
+
+    states = [(torch.zeros(2 + 2 + 1, 3),)]  # 2 slots, 2 snapshots, scratch
+    snaps = StateSnapshots(states, slots=2, count=2)
+    bm = BlockManager(6, 4, enable_prefix_caching=True, state_slots=2, snapshots=snaps)
+    a = Sequence("a", 0, list(range(1, 11)), SamplingParams(), 64)  # 10 tokens: last full block ends at 8
+    assert bm.chunk_end(a, 0, 10) == 8 and bm.chunk_end(a, 8, 2) == 2 and bm.chunk_end(a, 0, 5) == 5
+    bm.allocate(a, [], 8)
+    states[0][0][a.state_slot] = 7.0  # "the state after 8 tokens"
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)
+    assert len(bm.snapshot_of) == 1 and states[0][0][2 + bm.snapshot_of[a.block_keys[1]]].eq(7.0).all()
+    assert bm.problems([a.block_table]) == []
+    bm.free(a)
+    b = Sequence("b", 0, list(range(1, 11)) + [50, 51], SamplingParams(), 64)  # shares a's 10 tokens
+    hits = bm.cached_prefix(b)
+    assert len(hits) == 2  # both of a's full blocks; the snapshot is at the second's end
+    bm.allocate(b, hits, 12)
+    assert b.num_computed_tokens == 8 and states[0][0][b.state_slot].eq(7.0).all()  # restored
+    bm.free(b)
+    c = Sequence("c", 0, list(range(1, 6)) + [9] * 7, SamplingParams(), 64)  # shares a's first block only
+    assert bm.cached_prefix(c) == []  # its first block has no snapshot: no hit
+    # Fill the cache with keyless blocks until a's cached blocks are evicted: their snapshot goes.
+    d = Sequence("d", 0, [99] * 24, SamplingParams(), 64)
+    bm.allocate(d, [], 24)
+    assert bm.snapshot_of == {} and sorted(bm.free_snapshots) == [0, 1]
+    assert bm.problems([d.block_table]) == [] and bm.cached_prefix(b) == []
+
+
+def test_mamba2_state_bytes_match_the_formula(real_checkpoint):
+    """Nemotron-H, per Mamba2 layer, float32: the conv (heads x head dim + 2 x groups x state size
+    channels x kernel - 1) and the SSM state (heads x head dim x state size); its attention layer
+    the only KV one. With prefix caching each slot has one snapshot beside it: the state tensors
+    hold twice the slots plus the scratch row."""
+    path = real_checkpoint(_source("nemotron-h"))
+    llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23)
+    c = llm.llm_engine.config.model_config
+    layers = sum(t == "linear_attention" for t in c.layer_types)
+    m = c.mamba
+    conv = (m.num_heads * m.head_dim + 2 * m.n_groups * m.state_size) * (m.conv_kernel - 1)
+    rec = m.num_heads * m.head_dim * m.state_size
+    runner = llm.llm_engine.runner
+    assert len(runner.kv_specs()) == sum(t == "full_attention" for t in c.layer_types) == 1
+    assert sum(s.bytes_per_seq for s in runner.state_specs()) == layers * (conv + rec) * 4
+    slots = runner.num_state_slots
+    assert all(t.shape[0] == 2 * slots + 1 for tensors in runner.states for t in tensors)
