@@ -492,3 +492,58 @@ def test_mamba2_state_bytes_match_the_formula(real_checkpoint):
     assert sum(s.bytes_per_seq for s in runner.state_specs()) == layers * (conv + rec) * 4
     slots = runner.num_state_slots
     assert all(t.shape[0] == 2 * slots + 1 for tensors in runner.states for t in tensors)
+
+
+def _prefix_layout_rank(rank, world, path, prompts, layouts):
+    results = []
+    for dp, pp, tp, backend in layouts:
+        llm = LLM(
+            path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+            all2all_backend=backend, enable_expert_parallel=backend == "alltoall",
+            distributed_executor_backend="external_launcher", max_model_len=128,
+            kv_cache_memory_bytes=1 << 22, max_num_seqs=8,
+        )  # fmt: skip
+        dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+        mine = dp == 1 or dp_rank == 0  # DP rank 1 idles (dummies)
+        sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": prompts[0]}] if mine else [], sp, use_tqdm=False)
+        rest = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[1:]] if mine else [], sp, use_tqdm=False
+        )
+        outs = first + rest
+        results.append(
+            (
+                (dp, pp, tp, backend),
+                mine,
+                [o.outputs[0].token_ids for o in outs],
+                [o.num_cached_tokens for o in rest],
+            )
+        )
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["nemotron-h", "qwen3.5-moe"])
+def test_hybrid_prefix_caching_in_layouts(family, real_checkpoint):
+    """Shared-prefix prompts under DP2 x TP2 and PP2 x TP2: each rank snapshots and restores its
+    own part of the recurrent state (its heads, its stage's layers), the later prompts hit 64
+    tokens, and the tokens equal one process without prefix caching."""
+    from distributed_utils import run_distributed
+
+    path = real_checkpoint(_source(family))
+    ps = _shared_prefix(70, [3, 20, 1])
+    one = LLM(
+        path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 23, enable_prefix_caching=False
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids
+        for o in one.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    ]
+    layouts = [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")]
+    for rank, per_rank in enumerate(run_distributed(_prefix_layout_rank, 4, path, ps, layouts, timeout=280)):
+        for layout, mine, tokens, cached in per_rank:
+            if mine:
+                assert tokens == expected, f"{family}: rank {rank}, (DP,PP,TP,backend)={layout}"
+                assert cached == [64, 64], f"{family}: rank {rank}, {layout}: cached {cached}"
