@@ -1,0 +1,138 @@
+"""A Nemotron-3-Nano-30B-A3B-shaped slice: prefill with a cached prefix against without, and
+prefill / decode against transformers.
+
+Five layers of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's published config at full width
+(hidden 2688; pattern MEM*E: Mamba2 with 64 heads of 64 in 8 groups, state 128; MoE of expert
+width 1856, top-6, with the shared expert of 3712; attention with 32 query / 2 KV heads of 128),
+16 experts instead of 128 (memory: ~1 GB in bf16) and the test tokenizer's 512-token vocabulary.
+Random weights from transformers' class, cached.
+
+Prefix caching: prompts of `--prefix` shared tokens plus 16 of their own, each timed to its first
+token on an engine with prefix caching (after the prefix was computed once: a KV hit plus the
+recurrent-state snapshot restored) and on one without, interleaved over `--rounds` rounds; the
+ratio is what to read (the machine's load moves both alike). Then one prompt's prefill and batch-1
+decode against transformers' torch path (both in this process, same threads).
+
+    .venv/bin/python benchmarks/nemotron_h_slice.py                 # full: --prefix 512 --rounds 4
+    .venv/bin/python benchmarks/nemotron_h_slice.py --quick         # < 5 min: --prefix 256 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from expertmesh import LLM, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = {"hybrid_override_pattern": "MEM*E", "num_hidden_layers": 5, "n_routed_experts": 16,
+         "vocab_size": 512, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+         "pad_token_id": 0}  # fmt: skip
+
+
+def make_model(cache_dir: str) -> str:
+    path = Path(cache_dir) / "nemotron-3-nano-slice"
+    published = json.loads((ROOT / "tests/real_configs/2026/nemotron-3-nano-30b-a3b.json").read_text())
+    config = {**published, **SHAPE}
+    config.pop("auto_map", None)  # transformers' own class, no remote code
+    marker = path / "READY"
+    if marker.exists() and json.loads(marker.read_text()) == config:
+        return str(path)
+    from transformers import AutoConfig, NemotronHForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from checkpoints import train_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM._from_config(AutoConfig.from_pretrained(path)).to(torch.bfloat16).eval()
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(config))
+    train_tokenizer(str(path))
+    marker.write_text(json.dumps(config))
+    return str(path)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> float:
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def prefix_cache(path: str, prefix_len: int, rounds: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 512, (prefix_len,), generator=g).tolist()
+    tails = [torch.randint(3, 512, (16,), generator=g).tolist() for _ in range(rounds + 1)]
+    kw = dict(dtype="bfloat16", max_model_len=prefix_len + 64, max_num_seqs=4)
+    on, off = LLM(path, **kw), LLM(path, enable_prefix_caching=False, **kw)
+    ttft(on, prefix + tails[0])  # computes the prefix (and its state snapshot)
+    warm, cold = [], []
+    for tail in tails[1:]:  # interleaved: the same load on both
+        warm.append(ttft(on, prefix + tail))
+        cold.append(ttft(off, prefix + tail))
+    hits = on.llm_engine.stats()["prefix_cache_hits"]
+    w, c = statistics.median(warm), statistics.median(cold)
+    print(f"prefix caching: {prefix_len}+16-token prompts, time to first token (median of {rounds}): "
+          f"warm {w:.3f} s, cold {c:.3f} s, warm/cold {w / c:.3f}; {hits} tokens hit")  # fmt: skip
+
+
+def ours(path: str, prompt: list[int], new: int) -> tuple[float, float]:
+    llm = LLM(path, dtype="bfloat16", max_model_len=len(prompt) + new + 8, max_num_seqs=4,
+              enable_prefix_caching=False)  # fmt: skip
+    llm.generate([{"prompt_token_ids": prompt[:16]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    prefill = ttft(llm, prompt)
+    t0 = time.perf_counter()
+    many = SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], many, use_tqdm=False)
+    return prefill, new / (time.perf_counter() - t0 - prefill)
+
+
+def theirs(path: str, prompt: list[int], new: int) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt])
+
+    def gen(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+    gen(1)  # warm-up
+    prefill = gen(1)
+    return prefill, new / (gen(new + 1) - prefill)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="--prefix 256 --rounds 2 --new 8")
+    ap.add_argument("--cache", default="/tmp/expertmesh-bench")
+    args = ap.parse_args()
+    if args.quick:
+        args.prefix, args.rounds, args.new = 256, 2, 8
+    path = make_model(args.cache)
+    prefix_cache(path, args.prefix, args.rounds)
+    prompt = torch.randint(3, 512, (args.prefix,), generator=torch.Generator().manual_seed(2)).tolist()
+    for name, fn in (("expertmesh", ours), ("transformers", theirs)):
+        prefill, tps = fn(path, prompt, args.new)
+        print(f"{name:12s} prefill {args.prefix} tokens: {prefill:.3f} s; decode: {tps:.2f} tokens/s "
+              f"(bf16, batch 1, {torch.get_num_threads()} threads)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
