@@ -18,6 +18,7 @@ from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from expertmesh.layers.native_decode import decoders
+from expertmesh.spec_decode.verify import verify
 
 
 class ModelRunner:
@@ -95,7 +96,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Inputs of one step: each sequence's tokens from its `num_computed_tokens` on, and the
         rows whose logits are sampled (`last`: only sequences whose last token is computed, in
-        `batch.sampled`'s order)."""
+        `batch.sampled`'s order; a sequence verifying a draft has a row at each of its tokens)."""
         ids, pos, slots, lens, last = [], [], [], [], []
         # Shortest context first, so decode attention can group similar lengths (see _decode_groups);
         # batch.seqs follows, keeping sampled rows aligned. Deterministic: every rank sorts alike.
@@ -113,9 +114,15 @@ class ModelRunner:
             c, n = seq.num_computed_tokens, batch.num_new[seq.seq_id]
             table = torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)]) if c else None
             prefills.append(PrefillChunk(len(ids), n, c, table))
-            ids.extend(seq.tokens(c, c + n))
+            draft = batch.drafts.get(seq.seq_id)
             pos.extend(range(c, c + n))
             slots.extend(blocks.slot(seq, p) for p in range(c, c + n))
+            if draft:  # a decode verified over its draft: every position's logits, each as its own decode
+                ids.extend(seq.tokens(c, c + n - len(draft)) + draft)
+                lens.extend(range(c + 1, c + n + 1))
+                last.extend(range(len(ids) - n, len(ids)))
+                continue
+            ids.extend(seq.tokens(c, c + n))
             # Every chunk rotates by the length the whole prefill reaches, as one unchunked prefill does.
             lens.extend([seq.num_tokens] * n)
             if batch.completes(seq):
@@ -202,7 +209,7 @@ class ModelRunner:
         rows `last` (sampled), then the rows `extra` (prompt logprobs)."""
         pp = self.groups.pp
         if (
-            pp.world_size == 1 and len(last) == ids.shape[0] and not extra
+            pp.world_size == 1 and len(last) == ids.shape[0] and not extra and not ctx.attn.prefills
         ):  # every row sampled: a decode-only step
             logits = self.model.decode_logits(ids, pos, ctx)
             if logits is not None:
@@ -239,13 +246,25 @@ class ModelRunner:
                 out.append((seq, rows, chunk.context + 1))
         return out
 
-    def sample(self, logits: torch.Tensor | None, seqs: list, prompt: list = ()) -> tuple[list, list, list]:
+    def sample(
+        self,
+        logits: torch.Tensor | None,
+        seqs: list,
+        prompt: list = (),
+        drafts: list[list[int]] | None = None,
+    ) -> tuple[list, list, list]:
         """Tokens, their logprobs and the prompt logprobs `prompt` (prompt_logprob_rows) asked for,
-        chosen on the last stage's TP rank 0, known to every rank of the replica."""
+        chosen on the last stage's TP rank 0, known to every rank of the replica. With `drafts`
+        (per sequence, possibly empty: a step that verifies drafts), each sequence's tokens and
+        logprobs are lists: the accepted draft tokens and the one after (spec_decode/verify.py)."""
         if not seqs and not prompt:  # every rank of the replica scheduled the same batch: all return here
             return [], [], []
         payload = None
-        if logits is not None:
+        if logits is not None and drafts is not None:
+            rows = len(seqs) + sum(len(d) for d in drafts)
+            tokens, lps = verify(logits[:rows], seqs, drafts, self.sampler)
+            payload = (tokens, lps, prompt_logprobs(logits[rows:], prompt))
+        elif logits is not None:
             tokens = self.sampler(logits[: len(seqs)], seqs) if seqs else []
             payload = (
                 tokens,
