@@ -22,6 +22,7 @@ from expertmesh.spec_decode.verify import verify_one
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
+KEEP_STOP = dict(include_stop_str_in_output=True)
 
 
 def _repeating_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -161,7 +162,7 @@ def test_eos_stop_ids_stop_strings_and_max_tokens_inside_drafts(checkpoint):
     stops = [text[i : i + 3] for i in starts if text[i : i + 3].strip()]
     params += [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[s]) for s in stops]
     params += [
-        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[s], include_stop_str_in_output=1)
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[s], **KEEP_STOP)
         for s in stops[:3]
     ]
     prompts = [prompt] * len(params)
