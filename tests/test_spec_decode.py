@@ -301,3 +301,39 @@ def test_hybrid_models_refuse_speculation_naming_why(real_checkpoint):
 
     with pytest.raises(ValueError, match="recurrent layers.*cannot be rolled back"):
         LLM(real_checkpoint(_source("granite-4.0-h")), **ENGINE, speculative_config=NGRAM)
+
+
+# ---- metrics and the CLI ----------------------------------------------------------------------
+def test_metrics_carry_vllms_spec_decode_names(checkpoint):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from expertmesh.engine.client import EngineStepper
+    from expertmesh.entrypoints.metrics import RequestMetrics
+
+    spec = LLM(checkpoint("mixtral"), **ENGINE, speculative_config=NGRAM)
+    _generate(spec, _repeating_prompts([5, 8], seed=3), SamplingParams(temperature=0, max_tokens=30))
+    stats = _assert_drafted(spec)
+    snap = EngineStepper(spec.llm_engine).stats()
+    snap["kv_blocks_used"] = [0]
+    body, _ = RequestMetrics(lambda: snap).exposition()
+    got = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            got[(s.name, s.labels.get("position"))] = s.value
+    assert got[("vllm:spec_decode_num_drafts_total", None)] == stats["spec_decode_num_drafts"]
+    assert got[("vllm:spec_decode_num_draft_tokens_total", None)] == stats["spec_decode_num_draft_tokens"]
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", None)] == stats["spec_decode_num_accepted_tokens"]
+    per_pos = [got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
+    assert per_pos == stats["spec_decode_num_accepted_tokens_per_pos"]
+
+
+def test_generate_cli_prints_the_acceptance_rate(capsys):
+    from expertmesh.entrypoints.cli import main
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    argv = ["generate", "--prompt", "1 2 3 1 2 3 1 2 3 1 2", "--max-tokens", "16", "--no-warmup"]
+    assert main([*argv, "--speculative-config", spec]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding (ngram, k=3): acceptance rate" in out, out
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        main([*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])

@@ -346,6 +346,9 @@ def _print(outs, args, pc, elapsed: float, llm) -> None:
             f"{traffic['bytes_received']} received"
         )
     print(line, file=sys.stderr if args.json else sys.stdout)
+    drafter = getattr(getattr(llm, "llm_engine", None), "drafter", None)
+    if drafter is not None:
+        print(f"{tag}{drafter.describe()}", file=sys.stderr if args.json else sys.stdout)
     sys.stdout.flush()
 
 

@@ -36,6 +36,15 @@ class Drafter:
             return []
         return self.proposer.propose(seq.token_ids, limit)
 
+    def describe(self) -> str:
+        """One line for people: the acceptance so far."""
+        s, c = self.stats, self.config
+        return (
+            f"speculative decoding ({c.method}, k={c.num_speculative_tokens}): acceptance rate "
+            f"{s.acceptance_rate:.2f} ({s.num_accepted_tokens} of {s.num_draft_tokens} draft tokens in "
+            f"{s.num_drafts} drafts), mean acceptance length {s.mean_acceptance_length:.2f}"
+        )
+
     def observe(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         self.stats.observe(num_draft, num_accepted)
         if self.gate is not None:
