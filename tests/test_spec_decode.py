@@ -320,9 +320,8 @@ def test_metrics_carry_vllms_spec_decode_names(checkpoint):
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
             got[(s.name, s.labels.get("position"))] = s.value
-    assert got[("vllm:spec_decode_num_drafts_total", None)] == stats["spec_decode_num_drafts"]
-    assert got[("vllm:spec_decode_num_draft_tokens_total", None)] == stats["spec_decode_num_draft_tokens"]
-    assert got[("vllm:spec_decode_num_accepted_tokens_total", None)] == stats["spec_decode_num_accepted_tokens"]
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert got[(f"vllm:spec_decode_{name}_total", None)] == stats[f"spec_decode_{name}"]
     per_pos = [got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
     assert per_pos == stats["spec_decode_num_accepted_tokens_per_pos"]
 
