@@ -26,15 +26,15 @@ from expertmesh.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)  # one new token each
+    decodes: list[Sequence] = field(default_factory=list)  # one new token each (and its draft)
     prefills: list[Sequence] = field(default_factory=list)  # several: a whole prompt or a chunk of it
     num_new: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens computed this step
     # seq_id -> the draft tokens a decoding sequence is verified with (spec_decode/): its
-    # num_new counts them, and it is scheduled as a chunk over them.
+    # num_new counts them; it stays a decode, one decode row per token (model_runner.prepare).
     drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_tokens: int, draft: list[int] | None = None) -> None:
-        (self.decodes if num_tokens == 1 else self.prefills).append(seq)
+        (self.decodes if num_tokens == 1 or draft else self.prefills).append(seq)
         self.num_new[seq.seq_id] = num_tokens
         if draft:
             self.drafts[seq.seq_id] = draft
