@@ -6,12 +6,14 @@ prefix caching and preemption), with the KV accounting intact after every call; 
 draws each verified position from the target's processed distribution (chi-square against the
 distribution computed in plain torch here), and seeded runs reproduce."""
 
+import json
 import math
 
 import pytest
 import torch
 from checkpoints import prompts_of_lengths
 from expect import assert_tokens_equal
+from real_checkpoints import published
 from test_deepseek import deepseek
 
 from expertmesh import LLM, SamplingParams
@@ -20,7 +22,9 @@ from expertmesh.spec_decode.config import SpeculativeConfig
 from expertmesh.spec_decode.ngram import propose_ngram
 from expertmesh.spec_decode.verify import verify_one
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Drafting at every batch width (the default stops beyond DEFAULT_MAX_BATCH decoding sequences).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 64}  # fmt: skip
 ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
 KEEP_STOP = dict(include_stop_str_in_output=True)
 
@@ -70,6 +74,7 @@ def _assert_drafted(llm: LLM) -> dict:
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max=0"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown speculative_config"),
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "batch_size=0"),
         ({"method": "deepseek_mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 3}, "ngram' only"),
         ("ngram", "must be a dict"),
     ],
@@ -93,10 +98,11 @@ def test_mtp_on_a_model_without_mtp_layers_names_both():
         LLM(speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}, warmup=False)
 
 
-def test_mtp_on_a_model_with_mtp_layers_says_it_is_not_built(real_checkpoint):
+def test_mtp_on_a_model_with_mtp_layers_says_it_is_not_built(tmp_path):
+    """The published DeepSeek-V3 config (one MTP layer): refused before any weight is read."""
+    (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
     with pytest.raises(ValueError, match="1 MTP layer.*DeepseekV3ForCausalLM.*not implemented"):
-        spec = {"method": "mtp", "num_speculative_tokens": 1}
-        LLM(deepseek(real_checkpoint, "v3"), speculative_config=spec)
+        LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
 # ---- the proposer -------------------------------------------------------------------------------
@@ -256,7 +262,7 @@ def test_rejection_sampling_follows_the_target_at_each_position():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 6, generator=g) * 1.5
     p = SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.9, seed=1)
-    prompt, draws = [0, 3], 6000
+    prompt, draws = [0, 3], 3000
     first = int(_target(logits[0], [], p).argmax())  # likely drafts: every position is reached often
     draft = [first, int(_target(logits[1], [first], p).argmax())]
     seq = Sequence("r", 0, prompt, p, 64)
@@ -336,3 +342,35 @@ def test_generate_cli_prints_the_acceptance_rate(capsys):
     assert "speculative decoding (ngram, k=3): acceptance rate" in out, out
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         main([*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
+
+
+def test_default_batch_rule_and_adaptive_gate(checkpoint):
+    """Without disable_by_batch_size nothing is drafted while more than DEFAULT_MAX_BATCH sequences
+    decode (and the output is unchanged); the gate pauses a sequence whose drafts are rejected,
+    longer after each failed retry, and resumes at once after an accepted one."""
+    from expertmesh.spec_decode.adaptive import AdaptiveGate, SpecState
+    from expertmesh.spec_decode.config import DEFAULT_MAX_BATCH
+
+    path = checkpoint("mixtral")
+    prompts = _repeating_prompts([5, 6, 7, 8, 9, 4], seed=61)
+    assert len(prompts) > DEFAULT_MAX_BATCH
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
+    spec = LLM(path, **ENGINE, speculative_config=config)
+    _assert_same(_generate(spec, prompts, sp), _generate(LLM(path, **ENGINE), prompts, sp), "wide batch")
+    assert spec.llm_engine.stats()["spec_decode_num_drafts"] == 0
+    _generate(spec, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert spec.llm_engine.stats()["spec_decode_num_drafts"] > 0  # one sequence alone drafts
+
+    gate, state = AdaptiveGate(min_acceptance=0.3, min_backoff=2, max_backoff=8), SpecState()
+    pauses = []
+    for _ in range(4):
+        assert gate.may_draft(state)
+        gate.observe(state, 4, 0)  # all rejected
+        skipped = 0
+        while not gate.may_draft(state):
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses == [2, 4, 8, 8]
+    gate.observe(state, 4, 3)  # accepted: no pause
+    assert gate.may_draft(state) and state.backoff == 0

@@ -10,7 +10,8 @@ from test_deepseek import MODELS
 
 from expertmesh import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 64}  # fmt: skip
 COPY = [(r * 3)[: 2 * len(r) + 2] for r in prompts_of_lengths([5, 9, 4], seed=51)]  # drafts at once
 PLAIN = prompts_of_lengths([6, 13, 3], seed=52)  # drafts only once the output repeats
 P = COPY + PLAIN

@@ -101,6 +101,7 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         # Decodes first (stable sort), so a long prompt's chunks never delay them.
+        self._num_decoding = sum(s.num_uncomputed == 1 for s in self.running)
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one in this loop
@@ -118,7 +119,7 @@ class Scheduler:
         """A decoding sequence's draft, within the step's budget, its max_tokens (the token after
         the draft is always sampled) and the free blocks: a draft never preempts anyone."""
         limit = min(budget - 1, seq.max_output_tokens() - len(seq.output_token_ids) - 1)
-        draft = self.drafter.draft(seq, limit)
+        draft = self.drafter.draft(seq, limit, self._num_decoding)
         room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
         return draft[: max(0, room - seq.num_computed_tokens - 1)]
 

@@ -9,7 +9,9 @@ same broadcast acceptance, so every rank takes the same decisions (and drafts th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from expertmesh.spec_decode.ngram import TokenBuffer
 
 DECAY = 0.8  # weight of the past in the per-sequence counts
 
@@ -20,6 +22,7 @@ class SpecState:
     accepted: float = 0.0
     skip: int = 0  # steps left without drafting
     backoff: int = 0  # length of the next pause
+    tokens: TokenBuffer = field(default_factory=TokenBuffer)  # the sequence's tokens, for the proposer
 
 
 class AdaptiveGate:

@@ -2,7 +2,8 @@
 
 Keys (vLLM's names): method ("ngram", "mtp", or one of vLLM's per-family MTP aliases, which mean
 "mtp"), num_speculative_tokens (k >= 1), prompt_lookup_min / prompt_lookup_max (n-gram only: the
-suffix lengths tried, longest first; one given sets the other, none gives vLLM's 5 / 5).
+suffix lengths tried, longest first; one given sets the other, none gives vLLM's 5 / 5),
+disable_by_batch_size (no drafting while more sequences than this decode).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ MTP_ALIASES = (
 )
 METHODS = ("ngram", *MTP_ALIASES)
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min / _max when neither is given
+DEFAULT_MAX_BATCH = 4  # sequences decoding at once beyond which nothing is drafted (when not given)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # vLLM's key: no drafting while more than this many sequences decode. None: our default
+    # (DEFAULT_MAX_BATCH), since a fixed batch is as slow as its least-accepting sequence and
+    # the wider forward costs every step.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -38,6 +44,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an int >= 1")
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size={b!r} must be an int >= 1")
         if self.method != "ngram":
             object.__setattr__(self, "method", "mtp")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
@@ -55,6 +64,11 @@ class SpeculativeConfig:
             )
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @property
+    def max_batch(self) -> int:
+        """Drafting stops while more sequences than this decode in a step."""
+        return self.disable_by_batch_size or DEFAULT_MAX_BATCH
 
     @staticmethod
     def of(value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -20,6 +20,7 @@ class Drafter:
         )
         self.gate = AdaptiveGate() if adaptive else None
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.max_batch = config.max_batch
 
     @staticmethod
     def _state(seq: Sequence) -> SpecState:
@@ -28,13 +29,15 @@ class Drafter:
             state = seq.spec_state = SpecState()
         return state
 
-    def draft(self, seq: Sequence, limit: int) -> list[int]:
-        """Draft tokens for decoding sequence `seq`, at most `limit` (its token budget, max_tokens)."""
-        if limit < 1 or getattr(seq, "grammar", None) is not None:
+    def draft(self, seq: Sequence, limit: int, num_decoding: int = 1) -> list[int]:
+        """Draft tokens for decoding sequence `seq`, at most `limit` (its token budget, max_tokens);
+        none while more than `max_batch` sequences decode (`num_decoding`)."""
+        if limit < 1 or num_decoding > self.max_batch or getattr(seq, "grammar", None) is not None:
             return []  # structured outputs: the grammar's state cannot be rolled back
-        if self.gate is not None and not self.gate.may_draft(self._state(seq)):
+        state = self._state(seq)
+        if self.gate is not None and not self.gate.may_draft(state):
             return []
-        return self.proposer.propose(seq.token_ids, limit)
+        return self.proposer.propose(state.tokens.sync(seq), limit)
 
     def describe(self) -> str:
         """One line for people: the acceptance so far."""

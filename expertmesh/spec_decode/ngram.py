@@ -45,9 +45,29 @@ class NgramProposer:
     def __init__(self, k: int, lookup_min: int, lookup_max: int) -> None:
         self.k, self.lookup_min, self.lookup_max = k, lookup_min, lookup_max
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """At most min(k, limit) tokens for a sequence whose tokens so far are `token_ids`."""
+    def propose(self, tokens: np.ndarray, limit: int) -> list[int]:
+        """At most min(k, limit) tokens continuing `tokens` (prompt + output so far)."""
         k = min(self.k, limit)
         if k < 1:
             return []
-        return propose_ngram(np.asarray(token_ids, dtype=np.int64), k, self.lookup_min, self.lookup_max)
+        return propose_ngram(tokens, k, self.lookup_min, self.lookup_max)
+
+
+class TokenBuffer:
+    """A sequence's tokens as a growing int64 array, appended to rather than rebuilt each step."""
+
+    def __init__(self) -> None:
+        self.data = np.empty(64, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, seq) -> np.ndarray:
+        """`seq`'s tokens (a sequence's tokens only ever grow: preemption keeps them)."""
+        n = seq.num_tokens
+        if n > self.size:
+            if n > len(self.data):
+                grown = np.empty(max(n, 2 * len(self.data)), dtype=np.int64)
+                grown[: self.size] = self.data[: self.size]
+                self.data = grown
+            self.data[self.size : n] = seq.tokens(self.size, n)
+            self.size = n
+        return self.data[:n]
