@@ -69,11 +69,11 @@ def main() -> None:
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--no-adaptive", action="store_true", help="draft at every step (no per-sequence gate)")
-    ap.add_argument("--quick", action="store_true", help="3 rounds of 64 tokens")
+    ap.add_argument("--quick", action="store_true", help="6 rounds of 64 tokens")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.max_tokens = 3, 64
+        args.rounds, args.max_tokens = 6, 64
     from expertmesh import LLM, SamplingParams
 
     spec_config = {

@@ -374,3 +374,10 @@ def test_default_batch_rule_and_adaptive_gate(checkpoint):
     assert pauses == [2, 4, 8, 8]
     gate.observe(state, 4, 3)  # accepted: no pause
     assert gate.may_draft(state) and state.backoff == 0
+
+
+def test_serve_takes_the_same_flag():
+    from expertmesh.entrypoints.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(NGRAM)])
+    assert _engine_kwargs(args, None)["speculative_config"] == NGRAM
