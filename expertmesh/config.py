@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from expertmesh.distributed.layout import ParallelLayout
 from expertmesh.model_config import ModelConfig, RopeConfig, resolve_dtype  # noqa: F401 -- re-exported
+from expertmesh.spec_decode.config import SpeculativeConfig
 
 ALL2ALL_BACKEND_NAMES = ("allgather_reducescatter", "naive", "alltoall")
 EXECUTOR_BACKENDS = (None, "external_launcher", "mp", "uni")
@@ -185,3 +186,5 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     extra: dict = field(default_factory=dict)
+    # vLLM's speculative_config (spec_decode/config.py); None: no speculation.
+    speculative_config: SpeculativeConfig | None = None

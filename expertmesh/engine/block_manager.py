@@ -181,6 +181,18 @@ class BlockManager:
         self.snapshot_of[key] = snap
 
     # ---- release ----------------------------------------------------------------------------
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Free `seq`'s blocks past the first `num_tokens` tokens (speculative decoding's rollback of
+        rejected draft tokens). They are past its computed tokens, so none of them is keyed."""
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            assert self.block_keys[block] is None, f"block {block} past the accepted tokens is cached"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                self.free_blocks.move_to_end(block, last=False)  # nothing to keep: reused first
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1

@@ -37,6 +37,7 @@ from expertmesh.layers.native_decode import set_native_decode
 from expertmesh.logger import setup_logging
 from expertmesh.model_source import resolve_model
 from expertmesh.models.build import ModelEnv, build_model, stage_layers
+from expertmesh.spec_decode.config import SpeculativeConfig
 
 log = logging.getLogger("expertmesh")
 
@@ -82,6 +83,9 @@ class EngineArgs:
     # Dummy requests through every shape class before the first real one (engine.warmup); False
     # starts at once, the first requests then paying the kernels' and memory's first-use costs.
     warmup: bool = True
+    # vLLM's speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...}
+    # (spec_decode/config.py; docs/speculative_decoding.md).
+    speculative_config: dict | SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
@@ -124,7 +128,17 @@ def check_request(args: EngineArgs, model_dir: str) -> Any:
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
     check_model_fits(model_config, parallel)
+    speculative_config(args, model_config, hf)
     return hf
+
+
+def speculative_config(args: EngineArgs, model_config: ModelConfig, hf: Any) -> SpeculativeConfig | None:
+    """args.speculative_config, checked against the model (an MTP method needs MTP layers)."""
+    spec = SpeculativeConfig.of(args.speculative_config)
+    if spec is not None:
+        mtp = max(model_config.num_nextn_predict_layers, int(getattr(hf, "mtp_num_hidden_layers", 0) or 0))
+        spec.check_model(model_config.architecture, mtp)
+    return spec
 
 
 def build_engine(args: EngineArgs) -> BuiltEngine:
@@ -135,6 +149,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
     check_model_fits(model_config, parallel)  # before any process group or weight
+    spec = speculative_config(args, model_config, hf)
     placement = place_process(parallel, args.device, args.distributed_timeout_seconds)
     setup_logging(placement.rank if parallel.world_size > 1 else None)
     watchdog.set_doing("loading the model")
@@ -148,6 +163,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         model_dir, model_config, parallel, placement.device, args.max_model_len, cache, batching,
         args.tokenizer, args.seed,
     )  # fmt: skip
+    config = replace(config, speculative_config=spec)
     check_same_config(placement.groups, _describe(config, args.distributed_timeout_seconds))
     torch.manual_seed(args.seed)
     env = _model_env(config, placement, args.pipeline_split, args.debug_nan_recv_buffers)
@@ -261,4 +277,5 @@ def _describe(config: EngineConfig, timeout_s: float) -> dict[str, str]:
     ):  # fmt: skip
         settings[name] = repr(getattr(pc, name))
     settings.update(seed=repr(config.seed), distributed_timeout_seconds=repr(timeout_s))
+    settings["speculative_config"] = repr(config.speculative_config)
     return settings

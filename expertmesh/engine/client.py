@@ -145,6 +145,12 @@ class EngineStepper:
             "requests_added_total": self._num_added,
             "all2all_bytes_sent_total": traffic["bytes_sent"],
             "all2all_bytes_received_total": traffic["bytes_received"],
+            "spec_decode_num_drafts_total": stats.get("spec_decode_num_drafts", 0),
+            "spec_decode_num_draft_tokens_total": stats.get("spec_decode_num_draft_tokens", 0),
+            "spec_decode_num_accepted_tokens_total": stats.get("spec_decode_num_accepted_tokens", 0),
+            "spec_decode_num_accepted_tokens_per_pos": list(
+                stats.get("spec_decode_num_accepted_tokens_per_pos", [])
+            ),
             **gauges(self._expert_load()),
         }
 
@@ -174,6 +180,10 @@ REPLICA_STATS = (
     "prefix_cache_hits_total",
     "prefix_cache_queries_total",
     "requests_added_total",
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_accepted_tokens_per_pos",  # a list by draft position
 )
 # Every rank moves its own MoE traffic: summed over all ranks.
 RANK_STATS = ("all2all_bytes_sent_total", "all2all_bytes_received_total")

@@ -29,6 +29,7 @@ from expertmesh.engine.scheduler import Scheduler
 from expertmesh.engine.sequence import Sequence
 from expertmesh.outputs import CompletionOutput, RequestOutput
 from expertmesh.sampling_params import SamplingParams
+from expertmesh.spec_decode.drafter import Drafter
 from expertmesh.structured_outputs import runtime as structured
 
 log = logging.getLogger("expertmesh")
@@ -142,7 +143,8 @@ class LLMEngine:
         self.blocks = BlockManager(
             num_blocks, config.cache_config.block_size, prefix_caching, slots, runner.snapshots
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.blocks)
+        self.drafter = self._drafter(config)
+        self.scheduler = Scheduler(config.scheduler_config, self.blocks, self.drafter)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
         self.requests: dict[str, Request] = {}
@@ -159,6 +161,19 @@ class LLMEngine:
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, self.blocks.block_size, self.capacity
         )
+
+    def _drafter(self, config: EngineConfig) -> Drafter | None:
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        if self._model_has_state():  # the whole model: a PP stage may hold no recurrent layer
+            raise ValueError(
+                f"speculative_config method={spec.method!r}: {config.model_config.architecture} has "
+                "recurrent layers whose per-sequence state cannot be rolled back past rejected draft "
+                "tokens (no state snapshots); speculative decoding needs an attention-only model"
+            )
+        log.info("speculative decoding: %s", spec)
+        return Drafter(spec)
 
     def _agree_on_state_slots(self, runner: ModelRunner) -> int:
         """Hybrid models: the recurrent-state slots every rank affords (the fewest), allocated; they
@@ -266,7 +281,9 @@ class LLMEngine:
             self.blocks = BlockManager(
                 b.num_blocks, b.block_size, b.enable_prefix_caching, b.state_slots, b.snapshots
             )
-            self.scheduler = Scheduler(self.config.scheduler_config, self.blocks)
+            self.scheduler = Scheduler(self.config.scheduler_config, self.blocks, self.drafter)
+            if self.drafter is not None:
+                self.drafter.stats.clear()
         log.info(
             "warm-up: %d forwards (%d requests of %d prompt tokens, decode batches %s) in %.2f s",
             self.num_warmup_steps, n, prompt, sizes, time.perf_counter() - start,
@@ -368,9 +385,10 @@ class LLMEngine:
             ids, pos, ctx, last = self.runner.prepare(batch, self.blocks)
             ctx.dp_token_counts = counts
             sampled = batch.sampled  # after prepare: it orders the decodes
+            drafts = [batch.drafts.get(s.seq_id, []) for s in sampled] if batch.drafts else None
             prompt = self.runner.prompt_logprob_rows(batch, ctx)
             logits = self._forward_counting(ids, pos, ctx, last, [r for _, rows, _ in prompt for r in rows])
-            tokens, logprobs, prompt_lps = self.runner.sample(logits, sampled, prompt)
+            tokens, logprobs, prompt_lps = self.runner.sample(logits, sampled, prompt, drafts)
         except Exception as exc:
             if self.groups.world.world_size > 1:
                 raise  # peers are inside the same collectives: no rank can go on alone
@@ -383,10 +401,15 @@ class LLMEngine:
                 if index == len(seq.prompt_logprobs):  # a recomputed (preempted) prefill adds nothing
                     seq.prompt_logprobs.append(entry)
         for seq in batch.seqs:
-            seq.num_computed_tokens += batch.num_new[seq.seq_id]
-            self.blocks.cache_full_blocks(seq)
-        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
-            self._append(seq, token, lp)
+            if seq.seq_id not in batch.drafts:  # a verified draft's accepted length is known below
+                seq.num_computed_tokens += batch.num_new[seq.seq_id]
+                self.blocks.cache_full_blocks(seq)
+        if drafts is None:
+            for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
+                self._append(seq, token, lp)
+        else:
+            for seq, draft, new, lps in zip(sampled, drafts, tokens, logprobs, strict=True):
+                self._accept(seq, draft, new, lps)
         self.num_steps += 1
         return self._collect()
 
@@ -420,6 +443,24 @@ class LLMEngine:
     def traffic(self) -> dict[str, int]:
         stats = [b.stats for b in self.dispatchers]
         return {k: sum(int(s[k]) for s in stats) for k in ("bytes_sent", "bytes_received")}
+
+    def _accept(self, seq: Sequence, draft: list[int], new: list[int], logprobs: list) -> None:
+        """A verified sequence's new tokens (the accepted draft tokens and the one after): the KV
+        of the rejected ones rolled back (their blocks freed, never keyed in the prefix cache),
+        then each appended as a sampled token, so EOS, stop strings and max_tokens inside the
+        draft end the sequence where a plain step would have."""
+        if not draft:
+            self._append(seq, new[0], logprobs[0])
+            return
+        accepted = len(new) - 1
+        self.drafter.observe(seq, len(draft), accepted)
+        seq.num_computed_tokens += 1 + accepted  # the last token and the accepted draft tokens
+        self.blocks.truncate(seq, seq.num_computed_tokens + 1)  # the next token's slot is kept
+        for token, lp in zip(new, logprobs, strict=True):
+            self._append(seq, token, lp)
+            if seq.is_finished:
+                return
+        self.blocks.cache_full_blocks(seq)  # after the append: a key hashes the accepted tokens
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
         seq.output_token_ids.append(token)
@@ -490,4 +531,5 @@ class LLMEngine:
             # In tokens, as vLLM counts them: prompt tokens looked up, and found, in the prefix cache.
             "prefix_cache_queries": self.blocks.prefix_cache_queries,
             "prefix_cache_hits": self.blocks.prefix_cache_hits,
+            **(self.drafter.stats.as_dict() if self.drafter is not None else {}),
         }

@@ -18,6 +18,7 @@ from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from expertmesh.layers.native_decode import decoders
+from expertmesh.spec_decode.verify import verify
 
 
 class ModelRunner:
@@ -110,19 +111,25 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Inputs of one step: each sequence's tokens from its `num_computed_tokens` on, and the
         rows whose logits are sampled (`last`: only sequences whose last token is computed, in
-        `batch.sampled`'s order)."""
+        `batch.sampled`'s order; a sequence verifying a draft has a row at each of its tokens)."""
         ids, pos, slots, lens, last = [], [], [], [], []
+        rows = []  # (sequence, context length) of each decode row
         # Shortest context first, so decode attention can group similar lengths (see _decode_groups);
         # batch.seqs follows, keeping sampled rows aligned. Deterministic: every rank sorts alike.
         batch.decodes.sort(key=lambda s: len(s.block_table))
         for seq in batch.decodes:
             p = seq.num_computed_tokens
-            ids.extend(seq.tokens(p, p + 1))
-            pos.append(p)
-            slots.append(blocks.slot(seq, p))
-            lens.append(seq.num_tokens)
-            if batch.completes(seq):
-                last.append(len(ids) - 1)
+            draft = batch.drafts.get(seq.seq_id, [])
+            # A draft's tokens are decode rows of the same sequence, each seeing the positions up to
+            # its own: every KV row is stored before attention reads any, so they are causal.
+            ids.extend(seq.tokens(p, p + 1) + draft)
+            for q in range(p, p + 1 + len(draft)):
+                pos.append(q)
+                slots.append(blocks.slot(seq, q))
+                lens.append(q + 1)
+                rows.append((seq, q + 1))
+                if draft or batch.completes(seq):
+                    last.append(len(ids) - (p + len(draft) - q) - 1)
         prefills = []
         for seq in batch.prefills:
             c, n = seq.num_computed_tokens, batch.num_new[seq.seq_id]
@@ -135,7 +142,7 @@ class ModelRunner:
             lens.extend([seq.num_tokens] * n)
             if batch.completes(seq):
                 last.append(len(ids) - 1)
-        meta = self._attention_metadata(batch, slots, prefills)
+        meta = self._attention_metadata(rows, slots, prefills)
         meta.seq_lens = torch.tensor(lens)
         ctx = ForwardContext(meta, [len(ids)])
         if self.state_layers:
@@ -143,37 +150,39 @@ class ModelRunner:
         return torch.tensor(ids), torch.tensor(pos), ctx, last
 
     def _attention_metadata(
-        self, batch: ScheduledBatch, slots: list[int], prefills: list[PrefillChunk]
+        self, rows: list[tuple], slots: list[int], prefills: list[PrefillChunk]
     ) -> AttentionMetadata:
         slots_t = torch.tensor(slots, dtype=torch.long)
         if self.kernels is not None:
-            tables, lens = self._decode_tables(batch.decodes)
-            return AttentionMetadata(slots_t, len(batch.decodes), [], prefills, None, tables, lens)
-        groups = self._decode_groups(batch.decodes)
+            tables, lens = self._decode_tables(rows)
+            return AttentionMetadata(slots_t, len(rows), [], prefills, None, tables, lens)
+        groups = self._decode_groups(rows)
         most = max((g.block_tables.numel() for g in groups), default=0)
         buffers = self._gather_buffers(most) if groups else None
-        return AttentionMetadata(slots_t, len(batch.decodes), groups, prefills, buffers)
+        return AttentionMetadata(slots_t, len(rows), groups, prefills, buffers)
 
     @staticmethod
-    def _tables_and_lengths(seqs: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables [B, widest] (zero-padded) and context lengths [B] of decodes `seqs` (their
-        computed tokens and the new one)."""
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=dtype)
-        return tables, torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=dtype)
+    def _tables_and_lengths(rows: list[tuple], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [B, widest] (zero-padded) and context lengths [B] of decode `rows`
+        ((sequence, its computed tokens and the row's own) each)."""
+        width = max(len(s.block_table) for s, _ in rows)
+        tables = torch.tensor(
+            [s.block_table + [0] * (width - len(s.block_table)) for s, _ in rows], dtype=dtype
+        )
+        return tables, torch.tensor([n for _, n in rows], dtype=dtype)
 
-    def _decode_tables(self, decodes: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """int32 tables and lengths of every decode, for the paged-decode kernel."""
-        return self._tables_and_lengths(decodes, torch.int32) if decodes else (None, None)
+    def _decode_tables(self, rows: list[tuple]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """int32 tables and lengths of every decode row, for the paged-decode kernel."""
+        return self._tables_and_lengths(rows, torch.int32) if rows else (None, None)
 
-    def _decode_groups(self, decodes: list) -> list[DecodeGroup]:
-        """Consecutive decodes (sorted by length in prepare) while the widest stays <= 2x the first."""
+    def _decode_groups(self, rows: list[tuple]) -> list[DecodeGroup]:
+        """Consecutive decode rows (sorted by length in prepare) while the widest stays <= 2x the first."""
         groups, start = [], 0
-        while start < len(decodes):
+        while start < len(rows):
             end = start + 1
-            while end < len(decodes) and len(decodes[end].block_table) <= 2 * len(decodes[start].block_table):
+            while end < len(rows) and len(rows[end][0].block_table) <= 2 * len(rows[start][0].block_table):
                 end += 1
-            tables, lens = self._tables_and_lengths(decodes[start:end], torch.long)
+            tables, lens = self._tables_and_lengths(rows[start:end], torch.long)
             # Each layer takes its key mask (window, chunk) from the group, built once per kind.
             groups.append(DecodeGroup(start, end, tables, lens, self.block_size))
             start = end
@@ -217,7 +226,7 @@ class ModelRunner:
         rows `last` (sampled), then the rows `extra` (prompt logprobs)."""
         pp = self.groups.pp
         if (
-            pp.world_size == 1 and len(last) == ids.shape[0] and not extra
+            pp.world_size == 1 and len(last) == ids.shape[0] and not extra and not ctx.attn.prefills
         ):  # every row sampled: a decode-only step
             logits = self.model.decode_logits(ids, pos, ctx)
             if logits is not None:
@@ -254,13 +263,25 @@ class ModelRunner:
                 out.append((seq, rows, chunk.context + 1))
         return out
 
-    def sample(self, logits: torch.Tensor | None, seqs: list, prompt: list = ()) -> tuple[list, list, list]:
+    def sample(
+        self,
+        logits: torch.Tensor | None,
+        seqs: list,
+        prompt: list = (),
+        drafts: list[list[int]] | None = None,
+    ) -> tuple[list, list, list]:
         """Tokens, their logprobs and the prompt logprobs `prompt` (prompt_logprob_rows) asked for,
-        chosen on the last stage's TP rank 0, known to every rank of the replica."""
+        chosen on the last stage's TP rank 0, known to every rank of the replica. With `drafts`
+        (per sequence, possibly empty: a step that verifies drafts), each sequence's tokens and
+        logprobs are lists: the accepted draft tokens and the one after (spec_decode/verify.py)."""
         if not seqs and not prompt:  # every rank of the replica scheduled the same batch: all return here
             return [], [], []
         payload = None
-        if logits is not None:
+        if logits is not None and drafts is not None:
+            rows = len(seqs) + sum(len(d) for d in drafts)
+            tokens, lps = verify(logits[:rows], seqs, drafts, self.sampler)
+            payload = (tokens, lps, prompt_logprobs(logits[rows:], prompt))
+        elif logits is not None:
             tokens = self.sampler(logits[: len(seqs)], seqs) if seqs else []
             payload = (
                 tokens,

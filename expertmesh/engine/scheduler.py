@@ -26,13 +26,18 @@ from expertmesh.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)  # one new token each
+    decodes: list[Sequence] = field(default_factory=list)  # one new token each (and its draft)
     prefills: list[Sequence] = field(default_factory=list)  # several: a whole prompt or a chunk of it
     num_new: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens computed this step
+    # seq_id -> the draft tokens a decoding sequence is verified with (spec_decode/): its
+    # num_new counts them; it stays a decode, one decode row per token (model_runner.prepare).
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        (self.decodes if num_tokens == 1 else self.prefills).append(seq)
+    def add(self, seq: Sequence, num_tokens: int, draft: list[int] | None = None) -> None:
+        (self.decodes if num_tokens == 1 or draft else self.prefills).append(seq)
         self.num_new[seq.seq_id] = num_tokens
+        if draft:
+            self.drafts[seq.seq_id] = draft
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -44,7 +49,8 @@ class ScheduledBatch:
 
     def completes(self, seq: Sequence) -> bool:
         """Whether this step computes `seq`'s last token (and so samples its next one)."""
-        return seq.num_computed_tokens + self.num_new[seq.seq_id] == seq.num_tokens
+        drafted = len(self.drafts.get(seq.seq_id, ()))
+        return seq.num_computed_tokens + self.num_new[seq.seq_id] - drafted == seq.num_tokens
 
     @property
     def sampled(self) -> list[Sequence]:
@@ -56,8 +62,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, drafter=None) -> None:
         self.config, self.blocks = config, blocks
+        self.drafter = drafter  # spec_decode.drafter.Drafter, or None: no speculation
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -94,16 +101,27 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         # Decodes first (stable sort), so a long prompt's chunks never delay them.
+        self._num_decoding = sum(s.num_uncomputed == 1 for s in self.running)
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one in this loop
             n = self.blocks.chunk_end(seq, seq.num_computed_tokens, self._chunk(seq.num_uncomputed, budget))
             if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
                 continue
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
-            batch.add(seq, n)
-            budget -= n
+            decoding = seq.num_uncomputed == 1 and self.drafter is not None
+            draft = self._draft(seq, budget) if decoding else []
+            self.blocks.grow(seq, seq.num_computed_tokens + n + len(draft))
+            batch.add(seq, n + len(draft), draft)
+            budget -= n + len(draft)
         return budget
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """A decoding sequence's draft, within the step's budget, its max_tokens (the token after
+        the draft is always sampled) and the free blocks: a draft never preempts anyone."""
+        limit = min(budget - 1, seq.max_output_tokens() - len(seq.output_token_ids) - 1)
+        draft = self.drafter.draft(seq, limit, self._num_decoding)
+        room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
+        return draft[: max(0, room - seq.num_computed_tokens - 1)]
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest running sequences not in the step until `seq` can hold `num_tokens`;

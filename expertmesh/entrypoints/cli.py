@@ -94,6 +94,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         '"window_size": W (place by the last W forwards; default: since the last rebalance), '
         '"load_path": "an --expert-stats file to place experts at start-up", "log_balancedness": true}',
     )
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_min": A, "prompt_lookup_max": B} (docs/speculative_decoding.md)',
+    )
     p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
     p.add_argument(
         "--no-warmup",
@@ -224,6 +231,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         num_redundant_experts=args.num_redundant_experts,
         eplb_config=args.eplb_config,
         warmup=args.warmup,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -338,6 +346,9 @@ def _print(outs, args, pc, elapsed: float, llm) -> None:
             f"{traffic['bytes_received']} received"
         )
     print(line, file=sys.stderr if args.json else sys.stdout)
+    drafter = getattr(getattr(llm, "llm_engine", None), "drafter", None)
+    if drafter is not None:
+        print(f"{tag}{drafter.describe()}", file=sys.stderr if args.json else sys.stdout)
     sys.stdout.flush()
 
 

@@ -49,6 +49,12 @@ def _samples(key: str) -> Callable[[dict[str, Any]], dict]:
     return lambda snap: snap.get(key, {})
 
 
+def _per_position(snap: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """Accepted draft tokens by (DP replica, draft position)."""
+    per_replica = snap.get("spec_decode_num_accepted_tokens_per_pos", [])
+    return {(str(e), str(i)): n for e, row in enumerate(per_replica) for i, n in enumerate(row or [])}
+
+
 def _kv_usage(snap: dict[str, Any]) -> list[float]:
     return [
         used / total if total else 0.0
@@ -68,6 +74,15 @@ ENGINE_METRICS: list[EngineMetric] = [
                  _get("prefix_cache_queries_total")),
     EngineMetric("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.",
                  _get("prefix_cache_hits_total")),
+    # Speculative decoding (spec_decode/stats.py); absent without a speculative_config.
+    EngineMetric("vllm:spec_decode_num_drafts", "counter", "Drafts verified (sequence-steps with a draft).",
+                 _get("spec_decode_num_drafts_total")),
+    EngineMetric("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens verified.",
+                 _get("spec_decode_num_draft_tokens_total")),
+    EngineMetric("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
+                 _get("spec_decode_num_accepted_tokens_total")),
+    EngineMetric("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+                 "Draft tokens accepted at each draft position.", _per_position, ("engine", "position")),
     EngineMetric("expertmesh:kv_blocks_used", "gauge", "KV cache blocks in use.", _get("kv_blocks_used")),
     EngineMetric("expertmesh:kv_blocks_free", "gauge", "KV cache blocks free.", _get("kv_blocks_free")),
     EngineMetric("expertmesh:requests_added", "counter", "Requests each DP replica was given.",

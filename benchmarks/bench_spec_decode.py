@@ -1,0 +1,159 @@
+"""Decode tok/s with and without n-gram speculative decoding, interleaved in one run.
+
+Two workloads: copy-heavy (prompts that ask to repeat or continue a given text, the default model's
+counting prompts) and plain (open-ended prompts); batch 1 and batch 8. Both engines are loaded
+first; each round times every cell on both, in alternating order, and a ratio is the median of the
+rounds' ratios (absolute numbers drift with the machine's load: the load average is printed).
+Greedy outputs of the two engines are compared too (they must be equal).
+
+    .venv/bin/python benchmarks/bench_spec_decode.py --quick      # about 2-4 minutes
+    .venv/bin/python benchmarks/bench_spec_decode.py --rounds 5 --max-tokens 256 --model PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+COPY = [
+    "Repeat this text: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15",
+    "Copy the list: apple, banana, cherry, apple, banana, cherry, apple, banana,",
+    "The capital of Denmark is Copenhagen. The capital of Sweden is Stockholm. The capital of",
+    "Summarise: Anna has a cat. The cat is happy. Anna has a dog. The dog is happy. Anna has",
+    "one two three four five one two three four five one two",
+    "A B C D E F G A B C D E F G A B C",
+    "Say it again: I like riding my bike. I like riding my bike. I like",
+]
+PLAIN = [
+    "Hello, my name is",
+    "Once upon a time",
+    "The weather today",
+    "My favourite food is",
+    "In the morning I",
+    "The best thing about school",
+    "Yesterday we went to",
+    "A good friend is",
+]
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def timed(llm, prompts: list[str], params) -> tuple[float, int, list[list[int]]]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return elapsed, sum(len(t) for t in tokens), tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--no-adaptive", action="store_true", help="draft at every step (no per-sequence gate)")
+    ap.add_argument("--quick", action="store_true", help="6 rounds of 64 tokens")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.max_tokens = 6, 64
+    from expertmesh import LLM, SamplingParams
+
+    spec_config = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_min": args.lookup_min,
+        "prompt_lookup_max": args.lookup_max,
+    }
+    common = dict(max_model_len=512, max_num_seqs=16)
+    plain_llm = LLM(args.model, **common)
+    spec_llm = LLM(args.model, **common, speculative_config=spec_config)
+    if args.no_adaptive:
+        spec_llm.llm_engine.drafter.gate = None
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    cells = [(w, b) for w in ("copy", "plain") for b in (1, 8)]
+    prompts = {"copy": COPY, "plain": PLAIN}
+    rates: dict[tuple, dict[str, list[float]]] = {c: {"plain": [], "spec": []} for c in cells}
+    acceptance: dict[tuple, list[int]] = {c: [0, 0] for c in cells}
+    mismatches = 0
+    for r in range(args.rounds):
+        for cell in cells:
+            work, batch = cell
+            ps = prompts[work][:batch] if batch > 1 else [prompts[work][r % len(prompts[work])]]
+            order = [("plain", plain_llm), ("spec", spec_llm)]
+            if r % 2:
+                order.reverse()
+            outs = {}
+            for name, llm in order:
+                before = dict(llm.llm_engine.stats())
+                elapsed, tokens, outs[name] = timed(llm, ps, params)
+                rates[cell][name].append(tokens / elapsed)
+                if name == "spec":
+                    after = llm.llm_engine.stats()
+                    acceptance[cell][0] += (
+                        after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+                    )
+                    acceptance[cell][1] += (
+                        after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+                    )
+            mismatches += outs["plain"] != outs["spec"]
+    load = os.getloadavg()
+    print(
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    print(
+        f"model: {args.model or 'the embedded default model'}; n-gram {spec_config}; "
+        f"adaptive={'off' if args.no_adaptive else 'on'}; "
+        f"{args.rounds} rounds of {args.max_tokens} tokens"
+    )
+    print(
+        f"{'workload':<8} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accepted':>14}"
+    )
+    results = []
+    for cell in cells:
+        p, s = rates[cell]["plain"], rates[cell]["spec"]
+        ratio = statistics.median(b / a for a, b in zip(p, s, strict=True))
+        acc, drafted = acceptance[cell]
+        rate = f"{acc}/{drafted}" + (f" ({acc / drafted:.2f})" if drafted else "")
+        print(
+            f"{cell[0]:<8} {cell[1]:>5} {statistics.median(p):>12.1f} {statistics.median(s):>11.1f} "
+            f"{ratio:>5.2f}x {rate:>14}"
+        )
+        results.append(
+            dict(
+                workload=cell[0],
+                batch=cell[1],
+                plain_tok_s=statistics.median(p),
+                spec_tok_s=statistics.median(s),
+                ratio=ratio,
+                accepted=acc,
+                drafted=drafted,
+            )
+        )
+    print(
+        f"greedy outputs differing between the two engines: {mismatches} of {args.rounds * len(cells)} calls"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "load": load, "args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Speculative decoding (n-gram drafts): the config is checked when built; the proposer equals a
+brute-force search written here; greedy output is token-identical to decoding without
+speculation (several families, MLA included, uneven batches, requests that never draft, EOS,
+stop ids, stop strings and max_tokens landing inside a draft, the request's logits processors,
+prefix caching and preemption), with the KV accounting intact after every call; rejection sampling
+draws each verified position from the target's processed distribution (chi-square against the
+distribution computed in plain torch here), and seeded runs reproduce."""
+
+import json
+import math
+
+import pytest
+import torch
+from checkpoints import prompts_of_lengths
+from expect import assert_tokens_equal
+from real_checkpoints import published
+from test_deepseek import deepseek
+
+from expertmesh import LLM, SamplingParams
+from expertmesh.engine.sequence import Sequence
+from expertmesh.spec_decode.config import SpeculativeConfig
+from expertmesh.spec_decode.ngram import propose_ngram
+from expertmesh.spec_decode.verify import verify_one
+
+# Drafting at every batch width (the default stops beyond DEFAULT_MAX_BATCH decoding sequences).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 64}  # fmt: skip
+ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
+KEEP_STOP = dict(include_stop_str_in_output=True)
+
+
+def _repeating_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """Random token runs, each repeated (twice and a bit): copy-heavy prompts that give drafts."""
+    return [(r * 3)[: 2 * len(r) + 3] for r in prompts_of_lengths(lengths, seed=seed)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    assert llm.llm_engine.blocks.num_free == llm.llm_engine.blocks.num_blocks  # every block returned
+    return outs
+
+
+def _assert_same(spec_outs, plain_outs, what: str, logprobs: bool = False) -> None:
+    assert len(spec_outs) == len(plain_outs)
+    for i, (a, b) in enumerate(zip(spec_outs, plain_outs, strict=True)):
+        x, y = a.outputs[0], b.outputs[0]
+        assert_tokens_equal(x.token_ids, y.token_ids, f"{what} request {i}")
+        assert (x.finish_reason, x.stop_reason, x.text) == (y.finish_reason, y.stop_reason, y.text), i
+        if logprobs:
+            for u, v in zip(x.logprobs, y.logprobs, strict=True):
+                assert u.keys() == v.keys()
+                assert all(abs(u[t].logprob - v[t].logprob) < 1e-4 for t in u)
+
+
+def _assert_drafted(llm: LLM) -> dict:
+    """Speculation really ran: drafts, accepted tokens, and rejected ones (the rollback path)."""
+    s = llm.llm_engine.stats()
+    assert s["spec_decode_num_drafts"] > 0, s
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"], s
+    assert sum(s["spec_decode_num_accepted_tokens_per_pos"]) == s["spec_decode_num_accepted_tokens"]
+    return s
+
+
+# ---- the config ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"method": "eagle9", "num_speculative_tokens": 2}, "method='eagle9' is unknown"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+         "prompt_lookup_min=4 is greater than prompt_lookup_max=2"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max=0"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown speculative_config"),
+        ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "batch_size=0"),
+        ({"method": "deepseek_mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 3}, "ngram' only"),
+        ("ngram", "must be a dict"),
+    ],
+)  # fmt: skip
+def test_bad_config_names_the_value(value, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        SpeculativeConfig.of(value)
+
+
+def test_config_defaults_and_aliases():
+    c = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    c = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    for alias in ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "mimo_mtp", "mtp"):
+        assert SpeculativeConfig.of({"method": alias, "num_speculative_tokens": 1}).method == "mtp"
+
+
+def test_mtp_on_a_model_without_mtp_layers_names_both():
+    with pytest.raises(ValueError, match="method='mtp'.*PhimoeForCausalLM model has none"):
+        LLM(speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}, warmup=False)
+
+
+def test_mtp_on_a_model_with_mtp_layers_says_it_is_not_built(tmp_path):
+    """The published DeepSeek-V3 config (one MTP layer): refused before any weight is read."""
+    (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
+    with pytest.raises(ValueError, match="1 MTP layer.*DeepseekV3ForCausalLM.*not implemented"):
+        LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+# ---- the proposer -------------------------------------------------------------------------------
+def _brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        hits = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if hits:
+            full = [i for i in hits if i + n + k <= len(tokens)]
+            start = (full[-1] if full else hits[0]) + n
+            return tokens[start : start + k]
+    return []
+
+
+def test_ngram_proposer_equals_a_brute_force_search():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        alphabet = int(torch.randint(2, 6, (1,), generator=g))
+        tokens = torch.randint(0, alphabet, (length,), generator=g).tolist()
+        lo = int(torch.randint(1, 4, (1,), generator=g))
+        hi, k = lo + int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        got = propose_ngram(torch.tensor(tokens).numpy(), k, lo, hi)
+        assert got == _brute_force(tokens, k, lo, hi), (trial, tokens, k, lo, hi)
+    assert propose_ngram(torch.tensor([5, 6, 7, 5, 6]).numpy(), 3, 2, 2) == [7, 5, 6]
+    assert propose_ngram(torch.tensor([1, 2, 3]).numpy(), 3, 1, 2) == []  # no repeat: no draft
+
+
+# ---- greedy: token-identical ----------------------------------------------------------------------
+FAMILY_CASES = ["mixtral", "qwen2_moe", "llama", "deepseek-v2-lite"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", FAMILY_CASES)
+def test_greedy_equals_plain_decoding(family, checkpoint, real_checkpoint):
+    """An uneven batch: copy-heavy prompts (long drafts), plain random ones (no draft until the
+    output repeats), max_tokens 1 (nothing to verify) up to 40; logprobs too."""
+    path = deepseek(real_checkpoint, "v2-lite") if family.startswith("deepseek") else checkpoint(family)
+    prompts = _repeating_prompts([5, 9, 3, 14], seed=3) + prompts_of_lengths([7, 2], seed=4)
+    lens = [40, 17, 1, 30, 25, 9]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in lens]
+    plain = _generate(LLM(path, **ENGINE), prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config=NGRAM)
+    _assert_same(_generate(spec, prompts, params), plain, family, logprobs=True)
+    _assert_drafted(spec)
+
+
+@pytest.mark.timeout(240)
+def test_eos_stop_ids_stop_strings_and_max_tokens_inside_drafts(checkpoint):
+    """Each stop lands at a different step of one long greedy output (many of them inside an
+    accepted draft): the output ends exactly where decoding without speculation ends it."""
+    path = checkpoint("mixtral")
+    prompt = _repeating_prompts([6], seed=21)[0]
+    plain_llm, spec = LLM(path, **ENGINE), LLM(path, **ENGINE, speculative_config=NGRAM)
+    free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    whole = _generate(plain_llm, [prompt], free)[0].outputs[0]
+    assert len(whole.token_ids) == 48
+    text = whole.text
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, 48, 5)]
+    params += [SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[whole.token_ids[j]]) for j in
+               range(2, 48, 4)]  # fmt: skip
+    starts = range(4, len(text) - 3, max(1, len(text) // 9))
+    stops = [text[i : i + 3] for i in starts if text[i : i + 3].strip()]
+    params += [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[s]) for s in stops]
+    params += [
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[s], **KEEP_STOP)
+        for s in stops[:3]
+    ]
+    prompts = [prompt] * len(params)
+    _assert_same(_generate(spec, prompts, params), _generate(plain_llm, prompts, params), "stops")
+    _assert_drafted(spec)
+    # EOS itself: the same weights with a token of the output as the model's EOS.
+    for j in (5, 17, 30):
+        eos = whole.token_ids[j]
+        eos_path = checkpoint("mixtral", eos_token_id=eos)
+        sp = SamplingParams(temperature=0, max_tokens=48)
+        a = _generate(LLM(eos_path, **ENGINE), [prompt], sp)
+        b = _generate(LLM(eos_path, **ENGINE, speculative_config=NGRAM), [prompt], sp)
+        _assert_same(b, a, f"eos={eos}")
+        assert a[0].outputs[0].token_ids[-1] == eos and a[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.timeout(240)
+def test_logits_processors_apply_at_every_verified_position(checkpoint):
+    """Penalties, logit_bias, min_tokens and bad words read the output so far: at draft position j
+    they must see the first j drafted tokens as output, as a plain step would."""
+    path = checkpoint("qwen3_moe")
+    prompts = _repeating_prompts([5, 8, 4, 6, 7], seed=8)
+    tok = prompts[0][1]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=0.7,
+                       frequency_penalty=0.4),
+        SamplingParams(temperature=0, max_tokens=30, logit_bias={tok: 3.0, prompts[2][0]: -2.0}),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=12, stop_token_ids=[prompts[3][2]]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=0.8),
+    ]  # fmt: skip
+    plain = _generate(LLM(path, **ENGINE), prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config=NGRAM)
+    _assert_same(_generate(spec, prompts, params), plain, "processors")
+    _assert_drafted(spec)
+
+
+@pytest.mark.timeout(240)
+def test_prefix_cache_and_preemption_stay_consistent(checkpoint):
+    """A small KV cache: sequences are preempted mid-draft and recomputed; later prompts extend
+    earlier prompts + outputs, so they hit blocks filled while drafts were verified (a rejected
+    token in a keyed block would change their output)."""
+    path = checkpoint("phimoe")
+    tight = dict(ENGINE, kv_cache_memory_bytes=20 * 16 * 512, max_num_seqs=8)  # 20 blocks of 16 tokens
+    prompts = _repeating_prompts([6, 11, 4, 9, 7, 5], seed=30)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLM(path, **ENGINE, enable_prefix_caching=False)
+    spec = LLM(path, **tight, speculative_config=NGRAM)
+    first = _generate(spec, prompts, sp)
+    _assert_same(first, _generate(ref, prompts, sp), "preempted")
+    assert spec.llm_engine.stats()["preemptions"] > 0
+    longer = [p + o.outputs[0].token_ids[:m] for p, o, m in zip(prompts, first, [33, 20, 36, 17, 40, 25],
+                                                                  strict=True)]  # fmt: skip
+    again = _generate(spec, longer, sp)
+    _assert_same(again, _generate(ref, longer, sp), "cached")
+    assert sum(o.num_cached_tokens for o in again) >= 16 * 6
+    _assert_drafted(spec)
+
+
+# ---- sampled: the rejection sampler ------------------------------------------------------------
+def chi2_bound(df: int, z: float = 4.265) -> float:
+    """The chi-square quantile at 1 - 1e-5 (Wilson and Hilferty's cube-root approximation)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _target(row: torch.Tensor, output: list[int], p: SamplingParams) -> torch.Tensor:
+    """The distribution a plain step samples from, in plain torch: presence penalty over the
+    output, temperature, then top-k."""
+    x = row.clone()
+    for t in set(output):
+        x[t] -= p.presence_penalty
+    x = x / p.temperature
+    if p.top_k > 0:
+        x[x < x.topk(p.top_k).values[-1]] = float("-inf")
+    return x.softmax(-1)
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum().item()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    expected = n * probs[keep]
+    return float(((counts[keep] - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
+
+
+def test_rejection_sampling_follows_the_target_at_each_position():
+    """Fixed logits over 6 tokens for 3 verified positions and a likely two-token draft: the first token
+    follows position 0's processed distribution; given the draft's first token was accepted, the
+    second follows position 1's (with that token as output: the presence penalty sees it); given
+    both, the third follows position 2's."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 6, generator=g) * 1.5
+    p = SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.9, seed=1)
+    prompt, draws = [0, 3], 3000
+    first = int(_target(logits[0], [], p).argmax())  # likely drafts: every position is reached often
+    draft = [first, int(_target(logits[1], [first], p).argmax())]
+    seq = Sequence("r", 0, prompt, p, 64)
+    gen = torch.Generator().manual_seed(123)
+    counts = [torch.zeros(6), torch.zeros(6), torch.zeros(6)]
+    for _ in range(draws):
+        new = verify_one(logits.clone(), seq, draft, frozenset(), gen)
+        assert seq.output_token_ids == []  # the draft is never left behind as output
+        counts[0][new[0]] += 1
+        if new[0] == draft[0]:
+            counts[1][new[1]] += 1
+            if new[1] == draft[1]:
+                counts[2][new[2]] += 1
+    for j in range(3):
+        want = _target(logits[j], draft[:j], p)
+        chi2, df = _chi2(counts[j], want)
+        assert counts[j].sum() > 300, (j, counts[j])
+        assert chi2 < chi2_bound(df), (j, chi2, counts[j], want)
+
+
+@pytest.mark.timeout(240)
+def test_seeded_sampling_reproduces_and_unseeded_greedy_neighbours_stay_exact(checkpoint):
+    path = checkpoint("mixtral")
+    prompts = _repeating_prompts([5, 7, 6], seed=40)
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=30, ignore_eos=True, seed=11),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=4, max_tokens=30, ignore_eos=True, seed=12, n=2),
+    ]
+    spec = LLM(path, **ENGINE, speculative_config=NGRAM)
+    a, b = _generate(spec, prompts, params), _generate(spec, prompts, params)
+    for x, y in zip(a, b, strict=True):
+        for u, v in zip(x.outputs, y.outputs, strict=True):
+            assert_tokens_equal(u.token_ids, v.token_ids, "seeded", length=30)
+    plain = _generate(LLM(path, **ENGINE), prompts[1:2], params[1])
+    assert_tokens_equal(a[1].outputs[0].token_ids, plain[0].outputs[0].token_ids, "greedy neighbour")
+    _assert_drafted(spec)
+
+
+def test_hybrid_models_refuse_speculation_naming_why(real_checkpoint):
+    from test_hybrid_families import _source
+
+    with pytest.raises(ValueError, match="recurrent layers.*cannot be rolled back"):
+        LLM(real_checkpoint(_source("granite-4.0-h")), **ENGINE, speculative_config=NGRAM)
+
+
+# ---- metrics and the CLI ----------------------------------------------------------------------
+def test_metrics_carry_vllms_spec_decode_names(checkpoint):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from expertmesh.engine.client import EngineStepper
+    from expertmesh.entrypoints.metrics import RequestMetrics
+
+    spec = LLM(checkpoint("mixtral"), **ENGINE, speculative_config=NGRAM)
+    _generate(spec, _repeating_prompts([5, 8], seed=3), SamplingParams(temperature=0, max_tokens=30))
+    stats = _assert_drafted(spec)
+    snap = EngineStepper(spec.llm_engine).stats()
+    snap["kv_blocks_used"] = [0]
+    body, _ = RequestMetrics(lambda: snap).exposition()
+    got = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            got[(s.name, s.labels.get("position"))] = s.value
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert got[(f"vllm:spec_decode_{name}_total", None)] == stats[f"spec_decode_{name}"]
+    per_pos = [got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
+    assert per_pos == stats["spec_decode_num_accepted_tokens_per_pos"]
+
+
+def test_generate_cli_prints_the_acceptance_rate(capsys):
+    from expertmesh.entrypoints.cli import main
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    argv = ["generate", "--prompt", "1 2 3 1 2 3 1 2 3 1 2", "--max-tokens", "16", "--no-warmup"]
+    assert main([*argv, "--speculative-config", spec]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding (ngram, k=3): acceptance rate" in out, out
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        main([*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
+
+
+def test_default_batch_rule_and_adaptive_gate(checkpoint):
+    """Without disable_by_batch_size nothing is drafted while more than DEFAULT_MAX_BATCH sequences
+    decode (and the output is unchanged); the gate pauses a sequence whose drafts are rejected,
+    longer after each failed retry, and resumes at once after an accepted one."""
+    from expertmesh.spec_decode.adaptive import AdaptiveGate, SpecState
+    from expertmesh.spec_decode.config import DEFAULT_MAX_BATCH
+
+    path = checkpoint("mixtral")
+    prompts = _repeating_prompts([5, 6, 7, 8, 9, 4], seed=61)
+    assert len(prompts) > DEFAULT_MAX_BATCH
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
+    spec = LLM(path, **ENGINE, speculative_config=config)
+    _assert_same(_generate(spec, prompts, sp), _generate(LLM(path, **ENGINE), prompts, sp), "wide batch")
+    assert spec.llm_engine.stats()["spec_decode_num_drafts"] == 0
+    _generate(spec, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert spec.llm_engine.stats()["spec_decode_num_drafts"] > 0  # one sequence alone drafts
+
+    gate, state = AdaptiveGate(min_acceptance=0.3, min_backoff=2, max_backoff=8), SpecState()
+    pauses = []
+    for _ in range(4):
+        assert gate.may_draft(state)
+        gate.observe(state, 4, 0)  # all rejected
+        skipped = 0
+        while not gate.may_draft(state):
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses == [2, 4, 8, 8]
+    gate.observe(state, 4, 3)  # accepted: no pause
+    assert gate.may_draft(state) and state.backoff == 0
+
+
+def test_serve_takes_the_same_flag():
+    from expertmesh.entrypoints.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(NGRAM)])
+    assert _engine_kwargs(args, None)["speculative_config"] == NGRAM
