@@ -22,7 +22,22 @@ ATTN = {
 }  # fmt: skip
 EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+        "granitemoe": "granitemoe"}  # fmt: skip
+ATTN["block_sparse_moe.router.layer"] = "ffn_gate_inp"  # Granite's router
+
+
+def _split_granite(sd: dict[str, np.ndarray], layers: int) -> None:
+    """Granite's fused experts (input_linear [E, 2I, H], gate rows first; output_linear) as the
+    converter writes them: per-projection stacks, here first as per-expert keys."""
+    for layer in range(layers):
+        p = f"model.layers.{layer}.block_sparse_moe."
+        gate_up, down = sd.pop(p + "input_linear.weight"), sd.pop(p + "output_linear.weight")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            sd[f"{p}experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
+            sd[f"{p}experts.{e}.up_proj.weight"] = gate_up[e, inter:]
+            sd[f"{p}experts.{e}.down_proj.weight"] = down[e]
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -39,6 +54,8 @@ def write_gguf(
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     arch = ARCH[cfg["model_type"]]
     sd = {k: v.float().numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    if arch == "granitemoe":
+        _split_granite(sd, cfg["num_hidden_layers"])
     tensors: list[tuple[str, np.ndarray]] = [("token_embd.weight", sd.pop("model.embed_tokens.weight"))]
     tensors.append(("output_norm.weight", sd.pop("model.norm.weight")))
     if "lm_head.weight" in sd:
@@ -55,7 +72,7 @@ def write_gguf(
             if piece == "mlp.shared_expert_gate":
                 w = w.reshape(-1)  # llama.cpp holds it as a vector [H]
             tensors.append((f"blk.{layer}.{ATTN[piece]}.{kind}", w))
-        block = "block_sparse_moe" if arch == "llama" else "mlp"
+        block = "block_sparse_moe" if arch in ("llama", "granitemoe") else "mlp"
         for proj, name in EXPERT.items():
             keys = [f"{p}{block}.experts.{e}.{proj}.weight" for e in range(n_experts)]
             if keys[0] in sd:
@@ -68,7 +85,7 @@ def write_gguf(
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count(cfg["num_attention_heads"])
         w.add_head_count_kv(cfg["num_key_value_heads"])
-        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))  # OLMoE: 1e-5 by default
         rope = cfg.get("rope_parameters") or {}
         w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
         w.add_expert_count(n_experts)
@@ -82,6 +99,14 @@ def write_gguf(
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
+        if arch == "granitemoe":
+            for key, hf in (
+                ("attention.scale", "attention_multiplier"),
+                ("embedding_scale", "embedding_multiplier"),
+                ("residual_scale", "residual_multiplier"),
+                ("logit_scale", "logits_scaling"),
+            ):
+                w.add_float32(f"{arch}.{key}", float(cfg[hf]))  # fmt: skip
         _add_tokenizer(w, hf_dir)
 
     paths = []

@@ -274,23 +274,44 @@ def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
     assert _greedy(path) == _greedy(checkpoint(family))
 
 
+@pytest.mark.parametrize("published", ["olmoe-1b-7b-0924", "granite-3.1-3b-a800m-instruct"])
+def test_families_from_published_configs(real_checkpoint, tmp_path, published):
+    """OLMoE (q/k norm over the whole projection, top-k not renormalised) and Granite-MoE (its
+    multipliers from granitemoe.attention.scale / embedding_scale / residual_scale / logit_scale,
+    fused experts split by the converter, tied head), tiny checkpoints of the published configs:
+    an F32 file runs like the checkpoint; a Q8_0 file, held, like an F32 file of its values."""
+    hf = real_checkpoint(published)
+    (f32,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    assert _greedy(f32) == _greedy(hf)
+    (q8,) = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got, text = _logged(_greedy, q8)
+    assert "weights held compressed as stored" in text
+    assert got == _greedy(ref)
+
+
 LLAMA_CPP = os.environ.get("EXPERTMESH_LLAMA_CPP")  # llama.cpp's sources: convert_hf_to_gguf.py, gguf-py
 
 
 @pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
-@pytest.mark.parametrize("family,outtype", [("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("mixtral", "f32")])
-def test_file_written_by_llama_cpps_converter(checkpoint, tmp_path, family, outtype):
+@pytest.mark.parametrize(
+    "family,outtype",
+    [("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("mixtral", "f32"), ("olmoe-1b-7b-0924", "f32"),
+     ("granite-3.1-3b-a800m-instruct", "f32")],
+)  # fmt: skip
+def test_file_written_by_llama_cpps_converter(checkpoint, real_checkpoint, tmp_path, family, outtype):
     """llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's sdist; needs sentencepiece):
-    Qwen3-MoE against transformers on the same file; Mixtral (written as llama, Q/K permuted)
-    against our run of its checkpoint."""
+    Qwen3-MoE against transformers on the same file; Mixtral (written as llama, Q/K permuted),
+    OLMoE and Granite-MoE (published configs) against our run of their checkpoints."""
+    source = real_checkpoint(family) if "-" in family else checkpoint(family)
     out = str(tmp_path / f"converted-{outtype}.gguf")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
-    subprocess.run([*cmd, checkpoint(family), "--outtype", outtype, "--outfile", out], check=True)
+    subprocess.run([*cmd, source, "--outtype", outtype, "--outfile", out], check=True)
     if family == "qwen3_moe":
-        assert _greedy(out) == _transformers_greedy(out, checkpoint(family))
+        assert _greedy(out) == _transformers_greedy(out, source)
     else:
-        assert _greedy(out) == _greedy(checkpoint(family))
+        assert _greedy(out) == _greedy(source)
 
 
 def test_tokenizer_from_metadata_and_override(gguf_model, checkpoint):

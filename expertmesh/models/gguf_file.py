@@ -137,11 +137,36 @@ def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         )
     elif arch == "llama":
         cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    elif arch in FAMILY_CONFIG:  # the families declared below: metadata key -> config key
+        hf_arch, model_type, keys, fixed = FAMILY_CONFIG[arch]
+        cfg.update(architectures=[hf_arch], model_type=model_type, **fixed)
+        cfg.update({hf: get(key) for key, hf in keys.items() if get(key) is not None})
     else:
         raise GGUFError(
-            f"GGUF architecture {arch!r} is not supported yet (supported: qwen3moe, qwen2moe, llama/mixtral)"
+            f"GGUF architecture {arch!r} is not supported yet (supported: qwen3moe, qwen2moe, "
+            f"llama/mixtral, {', '.join(FAMILY_CONFIG)})"
         )
     return cfg
+
+
+# More families, each a declaration: (HF architecture, model_type, {metadata key under the
+# architecture's prefix: config key}, fixed config values), with their tensor names in _PIECES.
+# Values are what llama.cpp's converter writes (convert_hf_to_gguf.py) and its runtime assumes
+# (llama-model.cpp: OLMoE's top-k weights are not renormalised).
+FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
+    "olmoe": (
+        "OlmoeForCausalLM", "olmoe",
+        {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+        {"norm_topk_prob": False, "clip_qkv": None, "attention_bias": False},
+    ),
+    "granitemoe": (
+        "GraniteMoeForCausalLM", "granitemoe",
+        {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+         "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+         "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"},
+        {"attention_bias": False},
+    ),
+}  # fmt: skip
 
 
 # ---- names --------------------------------------------------------------------------------------
@@ -177,10 +202,21 @@ _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output
 BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+_GRANITE_EXPERTS = {"ffn_gate_exps": ("block_sparse_moe", "gate_proj"),
+                    "ffn_up_exps": ("block_sparse_moe", "up_proj"),
+                    "ffn_down_exps": ("block_sparse_moe", "down_proj")}  # fmt: skip
+# per architecture: (llama.cpp piece -> HF piece, stacked experts)
+_PIECES = {
+    "qwen2moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
+    "qwen3moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
+    "olmoe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
+    # the converter splits Granite's fused input_linear into gate and up: served per expert
+    "granitemoe": ({**_ATTN, "ffn_gate_inp": "block_sparse_moe.gate"}, _GRANITE_EXPERTS),
+}
+
+
 def _pieces(arch: str) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
-    if arch in ("qwen2moe", "qwen3moe"):
-        return {**_ATTN, **_QWEN}, _EXPERTS["qwen"]
-    return {**_ATTN, "ffn_gate_inp": "block_sparse_moe.gate"}, _EXPERTS["llama"]
+    return _PIECES.get(arch) or ({**_ATTN, "ffn_gate_inp": "block_sparse_moe.gate"}, _EXPERTS["llama"])
 
 
 # ---- tensors ------------------------------------------------------------------------------------
