@@ -93,9 +93,13 @@ def test_every_tensor_and_slice_dequantizes_like_gguf(gguf_model, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "BF16"])
-def test_k_quants_and_others_dequantize_like_gguf(qtype):
+def test_k_quants_and_others_dequantize_like_gguf(qtype, monkeypatch):
     """Random blocks of each type (finite fp16 scales): rows cut from a stacked expert tensor give
-    gguf.quants.dequantize's values for those rows, bit for bit."""
+    gguf.quants.dequantize's values for those rows, bit for bit (dequantized 4 rows a call here,
+    as a large embedding is)."""
+    import expertmesh.models.gguf_file as gguf_file
+
+    monkeypatch.setattr(gguf_file, "DEQUANT_ROWS", 4)
     t = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[t]
     rng = np.random.default_rng(0)

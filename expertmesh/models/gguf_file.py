@@ -243,6 +243,7 @@ HELD = {
     "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16),
 }  # fmt: skip
 FLOAT_TYPES = ("F32", "F16", "BF16")
+DEQUANT_ROWS = 4096  # rows dequantized per call of gguf's dequantizer
 # parameters the model fuses (qkv, gate+up, an expert's gate/up and down pair): their parts must be
 # held in one kind and group, so a mix (Q4_K_M's Q4_K gate/up with a Q6_K down) is held as int8
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"),
@@ -383,7 +384,16 @@ class GGUFTensor(LogicalTensor):
             return torch.from_numpy(raw.copy())
         if self.qtype == Q.BF16:
             return torch.from_numpy(raw.copy()).view(torch.int16).view(torch.bfloat16)
-        return torch.from_numpy(dequantize(raw, self.qtype).astype(np.float32, copy=False))
+        if raw.ndim < 2 or len(raw) <= DEQUANT_ROWS:
+            return torch.from_numpy(dequantize(raw, self.qtype).astype(np.float32, copy=False))
+        # a few thousand rows at a time: gguf's dequantizer makes several float32 temporaries the
+        # size of its input's values, which for a 150K-row embedding would be gigabytes
+        first = dequantize(raw[:DEQUANT_ROWS], self.qtype)
+        out = np.empty((len(raw), *first.shape[1:]), np.float32)
+        out[:DEQUANT_ROWS] = first
+        for r in range(DEQUANT_ROWS, len(raw), DEQUANT_ROWS):
+            out[r : r + DEQUANT_ROWS] = dequantize(raw[r : r + DEQUANT_ROWS], self.qtype)
+        return torch.from_numpy(out)
 
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         if not bounds:
