@@ -38,6 +38,14 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(1000, min(vocab, 100_000)) for _ in range(n)]
 
 
+def _vocab(path: str) -> int:
+    import gguf
+
+    fields = gguf.GGUFReader(path, "r").fields
+    arch = fields["general.architecture"].contents()
+    return int(fields[f"{arch}.vocab_size"].contents())
+
+
 def child_expertmesh(args: argparse.Namespace) -> dict:
     from expertmesh import LLM, SamplingParams
 
@@ -47,7 +55,7 @@ def child_expertmesh(args: argparse.Namespace) -> dict:
         kv_cache_memory_bytes=256 << 20, max_num_seqs=4,
     )  # fmt: skip
     load = time.perf_counter() - t0
-    vocab = llm.llm_engine.model_config.hf_config["vocab_size"] if hasattr(llm, "llm_engine") else 151936
+    vocab = _vocab(args.file)
 
     def gen(prompt: list[int], n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

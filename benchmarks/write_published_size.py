@@ -113,7 +113,7 @@ def write(out: str, n_layers: int | None, seed: int = 0) -> dict:
     w.add_tokenizer_pre("default")
     w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     w.add_token_types([1] * cfg["vocab_size"])
-    w.add_token_merges([])
+    w.add_token_merges(["<t1> <t2>"])  # llama.cpp needs merges; ids are fed, never text
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     plan = tensors(cfg, layers)

@@ -407,15 +407,28 @@ class GGUFTensor(LogicalTensor):
         return t[(slice(None), *(slice(a, b) for a, b in rest))].contiguous() if rest else t
 
 
+_READERS: dict[tuple, Any] = {}
+
+
+def open_reader(path: str) -> Any:
+    """gguf's reader of one file, parsed once a process: the parse walks every metadata field, and a
+    150K-token vocabulary makes that tens of seconds (the memory map itself is cheap)."""
+    from gguf import GGUFReader
+
+    key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
+    if key not in _READERS:
+        _READERS[key] = GGUFReader(path, "r")
+    return _READERS[key]
+
+
 class GGUFTensorFile:
     """One GGUF file's tensors under HF names (the part of safe_open the loader uses)."""
 
     def __init__(self, path: str, info: dict[str, Any]) -> None:
-        from gguf import GGUFReader
 
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
+            self.reader = open_reader(path)
         except Exception as exc:
             raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         self.tensors: dict[str, tuple[Any, int | None, int]] = {}  # key -> (tensor, expert, heads)
@@ -525,7 +538,6 @@ def _cache_root() -> str:
 
 def gguf_model_dir(model: str) -> str:
     """A directory the engine loads like a checkpoint: config.json, tokenizer, gguf.json."""
-    from gguf import GGUFReader
 
     files = [os.path.abspath(p) for p in gguf_files(model)]
     stamp = json.dumps([(p, os.path.getsize(p), os.path.getmtime(p)) for p in files])
@@ -533,14 +545,14 @@ def gguf_model_dir(model: str) -> str:
     if os.path.exists(os.path.join(out, MARKER)):
         return out
     try:
-        reader = GGUFReader(files[0], "r")
+        reader = open_reader(files[0])
     except Exception as exc:
         raise GGUFError(f"{files[0]}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     meta = _fields(reader)
     cfg = hf_config(meta)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     for p in files[1:]:
-        types.update({t.name: t.tensor_type.name for t in GGUFReader(p, "r").tensors})
+        types.update({t.name: t.tensor_type.name for t in open_reader(p).tensors})
     names = set(types)
     cfg["tie_word_embeddings"] = "output.weight" not in names
     if cfg.get("vocab_size") is None:
