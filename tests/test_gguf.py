@@ -318,6 +318,32 @@ def test_file_written_by_llama_cpps_converter(checkpoint, real_checkpoint, tmp_p
         assert _greedy(out) == _greedy(source)
 
 
+LLAMA_CPP_PYTHON = os.environ.get("EXPERTMESH_LLAMA_CPP_PYTHON")  # a python with llama-cpp-python
+
+
+@pytest.mark.skipif(
+    not (LLAMA_CPP and LLAMA_CPP_PYTHON),
+    reason="EXPERTMESH_LLAMA_CPP (sources) and EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) are not set",
+)
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+def test_file_quantized_by_llama_cpp(checkpoint, tmp_path, ftype):
+    """llama.cpp's own converter (F32) then its own quantizer (llama_model_quantize): every matrix
+    but the embedding and head held as stored, and greedy tokens equal our float run of the
+    values gguf dequantizes from the same file."""
+    hf = checkpoint("qwen3_moe", hidden_size=256, moe_intermediate_size=256)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f32, out = str(tmp_path / "f32.gguf"), str(tmp_path / f"{ftype}.gguf")
+    convert = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*convert, hf, "--outtype", "f32", "--outfile", f32], check=True)
+    subprocess.run(
+        [LLAMA_CPP_PYTHON, os.path.join(root, "benchmarks", "gguf_quantize.py"), f32, out, ftype], check=True
+    )
+    (ref,) = write_gguf(hf, str(tmp_path / "as-f32.gguf"), "F32", values=dequantized_state([out]))
+    got, text = _logged(_greedy, out)
+    assert "weights held compressed as stored: 8 parameters" in text, text
+    assert got == _greedy(ref)
+
+
 def test_tokenizer_from_metadata_and_override(gguf_model, checkpoint):
     from transformers import AutoTokenizer
 
