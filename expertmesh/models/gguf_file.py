@@ -6,10 +6,12 @@ config.json made from the file's metadata, the tokenizer transformers builds fro
 `gguf.json` naming the weight files. The loader (models/loader.py) then opens each GGUF file as a
 `GGUFTensorFile`: its tensors renamed from llama.cpp's names to the HF checkpoint names the family
 expects (stacked `ffn_*_exps` expert tensors served one expert at a time, so an EP rank reads only
-its experts' bytes), llama.cpp's Q/K row permutation undone for llama-style architectures, and
-every quantized type dequantized with `gguf.quants.dequantize` (the format's own dequantizer) for
-just the rows a rank asks for. The file is read through gguf's memory map: only touched pages are
-read.
+its experts' bytes), llama.cpp's Q/K row permutation undone for llama-style architectures.
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K matrices are held as stored (codes, with the scales and
+offsets our int8 / int4 group kinds take, exactly: HELD, decode_blocks); every other type is
+dequantized with `gguf.quants.dequantize` (the format's own dequantizer) for just the rows a rank
+asks for. The file is read through gguf's memory map: only touched pages are read. Families are
+declarations (FAMILY_CONFIG, _PIECES) beside the older branches of hf_config.
 """
 
 from __future__ import annotations
