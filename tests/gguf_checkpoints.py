@@ -22,7 +22,22 @@ ATTN = {
 }  # fmt: skip
 EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+        "granitemoe": "granitemoe"}  # fmt: skip
+ATTN["block_sparse_moe.router.layer"] = "ffn_gate_inp"  # Granite's router
+
+
+def _split_granite(sd: dict[str, np.ndarray], layers: int) -> None:
+    """Granite's fused experts (input_linear [E, 2I, H], gate rows first; output_linear) as the
+    converter writes them: per-projection stacks, here first as per-expert keys."""
+    for layer in range(layers):
+        p = f"model.layers.{layer}.block_sparse_moe."
+        gate_up, down = sd.pop(p + "input_linear.weight"), sd.pop(p + "output_linear.weight")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            sd[f"{p}experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
+            sd[f"{p}experts.{e}.up_proj.weight"] = gate_up[e, inter:]
+            sd[f"{p}experts.{e}.down_proj.weight"] = down[e]
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -30,12 +45,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> list[str]:
+def write_gguf(
+    hf_dir: str, out: str, qtype: str = "F32", split: int = 1, values: dict[str, torch.Tensor] | None = None
+) -> list[str]:
     """The checkpoint in hf_dir as GGUF; matrices (2-D and expert stacks) in `qtype`, vectors F32.
-    `split` > 1 writes llama.cpp's split set (`-0000k-of-0000n.gguf`, tensors dealt in order)."""
+    `split` > 1 writes llama.cpp's split set (`-0000k-of-0000n.gguf`, tensors dealt in order).
+    `values` ({GGUF name: tensor}, e.g. dequantized_state of another file) replaces the weights."""
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     arch = ARCH[cfg["model_type"]]
     sd = {k: v.float().numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    if arch == "granitemoe":
+        _split_granite(sd, cfg["num_hidden_layers"])
     tensors: list[tuple[str, np.ndarray]] = [("token_embd.weight", sd.pop("model.embed_tokens.weight"))]
     tensors.append(("output_norm.weight", sd.pop("model.norm.weight")))
     if "lm_head.weight" in sd:
@@ -52,7 +72,7 @@ def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> lis
             if piece == "mlp.shared_expert_gate":
                 w = w.reshape(-1)  # llama.cpp holds it as a vector [H]
             tensors.append((f"blk.{layer}.{ATTN[piece]}.{kind}", w))
-        block = "block_sparse_moe" if arch == "llama" else "mlp"
+        block = "block_sparse_moe" if arch in ("llama", "granitemoe") else "mlp"
         for proj, name in EXPERT.items():
             keys = [f"{p}{block}.experts.{e}.{proj}.weight" for e in range(n_experts)]
             if keys[0] in sd:
@@ -65,7 +85,7 @@ def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> lis
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count(cfg["num_attention_heads"])
         w.add_head_count_kv(cfg["num_key_value_heads"])
-        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))  # OLMoE: 1e-5 by default
         rope = cfg.get("rope_parameters") or {}
         w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
         w.add_expert_count(n_experts)
@@ -79,6 +99,14 @@ def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> lis
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
+        if arch == "granitemoe":
+            for key, hf in (
+                ("attention.scale", "attention_multiplier"),
+                ("embedding_scale", "embedding_multiplier"),
+                ("residual_scale", "residual_multiplier"),
+                ("logit_scale", "logits_scaling"),
+            ):
+                w.add_float32(f"{arch}.{key}", float(cfg[hf]))  # fmt: skip
         _add_tokenizer(w, hf_dir)
 
     paths = []
@@ -94,6 +122,8 @@ def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> lis
             w.add_int32("split.tensors.count", len(tensors))
         for j in idx:
             name, arr = tensors[j]
+            if values is not None:
+                arr = values[name].numpy().reshape(arr.shape)
             _add_tensor(w, name, arr, qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -103,9 +133,27 @@ def write_gguf(hf_dir: str, out: str, qtype: str = "F32", split: int = 1) -> lis
     return paths
 
 
+# Q4_K_M as llama.cpp's quantizer mixes it (llama-quant.cpp): Q4_K, with attn_v, ffn_down and the
+# head in Q6_K (it does so in some layers; here in every one, so both mixes are exercised)
+MIXES = {"Q4_K_M": ("Q4_K", ("attn_v.", "ffn_down", "output.", "ffn_down_exps"), "Q6_K")}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
 def _add_tensor(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: str) -> None:
-    t = gguf.GGMLQuantizationType[qtype]
+    if qtype in MIXES:
+        base, pieces, more = MIXES[qtype]
+        qtype = more if any(p in name for p in pieces) else base
     arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if ".ffn_gate_inp" in name:  # llama.cpp never quantizes the router
+        qtype = "F32"
+    if qtype in K_QUANTS and arr.ndim > 1:
+        if arr.shape[-1] % 256:  # llama.cpp falls back for rows that are not whole super-blocks
+            qtype = "Q8_0"
+        else:
+            raw = quantize_k(arr.reshape(-1, arr.shape[-1]), qtype)
+            w.add_tensor(name, raw.reshape(*arr.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[qtype])
+            return
+    t = gguf.GGMLQuantizationType[qtype]
     if arr.ndim == 1 or t == gguf.GGMLQuantizationType.F32:
         w.add_tensor(name, arr)
     elif t == gguf.GGMLQuantizationType.F16:
@@ -138,3 +186,55 @@ def dequantized_state(paths: list[str]) -> dict[str, torch.Tensor]:
         for t in gguf.GGUFReader(path).tensors:
             out[t.name] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
     return out
+
+
+def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
+    """[rows, cols] float32 -> Q4_K / Q5_K / Q6_K blocks [rows, cols / 256 * bytes] uint8, in llama.cpp's
+    field layout (the inverse of gguf/quants.py's dequantizers; gguf has no K-quant quantizer). A plain
+    min/max rounding, not llama.cpp's search: the codes are valid, their choice is ours."""
+    rows, cols = arr.shape
+    x = arr.reshape(-1, 256).astype(np.float32)
+    n = x.shape[0]
+
+    def ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.divide(a, b, out=np.zeros_like(a), where=b != 0)
+
+    if qtype in ("Q4_K", "Q5_K"):
+        top = 15 if qtype == "Q4_K" else 31
+        sub = x.reshape(n, 8, 32)
+        lo, hi = np.minimum(sub.min(-1), 0), sub.max(-1)
+        d = ((hi - lo) / top).max(-1, keepdims=True) / 63
+        dmin = (-lo).max(-1, keepdims=True) / 63
+        d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+        sc = np.clip(np.round(ratio((hi - lo) / top, d16.astype(np.float32))), 0, 63).astype(np.uint8)
+        m = np.clip(np.round(ratio(-lo, dmin16.astype(np.float32))), 0, 63).astype(np.uint8)
+        s = d16.astype(np.float32) * sc
+        off = dmin16.astype(np.float32) * m
+        q = np.clip(np.round(ratio(sub + off[..., None], s[..., None])), 0, top).astype(np.uint8)
+        hi_sc, hi_m = sc[:, 4:], m[:, 4:]  # sub-blocks 4-7: low 4 bits packed, top 2 beside 0-3's
+        scales = np.concatenate(
+            [
+                sc[:, :4] | ((hi_sc >> 4) << 6),
+                m[:, :4] | ((hi_m >> 4) << 6),
+                (hi_sc & 15) | ((hi_m & 15) << 4),
+            ],
+            axis=-1,
+        )
+        low = (q & 15).reshape(n, 4, 2, 32)
+        qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+        parts = [d16.view(np.uint8), dmin16.view(np.uint8), scales]
+        if qtype == "Q5_K":
+            high = (q >> 4).reshape(n, 8, 32)
+            parts.append(sum((high[:, j] << j) for j in range(8)).astype(np.uint8))
+        return np.concatenate([*parts, qs], axis=-1).reshape(rows, -1)
+    assert qtype == "Q6_K", qtype
+    sub = x.reshape(n, 16, 16)
+    s = np.abs(sub).max(-1) / 31
+    d16 = (s.max(-1, keepdims=True) / 127).astype(np.float16)
+    sc = np.clip(np.round(ratio(s, d16.astype(np.float32))), -128, 127).astype(np.int8)
+    step = d16.astype(np.float32) * sc
+    q = (np.clip(np.round(ratio(sub, step[..., None])), -32, 31) + 32).astype(np.uint8).reshape(n, 256)
+    low, high = (q & 15).reshape(n, 2, 2, 64), (q >> 4).reshape(n, 2, 4, 32)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8)], axis=-1).reshape(rows, -1)

@@ -12,10 +12,18 @@ import pytest
 import torch
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
-from gguf_checkpoints import dequantized_state, write_gguf
+from gguf_checkpoints import dequantized_state, quantize_k, write_gguf
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.models.gguf_file import GGUFError, GGUFTensor, GGUFTensorFile, gguf_files, gguf_model_dir
+from expertmesh.models.gguf_file import (
+    HELD,
+    GGUFError,
+    GGUFTensor,
+    GGUFTensorFile,
+    gguf_files,
+    gguf_model_dir,
+    held_kinds,
+)
 
 PROMPTS = prompts_of_lengths([5, 11, 3], seed=36)
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -85,9 +93,13 @@ def test_every_tensor_and_slice_dequantizes_like_gguf(gguf_model, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "BF16"])
-def test_k_quants_and_others_dequantize_like_gguf(qtype):
+def test_k_quants_and_others_dequantize_like_gguf(qtype, monkeypatch):
     """Random blocks of each type (finite fp16 scales): rows cut from a stacked expert tensor give
-    gguf.quants.dequantize's values for those rows, bit for bit."""
+    gguf.quants.dequantize's values for those rows, bit for bit (dequantized 4 rows a call here,
+    as a large embedding is)."""
+    import expertmesh.models.gguf_file as gguf_file
+
+    monkeypatch.setattr(gguf_file, "DEQUANT_ROWS", 4)
     t = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[t]
     rng = np.random.default_rng(0)
@@ -108,6 +120,35 @@ def test_k_quants_and_others_dequantize_like_gguf(qtype):
         src = GGUFTensor(raw[e], t, (rows, cols), f"w{e}")
         assert torch.equal(src[:].float(), want[e])
         assert torch.equal(src[2:5, 256:].float(), want[e, 2:5, 256:])
+        if qtype in HELD:  # held as stored: our kind's code * scale + offset, any whole-group region
+            kind, group = HELD[qtype]
+            assert src.held_kind == (kind, group) and src.unheld_reason is None
+            for (o0, o1), (i0, i1) in (((0, rows), (0, cols)), ((1, 4), (96, 480)), ((2, 6), (256, 512))):
+                assert torch.equal(_held_values(src, (o0, o1), (i0, i1), group), want[e, o0:o1, i0:i1])
+            # the int8 form with groups of 16 (a fused parameter's parts held alike) gives the same
+            wide = GGUFTensor(raw[e], t, (rows, cols), f"w{e}", kind=("int8", 16))
+            assert torch.equal(_held_values(wide, (1, 5), (64, 448), 16), want[e, 1:5, 64:448])
+        else:  # the reason held.plan logs names the type
+            assert src.held_kind is None and qtype in (src.unheld_reason or "BF16")
+
+
+def _held_values(src: GGUFTensor, rows: tuple, cols: tuple, group: int) -> torch.Tensor:
+    codes, s, m = src.quantized(rows, cols, group, cols[0] // group)
+    codes = codes.view(torch.int8) if src.held_kind[0] == "int8" else codes
+    assert codes.shape == (rows[1] - rows[0], cols[1] - cols[0]) and s.shape[1] == codes.shape[1] // group
+    return codes.float() * s.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_writer_matches_gguf_layout(qtype):
+    """The test's K-quant writer (gguf has none) lays fields out as gguf reads them: its blocks
+    dequantize (gguf's dequantizer) to the input within the rounding step."""
+    x = np.random.default_rng(2).normal(0, 0.1, (4, 512)).astype(np.float32)
+    raw = quantize_k(x, qtype)
+    y = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    step = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 31}[qtype]
+    assert np.abs(y - x).max() <= 1.1 * (2 * np.abs(x).max() / step)
+    assert np.abs(y - x).max() > 0  # rounded, not copied
 
 
 def _greedy(path: str, **kw) -> list[list[int]]:
@@ -146,11 +187,11 @@ def test_held_codes_dequantize_like_gguf(gguf_model, qtype):
         for key, e in _hf_name(name, 8):
             src = f.get_slice(key)
             if src.held_kind is None:
-                assert full.dim() == 1 or key.startswith(("lm_head", "model.embed")), key
+                assert full.dim() == 1 or key.startswith(("lm_head", "model.embed")) or ".gate." in key, key
                 continue
             held += 1
             want = full if e is None else full[e]
-            assert src.held_kind == ({"Q8_0": "int8"}.get(qtype, "int4"), 32)
+            assert src.held_kind == HELD[qtype]
             # whole rows; a TP rank's whole blocks; a rank's 16 inputs inside one block (a 32-wide
             # row split in two: held.local_groups then asks for one scale a row)
             regions = (
@@ -159,6 +200,8 @@ def test_held_codes_dequantize_like_gguf(gguf_model, qtype):
                 ((1, 4), (48, 64), 16),
             )
             for (o0, o1), (i0, i1), group in regions:
+                if i1 > want.shape[1]:
+                    continue
                 codes, s, m = src.quantized((o0, o1), (i0, i1), group, i0 // group)
                 if qtype == "Q8_0":
                     codes = codes.view(torch.int8)
@@ -173,6 +216,59 @@ def test_greedy_tokens_equal_transformers_on_the_gguf_file(gguf_model, checkpoin
     assert _greedy(path) == _transformers_greedy(path, checkpoint("qwen3_moe"))
 
 
+@pytest.fixture(scope="session")
+def k_quant_model(checkpoint, tmp_path_factory):
+    """(Q4_K_M-like file, Q5_K file, F32 files of their values as gguf dequantizes them) of a
+    Qwen3-MoE whose rows are whole 256-wide super-blocks."""
+    hf = checkpoint("qwen3_moe", hidden_size=256, moe_intermediate_size=256)
+    d = tmp_path_factory.mktemp("gguf-k")
+    out = {}
+    for qtype in ("Q4_K_M", "Q5_K"):
+        (path,) = write_gguf(hf, str(d / f"tiny-{qtype}.gguf"), qtype)
+        (ref,) = write_gguf(hf, str(d / f"tiny-{qtype}-as-f32.gguf"), "F32", values=dequantized_state([path]))
+        out[qtype] = (path, ref)
+    return out
+
+
+def _logged(fn, *args) -> tuple:
+    """(fn(*args), the expertmesh log lines written meanwhile: a handler of the test's own)."""
+    import io
+    import logging
+
+    buf, logger = io.StringIO(), logging.getLogger("expertmesh")
+    handler, level = logging.StreamHandler(buf), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        out = fn(*args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return out, buf.getvalue()
+
+
+def test_k_quant_files_hold_codes_and_run_like_their_dequantized_values(k_quant_model):
+    """Q4_K_M (Q4_K with Q6_K attn_v / down: each layer's experts and qkv held alike in int8 groups
+    of 16) and Q5_K files: every matrix but the embedding and head held as stored, and greedy
+    tokens equal our float run of the same values (an F32 file of gguf's dequantization)."""
+    path, ref = k_quant_model["Q4_K_M"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {types["blk.0.ffn_gate_exps.weight"], types["blk.0.ffn_down_exps.weight"]} == {"Q4_K", "Q6_K"}
+    widened = held_kinds(types)
+    assert widened["blk.1.ffn_up_exps.weight"] == ("int8", 16) and widened["blk.0.attn_q.weight"] == (
+        "int8",
+        16,
+    )
+    assert "blk.0.attn_output.weight" not in widened  # a parameter of its own keeps Q4_K's int4
+    for qtype in ("Q4_K_M", "Q5_K"):
+        path, ref = k_quant_model[qtype]
+        got, text = _logged(_greedy, path)
+        assert "weights held compressed as stored: 8 parameters" in text, text  # qkv, o, w13, w2 a layer
+        unheld = [line for line in text.splitlines() if "not held compressed" in line]
+        assert unheld and all("embedding / head" in line for line in unheld), unheld
+        assert _greedy(ref) == got
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
     """Families transformers does not read from GGUF here: an F32 file holds the checkpoint's
@@ -182,23 +278,70 @@ def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
     assert _greedy(path) == _greedy(checkpoint(family))
 
 
+@pytest.mark.parametrize("published", ["olmoe-1b-7b-0924", "granite-3.1-3b-a800m-instruct"])
+def test_families_from_published_configs(real_checkpoint, tmp_path, published):
+    """OLMoE (q/k norm over the whole projection, top-k not renormalised) and Granite-MoE (its
+    multipliers from granitemoe.attention.scale / embedding_scale / residual_scale / logit_scale,
+    fused experts split by the converter, tied head), tiny checkpoints of the published configs:
+    an F32 file runs like the checkpoint; a Q8_0 file, held, like an F32 file of its values."""
+    hf = real_checkpoint(published)
+    (f32,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    assert _greedy(f32) == _greedy(hf)
+    (q8,) = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got, text = _logged(_greedy, q8)
+    assert "weights held compressed as stored" in text
+    assert got == _greedy(ref)
+
+
 LLAMA_CPP = os.environ.get("EXPERTMESH_LLAMA_CPP")  # llama.cpp's sources: convert_hf_to_gguf.py, gguf-py
 
 
 @pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
-@pytest.mark.parametrize("family,outtype", [("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("mixtral", "f32")])
-def test_file_written_by_llama_cpps_converter(checkpoint, tmp_path, family, outtype):
+@pytest.mark.parametrize(
+    "family,outtype",
+    [("qwen3_moe", "f32"), ("qwen3_moe", "q8_0"), ("mixtral", "f32"), ("olmoe-1b-7b-0924", "f32"),
+     ("granite-3.1-3b-a800m-instruct", "f32")],
+)  # fmt: skip
+def test_file_written_by_llama_cpps_converter(checkpoint, real_checkpoint, tmp_path, family, outtype):
     """llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's sdist; needs sentencepiece):
-    Qwen3-MoE against transformers on the same file; Mixtral (written as llama, Q/K permuted)
-    against our run of its checkpoint."""
+    Qwen3-MoE against transformers on the same file; Mixtral (written as llama, Q/K permuted),
+    OLMoE and Granite-MoE (published configs) against our run of their checkpoints."""
+    source = real_checkpoint(family) if "-" in family else checkpoint(family)
     out = str(tmp_path / f"converted-{outtype}.gguf")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
-    subprocess.run([*cmd, checkpoint(family), "--outtype", outtype, "--outfile", out], check=True)
+    subprocess.run([*cmd, source, "--outtype", outtype, "--outfile", out], check=True)
     if family == "qwen3_moe":
-        assert _greedy(out) == _transformers_greedy(out, checkpoint(family))
+        assert _greedy(out) == _transformers_greedy(out, source)
     else:
-        assert _greedy(out) == _greedy(checkpoint(family))
+        assert _greedy(out) == _greedy(source)
+
+
+LLAMA_CPP_PYTHON = os.environ.get("EXPERTMESH_LLAMA_CPP_PYTHON")  # a python with llama-cpp-python
+
+
+@pytest.mark.skipif(
+    not (LLAMA_CPP and LLAMA_CPP_PYTHON),
+    reason="EXPERTMESH_LLAMA_CPP (sources) and EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) are not set",
+)
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+def test_file_quantized_by_llama_cpp(checkpoint, tmp_path, ftype):
+    """llama.cpp's own converter (F32) then its own quantizer (llama_model_quantize): every matrix
+    but the embedding and head held as stored, and greedy tokens equal our float run of the
+    values gguf dequantizes from the same file."""
+    hf = checkpoint("qwen3_moe", hidden_size=256, moe_intermediate_size=256)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f32, out = str(tmp_path / "f32.gguf"), str(tmp_path / f"{ftype}.gguf")
+    convert = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*convert, hf, "--outtype", "f32", "--outfile", f32], check=True)
+    subprocess.run(
+        [LLAMA_CPP_PYTHON, os.path.join(root, "benchmarks", "gguf_quantize.py"), f32, out, ftype], check=True
+    )
+    (ref,) = write_gguf(hf, str(tmp_path / "as-f32.gguf"), "F32", values=dequantized_state([out]))
+    got, text = _logged(_greedy, out)
+    assert "weights held compressed as stored: 8 parameters" in text, text
+    assert got == _greedy(ref)
 
 
 def test_tokenizer_from_metadata_and_override(gguf_model, checkpoint):
@@ -248,18 +391,22 @@ def _rank_main(rank, world, runs):
     return [_greedy(path, **kw, distributed_executor_backend="external_launcher") for path, kw in runs]
 
 
-@pytest.mark.timeout(150)
-def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model):
-    """Q4_0 Qwen3-MoE under TP2 and DP2 + EP, and a permuted-Q/K Mixtral file under TP2 (each rank
-    un-permutes, then keeps its heads)."""
+@pytest.mark.timeout(200)
+def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model, k_quant_model):
+    """Q4_0 and Q4_K_M Qwen3-MoE under TP2 and DP2 + EP (a TP rank's half of a 256-wide super-block,
+    held in groups of 16), and a permuted-Q/K Mixtral file under TP2 (each rank un-permutes, then
+    keeps its heads)."""
     (qwen,) = gguf_model("Q4_0")
     (mixtral,) = gguf_model("Q8_0", family="mixtral")
+    k_quant = k_quant_model["Q4_K_M"][0]
     runs = [
         (qwen, dict(tensor_parallel_size=2)),
         (qwen, dict(data_parallel_size=2, enable_expert_parallel=True)),
         (mixtral, dict(tensor_parallel_size=2)),
+        (k_quant, dict(tensor_parallel_size=2)),
+        (k_quant, dict(data_parallel_size=2, enable_expert_parallel=True)),
     ]
     want = [_greedy(path) for path, _ in runs]
-    results = run_distributed(_rank_main, 2, runs, timeout=140)
+    results = run_distributed(_rank_main, 2, runs, timeout=190)
     for per_rank in results:  # TP: both ranks run every prompt; DP + EP: each rank ran them all
         assert per_rank == want

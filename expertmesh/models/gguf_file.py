@@ -6,10 +6,12 @@ config.json made from the file's metadata, the tokenizer transformers builds fro
 `gguf.json` naming the weight files. The loader (models/loader.py) then opens each GGUF file as a
 `GGUFTensorFile`: its tensors renamed from llama.cpp's names to the HF checkpoint names the family
 expects (stacked `ffn_*_exps` expert tensors served one expert at a time, so an EP rank reads only
-its experts' bytes), llama.cpp's Q/K row permutation undone for llama-style architectures, and
-every quantized type dequantized with `gguf.quants.dequantize` (the format's own dequantizer) for
-just the rows a rank asks for. The file is read through gguf's memory map: only touched pages are
-read.
+its experts' bytes), llama.cpp's Q/K row permutation undone for llama-style architectures.
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K matrices are held as stored (codes, with the scales and
+offsets our int8 / int4 group kinds take, exactly: HELD, decode_blocks); every other type is
+dequantized with `gguf.quants.dequantize` (the format's own dequantizer) for just the rows a rank
+asks for. The file is read through gguf's memory map: only touched pages are read. Families are
+declarations (FAMILY_CONFIG, _PIECES) beside the older branches of hf_config.
 """
 
 from __future__ import annotations
@@ -137,11 +139,36 @@ def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         )
     elif arch == "llama":
         cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    elif arch in FAMILY_CONFIG:  # the families declared below: metadata key -> config key
+        hf_arch, model_type, keys, fixed = FAMILY_CONFIG[arch]
+        cfg.update(architectures=[hf_arch], model_type=model_type, **fixed)
+        cfg.update({hf: get(key) for key, hf in keys.items() if get(key) is not None})
     else:
         raise GGUFError(
-            f"GGUF architecture {arch!r} is not supported yet (supported: qwen3moe, qwen2moe, llama/mixtral)"
+            f"GGUF architecture {arch!r} is not supported yet (supported: qwen3moe, qwen2moe, "
+            f"llama/mixtral, {', '.join(FAMILY_CONFIG)})"
         )
     return cfg
+
+
+# More families, each a declaration: (HF architecture, model_type, {metadata key under the
+# architecture's prefix: config key}, fixed config values), with their tensor names in _PIECES.
+# Values are what llama.cpp's converter writes (convert_hf_to_gguf.py) and its runtime assumes
+# (llama-model.cpp: OLMoE's top-k weights are not renormalised).
+FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
+    "olmoe": (
+        "OlmoeForCausalLM", "olmoe",
+        {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+        {"norm_topk_prob": False, "clip_qkv": None, "attention_bias": False},
+    ),
+    "granitemoe": (
+        "GraniteMoeForCausalLM", "granitemoe",
+        {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+         "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+         "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"},
+        {"attention_bias": False},
+    ),
+}  # fmt: skip
 
 
 # ---- names --------------------------------------------------------------------------------------
@@ -177,10 +204,21 @@ _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output
 BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+_GRANITE_EXPERTS = {"ffn_gate_exps": ("block_sparse_moe", "gate_proj"),
+                    "ffn_up_exps": ("block_sparse_moe", "up_proj"),
+                    "ffn_down_exps": ("block_sparse_moe", "down_proj")}  # fmt: skip
+# per architecture: (llama.cpp piece -> HF piece, stacked experts)
+_PIECES = {
+    "qwen2moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
+    "qwen3moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
+    "olmoe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
+    # the converter splits Granite's fused input_linear into gate and up: served per expert
+    "granitemoe": ({**_ATTN, "ffn_gate_inp": "block_sparse_moe.gate"}, _GRANITE_EXPERTS),
+}
+
+
 def _pieces(arch: str) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
-    if arch in ("qwen2moe", "qwen3moe"):
-        return {**_ATTN, **_QWEN}, _EXPERTS["qwen"]
-    return {**_ATTN, "ffn_gate_inp": "block_sparse_moe.gate"}, _EXPERTS["llama"]
+    return _PIECES.get(arch) or ({**_ATTN, "ffn_gate_inp": "block_sparse_moe.gate"}, _EXPERTS["llama"])
 
 
 # ---- tensors ------------------------------------------------------------------------------------
@@ -190,62 +228,154 @@ def _undo_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-# Types held as stored in our int8 / int4 group kinds (layers/quantization/held.py), W = code * s + o
-# per 32 inputs, bit for bit gguf's dequantization (q * d, and q * d + m, are exact in float32:
-# an fp16 scale times a code of at most 8 bits needs 19 bits):
-#   Q8_0 = d * q (q int8): int8 codes q, scale d, offset 0
-#   Q4_0 = d * (q - 8) (q 0..15): int4 codes q, scale d, offset -8 d
+# Types held as stored in our int8 / int4 group kinds (layers/quantization/held.py): W = code * s + o
+# per group, bit for bit gguf's dequantization. Each product code * s is exact in float32 (an fp16
+# scale, times a K-quant's 6-bit sub-block scale, times a code of at most 8 bits needs at most 24
+# bits), so the one rounding left is the offset's add, the same one gguf makes:
+#   Q8_0 = d * q (q int8): int8 codes q, scale d, offset 0, groups of 32
+#   Q4_0 = d * (q - 8) (q 0..15): int4 codes q, scale d, offset -8 d (exact: d * (q - 8) is)
 #   Q4_1 = d * q + m: int4 codes q, scale d, offset m
-HELD = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+#   Q4_K = (d * sc_j) * q - dmin * m_j, 8 sub-blocks of 32 in a super-block of 256: int4 codes q,
+#          scale d * sc_j, offset -(dmin * m_j) per 32
+#   Q5_K = the same with 5-bit codes: held in the int8 kind (codes 0..31; no 5-bit kernel)
+#   Q6_K = (d * sc_j) * (q - 32), 16 sub-blocks of 16 (sc_j int8): int8 codes q - 32, scale
+#          d * sc_j, offset 0, groups of 16
+HELD = {
+    "Q8_0": ("int8", 32), "Q4_0": ("int4", 32), "Q4_1": ("int4", 32),
+    "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16),
+}  # fmt: skip
+FLOAT_TYPES = ("F32", "F16", "BF16")
+DEQUANT_ROWS = 4096  # rows dequantized per call of gguf's dequantizer
+# parameters the model fuses (qkv, gate+up, an expert's gate/up and down pair): their parts must be
+# held in one kind and group, so a mix (Q4_K_M's Q4_K gate/up with a Q6_K down) is held as int8
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"),
+         ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))  # fmt: skip
+
+
+def held_kinds(tensors: dict[str, str]) -> dict[str, tuple[str, int]]:
+    """{tensor name: (kind, group)} for the held tensors of a fused parameter whose parts' types map
+    onto different kinds or groups: all in int8 with the smallest group (codes and scales exact)."""
+    out: dict[str, tuple[str, int]] = {}
+    layers: dict[str, dict[str, str]] = {}
+    for name, qtype in tensors.items():
+        m = BLOCK.match(name)
+        if m and m.group(3) == "weight":
+            layers.setdefault(m.group(1), {})[m.group(2)] = qtype
+    for layer, pieces in layers.items():
+        for fused in FUSED:
+            types = {p: pieces[p] for p in fused if p in pieces}
+            kinds = {HELD.get(t) for t in types.values()}
+            if len(kinds) > 1 and None not in kinds:
+                widened = ("int8", min(g for _, g in kinds))
+                out.update({f"blk.{layer}.{p}.weight": widened for p in types})
+    return out
+
+
+def _half(raw: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte `at` of every block, as float32."""
+    return np.ascontiguousarray(raw[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n] codes: each run of `width` bytes gives its low nibbles, then its high."""
+    lead = qs.shape[:-1]
+    q = qs.reshape(*lead, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    return (q & 0x0F).reshape(*lead, -1)
+
+
+def decode_blocks(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks [..., n, bytes] of a held type -> codes [..., n * QK] uint8 (int8 kinds: the bytes of
+    int8 values) and float32 scales, offsets [..., n * QK / group] with W = code * scale + offset
+    exactly gguf.quants.dequantize's W (the field layouts are gguf's own, gguf/quants.py)."""
+    from gguf.quants import Q4_K
+
+    lead = raw.shape[:-1]
+    flat = (*lead[:-1], -1)
+    if qtype == "Q8_0":
+        d = _half(raw, 0)
+        return raw[..., 2:].reshape(flat), d.reshape(flat), np.zeros_like(d).reshape(flat)
+    if qtype in ("Q4_0", "Q4_1"):
+        d = _half(raw, 0)
+        codes = _nibbles(raw[..., 4 if qtype == "Q4_1" else 2 :], 16)
+        offset = _half(raw, 2) if qtype == "Q4_1" else -8 * d
+        return codes.reshape(flat), d.reshape(flat), offset.reshape(flat)
+    if qtype in ("Q4_K", "Q5_K"):
+        d, dmin = _half(raw, 0)[..., None], _half(raw, 2)[..., None]
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(raw[..., 4:16]).reshape(-1, 12))
+        scales = d * sc.reshape(*lead, 8).astype(np.float32)
+        offsets = -(dmin * m.reshape(*lead, 8).astype(np.float32))
+        if qtype == "Q4_K":
+            codes = _nibbles(raw[..., 16:144], 32)
+        else:  # the fifth bit of sub-block j is bit j of qh's byte k (k = position in the sub-block)
+            qh = raw[..., 16:48].reshape(*lead, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            codes = _nibbles(raw[..., 48:176], 32) | ((qh & 1) << 4).reshape(*lead, 256)
+        return codes.reshape(flat), scales.reshape(flat), offsets.reshape(flat)
+    if qtype == "Q6_K":
+        ql = _nibbles(raw[..., :128], 64)
+        qh = raw[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = (ql | ((qh & 3).reshape(*lead, 256) << 4)).astype(np.int16) - 32
+        scales = _half(raw, 208)[..., None] * raw[..., 192:208].view(np.int8).astype(np.float32)
+        return (
+            q.astype(np.int8).view(np.uint8).reshape(flat),
+            scales.reshape(flat),
+            np.zeros_like(scales).reshape(flat),
+        )
+    raise ValueError(f"GGUF {qtype} is not a held type")
 
 
 class GGUFTensor(LogicalTensor):
     """One GGUF tensor (or one expert of a stacked one) in HF orientation [out, in]; indexing reads
-    and dequantizes only the rows asked for (whole heads for a permuted Q/K weight). Q8_0, Q4_0 and
-    Q4_1 matrices say how they map onto our held kinds (`held_kind`, `quantized`)."""
+    and dequantizes only the rows asked for (whole heads for a permuted Q/K weight). Matrices of the
+    HELD types say how they map onto our held kinds (`held_kind`, `quantized`); `kind` overrides
+    the type's own (a fused parameter's parts held alike: held_kinds)."""
 
-    def __init__(self, data: np.ndarray, qtype: Any, shape: tuple[int, ...], key: str, permute: int = 0):
+    def __init__(
+        self,
+        data: np.ndarray,
+        qtype: Any,
+        shape: tuple[int, ...],
+        key: str,
+        permute: int = 0,
+        kind: tuple[str, int] | None = None,
+    ):
         from gguf import GGMLQuantizationType as Q
 
         self.data, self.qtype, self.shape, self.base, self.permute = data, qtype, shape, key, permute
         self.dtype = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(qtype, torch.float32)
-        # the head and embedding take float weights (the head's kernels are not the held ones)
-        if (
-            qtype.name in HELD
-            and len(shape) == 2
-            and not permute
-            and not key.startswith(("lm_head", "model.embed"))
-        ):
-            self.held_kind = (HELD[qtype.name], 32)
+        name = qtype.name
+        # why a tensor is not held, for held.plan's log line (None: a float tensor, nothing to say)
+        self.unheld_reason = None if name in FLOAT_TYPES else f"GGUF {name}: no kernel holds it, dequantized"
+        if name in HELD and len(shape) == 2:
+            if key.startswith(("lm_head", "model.embed")):  # the head's kernels are not the held ones
+                self.unheld_reason = f"GGUF {name} embedding / head: dequantized"
+            elif permute:
+                self.unheld_reason = f"GGUF {name} Q/K rows permuted by llama.cpp: dequantized"
+            else:
+                self.held_kind, self.unheld_reason = tuple(kind or HELD[name]), None
 
     def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
-        """Codes [o, i] uint8, scales and offsets [o, groups] float32 of the region (whole blocks)."""
+        """Codes [o, i] uint8, scales and offsets [o, groups] float32 of the region: the blocks that
+        cover it decoded (decode_blocks), the scales repeated to the held group, then cut."""
+        from gguf import GGML_QUANT_SIZES
+
         (o0, o1), (i0, i1) = rows, cols
-        b0, b1 = i0 // 32, -(-i1 // 32)
-        # whole blocks, or (group = the region: a rank's part of a 32-wide row) inside one block
-        if (group == 32 and i0 % 32) or (group != 32 and b1 - b0 != 1):
+        qk, size = GGML_QUANT_SIZES[self.qtype]
+        held = self.held_kind[1]
+        b0, b1 = i0 // qk, -(-i1 // qk)
+        c0, c1 = i0 - b0 * qk, i1 - b0 * qk
+        # whole groups, or (group = the region: a rank's part of a row of one group) inside one
+        if (group == held and c0 % held) or (group != held and c0 // held != (c1 - 1) // held):
             raise ValueError(
-                f"{self.base}: GGUF {self.qtype.name} blocks are 32 inputs; asked {group} at {i0}"
+                f"{self.base}: GGUF {self.qtype.name} is held in groups of {held}; asked {group} at {i0}"
             )
-        raw = np.asarray(self.data[o0:o1]).reshape(o1 - o0, -1, BLOCK_BYTES[self.qtype.name])[:, b0:b1]
-        raw = np.array(raw)  # a copy: the memory map is read-only
-
-        def half(at: int) -> torch.Tensor:  # the fp16 field at byte `at` of every block, as float32
-            return torch.from_numpy(
-                np.ascontiguousarray(raw[..., at : at + 2]).view(np.float16)[..., 0]
-            ).float()
-
-        d = half(0)
-        raw = torch.from_numpy(raw)
-        if self.qtype.name == "Q8_0":
-            codes = raw[..., 2:].reshape(o1 - o0, -1)
-            return codes[:, i0 - b0 * 32 : i1 - b0 * 32], d, torch.zeros_like(d)
-        qs = raw[..., 4:] if self.qtype.name == "Q4_1" else raw[..., 2:]
-        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(o1 - o0, -1)[:, i0 - b0 * 32 : i1 - b0 * 32]
-        if self.qtype.name == "Q4_1":
-            return codes, d, half(2)
-        return codes, d, -8 * d
+        raw = np.array(np.asarray(self.data[o0:o1]).reshape(o1 - o0, -1, size)[:, b0:b1])  # off the map
+        codes, scales, offsets = decode_blocks(self.qtype.name, raw)
+        native = HELD[self.qtype.name][1]
+        if native != held:  # a fused parameter held in smaller groups than this type's own
+            scales, offsets = (np.repeat(t, native // held, axis=-1) for t in (scales, offsets))
+        g1 = -(-c1 // held) if group == held else c0 // held + 1
+        pick = lambda t: torch.from_numpy(np.ascontiguousarray(t[:, c0 // held : g1]))
+        return torch.from_numpy(np.ascontiguousarray(codes[:, c0:c1])), pick(scales), pick(offsets)
 
     def _rows(self, r0: int, r1: int) -> torch.Tensor:
         from gguf import GGMLQuantizationType as Q
@@ -256,7 +386,16 @@ class GGUFTensor(LogicalTensor):
             return torch.from_numpy(raw.copy())
         if self.qtype == Q.BF16:
             return torch.from_numpy(raw.copy()).view(torch.int16).view(torch.bfloat16)
-        return torch.from_numpy(dequantize(raw, self.qtype).astype(np.float32, copy=False))
+        if raw.ndim < 2 or len(raw) <= DEQUANT_ROWS:
+            return torch.from_numpy(dequantize(raw, self.qtype).astype(np.float32, copy=False))
+        # a few thousand rows at a time: gguf's dequantizer makes several float32 temporaries the
+        # size of its input's values, which for a 150K-row embedding would be gigabytes
+        first = dequantize(raw[:DEQUANT_ROWS], self.qtype)
+        out = np.empty((len(raw), *first.shape[1:]), np.float32)
+        out[:DEQUANT_ROWS] = first
+        for r in range(DEQUANT_ROWS, len(raw), DEQUANT_ROWS):
+            out[r : r + DEQUANT_ROWS] = dequantize(raw[r : r + DEQUANT_ROWS], self.qtype)
+        return torch.from_numpy(out)
 
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         if not bounds:
@@ -270,27 +409,44 @@ class GGUFTensor(LogicalTensor):
         return t[(slice(None), *(slice(a, b) for a, b in rest))].contiguous() if rest else t
 
 
+_READERS: dict[tuple, Any] = {}
+
+
+def open_reader(path: str) -> Any:
+    """gguf's reader of one file, parsed once a process: the parse walks every metadata field, and a
+    150K-token vocabulary makes that tens of seconds (the memory map itself is cheap)."""
+    from gguf import GGUFReader
+
+    key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
+    if key not in _READERS:
+        _READERS[key] = GGUFReader(path, "r")
+    return _READERS[key]
+
+
 class GGUFTensorFile:
     """One GGUF file's tensors under HF names (the part of safe_open the loader uses)."""
 
     def __init__(self, path: str, info: dict[str, Any]) -> None:
-        from gguf import GGUFReader
 
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
+            self.reader = open_reader(path)
         except Exception as exc:
             raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         self.tensors: dict[str, tuple[Any, int | None, int]] = {}  # key -> (tensor, expert, heads)
         arch, heads, kv = info["arch"], info["num_attention_heads"], info["num_key_value_heads"]
         pieces, experts = _pieces(arch)
-        logged: set[str] = set()
+        self.kinds = {k: tuple(v) for k, v in info.get("held_kinds", {}).items()}
+        unheld: dict[str, int] = {}
         for t in self.reader.tensors:
-            if t.tensor_type.name not in ("F32", "F16", "BF16") and t.tensor_type.name not in logged:
-                logged.add(t.tensor_type.name)
-                log.info(
-                    "GGUF %s: %s tensors dequantized at load", os.path.basename(path), t.tensor_type.name
-                )
+            if t.tensor_type.name not in (*FLOAT_TYPES, *HELD):
+                unheld[t.tensor_type.name] = unheld.get(t.tensor_type.name, 0) + 1
+        for qtype, count in sorted(unheld.items()):  # one line a type: what it costs
+            log.info(
+                "GGUF %s: %d %s tensors dequantized to float at load (no kernel of ours holds %s; "
+                "held as stored: %s)", os.path.basename(path), count, qtype, qtype, ", ".join(HELD),
+            )  # fmt: skip
+        for t in self.reader.tensors:
             name, hf = t.name, None
             top = name.rsplit(".", 1)
             if top[0] in _TOP:
@@ -326,13 +482,14 @@ class GGUFTensorFile:
         if key not in self.tensors:
             raise KeyError(f"{self.path} has no tensor {key!r}")
         t, e, permute = self.tensors[key]
+        kind = self.kinds.get(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy order: HF's [out, in]
         data = t.data
         if e is not None:
             shape, data = shape[1:], data[e]
         elif key.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp: a vector [H]
             shape, data = (1, *shape), data[None]
-        return GGUFTensor(data, t.tensor_type, shape, key, permute)
+        return GGUFTensor(data, t.tensor_type, shape, key, permute, kind)
 
 
 def piece_of(name: str) -> str:
@@ -343,8 +500,8 @@ def piece_of(name: str) -> str:
 # ---- the weight format --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GGUFFormat:
-    """quantization_config {"quant_method": "gguf"}: Q8_0 / Q4_0 / Q4_1 matrices held as int8 / int4
-    codes with a scale and offset per 32 inputs; every other type dequantized at load."""
+    """quantization_config {"quant_method": "gguf"}: matrices of the HELD types held as int8 / int4
+    codes with a scale and offset per group (32, Q6_K 16); every other type dequantized at load."""
 
     held_types: tuple[str, ...] = ()
     method: str = "gguf"
@@ -356,7 +513,7 @@ class GGUFFormat:
         return cls(tuple(cfg.get("held_types", ())))
 
     def describe(self) -> str:
-        return f"gguf, {'/'.join(self.held_types) or 'no'} matrices held as int codes (groups of 32)"
+        return f"gguf, {'/'.join(self.held_types) or 'no'} matrices held as int codes"
 
     def name(self) -> str:
         return "gguf"
@@ -383,7 +540,6 @@ def _cache_root() -> str:
 
 def gguf_model_dir(model: str) -> str:
     """A directory the engine loads like a checkpoint: config.json, tokenizer, gguf.json."""
-    from gguf import GGUFReader
 
     files = [os.path.abspath(p) for p in gguf_files(model)]
     stamp = json.dumps([(p, os.path.getsize(p), os.path.getmtime(p)) for p in files])
@@ -391,14 +547,15 @@ def gguf_model_dir(model: str) -> str:
     if os.path.exists(os.path.join(out, MARKER)):
         return out
     try:
-        reader = GGUFReader(files[0], "r")
+        reader = open_reader(files[0])
     except Exception as exc:
         raise GGUFError(f"{files[0]}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     meta = _fields(reader)
     cfg = hf_config(meta)
-    names = {t.name for t in reader.tensors}
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
     for p in files[1:]:
-        names |= {t.name for t in GGUFReader(p, "r").tensors}
+        types.update({t.name: t.tensor_type.name for t in open_reader(p).tensors})
+    names = set(types)
     cfg["tie_word_embeddings"] = "output.weight" not in names
     if cfg.get("vocab_size") is None:
         emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
@@ -406,7 +563,7 @@ def gguf_model_dir(model: str) -> str:
     if cfg["architectures"][0] == "Qwen2MoeForCausalLM":
         cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
     cfg["torch_dtype"] = "float32"
-    held = sorted({t.tensor_type.name for t in reader.tensors} & set(HELD))
+    held = sorted(set(types.values()) & set(HELD))
     if held:  # the loader holds these codes as stored (GGUFFormat); quantization="dequantize" does not
         cfg["quantization_config"] = {"quant_method": "gguf", "held_types": held}
     os.makedirs(out, exist_ok=True)
@@ -420,6 +577,7 @@ def gguf_model_dir(model: str) -> str:
         "arch": meta["general.architecture"],
         "num_attention_heads": cfg["num_attention_heads"],
         "num_key_value_heads": cfg["num_key_value_heads"],
+        "held_kinds": held_kinds(types),
     }
     with open(os.path.join(tmp, MARKER), "w") as f:
         json.dump(info, f, indent=1)

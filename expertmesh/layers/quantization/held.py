@@ -133,8 +133,10 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         fills[key] = [name for name, _ in targets]
         src = view.get_slice(key)
         kind = getattr(src, "held_kind", None)
-        if isinstance(src, LogicalTensor) and kind is None:
-            reasons["groups out of input order (desc_act's g_idx)"] += 1
+        if isinstance(src, LogicalTensor) and kind is None:  # the source may say why (GGUF's types)
+            reason = getattr(src, "unheld_reason", "groups out of input order (desc_act's g_idx)")
+            if reason:
+                reasons[reason] += 1
         full = getattr(src, "held_in", None) or src.get_shape()[-1]
         for name, as_is in targets:
             as_is = as_is or getattr(src, "held_through_picks", False)
