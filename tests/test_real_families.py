@@ -61,6 +61,10 @@ FAMILIES = {
     "minimax-m2.7": ("2026/minimax-m2.7", {}),
     "minimax-m2.5": ("2026/minimax-m2.5", {}),
     "kimi-k2.5": ("2026/kimi-k2.5", {}),  # the DeepSeek-V3 text tower, vision skipped
+    # two MLA blocks and two dense MLPs a layer beside the MoE; 8 real + 4 identity experts, top-4
+    # transformers takes the rope width from head_dim (its class default 64, the published
+    # qk_rope_head_dim): the shrunk file states it at the shrunk qk_rope_head_dim.
+    "longcat-flash": ("2026/longcat-flash-chat", {"head_dim": Sizes().qk_rope_head_dim}),
 }
 
 

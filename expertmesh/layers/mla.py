@@ -95,5 +95,9 @@ class MLAAttention(nn.Module):
         )
         c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)
+        if m.q_lora_scale != 1.0:
+            q_nope, q_pe = q_nope * m.q_lora_scale, q_pe * m.q_lora_scale
+        if m.kv_lora_scale != 1.0:
+            c = c * m.kv_lora_scale
         q_pe, k_pe = ctx.rope.apply(q_pe, k_pe.unsqueeze(1))
         return self.o_proj(self.attn(q_nope, q_pe, c, k_pe.squeeze(1), ctx.attn))

@@ -15,6 +15,9 @@ from expertmesh.registries import lookup
 
 @dataclass(frozen=True)
 class Family:
+    # models/decoder.py LAYER_KINDS: "standard" (attention then MLP / MoE), "shortcut_moe"
+    # (LongCat-Flash: two attention blocks and two dense MLPs beside one MoE branch)
+    layer: str = "standard"
     attention: str = "gqa"  # models/decoder.py ATTENTION_KINDS: "gqa" (per-head KV), "mla" (latent KV)
     # models/decoder.py LINEAR_MIXERS: the mixer of the config's "linear_attention" layers (hybrids)
     linear_attention: str | None = None

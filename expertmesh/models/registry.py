@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5MoeForConditionalGeneration"),  # its text
     "KimiK25ForConditionalGeneration": ("kimi", "KimiK25ForConditionalGeneration"),  # its text tower
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "LongcatFlashForCausalLM": ("longcat_flash", "LongcatFlashForCausalLM"),
 }
 
 
