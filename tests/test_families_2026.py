@@ -206,7 +206,8 @@ def test_longcat_layer_holds_two_cache_slots_and_its_identity_experts(real_check
     assert runner.attn_layers[:2] == [layers[0].self_attn[0].attn, layers[0].self_attn[1].attn]
     assert len({id(t) for t in runner.kv}) == len(runner.kv) == 2 * cfg.num_layers
     moe = layers[0].mlp
-    assert moe.gate.e_score_correction_bias.numel() == cfg.num_experts + cfg.identity_experts and cfg.identity_experts == 4
+    assert cfg.identity_experts == 4
+    assert moe.gate.e_score_correction_bias.numel() == cfg.num_experts + cfg.identity_experts
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
     config = json.loads((bad / "config.json").read_text())
