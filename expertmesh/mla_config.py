@@ -21,6 +21,11 @@ class MLAConfig:
     # sqrt(hidden / kv_lora_rank) (mla_scale_q_lora / mla_scale_kv_lora); 1.0: no scaling
     q_lora_scale: float = 1.0
     kv_lora_scale: float = 1.0
+    # DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5): heads, head width and
+    # the past tokens each query keeps; index_topk 0: dense attention, no indexer
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -49,6 +54,9 @@ class MLAConfig:
         q_scale = (hidden / int(q_lora)) ** 0.5 if q_lora and getattr(hf, "mla_scale_q_lora", False) else 1.0
         kv_scale = (hidden / int(hf.kv_lora_rank)) ** 0.5 if getattr(hf, "mla_scale_kv_lora", False) else 1.0
         return cls(
+            index_heads=int(getattr(hf, "index_n_heads", 0) or 0),
+            index_head_dim=int(getattr(hf, "index_head_dim", 0) or 0),
+            index_topk=int(getattr(hf, "index_topk", 0) or 0),
             q_lora_scale=q_scale,
             kv_lora_scale=kv_scale,
             kv_lora_rank=int(hf.kv_lora_rank),

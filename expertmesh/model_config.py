@@ -49,7 +49,14 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
 
 
 # linear_attention: a Gated DeltaNet layer (hybrid families; ModelConfig.linear_attn has its sizes)
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+# indexed_attention: full attention through DeepSeek Sparse Attention's indexer (MLAConfig.index_topk)
+LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "linear_attention",
+    "indexed_attention",
+)
 
 
 def _quantization(hf: Any, online: str | None) -> Any:
@@ -167,6 +174,8 @@ class ModelConfig:
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
+        if "indexed_attention" in self.layer_types and not (self.mla and self.mla.index_topk):
+            raise ValueError("layer_types has indexed_attention layers but the config has no index_topk")
         if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
             raise ValueError("layer_types has chunked_attention layers but no attention_chunk_size")
 

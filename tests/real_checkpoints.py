@@ -75,6 +75,11 @@ class Sizes:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+    # DeepSeek Sparse Attention's indexer: heads, head width and the tokens a query keeps (fewer
+    # than the test prompts, so the selection happens)
+    index_n_heads: int = 16
+    index_head_dim: int = 16
+    index_topk: int = 12
 
 
 def shrink(config: dict, sizes: Sizes = Sizes(), **overrides) -> dict:
@@ -150,7 +155,10 @@ def _shrink_widths(c: dict, s: Sizes) -> None:
         # Without moe_intermediate_size, an MoE's intermediate_size is its expert width.
         expert_width = is_moe and "moe_intermediate_size" not in c
         c["intermediate_size"] = s.expert_inter if expert_width else s.dense_inter
-    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    for key in (
+        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "index_n_heads", "index_head_dim", "index_topk",
+    ):  # fmt: skip
         if c.get(key):  # a null q_lora_rank (no q LoRA, V2-Lite) stays null
             c[key] = getattr(s, key)
     for key, size in (

@@ -65,6 +65,8 @@ FAMILIES = {
     # transformers takes the rope width from head_dim (its class default 64, the published
     # qk_rope_head_dim): the shrunk file states it at the shrunk qk_rope_head_dim.
     "longcat-flash": ("2026/longcat-flash-chat", {"head_dim": Sizes().qk_rope_head_dim}),
+    # MLA with the lightning indexer; index_topk 12 below the longer prompts: selection happens
+    "deepseek-v3.2": ("2026/deepseek-v3.2", {}),
 }
 
 

@@ -153,6 +153,14 @@ class RotaryTables:
         """q [T, Hq, D], k [T, Hk, D]: the first rotary_dim dims rotated, the rest passed through."""
         return self.rotate(q), self.rotate(k)
 
+    def halves(self) -> RotaryTables:
+        """These tables in the NeoX halves layout (DSA's indexer rotates halves beside an MLA that
+        rotates pairs: the same frequencies)."""
+        if not self.interleaved:
+            return self
+        cos, sin = self.cos[..., 0::2], self.sin[..., 0::2]
+        return RotaryTables(torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), False)
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
         part = x[..., :r]

@@ -149,6 +149,12 @@ class GatedDecoderAttention(nn.Module):
         return self.o_proj(y * torch.sigmoid(gate.reshape(y.shape)))
 
 
+def _kv_layers(attention: nn.Module) -> list[Any]:
+    """An attention block's cache slots: its `.attn`, or what it lists (MLA with DSA's indexer)."""
+    listed = getattr(attention, "kv_layers", None)
+    return listed() if listed is not None else [attention.attn]
+
+
 # Attention kinds a family picks by name; each owns its projections and its KV-cache kind
 # (`.attn.kv_spec`): per-head K/V for GQA/MHA, one latent row per token for MLA.
 ATTENTION_KINDS = {"gqa": DecoderAttention, "mla": MLAAttention, "gated_gqa": GatedDecoderAttention}
@@ -250,7 +256,7 @@ class DecoderLayer(nn.Module):
 
     def kv_layers(self) -> list[Any]:
         """This layer's modules owning a KV cache slot (`kv_spec`, `bind_kv_cache`), in order."""
-        return [] if self.is_linear else [self.self_attn.attn]
+        return [] if self.is_linear else _kv_layers(self.self_attn)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -292,7 +298,7 @@ class ShortcutMoELayer(nn.Module):
         self.mlp_name = family.mlp_name
 
     def kv_layers(self) -> list[Any]:
-        return [attn.attn for attn in self.self_attn]
+        return [layer for attn in self.self_attn for layer in _kv_layers(attn)]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn[0](positions, self.input_layernorm[0](x), ctx)
