@@ -12,12 +12,12 @@ import torch
 from distributed_utils import run_distributed
 from real_checkpoints import Sizes, published, shrink
 from test_chunked_prefill import SHORT, compare
-from test_real_families import FAMILIES, hf_logprobs, logprob_errors, prompts_for
+from test_real_families import FAMILIES, hf_logprobs, hf_model, logprob_errors, prompts_for
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.layers.norm import ProjectionRMSNorm
 
-CHUNKED_AND_CACHED = ["minimax-m2.7", "kimi-k2.5", "longcat-flash"]
+CHUNKED_AND_CACHED = ["minimax-m2.7", "kimi-k2.5", "longcat-flash", "deepseek-v3.2"]
 
 
 @pytest.mark.timeout(120)
@@ -83,7 +83,8 @@ def test_kimi_k25_serves_its_text_tower_and_logs_the_vision_skip(real_checkpoint
 
 
 @pytest.mark.parametrize(
-    "name", ["minimax-m2.5", "minimax-m2.7", "kimi-k2.5", "kimi-k2-instruct", "longcat-flash-chat"]
+    "name",
+    ["minimax-m2.5", "minimax-m2.7", "kimi-k2.5", "kimi-k2-instruct", "longcat-flash-chat", "deepseek-v3.2"],
 )
 def test_published_2026_configs_shrink_with_every_flag_kept(name):
     """Every key survives shrinking; a flag (not a size) keeps its published value; our config
@@ -100,6 +101,7 @@ def test_published_2026_configs_shrink_with_every_flag_kept(name):
         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
         "rotary_dim", "attn_type_list", "quantization_config", "text_config", "vision_config",
         "num_layers", "ffn_hidden_size", "expert_ffn_hidden_size", "moe_topk", "zero_expert_num",
+        "index_n_heads", "index_head_dim", "index_topk",
     }  # fmt: skip
     pairs = [(full, small)]
     if "text_config" in full:
@@ -214,3 +216,30 @@ def test_longcat_layer_holds_two_cache_slots_and_its_identity_experts(real_check
     (bad / "config.json").write_text(json.dumps({**config, "zero_expert_type": "zero"}))
     with pytest.raises(ValueError, match="zero_expert_type='zero' is not supported"):
         LLM(str(bad), max_model_len=128, kv_cache_memory_bytes=1 << 22)
+
+
+def test_deepseek_v32_selection_is_what_makes_it_equal_transformers(real_checkpoint, monkeypatch):
+    """The indexer's top-12 of the past (the prompts are longer) is not dense attention: with every
+    visible key kept instead, the 70-token prompt's logprobs move away from transformers' forward;
+    with the selection, the fp32 row of test_real_families holds. Each layer has its index-key
+    cache slot beside its latent rows."""
+    from expertmesh.layers import sparse_indexer
+
+    source, overrides = FAMILIES["deepseek-v3.2"]
+    path = real_checkpoint(source, **overrides)
+    prompt = prompts_for(512)[4]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=20)
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    runner = llm.llm_engine.runner
+    kinds = [layer.kv_spec.kind for layer in runner.attn_layers]
+    assert kinds == ["latent", "index_key"] * llm.llm_engine.config.model_config.num_layers
+    assert "index_key (4 layers, 16 values a layer)" in runner.describe_kv()
+    model = hf_model(path)
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert logprob_errors(out, hf_logprobs(model, prompt, out.outputs[0].token_ids)).max() < 2e-4
+    monkeypatch.setattr(
+        sparse_indexer.IndexerStep, "keep", lambda self, rows, keys, q, k: k[None, :] <= q[:, None]
+    )
+    dense = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    out = dense.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert logprob_errors(out, hf_logprobs(model, prompt, out.outputs[0].token_ids)).max() > 1e-2
