@@ -26,6 +26,7 @@ class MLAConfig:
     index_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    index_rope_interleaved: bool = False  # the indexer rotates pairs (GLM-5), not halves (V3.2)
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -53,7 +54,11 @@ class MLAConfig:
         hidden = int(hf.hidden_size)
         q_scale = (hidden / int(q_lora)) ** 0.5 if q_lora and getattr(hf, "mla_scale_q_lora", False) else 1.0
         kv_scale = (hidden / int(hf.kv_lora_rank)) ** 0.5 if getattr(hf, "mla_scale_kv_lora", False) else 1.0
+        shared = sorted({t for t in getattr(hf, "indexer_types", None) or () if t != "full"})
+        if shared:  # GLM's cross-layer top-k sharing: no published config turns it on
+            raise ValueError(f"indexer_types {shared} are not supported; supported: ['full']")
         return cls(
+            index_rope_interleaved=bool(getattr(hf, "indexer_rope_interleave", False)),
             index_heads=int(getattr(hf, "index_n_heads", 0) or 0),
             index_head_dim=int(getattr(hf, "index_head_dim", 0) or 0),
             index_topk=int(getattr(hf, "index_topk", 0) or 0),

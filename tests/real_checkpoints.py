@@ -161,6 +161,8 @@ def _shrink_widths(c: dict, s: Sizes) -> None:
     ):  # fmt: skip
         if c.get(key):  # a null q_lora_rank (no q LoRA, V2-Lite) stays null
             c[key] = getattr(s, key)
+    if c.get("qk_head_dim"):  # GLM-5 states the sum
+        c["qk_head_dim"] = s.qk_nope_head_dim + s.qk_rope_head_dim
     for key, size in (
         ("moe_intermediate_size", s.expert_inter),
         ("shared_expert_intermediate_size", s.shared_inter),

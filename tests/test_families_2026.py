@@ -84,7 +84,15 @@ def test_kimi_k25_serves_its_text_tower_and_logs_the_vision_skip(real_checkpoint
 
 @pytest.mark.parametrize(
     "name",
-    ["minimax-m2.5", "minimax-m2.7", "kimi-k2.5", "kimi-k2-instruct", "longcat-flash-chat", "deepseek-v3.2"],
+    [
+        "minimax-m2.5",
+        "minimax-m2.7",
+        "kimi-k2.5",
+        "kimi-k2-instruct",
+        "longcat-flash-chat",
+        "deepseek-v3.2",
+        "glm-5",
+    ],
 )
 def test_published_2026_configs_shrink_with_every_flag_kept(name):
     """Every key survives shrinking; a flag (not a size) keeps its published value; our config
@@ -101,7 +109,7 @@ def test_published_2026_configs_shrink_with_every_flag_kept(name):
         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
         "rotary_dim", "attn_type_list", "quantization_config", "text_config", "vision_config",
         "num_layers", "ffn_hidden_size", "expert_ffn_hidden_size", "moe_topk", "zero_expert_num",
-        "index_n_heads", "index_head_dim", "index_topk",
+        "index_n_heads", "index_head_dim", "index_topk", "qk_head_dim",
     }  # fmt: skip
     pairs = [(full, small)]
     if "text_config" in full:

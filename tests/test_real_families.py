@@ -67,6 +67,8 @@ FAMILIES = {
     "longcat-flash": ("2026/longcat-flash-chat", {"head_dim": Sizes().qk_rope_head_dim}),
     # MLA with the lightning indexer; index_topk 12 below the longer prompts: selection happens
     "deepseek-v3.2": ("2026/deepseek-v3.2", {}),
+    # the same blocks; the indexer's RoPE in pairs; value heads as wide as the q/k heads, as published
+    "glm-5": ("2026/glm-5", {"v_head_dim": Sizes().qk_nope_head_dim + Sizes().qk_rope_head_dim}),
 }
 
 

@@ -78,8 +78,9 @@ class MLAAttention(nn.Module):
             if m.q_lora_rank is None:
                 raise ValueError(f"{cfg.architecture}: the sparse-attention indexer needs q_lora_rank")
             self.indexer = LightningIndexer(
-                hidden, m.q_lora_rank, m.index_heads, m.index_head_dim, m.qk_rope_head_dim, m.index_topk, dt
-            )
+                hidden, m.q_lora_rank, m.index_heads, m.index_head_dim, m.qk_rope_head_dim, m.index_topk, dt,
+                rope_interleaved=m.index_rope_interleaved,
+            )  # fmt: skip
         scale = mla_softmax_scale(cfg.rope, m.qk_head_dim)
         self.attn = LatentAttention(
             self.heads, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, scale

@@ -2,8 +2,9 @@
 `index_topk` past tokens that multi-head latent attention then attends over, alone.
 
 Per layer: index queries from the MLA's q LoRA output (wq_b: index_n_heads x index_head_dim), one
-index key per token (wk, then a LayerNorm), both rotated on their first qk_rope_head_dim dims in
-halves (NeoX; the MLA itself rotates pairs), and per-head weights from the hidden state
+index key per token (wk, then a LayerNorm), both rotated on their first qk_rope_head_dim dims (in
+halves for DeepSeek-V3.2 although its MLA rotates pairs; in pairs where the config says
+indexer_rope_interleave, GLM-5), and per-head weights from the hidden state
 (weights_proj, times index_n_heads^-0.5). A key's score for a query is
 sum_h w_h * relu(q_h . k * index_head_dim^-0.5); the top index_topk scores among the visible
 keys are kept (torch.topk over the same [queries, keys] rows as transformers builds, so ties
@@ -34,7 +35,15 @@ INDEX_NORM_EPS = 1e-6  # the reference's LayerNorm epsilon, whatever the config'
 
 class LightningIndexer(nn.Module):
     def __init__(
-        self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int, topk: int, dtype
+        self,
+        hidden: int,
+        q_lora_rank: int,
+        heads: int,
+        head_dim: int,
+        rope_dim: int,
+        topk: int,
+        dtype,
+        rope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         if rope_dim > head_dim or topk < 1:
@@ -42,6 +51,7 @@ class LightningIndexer(nn.Module):
                 f"indexer: index_head_dim={head_dim} < qk_rope_head_dim={rope_dim} or index_topk={topk}"
             )
         self.heads, self.head_dim, self.rope_dim, self.topk = heads, head_dim, rope_dim, topk
+        self.rope_interleaved = rope_interleaved
         self.wq_b = ReplicatedLinear(q_lora_rank, heads * head_dim, False, dtype)
         self.wk = ReplicatedLinear(hidden, head_dim, False, dtype)
         self.k_norm = LayerNorm(head_dim, INDEX_NORM_EPS, dtype)
@@ -64,8 +74,8 @@ class LightningIndexer(nn.Module):
         t = x.shape[0]
         q = self.wq_b(q_resid).view(t, self.heads, self.head_dim)
         k = self.k_norm(self.wk(x)).view(t, 1, self.head_dim)
-        halves = rope.halves()
-        q, k = halves.rotate(q), halves.rotate(k)
+        rope = rope.laid_out(self.rope_interleaved)
+        q, k = rope.rotate(q), rope.rotate(k)
         k = k.view(t, self.head_dim)
         if self.cache.numel():
             self.cache.view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, k)
