@@ -251,3 +251,33 @@ def test_deepseek_v32_selection_is_what_makes_it_equal_transformers(real_checkpo
     dense = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     out = dense.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
     assert logprob_errors(out, hf_logprobs(model, prompt, out.outputs[0].token_ids)).max() > 1e-2
+
+
+def test_sparse_attention_configs_fail_by_name():
+    """GLM's cross-layer top-k sharing is refused by name; an indexed_attention layer needs the
+    indexer's sizes; top-k counts the identity experts among those it may pick."""
+    from types import SimpleNamespace
+
+    from expertmesh.mla_config import MLAConfig
+    from expertmesh.model_config import ModelConfig
+
+    mla = dict(
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=8, hidden_size=16
+    )
+    shared = SimpleNamespace(
+        **mla, index_topk=4, index_n_heads=2, index_head_dim=8, indexer_types=["full", "shared"]
+    )
+    with pytest.raises(
+        ValueError, match=r"indexer_types \['shared'\] are not supported; supported: \['full'\]"
+    ):
+        MLAConfig.from_hf(shared)
+    base = dict(
+        architecture="DeepseekV32ForCausalLM", vocab_size=32, hidden_size=16, num_layers=2, num_heads=2,
+        num_kv_heads=2, head_dim=4, intermediate_size=32, max_position_embeddings=64, norm_eps=1e-6,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="indexed_attention layers but the config has no index_topk"):
+        ModelConfig(
+            **base, layer_types=("indexed_attention",) * 2, mla=MLAConfig.from_hf(SimpleNamespace(**mla))
+        )
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=7 must be in \[1, 6\]"):
+        ModelConfig(**base, num_experts=4, identity_experts=2, top_k=7)
