@@ -92,17 +92,33 @@ class LatentAttention(nn.Module):
             out[rows] = self._prefill(q_nope[rows], q_pe[rows], c[rows], k_pe[rows], chunk)
         return out.view(t, -1)
 
-    # ---- sparse: each query over the keys its indexer keeps (expanded K and V) -----------------------
+    # ---- sparse: each query over the keys its indexer keeps ----------------------------------------
     def _sparse(self, q_nope, q_pe, c, k_pe, meta: AttentionMetadata, sparse: Any) -> torch.Tensor:
+        """Decodes attend in the latent space (absorbed) over the kept rows alone, gathered by slot;
+        prefill chunks expand their context and mask it (or, absorbed = False, decodes too)."""
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        index_cache = sparse.indexer.cache
+        index_cache, nd = sparse.indexer.cache, meta.num_decodes
+        if self.absorbed and nd:
+            q_abs = torch.cat((self._per_head(q_nope[:nd], self.w_uk), q_pe[:nd]), dim=-1)  # [B, H, r + rope]
+            latent = q.new_empty(nd, self.num_heads, self.rank)
         for i, (table, n) in enumerate(self._decode_tables(meta)):
-            rows, keys = self._rows(self.cache, table, n), self._rows(index_cache, table, n)
+            keys = self._rows(index_cache, table, n)
             positions = torch.arange(n, device=q.device)
             keep = sparse.keep(slice(i, i + 1), keys.view(n, -1), positions[-1:], positions)
+            if self.absorbed:
+                kept = keep[0].nonzero().squeeze(1)  # at most index_topk positions
+                bs = self.cache.shape[1]
+                slots = table[kept // bs] * bs + kept % bs
+                rows = self.cache.view(-1, self.width).index_select(0, slots)  # [m, width]
+                scores = torch.matmul(q_abs[i], rows.t()).float() * self.scale  # [H, m]
+                latent[i] = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), rows[:, : self.rank])
+                continue
+            rows = self._rows(self.cache, table, n)
             k, v = self.expand(rows[:, : self.rank], rows[:, self.rank :])
             out[i] = self._attend(q[i : i + 1], k, v, causal=False, mask=keep)[0]
+        if self.absorbed and nd:
+            out[:nd] = self._per_head(latent, self.w_uv, transposed=True)
         for chunk in meta.prefills:
             r = chunk.rows
             if chunk.context:
