@@ -286,3 +286,26 @@ def test_sparse_attention_configs_fail_by_name():
         )
     with pytest.raises(ValueError, match=r"num_experts_per_tok=7 must be in \[1, 6\]"):
         ModelConfig(**base, num_experts=4, identity_experts=2, top_k=7)
+
+
+def test_indexer_selection_in_query_slices_equals_one_pass(monkeypatch):
+    """A long prefill scores its queries in slices (SCORE_VALUES at a time): the kept keys equal one
+    pass over every query, each query keeps index_topk visible keys (all of them while it sees
+    fewer), and a context no longer than index_topk keeps every visible key."""
+    from expertmesh.layers import sparse_indexer
+
+    g = torch.Generator().manual_seed(0)
+    indexer = sparse_indexer.LightningIndexer(
+        16, 8, heads=4, head_dim=8, rope_dim=4, topk=5, dtype=torch.float32
+    )
+    t = 23
+    q, k, w = (torch.randn(*s, generator=g) for s in ((t, 4, 8), (t, 8), (t, 4)))
+    step = sparse_indexer.IndexerStep(indexer, q, k, w)
+    pos = torch.arange(t)
+    whole = step.keep(slice(0, t), k, pos, pos)
+    monkeypatch.setattr(sparse_indexer, "SCORE_VALUES", 4 * t * 3)  # three queries a slice
+    assert torch.equal(step.keep(slice(0, t), k, pos, pos), whole)
+    assert whole.sum(-1).tolist() == [min(i + 1, 5) for i in range(t)]
+    assert not (whole & (pos[None, :] > pos[:, None])).any()
+    short = step.keep(slice(0, 5), k[:5], pos[:5], pos[:5])
+    assert torch.equal(short, pos[None, :5] <= pos[:5, None])

@@ -31,6 +31,7 @@ from expertmesh.layers.norm import LayerNorm
 from expertmesh.layers.rotary import RotaryTables
 
 INDEX_NORM_EPS = 1e-6  # the reference's LayerNorm epsilon, whatever the config's
+SCORE_VALUES = 1 << 24  # float32 index scores held at once while selecting (64 MiB)
 
 
 class LightningIndexer(nn.Module):
@@ -99,9 +100,18 @@ class IndexerStep:
         topk = self.indexer.topk
         if keys.shape[0] <= topk:
             return visible
-        q = self.q[rows].float()  # [L, H, D]
-        scores = F.relu(torch.matmul(q, keys.float().t()) * self.indexer.scale)  # [L, H, S]
-        index = torch.matmul(self.weights[rows].unsqueeze(-2), scores).squeeze(-2)  # [L, S]
-        index = index.masked_fill(~visible, float("-inf"))
-        picked = index.topk(topk, dim=-1).indices
-        return torch.zeros_like(visible).scatter_(-1, picked, True) & visible
+        q, weights, keys_t = (
+            self.q[rows].float(),
+            self.weights[rows],
+            keys.float().t(),
+        )  # [L, H, D], [L, H], [D, S]
+        keep = torch.zeros_like(visible)
+        # Queries in slices, so the [slice, H, S] scores stay near SCORE_VALUES (a long prefill).
+        step = max(1, SCORE_VALUES // (q.shape[1] * keys.shape[0]))
+        for a in range(0, q.shape[0], step):
+            b = min(a + step, q.shape[0])
+            scores = F.relu(torch.matmul(q[a:b], keys_t) * self.indexer.scale)  # [l, H, S]
+            index = torch.matmul(weights[a:b].unsqueeze(-2), scores).squeeze(-2)  # [l, S]
+            index = index.masked_fill(~visible[a:b], float("-inf"))
+            keep[a:b].scatter_(-1, index.topk(topk, dim=-1).indices, True)
+        return keep & visible
