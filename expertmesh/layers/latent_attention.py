@@ -99,10 +99,14 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         index_cache, nd = sparse.indexer.cache, meta.num_decodes
+        tables = list(self._decode_tables(meta))
+        if nd and max(n for _, n in tables) <= sparse.indexer.topk:  # every decode keeps all: dense
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], meta)
+            nd, tables = 0, []
         if self.absorbed and nd:
             q_abs = torch.cat((self._per_head(q_nope[:nd], self.w_uk), q_pe[:nd]), dim=-1)  # [B, H, r + rope]
             latent = q.new_empty(nd, self.num_heads, self.rank)
-        for i, (table, n) in enumerate(self._decode_tables(meta)):
+        for i, (table, n) in enumerate(tables):
             keys = self._rows(index_cache, table, n)
             positions = torch.arange(n, device=q.device)
             keep = sparse.keep(slice(i, i + 1), keys.view(n, -1), positions[-1:], positions)
