@@ -50,8 +50,17 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
 
 # linear_attention: a recurrent layer (hybrid families; ModelConfig.linear_attn / .mamba have its
 # sizes); moe and mlp: a layer that is only an MoE block or a dense MLP (Nemotron-H's one block a
-# layer, its hybrid_override_pattern's E and -)
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention", "moe", "mlp")
+# layer, its hybrid_override_pattern's E and -); indexed_attention: full attention through DeepSeek
+# Sparse Attention's indexer (MLAConfig.index_topk)
+LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "linear_attention",
+    "indexed_attention",
+    "moe",
+    "mlp",
+)
 
 
 def _quantization(hf: Any, online: str | None) -> Any:
@@ -103,6 +112,8 @@ class ModelConfig:
     mamba: Mamba2Config | None = None  # Mamba2 sizes (Granite-4.0-H)
     # ---- MLP and experts
     num_experts: int = 0
+    # zero-compute experts scored after the real ones (LongCat-Flash's zero_expert_num, "identity")
+    identity_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
     dense_intermediate_size: int = 0  # dense layers' MLP (intermediate_size_mlp for Llama 4)
@@ -141,8 +152,10 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
-        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, {self.num_experts}]")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts + self.identity_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} must be in [1, {self.num_experts + self.identity_experts}]"
+            )
         if self.num_experts and (self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group):
             raise ValueError(
                 f"n_group={self.n_group} must divide n_routed_experts={self.num_experts} and "
@@ -165,6 +178,8 @@ class ModelConfig:
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
+        if "indexed_attention" in self.layer_types and not (self.mla and self.mla.index_topk):
+            raise ValueError("layer_types has indexed_attention layers but the config has no index_topk")
         if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
             raise ValueError("layer_types has chunked_attention layers but no attention_chunk_size")
 
@@ -208,7 +223,8 @@ class ModelConfig:
             architecture=archs[0],
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
-            num_layers=text.num_hidden_layers,
+            # LongCat-Flash states num_layers; its num_hidden_layers counts attention blocks (2 a layer)
+            num_layers=int(_first(text, "num_layers", "num_hidden_layers")),
             num_heads=num_heads,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
@@ -263,6 +279,16 @@ def _attention_fields(hf: Any) -> dict:
     )
 
 
+def _identity_experts(hf: Any) -> int:
+    """LongCat-Flash's zero_expert_num when its zero_expert_type is "identity" (the only kind its
+    reference computes); 0 for every other config."""
+    count = int(getattr(hf, "zero_expert_num", 0) or 0)
+    kind = getattr(hf, "zero_expert_type", "identity")
+    if count and kind != "identity":
+        raise ValueError(f"zero_expert_type={kind!r} is not supported; supported: 'identity'")
+    return count
+
+
 def _mlp_fields(hf: Any) -> dict:
     inter = getattr(hf, "intermediate_size", 0) or 0
     moe_inter = int(_first(hf, "moe_intermediate_size", default=inter) or 0)
@@ -277,6 +303,7 @@ def _mlp_fields(hf: Any) -> dict:
         shared = hf.n_shared_experts * moe_inter
     moe_layers = getattr(hf, "moe_layers", None)
     return dict(
+        identity_experts=_identity_experts(hf),
         num_experts=int(_first(hf, "num_local_experts", "num_experts", "n_routed_experts", default=0)),
         top_k=int(getattr(hf, "num_experts_per_tok", 0) or 0),
         moe_intermediate_size=moe_inter,

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 CONFIG_DIR = Path(__file__).parent / "real_configs"
 VOCAB = 512  # the test tokenizer's size (checkpoints.train_tokenizer)
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")  # moe_topk: LongCat-Flash
 
 
 def published(name: str) -> dict:
@@ -75,6 +75,11 @@ class Sizes:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+    # DeepSeek Sparse Attention's indexer: heads, head width and the tokens a query keeps (fewer
+    # than the test prompts, so the selection happens)
+    index_n_heads: int = 16
+    index_head_dim: int = 16
+    index_topk: int = 12
 
 
 def shrink(config: dict, sizes: Sizes = Sizes(), **overrides) -> dict:
@@ -104,8 +109,9 @@ def _shrink_text(c: dict, s: Sizes) -> dict:
     # (AutoConfig raises on the int), so the flag is kept as its truth value.
     if type(c.get("attn_temperature_tuning")) is int:
         c["attn_temperature_tuning"] = bool(c["attn_temperature_tuning"])
-    old_layers = c["num_hidden_layers"]
-    _shrink_layers(c, s.layers, old_layers)
+    layers_key = "num_layers" if "num_layers" in c else "num_hidden_layers"  # LongCat-Flash: num_layers
+    old_layers = c[layers_key]
+    _shrink_layers(c, s.layers, old_layers, layers_key)
     heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
     old_hidden = c["hidden_size"]
     c["hidden_size"], c["num_attention_heads"] = s.hidden, s.heads
@@ -128,8 +134,8 @@ def _shrink_text(c: dict, s: Sizes) -> dict:
     return c
 
 
-def _shrink_layers(c: dict, n: int, old: int) -> None:
-    c["num_hidden_layers"] = n
+def _shrink_layers(c: dict, n: int, old: int, key: str = "num_hidden_layers") -> None:
+    c[key] = n
     for key in ("layer_types", "no_rope_layers", "attn_type_list"):  # periodic patterns: a prefix keeps them
         if c.get(key):
             c[key] = c[key][:n]
@@ -149,14 +155,21 @@ def _shrink_widths(c: dict, s: Sizes) -> None:
         # Without moe_intermediate_size, an MoE's intermediate_size is its expert width.
         expert_width = is_moe and "moe_intermediate_size" not in c
         c["intermediate_size"] = s.expert_inter if expert_width else s.dense_inter
-    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    for key in (
+        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "index_n_heads", "index_head_dim", "index_topk",
+    ):  # fmt: skip
         if c.get(key):  # a null q_lora_rank (no q LoRA, V2-Lite) stays null
             c[key] = getattr(s, key)
+    if c.get("qk_head_dim"):  # GLM-5 states the sum
+        c["qk_head_dim"] = s.qk_nope_head_dim + s.qk_rope_head_dim
     for key, size in (
         ("moe_intermediate_size", s.expert_inter),
         ("shared_expert_intermediate_size", s.shared_inter),
         ("shared_intermediate_size", s.shared_inter),
         ("intermediate_size_mlp", s.dense_inter),
+        ("ffn_hidden_size", s.dense_inter),  # LongCat-Flash's dense MLPs
+        ("expert_ffn_hidden_size", s.expert_inter),  # and its experts
     ):
         if c.get(key):
             c[key] = size
@@ -171,6 +184,8 @@ def _shrink_experts(c: dict, s: Sizes) -> None:
     for key in EXPERT_KEYS:
         if c.get(key):
             c[key] = experts
+    if c.get("zero_expert_num"):  # LongCat-Flash's identity experts, in their ratio to the real ones
+        c["zero_expert_num"] = max(1, experts * c["zero_expert_num"] // num)
     for key in TOP_K_KEYS:
         if c.get(key):
             c[key] = min(c[key], s.max_top_k, max(1, experts // 2))

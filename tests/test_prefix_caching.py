@@ -55,13 +55,24 @@ def test_repeated_1000_token_prefix_is_found_and_gives_the_same_tokens(checkpoin
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "family", ["gpt-oss", "llama4-text", "phi-3.5-moe", "glm-4.5", "minimax-m2.7", "kimi-k2.5"]
+    "family",
+    [
+        "gpt-oss",
+        "llama4-text",
+        "phi-3.5-moe",
+        "glm-4.5",
+        "minimax-m2.7",
+        "kimi-k2.5",
+        "longcat-flash",
+        "deepseek-v3.2",
+    ],
 )
 def test_same_tokens_with_and_without_for_window_chunk_and_sink_families(family, real_checkpoint):
     """Sliding windows, attention chunks, sinks, NoPE layers: the cache keeps every block of a
     prefix, so a hit is exactly what recomputing gives. Phi-3.5-MoE under max_model_len 128 (its
     shrunk LongRoPE switch) stays in the short regime: caching is on. The 2026 families (MiniMax's
-    whole-projection q/k norm, Kimi-K2.5's MLA) take the same check."""
+    whole-projection q/k norm, Kimi-K2.5's MLA, LongCat-Flash's two latent caches a layer,
+    DeepSeek-V3.2's index keys) take the same check."""
     source, overrides = FAMILIES[family]
     path = real_checkpoint(source, sizes=Sizes(), **overrides)
     ps = _shared_prefix_prompts(70, [3, 20, 1, 40])

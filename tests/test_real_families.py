@@ -61,6 +61,14 @@ FAMILIES = {
     "minimax-m2.7": ("2026/minimax-m2.7", {}),
     "minimax-m2.5": ("2026/minimax-m2.5", {}),
     "kimi-k2.5": ("2026/kimi-k2.5", {}),  # the DeepSeek-V3 text tower, vision skipped
+    # two MLA blocks and two dense MLPs a layer beside the MoE; 8 real + 4 identity experts, top-4
+    # transformers takes the rope width from head_dim (its class default 64, the published
+    # qk_rope_head_dim): the shrunk file states it at the shrunk qk_rope_head_dim.
+    "longcat-flash": ("2026/longcat-flash-chat", {"head_dim": Sizes().qk_rope_head_dim}),
+    # MLA with the lightning indexer; index_topk 12 below the longer prompts: selection happens
+    "deepseek-v3.2": ("2026/deepseek-v3.2", {}),
+    # the same blocks; the indexer's RoPE in pairs; value heads as wide as the q/k heads, as published
+    "glm-5": ("2026/glm-5", {"v_head_dim": Sizes().qk_nope_head_dim + Sizes().qk_rope_head_dim}),
 }
 
 

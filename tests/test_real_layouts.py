@@ -35,6 +35,8 @@ MATRIX = {
     "phi-3.5-moe": Sizes(),
     "minimax-m2.7": Sizes(experts=7),  # whole-width q/k norm, its squares summed over TP
     "kimi-k2.5": Sizes(experts=7),  # MLA text tower under language_model., vision skipped
+    "longcat-flash": Sizes(experts=7),  # two latent caches a layer, identity experts under EP
+    "deepseek-v3.2": Sizes(),  # the indexer's keys beside the latent rows; 16 experts in 8 groups
 }
 
 

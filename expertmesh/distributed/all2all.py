@@ -9,6 +9,9 @@ Contract, on the group the MoE plan names (``sizes[i]`` = tokens held by group r
       -> [sizes[me], hidden]: for each of this rank's tokens, the sum over the group's ranks of
          their partial results (each rank's weighted sum over its own experts)
 
+A topk id of -1 names no expert (identity experts' places, layers/identity_experts.py): every
+backend hands it on unchanged, the experts skip it, and alltoall sends a token for it nowhere.
+
 combine sums in y_recv's dtype (the MoE block hands float32 partials, rounded to the model's
 dtype once, after the sum), travelling in the group's ``reduce_dtype`` at the narrowest.
 
@@ -247,9 +250,13 @@ class AllToAllAll2All(All2AllBackend):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, poison = self.group, self.poison_recv
         self._route = None
-        owners = self._owner_on(topk_ids.device)[topk_ids]  # [n, k] group rank of each pick
-        wanted = torch.zeros(x.shape[0], g.world_size, dtype=torch.bool, device=x.device)  # [n, W]
+        owners = self._owner_on(topk_ids.device)[topk_ids.clamp(min=0)]  # [n, k] group rank of each pick
+        # A place naming no expert (an identity expert's, layers/identity_experts.py) goes to the
+        # spare column W, dropped: a token whose picks are all identity is sent nowhere.
+        owners = torch.where(topk_ids >= 0, owners, torch.full_like(owners, g.world_size))
+        wanted = torch.zeros(x.shape[0], g.world_size + 1, dtype=torch.bool, device=x.device)  # [n, W+1]
         wanted.scatter_(1, owners, True)  # a token whose experts share a rank goes there once
+        wanted = wanted[:, : g.world_size]
         # Send order: by destination rank, then by token (nonzero is row-major on [W, n]).
         dest, rows = wanted.t().nonzero(as_tuple=True)  # [m_sent] each
         send = torch.bincount(dest, minlength=g.world_size)  # [W]

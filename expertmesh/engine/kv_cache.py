@@ -3,7 +3,9 @@
 Each attention layer declares what it caches per token (`KVCacheSpec`, one of KV_CACHE_KINDS):
 - "per_head": a K and a V row of `heads` x `width` (GQA/MHA layers: KV heads x head_dim);
 - "latent": one row of `width` values shared by every query head (multi-head latent attention:
-  the latent kv_lora_rank values and the rotary key, qk_rope_head_dim; layers/latent_attention.py).
+  the latent kv_lora_rank values and the rotary key, qk_rope_head_dim; layers/latent_attention.py);
+- "index_key": one row of index_head_dim values, the lightning indexer's key (DeepSeek Sparse
+  Attention, layers/sparse_indexer.py), a slot of its own beside the layer's latent rows.
 The kind decides the bytes per token (and so the block budget) and the layout allocated:
 [planes, num_blocks + 1, block_size, heads, width] per layer, planes = K and V, or the latent.
 
@@ -48,6 +50,7 @@ class CacheKind:
 KV_CACHE_KINDS = {
     "per_head": CacheKind(2, "per-head K and V"),
     "latent": CacheKind(1, "one latent row shared by all heads (MLA)"),
+    "index_key": CacheKind(1, "one indexer key per token (DeepSeek Sparse Attention)"),
 }
 
 

@@ -24,6 +24,7 @@ from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.identity_experts import lookup_picks
 from expertmesh.layers.quantization.packed import (
     QuantizedExperts,
     QuantizedMoE,
@@ -136,9 +137,7 @@ class FusedExperts(nn.Module):
             if self.all_local:  # every expert here: its slot is its id
                 slot = topk_ids.to(torch.int32)
             else:
-                slot = (
-                    self.local_index.index_select(0, topk_ids.flatten()).view(topk_ids.shape).to(torch.int32)
-                )
+                slot = lookup_picks(self.local_index, topk_ids).to(torch.int32)
             return kernels.moe(x, slot, topk_weights, w13, w2, self.inter, act)
         if x.shape[0] == 1:
             return self._one_token(x, topk_ids, topk_weights)
@@ -146,7 +145,7 @@ class FusedExperts(nn.Module):
         if x.shape[0] == 0:
             return out
         k = topk_ids.shape[1]
-        slot = self.local_index[topk_ids].flatten()  # [n*k], -1 where another rank owns the expert
+        slot = lookup_picks(self.local_index, topk_ids).flatten()  # [n*k], -1: another rank's, or none
         order = torch.argsort(slot, stable=True)
         counts = torch.bincount(slot + 1, minlength=len(self.expert_ids) + 1).tolist()
         order = order[counts[0] :]  # drop (token, expert) pairs owned elsewhere
@@ -297,7 +296,7 @@ class FusedExperts(nn.Module):
 
     def _one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Decode at batch 1: no sort, gather or scatter, just the chosen local experts in expert order."""
-        local = self.local_index[topk_ids[0]].tolist()
+        local = lookup_picks(self.local_index, topk_ids[0]).tolist()
         picks = sorted((slot, j) for j, slot in enumerate(local) if slot >= 0)
         out = None
         for slot, j in picks:

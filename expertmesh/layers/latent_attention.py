@@ -20,6 +20,7 @@ way; benchmarks/mla_decode.py compares).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,12 +71,16 @@ class LatentAttention(nn.Module):
         c: torch.Tensor,
         k_pe: torch.Tensor,
         meta: AttentionMetadata,
+        sparse: Any = None,
     ) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope] (rotated), c [T, r] (normed latent), k_pe [T, rope]
-        (rotated) -> [T, H * v]. The new rows are stored in the cache first."""
+        (rotated) -> [T, H * v]. The new rows are stored in the cache first. `sparse`: this step's
+        indexer (layers/sparse_indexer.IndexerStep), each query attending to the keys it keeps."""
         t = q_nope.shape[0]
         if self.cache.numel():
             self.cache.view(-1, self.width).index_copy_(0, meta.slot_mapping, torch.cat((c, k_pe), dim=-1))
+        if sparse is not None:
+            return self._sparse(q_nope, q_pe, c, k_pe, meta, sparse).reshape(t, -1)
         if not meta.prefills:
             return self._decode(q_nope, q_pe, meta).reshape(t, -1)
         out = q_nope.new_empty(t, self.num_heads, self.v_dim)
@@ -86,6 +91,63 @@ class LatentAttention(nn.Module):
             rows = chunk.rows
             out[rows] = self._prefill(q_nope[rows], q_pe[rows], c[rows], k_pe[rows], chunk)
         return out.view(t, -1)
+
+    # ---- sparse: each query over the keys its indexer keeps ----------------------------------------
+    def _sparse(self, q_nope, q_pe, c, k_pe, meta: AttentionMetadata, sparse: Any) -> torch.Tensor:
+        """Decodes attend in the latent space (absorbed) over the kept rows alone, gathered by slot;
+        prefill chunks expand their context and mask it (or, absorbed = False, decodes too)."""
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        index_cache, nd = sparse.indexer.cache, meta.num_decodes
+        tables = list(self._decode_tables(meta))
+        if nd and max(n for _, n in tables) <= sparse.indexer.topk:  # every decode keeps all: dense
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], meta)
+            nd, tables = 0, []
+        if self.absorbed and nd:
+            q_abs = torch.cat((self._per_head(q_nope[:nd], self.w_uk), q_pe[:nd]), dim=-1)  # [B, H, r + rope]
+            latent = q.new_empty(nd, self.num_heads, self.rank)
+        for i, (table, n) in enumerate(tables):
+            keys = self._rows(index_cache, table, n)
+            positions = torch.arange(n, device=q.device)
+            keep = sparse.keep(slice(i, i + 1), keys.view(n, -1), positions[-1:], positions)
+            if self.absorbed:
+                kept = keep[0].nonzero().squeeze(1)  # at most index_topk positions
+                bs = self.cache.shape[1]
+                slots = table[kept // bs] * bs + kept % bs
+                rows = self.cache.view(-1, self.width).index_select(0, slots)  # [m, width]
+                scores = torch.matmul(q_abs[i], rows.t()).float() * self.scale  # [H, m]
+                latent[i] = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), rows[:, : self.rank])
+                continue
+            rows = self._rows(self.cache, table, n)
+            k, v = self.expand(rows[:, : self.rank], rows[:, self.rank :])
+            out[i] = self._attend(q[i : i + 1], k, v, causal=False, mask=keep)[0]
+        if self.absorbed and nd:
+            out[:nd] = self._per_head(latent, self.w_uv, transposed=True)
+        for chunk in meta.prefills:
+            r = chunk.rows
+            if chunk.context:
+                rows = chunk.gather(self.cache).view(-1, self.width)
+                keys = chunk.gather(index_cache).view(rows.shape[0], -1)
+            else:
+                rows, keys = torch.cat((c[r], k_pe[r]), dim=-1), sparse.k[r]
+            q_pos, k_pos = chunk.positions(q.device)
+            keep = sparse.keep(r, keys, q_pos, k_pos)
+            k, v = self.expand(rows[:, : self.rank], rows[:, self.rank :])
+            out[r] = self._attend(q[r], k, v, causal=False, mask=keep)
+        return out
+
+    def _decode_tables(self, meta: AttentionMetadata) -> Iterator[tuple[torch.Tensor, int]]:
+        """Each decode's block table and context length, in batch order."""
+        if meta.decode_block_tables is not None:
+            yield from zip(meta.decode_block_tables.long(), meta.decode_context_lens.tolist(), strict=True)
+            return
+        for g in meta.decode_groups:
+            yield from zip(g.block_tables, g.context_lens.tolist(), strict=True)
+
+    @staticmethod
+    def _rows(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+        """A sequence's first n cached rows [n, width] of `cache` [blocks, block_size, 1, width]."""
+        return cache[table[: -(-n // cache.shape[1])]].flatten(0, 2)[:n]
 
     # ---- expanded: per-head K and V from latents ---------------------------------------------------
     def expand(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

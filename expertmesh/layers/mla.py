@@ -27,6 +27,7 @@ from expertmesh.layers.latent_attention import LatentAttention
 from expertmesh.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from expertmesh.layers.norm import RMSNorm
 from expertmesh.layers.rotary import yarn_mscale
+from expertmesh.layers.sparse_indexer import LightningIndexer
 
 # q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon in DeepSeek's code and in
 # transformers' port, whatever the config's rms_norm_eps.
@@ -71,6 +72,15 @@ class MLAAttention(nn.Module):
             m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), False, tp, dt
         )
         self.o_proj = RowParallelLinear(heads * m.v_head_dim, hidden, bias, tp, dtype=dt)
+        self.indexer = None  # DeepSeek Sparse Attention (layers/sparse_indexer.py) when the config has one
+        # Layers the config's layer_types calls indexed_attention (every layer when it has none).
+        if m.index_topk and (not cfg.layer_types or cfg.layer_type(index) == "indexed_attention"):
+            if m.q_lora_rank is None:
+                raise ValueError(f"{cfg.architecture}: the sparse-attention indexer needs q_lora_rank")
+            self.indexer = LightningIndexer(
+                hidden, m.q_lora_rank, m.index_heads, m.index_head_dim, m.qk_rope_head_dim, m.index_topk, dt,
+                rope_interleaved=m.index_rope_interleaved,
+            )  # fmt: skip
         scale = mla_softmax_scale(cfg.rope, m.qk_head_dim)
         self.attn = LatentAttention(
             self.heads, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, scale
@@ -89,11 +99,21 @@ class MLAAttention(nn.Module):
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(t, self.heads, m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], -1
         )
         c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)
+        if m.q_lora_scale != 1.0:
+            q_nope, q_pe = q_nope * m.q_lora_scale, q_pe * m.q_lora_scale
+        if m.kv_lora_scale != 1.0:
+            c = c * m.kv_lora_scale
         q_pe, k_pe = ctx.rope.apply(q_pe, k_pe.unsqueeze(1))
-        return self.o_proj(self.attn(q_nope, q_pe, c, k_pe.squeeze(1), ctx.attn))
+        sparse = None if self.indexer is None else self.indexer.step(x, q_resid, ctx.rope, ctx.attn)
+        return self.o_proj(self.attn(q_nope, q_pe, c, k_pe.squeeze(1), ctx.attn, sparse))
+
+    def kv_layers(self) -> list[Any]:
+        """The modules owning a KV cache slot: the latent rows, and the indexer's keys."""
+        return [self.attn] if self.indexer is None else [self.attn, self.indexer]

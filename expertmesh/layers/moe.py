@@ -26,6 +26,7 @@ from expertmesh.distributed.moe_plan import ExpertPlacement
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
 from expertmesh.layers.fused_moe import FusedExperts
+from expertmesh.layers.identity_experts import NO_EXPERT, split_identity
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.mlp import GatedMLP, UngatedMLP
 from expertmesh.layers.routing import Router
@@ -66,13 +67,17 @@ class MoE(nn.Module):
             placement = plan.expert_placement(cfg.num_experts, placement)
         self.load: torch.Tensor | None = None  # [P] int64 pairs per slot, attached by ExpertLoad
         self.top_k, self.router_name = cfg.top_k, spec.router
+        # Identity experts (layers/identity_experts.py) are scored beside the real ones, numbered
+        # after them; their output is added where the token lives, once: by every SP slice, or by
+        # TP rank 0 where the TP ranks' outputs are summed.
+        self.num_real, self.num_identity = cfg.num_experts, cfg.identity_experts
+        self.adds_identity = plan.sequence_parallel or groups.tp.rank_in_group == 0
         params = dict(
             renormalize=cfg.norm_topk_prob, jitter_eps=cfg.router_jitter_noise, n_group=cfg.n_group,
             topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
         )  # fmt: skip
-        self.gate = Router(
-            cfg.hidden_size, cfg.num_experts, spec.router, cfg.top_k, params, spec.router_bias, cfg.dtype
-        )
+        scored, bias = cfg.num_experts + cfg.identity_experts, spec.router_bias
+        self.gate = Router(cfg.hidden_size, scored, spec.router, cfg.top_k, params, bias, cfg.dtype)
         # Top-1 input weighting is a scaling of the token before its one expert: done here, so the
         # experts (and our fused kernel) see plain weights of 1.
         self.prescale = spec.weights_input and cfg.top_k == 1
@@ -128,7 +133,11 @@ class MoE(nn.Module):
             self.replica_slots = self.replica_slots.to(ids.device)
             self.replica_count = self.replica_count.to(ids.device)
         token = torch.arange(first_token, first_token + ids.shape[0], device=ids.device).unsqueeze(1)
-        return self.replica_slots[ids, token % self.replica_count[ids]]
+        if not self.num_identity:
+            return self.replica_slots[ids, token % self.replica_count[ids]]
+        real = ids.clamp(min=0)  # NO_EXPERT places stay NO_EXPERT
+        slots = self.replica_slots[real, token % self.replica_count[real]]
+        return torch.where(ids >= 0, slots, torch.full_like(slots, NO_EXPERT))
 
     def apply_placement(self, new: ExpertPlacement) -> int:
         """EPLB between steps, on every rank of the EP group at once: move the expert weights to
@@ -150,6 +159,9 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         weights, ids = self.gate(x)  # [n, k] each
+        identity = None
+        if self.num_identity:  # identity picks leave the selection here: never sent, never computed
+            identity, weights, ids = split_identity(weights, ids, self.num_real)
         if self.prescale:
             x, weights = x * weights.to(x.dtype), torch.ones_like(weights)
         sizes = None if self.dispatcher is None else self.dispatch_sizes(ctx)
@@ -157,17 +169,23 @@ class MoE(nn.Module):
         ids = self.to_slots(ids, first)
         if self.load is not None and ctx.count_load:
             flat = ids.flatten()
+            if self.num_identity:
+                flat = flat[flat >= 0]
             self.load.index_add_(0, flat, flat.new_ones(1).expand(flat.numel()))
         if self.dispatcher is None:
-            return self.experts(x, ids, weights)
-        x_all, ids_all, w_all = self.dispatcher.dispatch(x, ids, weights, sizes)
-        return self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
+            y = self.experts(x, ids, weights)
+        else:
+            x_all, ids_all, w_all = self.dispatcher.dispatch(x, ids, weights, sizes)
+            y = self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
+        if identity is not None and self.adds_identity:
+            y = y + x.float() * identity
+        return y
 
     def native_form(self, keep: list) -> dict | None:
         """Router and experts of a native decode layer (layers/native_decode.py), when this block
         has no collective (no EP dispatch, no TP or SP), no shared expert and no input weighting."""
         local = self.dispatcher is None and not self.plan.sequence_parallel and self.tp.world_size == 1
-        if not local or self.shared_expert is not None or self.prescale:
+        if not local or self.shared_expert is not None or self.prescale or self.num_identity:
             return None
         router, experts = self.gate.native_form(keep), self.experts.native_form(keep)
         if router is None or experts is None or router["experts"] != self.experts.num_experts:

@@ -153,6 +153,19 @@ class RotaryTables:
         """q [T, Hq, D], k [T, Hk, D]: the first rotary_dim dims rotated, the rest passed through."""
         return self.rotate(q), self.rotate(k)
 
+    def laid_out(self, interleaved: bool) -> RotaryTables:
+        """These tables in the pairs (interleaved) or NeoX halves layout: the same frequencies for a
+        block that rotates its own way (DeepSeek-V3.2's indexer rotates halves beside an MLA that
+        rotates pairs)."""
+        if interleaved == self.interleaved:
+            return self
+        if self.interleaved:  # pairs -> halves
+            cos, sin = self.cos[..., 0::2], self.sin[..., 0::2]
+            return RotaryTables(torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), False)
+        half = self.rotary_dim // 2  # halves -> pairs
+        cos, sin = self.cos[..., :half], self.sin[..., :half]
+        return RotaryTables(cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1), True)
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
         part = x[..., :r]

@@ -103,6 +103,17 @@ def sigmoid_grouped(
     return weights * scaling, ids
 
 
+def softmax_corrected(
+    logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor, scaling: float = 1.0, **_: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongCat-Flash: softmax over every expert (identity ones included); experts chosen by score +
+    correction bias (unsorted, as the reference), weighed by the softmax score, never renormalised,
+    times routed_scaling_factor."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1, sorted=False).indices
+    return scores.gather(1, ids) * scaling, ids
+
+
 def _deepseek_v2_weights(
     weights: torch.Tensor, top_k: int, renormalize: bool, scaling: float
 ) -> torch.Tensor:
@@ -152,12 +163,13 @@ ROUTERS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "sigmoid_grouped": sigmoid_grouped,
     "softmax_greedy": softmax_greedy,
     "softmax_group_limited": softmax_group_limited,
+    "softmax_corrected": softmax_corrected,
 }
 # Rules whose router linear runs in float32 whatever the model dtype, as the references do (their
 # weight, and correction bias, are kept in float32 in bf16 checkpoints too).
-FLOAT32_RULES = ("sigmoid_grouped", "softmax_greedy", "softmax_group_limited")
+FLOAT32_RULES = ("sigmoid_grouped", "softmax_greedy", "softmax_group_limited", "softmax_corrected")
 # Rules that take a selection-only correction bias (`e_score_correction_bias`).
-CORRECTED_RULES = ("sigmoid_grouped",)
+CORRECTED_RULES = ("sigmoid_grouped", "softmax_corrected")
 
 
 class Router(ReplicatedLinear):

@@ -149,6 +149,12 @@ class GatedDecoderAttention(nn.Module):
         return self.o_proj(y * torch.sigmoid(gate.reshape(y.shape)))
 
 
+def _kv_layers(attention: nn.Module) -> list[Any]:
+    """An attention block's cache slots: its `.attn`, or what it lists (MLA with DSA's indexer)."""
+    listed = getattr(attention, "kv_layers", None)
+    return listed() if listed is not None else [attention.attn]
+
+
 # Attention kinds a family picks by name; each owns its projections and its KV-cache kind
 # (`.attn.kv_spec`): per-head K/V for GQA/MHA, one latent row per token for MLA.
 ATTENTION_KINDS = {"gqa": DecoderAttention, "mla": MLAAttention, "gated_gqa": GatedDecoderAttention}
@@ -248,9 +254,9 @@ class DecoderLayer(nn.Module):
         routing near-tie): local expert slots [n, k] int32 and weights [n, k] float32."""
         return self._modules[self.mlp_name].native_routing(h)
 
-    def kv_module(self) -> Any:
-        """The module owning this layer's KV cache, or None (a recurrent layer)."""
-        return None if self.is_linear else self.self_attn.attn
+    def kv_layers(self) -> list[Any]:
+        """This layer's modules owning a KV cache slot (`kv_spec`, `bind_kv_cache`), in order."""
+        return [] if self.is_linear else _kv_layers(self.self_attn)
 
     def state_module(self) -> Any:
         """The module owning this layer's per-sequence recurrent state, or None."""
@@ -304,8 +310,8 @@ class BlockLayer(nn.Module):
         else:
             self.mixer = lookup(ATTENTION_KINDS, family.attention, "attention kind")(cfg, index, family, tp)
 
-    def kv_module(self) -> Any:
-        return self.mixer.attn if self.is_attention else None
+    def kv_layers(self) -> list[Any]:
+        return _kv_layers(self.mixer) if self.is_attention else []
 
     def state_module(self) -> Any:
         return self.mixer if self.is_linear else None
@@ -322,8 +328,52 @@ class BlockLayer(nn.Module):
         return x + self.mixer(positions, h, ctx)
 
 
+class ShortcutMoELayer(nn.Module):
+    """LongCat-Flash's layer: two (attention, dense MLP) sublayers, each pre-normed with a residual,
+    and one MoE branch beside them: the MoE takes the first sublayer's normed MLP input and its
+    output joins the second MLP's residual sum. Each attention block has its own KV cache slot
+    (`kv_layers`), so a layer holds two (its index in the checkpoint: self_attn.0 / self_attn.1)."""
+
+    is_linear, native_form = False, None  # no native decode form
+
+    def __init__(self, cfg: ModelConfig, index: int, family: Family, env: Any) -> None:
+        super().__init__()
+        if not cfg.is_moe_layer(index):
+            raise ValueError(f"{cfg.architecture}: layer {index} has no MoE branch; a shortcut layer has one")
+        norm, tp = lookup(NORMS, family.norm, "norm"), env.groups.tp
+        attention = lookup(ATTENTION_KINDS, family.attention, "attention kind")
+        self.input_layernorm = nn.ModuleList(norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) for _ in range(2))
+        self.post_attention_layernorm = nn.ModuleList(
+            norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) for _ in range(2)
+        )
+        self.self_attn = nn.ModuleList(attention(cfg, index, family, tp) for _ in range(2))
+        self.mlps = nn.ModuleList(
+            GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.hidden_act, tp, dtype=cfg.dtype)
+            for _ in range(2)
+        )
+        dispatcher = env.make_dispatcher(cfg.num_experts)
+        placement = env.placement_for(index, cfg.num_experts)
+        mlp = MoE(cfg, moe_spec(cfg, family), env.moe_plan, env.groups, dispatcher, placement, index)
+        setattr(self, family.mlp_name, mlp)
+        self.mlp_name = family.mlp_name
+
+    def kv_layers(self) -> list[Any]:
+        return [layer for attn in self.self_attn for layer in _kv_layers(attn)]
+
+    def state_module(self) -> None:
+        return None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn[0](positions, self.input_layernorm[0](x), ctx)
+        h = self.post_attention_layernorm[0](x)
+        shortcut = self._modules[self.mlp_name](h, ctx)
+        x = x + self.mlps[0](h)
+        x = x + self.self_attn[1](positions, self.input_layernorm[1](x), ctx)
+        return x + self.mlps[1](self.post_attention_layernorm[1](x)) + shortcut
+
+
 # How a family's layers are built (Family.layer).
-LAYER_KINDS = {"decoder": DecoderLayer, "block": BlockLayer}
+LAYER_KINDS = {"decoder": DecoderLayer, "block": BlockLayer, "shortcut_moe": ShortcutMoELayer}
 
 
 class DecoderModel(nn.Module):
@@ -341,7 +391,7 @@ class DecoderModel(nn.Module):
         self.embedding_multiplier = cfg.embedding_multiplier
         self.dtype = cfg.dtype
         # Layers of other pipeline stages are absent; a ModuleDict keeps checkpoint indices.
-        layer = lookup(LAYER_KINDS, family.layer, "layer kind")
+        layer = lookup(LAYER_KINDS, family.layer, "decoder layer kind")
         self.layers = nn.ModuleDict({str(i): layer(cfg, i, family, env) for i in self.layer_range})
         norm = lookup(NORMS, family.norm, "norm")
         self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
@@ -411,8 +461,9 @@ class CausalLM(nn.Module):
         return logits / self.cfg.logits_scaling
 
     def attention_layers(self) -> list[Any]:
-        """The modules that own a KV cache (`kv_spec`, `bind_kv_cache`), one per layer."""
-        return [m for m in (layer.kv_module() for layer in self.model.layers.values()) if m is not None]
+        """The modules that own a KV cache slot (`kv_spec`, `bind_kv_cache`), in layer order: one per
+        attention layer, two per LongCat-Flash layer."""
+        return [attn for layer in self.model.layers.values() for attn in layer.kv_layers()]
 
     def state_layers(self) -> list[Any]:
         """The modules that own a per-sequence recurrent state (`state_spec`, `bind_state`)."""

@@ -32,3 +32,13 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 class DeepseekV3ForCausalLM(CausalLM):
     family = Family(attention="mla", router="sigmoid_grouped", shared_expert="plain", names=NAMES)
+
+
+class DeepseekV32ForCausalLM(CausalLM):
+    """DeepSeek-V3.2 / V3.2-Exp: V3 with DeepSeek Sparse Attention, a lightning indexer in every
+    layer (layers/sparse_indexer.py, from the config's index_n_heads / index_head_dim /
+    index_topk) choosing the past tokens each query's MLA attends to; RoPE in pairs for the MLA."""
+
+    family = Family(
+        attention="mla", rope_interleaved=True, router="sigmoid_grouped", shared_expert="plain", names=NAMES
+    )

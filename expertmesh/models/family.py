@@ -18,8 +18,9 @@ class Family:
     attention: str = "gqa"  # models/decoder.py ATTENTION_KINDS: "gqa" (per-head KV), "mla" (latent KV)
     # models/decoder.py LINEAR_MIXERS: the mixer of the config's "linear_attention" layers (hybrids)
     linear_attention: str | None = None
-    # models/decoder.py LAYER_KINDS: "decoder" (a token mixer then an MLP / MoE per layer) or
-    # "block" (one block a layer, its kind from the config's layer_types: Nemotron-H)
+    # models/decoder.py LAYER_KINDS: "decoder" (a token mixer then an MLP / MoE per layer),
+    # "block" (one block a layer, its kind from the config's layer_types: Nemotron-H) or
+    # "shortcut_moe" (LongCat-Flash: two attention blocks and two dense MLPs beside one MoE branch)
     layer: str = "decoder"
     norm: str = (
         "rms"  # layers/norm.py NORMS: "rms", "layer" (with bias), "rms_offset" ((1 + w)), "rms_float32"

@@ -21,12 +21,15 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),  # its text tower
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("deepseek", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5MoeForConditionalGeneration"),  # its text
     "KimiK25ForConditionalGeneration": ("kimi", "KimiK25ForConditionalGeneration"),  # its text tower
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
+    "LongcatFlashForCausalLM": ("longcat_flash", "LongcatFlashForCausalLM"),
 }
 
 
