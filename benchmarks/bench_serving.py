@@ -427,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: make_small_moe's mixtral-448)")
     ap.add_argument("--servers", default="expertmesh,vllm,llama.cpp", help="also: expertmesh-nowarmup")
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--offline-nowarmup", action="store_true", help="also offline generate with LLM(warmup=False)"
+    )
     ap.add_argument("--rates", default="1,4,inf", help="warm runs' request rates (requests/s, or inf)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
@@ -462,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         rows = data["rows"]
+        for key in ("num_prompts", "input_len", "output_len", "stream", "threads", "rounds"):
+            setattr(args, key, data["args"][key])
     else:
         if args.model is None:
             from make_small_moe import DEFAULT_CACHE, make_small_moe
@@ -475,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         for round_no in range(args.rounds):
             if args.offline:
                 rows += bench_offline(args, tokenizer, round_no, warmup=True)
+            if args.offline_nowarmup:
+                rows += bench_offline(args, tokenizer, round_no, warmup=False)
             for server in servers:
                 rows += bench_server(args, server, tokenizer, round_no)
         if args.json:

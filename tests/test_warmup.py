@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 
+import httpx
 import pytest
 from serve_utils import ServeProcess, torchrun
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.entrypoints.api_server import DEFAULT_SERVED_NAME
 from expertmesh.entrypoints.cli import build_parser
 
 ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, max_num_seqs=16, max_num_batched_tokens=256)
@@ -96,5 +98,23 @@ def test_serve_under_torchrun_warms_every_rank_before_health(tmp_path):
         server.wait_healthy(150)
         ranks = re.findall(r"\[?rank ?(\d)\]?.*warm-up: (\d+) forwards", server.output())
         assert sorted(r for r, _ in ranks) == ["0", "1"] and len({n for _, n in ranks}) == 1, server.output()
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_serve_with_the_mp_executor_warms_every_rank_before_health(tmp_path):
+    """`serve -tp 2 --distributed-executor-backend mp`: both workers (each with half of every layer)
+    log their warm-up before /health answers; the request after it works."""
+    flags = ["-tp", "2", "--distributed-executor-backend", "mp"]
+    server = ServeProcess(flags, tmp_path / "serve.log")
+    try:
+        server.wait_healthy(120)
+        ranks = re.findall(r"\[?rank ?(\d)\]?.*warm-up: (\d+) forwards", server.output())
+        assert sorted(r for r, _ in ranks) == ["0", "1"] and len({n for _, n in ranks}) == 1, server.output()
+        body = {"model": DEFAULT_SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert got["usage"]["completion_tokens"] == 3, got
     finally:
         server.stop()

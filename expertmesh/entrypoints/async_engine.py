@@ -134,6 +134,7 @@ class AsyncEngine:
         self._active: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._tokens_total = 0
+        self._token_names: dict[int, str] = {}  # logprobs' decoded_token by id (engine thread only)
         self._error: BaseException | None = None
         self.metrics: dict[str, Any] = {}  # the engine's numbers after the last step (see _snapshot)
         self.request_metrics = RequestMetrics(lambda: self.metrics)  # what /metrics exports
@@ -373,11 +374,16 @@ class AsyncEngine:
         self._name_tokens_in([e for e in out.prompt_logprobs or () if e])  # echo's prompt logprobs
 
     def _name_tokens_in(self, logprobs: list[dict[int, Logprob]]) -> None:
-        """Fill in each logprob's token text here, the only thread that uses the tokenizer."""
+        """Fill in each logprob's token text here, the only thread that uses the tokenizer. A
+        token's name never changes, so each id is decoded once (a dict lookup a token after)."""
+        names = self._token_names
         for entry in logprobs:
             for token_id, lp in entry.items():
                 if lp.decoded_token is None:
-                    lp.decoded_token = self.client.decode([token_id], False)
+                    name = names.get(token_id)
+                    if name is None:
+                        name = names[token_id] = self.client.decode([token_id], False)
+                    lp.decoded_token = name
 
     def _snapshot(self) -> None:
         """Numbers for /metrics, read by the server thread: one dict swap, no locking."""
