@@ -35,9 +35,9 @@ def random_seq(rng: random.Random, i: int) -> Sequence:
     params = SamplingParams(max_tokens=16, **kw)
     if rng.random() < 0.3:
         params.bad_words_token_ids = [rng.sample(range(VOCAB), rng.randint(1, 3)) for _ in range(3)]
-    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 150))]  # long lists take the buffer path
     seq = Sequence(f"r{i}", 0, prompt, params, max_len=200)
-    seq.output_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 12))]
+    seq.output_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 90))]
     if params.bad_words_token_ids and rng.random() < 0.5:  # end the output with a word's prefix
         seq.output_token_ids += params.bad_words_token_ids[0][:-1]
     return seq
