@@ -1,6 +1,7 @@
 """Start-up warm-up (LLMEngine.warmup): it runs (a forward count and its log line, on every rank of
-an mp layout and of `serve` under torchrun), and leaves nothing a request can see: the same tokens
-and logprobs as an engine started without it, an empty prefix cache, zeroed counters."""
+an mp layout, of `serve` under torchrun and with the mp executor), it is opt-in for offline `LLM`,
+and it leaves nothing a request can see: the same tokens and logprobs as an engine started
+without it, an empty prefix cache, zeroed counters."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_warmup_runs_logs_and_changes_no_result(checkpoint, engine_log):
     cold = LLM(path, warmup=False, **ENGINE)
     assert cold.llm_engine.num_warmup_steps == 0
     assert "warm-up:" not in engine_log.text
-    warm = LLM(path, **ENGINE)
+    warm = LLM(path, warmup=True, **ENGINE)
     engine = warm.llm_engine
     n, prompt, sizes = engine.warmup_plan()
     assert (n, sizes) == (16, [16, 8, 4, 2, 1]) and n * prompt == 256  # one prefill at the budget
@@ -66,6 +67,12 @@ def test_warmup_refuses_an_engine_with_requests(checkpoint):
     assert [(o.request_id, len(o.outputs[0].token_ids), o.error) for o in outs] == [("r", 2, None)]
 
 
+def test_offline_llm_does_not_warm_by_default(checkpoint, engine_log):
+    """Offline warm-up is opt-in (it gave the first generate no measured gain); serve keeps it."""
+    assert LLM(checkpoint("mixtral"), **ENGINE).llm_engine.num_warmup_steps == 0
+    assert "warm-up:" not in engine_log.text
+
+
 def test_cli_flag_reaches_the_engine_keywords():
     from expertmesh.entrypoints.cli import _engine_kwargs
 
@@ -77,10 +84,10 @@ def test_cli_flag_reaches_the_engine_keywords():
 @pytest.mark.timeout(120)
 def test_every_mp_rank_warms_in_lockstep(checkpoint):
     path = checkpoint("mixtral")
-    llm = LLM(path, data_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    llm = LLM(path, data_parallel_size=2, distributed_executor_backend="mp", warmup=True, **ENGINE)
     try:
         steps = {r: info["warmup_steps"] for r, info in llm._executor.ready_info.items()}
-        one = LLM(path, **ENGINE).llm_engine.num_warmup_steps
+        one = LLM(path, warmup=True, **ENGINE).llm_engine.num_warmup_steps
         assert steps == {0: one, 1: one}  # both DP ranks ran the same forwards as one process
         ref = LLM(path, warmup=False, **ENGINE)
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
