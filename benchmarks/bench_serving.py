@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -234,15 +235,22 @@ def available(args, server: str) -> bool:
 
 
 def bench_server(args, server: str, tokenizer, round_no: int) -> list[dict]:
+    """The server's cold and warm runs; a server that fails to start gives one row saying so."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd, env = server_cmd(args, server, port)
     log = open(Path(args.log_dir) / f"{server}-server.log", "a")  # noqa: SIM115 -- lives with the server
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Its own process group: vLLM's engine-core and worker processes go down with it.
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rows = []
     try:
-        wait_ready(url, proc, args.startup_timeout)
+        try:
+            wait_ready(url, proc, args.startup_timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"{server}: {exc}", file=sys.stderr)
+            return [{"server": server, "phase": "start", "rate": math.inf, "round": round_no, "failed": 1,
+                     "first_error": str(exc), "load": os.getloadavg()[0]}]  # fmt: skip
         startup = time.perf_counter() - t0
         plan = [("cold", math.inf)] + [("warm", r) for r in args.rates]
         for i, (phase, rate) in enumerate(plan):
@@ -254,13 +262,25 @@ def bench_server(args, server: str, tokenizer, round_no: int) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_group(proc)
         log.close()
     return rows
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL to whatever is left after 30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 OFFLINE_SCRIPT = r"""
@@ -441,7 +461,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--vllm-python", default=VLLM_PY)
     ap.add_argument("--llama-python", default=LLAMA_PY)
-    ap.add_argument("--startup-timeout", type=float, default=300)
+    ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--log-dir", default="/tmp")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
@@ -477,15 +497,22 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         servers = [s for s in args.servers if available(args, s)]
         rows = []
+
+        def save() -> None:  # after every engine, so a later failure keeps what was measured
+            if args.json:
+                Path(args.json).write_text(
+                    json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str)
+                )
+
         for round_no in range(args.rounds):
             if args.offline:
                 rows += bench_offline(args, tokenizer, round_no, warmup=True)
             if args.offline_nowarmup:
                 rows += bench_offline(args, tokenizer, round_no, warmup=False)
+            save()
             for server in servers:
                 rows += bench_server(args, server, tokenizer, round_no)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
+                save()
     table = markdown(rows, args)
     print(table)
     if args.markdown:
