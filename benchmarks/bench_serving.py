@@ -22,8 +22,8 @@ each row's ratio to offline. Load average and CPU are printed with the table.
 
 vLLM is run from its own venv (`--vllm-python`, default /work/peers/vllm/bin/python), llama.cpp's
 `llama_cpp.server` from `--llama-python` on a GGUF made from the same checkpoint with llama.cpp's
-converter (benchmarks/gguf_convert.py; cached next to the checkpoint). A server whose python is
-missing is skipped with a line saying so.
+converter (benchmarks/gguf_convert.py run by this venv's python; cached next to the checkpoint).
+A server whose python is missing is skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def gguf_for(args) -> str | None:
     path = Path(args.model).with_suffix(".f32.gguf")
     if path.exists():
         return str(path)
-    cmd = [args.llama_python, str(HERE / "gguf_convert.py"), "--converter", LLAMA_SRC, args.model]
+    # The converter imports transformers and torch: this venv has them, llama.cpp's may not.
+    cmd = [sys.executable, str(HERE / "gguf_convert.py"), "--converter", LLAMA_SRC, args.model]
     cmd += ["--outtype", "f32", "--outfile", str(path)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
