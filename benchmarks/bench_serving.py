@@ -104,7 +104,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
             res.output_tokens = int(resp.json()["usage"]["completion_tokens"])
             res.ok = True
             return res
-        chunks = 0
+        chunks, finish = 0, None
         async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -121,10 +121,15 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
                     else:
                         res.itl_s.append(now - last)
                     last = now
+                if data.get("choices"):
+                    finish = data["choices"][0].get("finish_reason") or finish
                 if data.get("usage"):
                     res.output_tokens = int(data["usage"]["completion_tokens"])
         res.latency_s = time.perf_counter() - sent
-        res.output_tokens = res.output_tokens or chunks  # a server without stream usage: one token a chunk
+        if not res.output_tokens:
+            # No usage in the stream (llama-cpp-python): a length stop means max_tokens tokens (it
+            # may send several tokens in one chunk, or none for a partial character); else chunks.
+            res.output_tokens = body["max_tokens"] if finish == "length" else chunks
         res.ok = chunks > 0
         res.error = "" if res.ok else "no chunk streamed"
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
