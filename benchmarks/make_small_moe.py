@@ -3,6 +3,8 @@
 Shapes (`--shape`):
 - `small`: a Mixtral of 8 layers, hidden 512, 8 experts of FFN 1024, top-2, 8 query / 4 KV heads of
   dim 64, vocab 3072 (about 110 M parameters).
+- `mixtral-448`: the serving benchmark's Mixtral (issue 40): 8 layers, hidden 448, 8 experts of FFN
+  1,024, top-2, 7 query / 7 KV heads of dim 64, vocab 3072.
 - `qwen3-30b-a3b`: a Qwen3-MoE with Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts of 768,
   top-8 renormalised, 32 query / 4 KV heads of dim 128, q/k RMSNorm) but 2 of its 48 layers and a
   vocabulary of 16,384 instead of 151,936, so the LM head weighs in a step about what it does in
@@ -43,6 +45,25 @@ SHAPES = {
             "num_hidden_layers": 8,
             "num_attention_heads": 8,
             "num_key_value_heads": 4,
+            "head_dim": 64,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 2048,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "mixtral-448": (
+        "MixtralForCausalLM",
+        {
+            "vocab_size": 3072,
+            "hidden_size": 448,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 7,
+            "num_key_value_heads": 7,
             "head_dim": 64,
             "num_local_experts": 8,
             "num_experts_per_tok": 2,
@@ -153,7 +174,7 @@ def _build(shape: str, dtype: str):
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     torch.manual_seed(SEED)
     td = getattr(torch, dtype)
-    init_dtype = torch.float32 if shape == "small" else td
+    init_dtype = torch.float32 if shape in ("small", "mixtral-448") else td
     default = torch.get_default_dtype()
     torch.set_default_dtype(init_dtype)
     try:

@@ -1,6 +1,6 @@
-"""The server's incremental detokenization (async_engine.IncrementalText.decoded): the streamed text
-equals the tokenizer's decode of the whole output at every step, while each step decodes only a
-few tokens (constant work a token, not the whole output again)."""
+"""Incremental detokenization (engine/incremental_text.IncrementalText.decoded, the server's and the
+stop strings'): the streamed text equals the tokenizer's decode of the whole output at every step,
+while each step decodes only a few tokens (constant work a token, not the whole output again)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from expertmesh.entrypoints.async_engine import IncrementalText
+from expertmesh.engine.incremental_text import IncrementalText
 
 TEXTS = [
     "Hello world, this is a test of streaming text.",

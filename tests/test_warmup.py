@@ -1,15 +1,18 @@
 """Start-up warm-up (LLMEngine.warmup): it runs (a forward count and its log line, on every rank of
-an mp layout and of `serve` under torchrun), and leaves nothing a request can see: the same tokens
-and logprobs as an engine started without it, an empty prefix cache, zeroed counters."""
+an mp layout, of `serve` under torchrun and with the mp executor), it is opt-in for offline `LLM`,
+and it leaves nothing a request can see: the same tokens and logprobs as an engine started
+without it, an empty prefix cache, zeroed counters."""
 
 from __future__ import annotations
 
 import re
 
+import httpx
 import pytest
 from serve_utils import ServeProcess, torchrun
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.entrypoints.api_server import DEFAULT_SERVED_NAME
 from expertmesh.entrypoints.cli import build_parser
 
 ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, max_num_seqs=16, max_num_batched_tokens=256)
@@ -37,7 +40,7 @@ def test_warmup_runs_logs_and_changes_no_result(checkpoint, engine_log):
     cold = LLM(path, warmup=False, **ENGINE)
     assert cold.llm_engine.num_warmup_steps == 0
     assert "warm-up:" not in engine_log.text
-    warm = LLM(path, **ENGINE)
+    warm = LLM(path, warmup=True, **ENGINE)
     engine = warm.llm_engine
     n, prompt, sizes = engine.warmup_plan()
     assert (n, sizes) == (16, [16, 8, 4, 2, 1]) and n * prompt == 256  # one prefill at the budget
@@ -64,6 +67,12 @@ def test_warmup_refuses_an_engine_with_requests(checkpoint):
     assert [(o.request_id, len(o.outputs[0].token_ids), o.error) for o in outs] == [("r", 2, None)]
 
 
+def test_offline_llm_does_not_warm_by_default(checkpoint, engine_log):
+    """Offline warm-up is opt-in (it gave the first generate no measured gain); serve keeps it."""
+    assert LLM(checkpoint("mixtral"), **ENGINE).llm_engine.num_warmup_steps == 0
+    assert "warm-up:" not in engine_log.text
+
+
 def test_cli_flag_reaches_the_engine_keywords():
     from expertmesh.entrypoints.cli import _engine_kwargs
 
@@ -75,10 +84,10 @@ def test_cli_flag_reaches_the_engine_keywords():
 @pytest.mark.timeout(120)
 def test_every_mp_rank_warms_in_lockstep(checkpoint):
     path = checkpoint("mixtral")
-    llm = LLM(path, data_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    llm = LLM(path, data_parallel_size=2, distributed_executor_backend="mp", warmup=True, **ENGINE)
     try:
         steps = {r: info["warmup_steps"] for r, info in llm._executor.ready_info.items()}
-        one = LLM(path, **ENGINE).llm_engine.num_warmup_steps
+        one = LLM(path, warmup=True, **ENGINE).llm_engine.num_warmup_steps
         assert steps == {0: one, 1: one}  # both DP ranks ran the same forwards as one process
         ref = LLM(path, warmup=False, **ENGINE)
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -96,5 +105,23 @@ def test_serve_under_torchrun_warms_every_rank_before_health(tmp_path):
         server.wait_healthy(150)
         ranks = re.findall(r"\[?rank ?(\d)\]?.*warm-up: (\d+) forwards", server.output())
         assert sorted(r for r, _ in ranks) == ["0", "1"] and len({n for _, n in ranks}) == 1, server.output()
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_serve_with_the_mp_executor_warms_every_rank_before_health(tmp_path):
+    """`serve -tp 2 --distributed-executor-backend mp`: both workers (each with half of every layer)
+    log their warm-up before /health answers; the request after it works."""
+    flags = ["-tp", "2", "--distributed-executor-backend", "mp"]
+    server = ServeProcess(flags, tmp_path / "serve.log")
+    try:
+        server.wait_healthy(120)
+        ranks = re.findall(r"\[?rank ?(\d)\]?.*warm-up: (\d+) forwards", server.output())
+        assert sorted(r for r, _ in ranks) == ["0", "1"] and len({n for _, n in ranks}) == 1, server.output()
+        body = {"model": DEFAULT_SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert got["usage"]["completion_tokens"] == 3, got
     finally:
         server.stop()

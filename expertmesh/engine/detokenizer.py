@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from expertmesh.engine.incremental_text import IncrementalText
 from expertmesh.engine.sequence import Sequence
 
 
@@ -28,9 +29,16 @@ class Detokenizer:
         if token in p.stop_token_ids:
             return "stop", token
         if p.stop_strings:
-            text = self.decode(seq.output_token_ids, p.skip_special_tokens)
+            # Incremental: a token costs the same at position 10 and 10,000. A stop string not in
+            # the text before this token can only start in its last (longest stop - 1) characters.
+            if seq.stop_scan is None:
+                seq.stop_scan = IncrementalText(0)
+            before = len(seq.stop_scan.text)
+            skip = p.skip_special_tokens
+            text = seq.stop_scan.decoded(seq.output_token_ids, lambda ids: self.decode(ids, skip))
+            start = max(0, before - max(len(s) for s in p.stop_strings) + 1)
             for stop in p.stop_strings:
-                at = text.find(stop)
+                at = text.find(stop, start)
                 if at >= 0:
                     seq.text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
                     return "stop", stop

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from expertmesh.outputs import Logprob
 from expertmesh.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from expertmesh.engine.incremental_text import IncrementalText
 
 _ids = itertools.count()
 
@@ -41,6 +45,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
+        self.stop_scan: IncrementalText | None = None  # the detokenizer's stop-string state
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         # Prompt logprobs by token index (the first has none, as in vLLM), when asked for.

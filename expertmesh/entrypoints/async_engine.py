@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from expertmesh.engine.client import EngineClient, SeqProgress, StepResult
+from expertmesh.engine.incremental_text import IncrementalText
 from expertmesh.engine.llm_engine import as_token_ids
 from expertmesh.entrypoints.metrics import RequestMetrics
 from expertmesh.outputs import Logprob, RequestOutput
@@ -79,42 +80,6 @@ def coalesce(first: Update, then: Update) -> Update:
             m.logprobs = [*(m.logprobs or []), *(d.logprobs or [])]
         m.text += d.text
     return Update(sorted(merged.values(), key=lambda d: d.index), then.final)
-
-
-class IncrementalText:
-    """Emits the new suffix of a sequence's text each step.
-
-    `decoded` builds the text incrementally, as vLLM's detokenizer does: each step decodes only
-    the tokens since the last stable point plus the few before them (their context: a suffix
-    alone can decode differently, a SentencePiece word's leading space), so a token costs the
-    same at position 10 and 10,000. `delta` holds back what may still change: an incomplete
-    UTF-8 character, or a tail that could be the start of a stop string (the finished text, the
-    engine's whole decode, is cut before it).
-    """
-
-    def __init__(self, hold: int) -> None:
-        self.sent, self.hold = "", hold
-        self.text = ""  # the stable text decoded so far
-        self.prefix = self.read = 0  # tokens[prefix:read]: the context; tokens[read:]: not yet in text
-
-    def decoded(self, tokens: list[int], decode: Callable[[list[int]], str]) -> str:
-        """The text of `tokens` (which only grow), decoding only its last few tokens."""
-        context = decode(tokens[self.prefix : self.read])
-        window = decode(tokens[self.prefix :])
-        if len(window) > len(context) and not window.endswith("\ufffd"):
-            self.text += window[len(context) :]
-            self.prefix, self.read = self.read, len(tokens)
-        return self.text
-
-    def delta(self, text: str, finished: bool) -> str:
-        if not finished:
-            if text.endswith("\ufffd"):
-                return ""
-            text = text[: max(0, len(text) - self.hold)]
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        new, self.sent = text[len(self.sent) :], text
-        return new
 
 
 class _Channel:
@@ -169,6 +134,7 @@ class AsyncEngine:
         self._active: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._tokens_total = 0
+        self._token_names: dict[int, str] = {}  # logprobs' decoded_token by id (engine thread only)
         self._error: BaseException | None = None
         self.metrics: dict[str, Any] = {}  # the engine's numbers after the last step (see _snapshot)
         self.request_metrics = RequestMetrics(lambda: self.metrics)  # what /metrics exports
@@ -408,11 +374,16 @@ class AsyncEngine:
         self._name_tokens_in([e for e in out.prompt_logprobs or () if e])  # echo's prompt logprobs
 
     def _name_tokens_in(self, logprobs: list[dict[int, Logprob]]) -> None:
-        """Fill in each logprob's token text here, the only thread that uses the tokenizer."""
+        """Fill in each logprob's token text here, the only thread that uses the tokenizer. A
+        token's name never changes, so each id is decoded once (a dict lookup a token after)."""
+        names = self._token_names
         for entry in logprobs:
             for token_id, lp in entry.items():
                 if lp.decoded_token is None:
-                    lp.decoded_token = self.client.decode([token_id], False)
+                    name = names.get(token_id)
+                    if name is None:
+                        name = names[token_id] = self.client.decode([token_id], False)
+                    lp.decoded_token = name
 
     def _snapshot(self) -> None:
         """Numbers for /metrics, read by the server thread: one dict swap, no locking."""

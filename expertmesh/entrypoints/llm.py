@@ -59,7 +59,9 @@ class LLM:
         allow_nonfinite_weights: bool = False,
         quantization: str | None = None,
         native_decode: bool = True,
-        warmup: bool = True,
+        # Offline, off by default: measured (benchmarks/bench_serving.py --offline-nowarmup), the first
+        # generate ran as fast without it; `expertmesh serve` turns it on (its first requests).
+        warmup: bool = False,
         speculative_config: dict | None = None,
     ) -> None:
         self._executor = None

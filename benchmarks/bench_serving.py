@@ -1,0 +1,532 @@
+"""Serving benchmark of issue 40: expertmesh serve against vLLM's CPU server and llama.cpp's server,
+cold and warm, at several request rates, with offline `generate` of the same requests as 1.0.
+
+The workload is `vllm bench serve --dataset-name random --random-input-len 128
+--random-output-len 64 --ignore-eos`: prompts of random token ids decoded to text (every server
+tokenizes the same text with the same tokenizer), a fixed number of new tokens, greedy. Each run
+draws fresh prompts (its own seed), so no run reuses an earlier run's prefix cache. The client is
+an open-loop asyncio one (Poisson arrivals at rate R, or all at once for `inf`) with vLLM's
+metrics: TTFT (first streamed chunk), TPOT per request ((latency - TTFT) / (tokens - 1)), ITL (every
+gap between two chunks, pooled over requests), output tok/s (all output tokens / the run's
+wall time); mean and P99 each. `--no-stream` measures non-streaming requests (TTFT = latency).
+
+Per server: start it, wait for /v1/models, run `cold` (the first run after start, at the
+saturation rate `inf`), then the warm runs at every rate, then stop it. The servers run one after
+another on the same cores, in rounds (`--rounds`), interleaved with the offline reference, so a
+load change on a shared machine hits every engine; the table gives the median over rounds and
+each row's ratio to offline. Load average and CPU are printed with the table.
+
+    .venv/bin/python benchmarks/bench_serving.py --quick              # <= 5 min, all engines found
+    .venv/bin/python benchmarks/bench_serving.py --rounds 2 --num-prompts 64 \\
+        --json serving.json --plot docs/serving_bench.svg --markdown serving.md
+
+vLLM is run from its own venv (`--vllm-python`, default /work/peers/vllm/bin/python), llama.cpp's
+`llama_cpp.server` from `--llama-python` on a GGUF made from the same checkpoint with llama.cpp's
+converter (benchmarks/gguf_convert.py run by this venv's python; cached next to the checkpoint).
+A server whose python is missing is skipped with a line saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from serving import free_port, wait_ready  # noqa: E402
+
+FIRST_TOKEN_ID = 3  # ids 0-2 are pad, bos and eos in the benchmark models
+VLLM_PY = "/work/peers/vllm/bin/python"
+LLAMA_PY = "/work/peers/llamacpp/bin/python"
+LLAMA_SRC = "/work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft_s: float = math.nan
+    latency_s: float = math.nan
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        n = self.output_tokens
+        return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else math.nan
+
+
+def make_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[str]:
+    """`n` texts of random token ids (vLLM's random dataset): decoded, so every server tokenizes
+    the same text; re-encoding may merge a few ids, which is the same for every engine."""
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    return [
+        tokenizer.decode([rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(input_len)]) for _ in range(n)
+    ]
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: float, stream: bool) -> Result:
+    await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+    res = Result()
+    sent = last = time.perf_counter()
+    try:
+        if not stream:
+            resp = await client.post("/v1/completions", json=body)
+            res.latency_s = res.ttft_s = time.perf_counter() - sent
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return res
+            res.output_tokens = int(resp.json()["usage"]["completion_tokens"])
+            res.ok = True
+            return res
+        chunks, finish = 0, None
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                now = time.perf_counter()
+                if data.get("choices") and (data["choices"][0].get("text") or not data.get("usage")):
+                    chunks += 1
+                    if chunks == 1:
+                        res.ttft_s = now - sent
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                if data.get("choices"):
+                    finish = data["choices"][0].get("finish_reason") or finish
+                if data.get("usage"):
+                    res.output_tokens = int(data["usage"]["completion_tokens"])
+        res.latency_s = time.perf_counter() - sent
+        if not res.output_tokens:
+            # No usage in the stream (llama-cpp-python): a length stop means max_tokens tokens (it
+            # may send several tokens in one chunk, or none for a partial character); else chunks.
+            res.output_tokens = body["max_tokens"] if finish == "length" else chunks
+        res.ok = chunks > 0
+        res.error = "" if res.ok else "no chunk streamed"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def request_body(server: str, prompt: str, output_len: int) -> dict:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0}
+    if server == "llama.cpp":
+        body["min_tokens"] = output_len  # llama-cpp-python has no ignore_eos: EOS is masked until then
+    else:
+        body["ignore_eos"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def run_load(url: str, server: str, prompts: list[str], args, rate: float, seed: int, stream: bool):
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    times = arrivals(len(prompts), rate, seed)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0), limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                one_request(client, request_body(server, p, args.output_len), t, start, stream)
+                for p, t in zip(prompts, times, strict=True)
+            )
+        )
+        return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def mean_p99(values: list[float]) -> tuple[float, float]:
+        values = sorted(v for v in values if not math.isnan(v))
+        if not values:
+            return math.nan, math.nan
+        p99 = values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+        return 1e3 * statistics.fmean(values), 1e3 * p99
+
+    out = {"requests": len(results), "failed": len(results) - len(ok), "duration_s": duration}
+    out["output_tok_s"] = sum(r.output_tokens for r in ok) / duration
+    for key, values in (
+        ("ttft", [r.ttft_s for r in ok]),
+        ("tpot", [r.tpot_s for r in ok]),
+        ("itl", [g for r in ok for g in r.itl_s]),
+    ):
+        out[f"mean_{key}_ms"], out[f"p99_{key}_ms"] = mean_p99(values)
+    out["first_error"] = next((r.error for r in results if not r.ok), "")
+    return out
+
+
+# ------------------------------------------------------------------ servers
+
+
+def gguf_for(args) -> str | None:
+    path = Path(args.model).with_suffix(".f32.gguf")
+    if path.exists():
+        return str(path)
+    # The converter imports transformers and torch: this venv has them, llama.cpp's may not.
+    cmd = [sys.executable, str(HERE / "gguf_convert.py"), "--converter", LLAMA_SRC, args.model]
+    cmd += ["--outtype", "f32", "--outfile", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"llama.cpp: GGUF conversion failed, skipped:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return str(path)
+
+
+def server_cmd(args, server: str, port: int) -> tuple[list[str], dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
+    p = str(port)
+    if server.startswith("expertmesh"):
+        exe = str(Path(sys.executable).with_name("expertmesh"))
+        cmd = [exe, "serve", args.model, "--port", p, "--max-model-len", str(args.max_model_len)]
+        cmd += ["--dtype", "float32", "--served-model-name", "bench", "--kv-cache-memory-bytes", str(1 << 30)]
+        if server == "expertmesh-nowarmup":
+            cmd.append("--no-warmup")
+        return cmd, env
+    if server == "vllm":
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+        )
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
+        cmd += ["--port", p]
+        cmd += ["--max-model-len", str(args.max_model_len), "--dtype", "float32", "--enforce-eager"]
+        return cmd + ["--served-model-name", "bench"], env
+    gguf = gguf_for(args)
+    cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", gguf or "", "--port", p]
+    cmd += ["--n_ctx", str(args.max_model_len), "--n_threads", str(args.threads), "--model_alias", "bench"]
+    return cmd + ["--n_threads_batch", str(args.threads), "--n_batch", "512"], env
+
+
+def available(args, server: str) -> bool:
+    py = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}.get(server)
+    if py is None:
+        return True
+    mod = "vllm" if server == "vllm" else "llama_cpp.server"
+    ok = Path(py).exists()
+    ok = ok and subprocess.run([py, "-c", f"import {mod}"], capture_output=True).returncode == 0
+    if ok and server == "llama.cpp":
+        ok = gguf_for(args) is not None
+    if not ok:
+        print(f"{server}: not available ({py} cannot import {mod}): skipped", file=sys.stderr)
+    return ok
+
+
+def bench_server(args, server: str, tokenizer, round_no: int) -> list[dict]:
+    """The server's cold and warm runs; a server that fails to start gives one row saying so."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd, env = server_cmd(args, server, port)
+    log = open(Path(args.log_dir) / f"{server}-server.log", "a")  # noqa: SIM115 -- lives with the server
+    t0 = time.perf_counter()
+    # Its own process group: vLLM's engine-core and worker processes go down with it.
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    rows = []
+    try:
+        try:
+            wait_ready(url, proc, args.startup_timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"{server}: {exc}", file=sys.stderr)
+            return [{"server": server, "phase": "start", "rate": math.inf, "round": round_no, "failed": 1,
+                     "first_error": str(exc), "load": os.getloadavg()[0]}]  # fmt: skip
+        startup = time.perf_counter() - t0
+        plan = [("cold", math.inf)] + [("warm", r) for r in args.rates]
+        for i, (phase, rate) in enumerate(plan):
+            seed = 1000 * round_no + 10 * i + 1  # fresh prompts for every run: no prefix-cache reuse
+            prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, seed)
+            results, duration = asyncio.run(run_load(url, server, prompts, args, rate, seed, args.stream))
+            row = {"server": server, "phase": phase, "rate": rate, "round": round_no, "startup_s": startup}
+            row.update(summarize(results, duration), load=os.getloadavg()[0])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        stop_group(proc)
+        log.close()
+    return rows
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL to whatever is left after 30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+OFFLINE_SCRIPT = r"""
+import json, sys, time
+from expertmesh import LLM, SamplingParams
+spec = json.loads(sys.argv[1])
+llm = LLM(spec["model"], dtype="float32", max_model_len=spec["max_model_len"],
+          kv_cache_memory_bytes=1 << 30, warmup=spec["warmup"])
+params = SamplingParams(max_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
+for name, prompts in spec["runs"]:
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    row = {"phase": name, "duration_s": dt, "output_tok_s": n / dt, "requests": len(outs)}
+    print(json.dumps(row), flush=True)
+"""
+
+
+def bench_offline(args, tokenizer, round_no: int, warmup: bool) -> list[dict]:
+    """expertmesh's LLM.generate of saturation runs (all prompts in one call): the first call
+    after construction (cold) and a later one (warm), fresh prompts each."""
+    runs = [
+        (phase, make_prompts(tokenizer, args.num_prompts, args.input_len, 1000 * round_no + 500 + i))
+        for i, phase in enumerate(("cold", "warm", "warm"))
+    ]
+    spec = {"model": args.model, "max_model_len": args.max_model_len, "output_len": args.output_len}
+    spec.update(runs=runs, warmup=warmup)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", OFFLINE_SCRIPT, json.dumps(spec)], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"offline generate failed:\n{done.stderr[-3000:]}")
+    name = "offline" if warmup else "offline-nowarmup"
+    rows = []
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            rows.append({"server": name, "rate": math.inf, "round": round_no, **d})
+            rows[-1]["load"] = os.getloadavg()[0]
+            print(json.dumps(rows[-1]), flush=True)
+    # Two warm calls: the second is the reference (the first may still settle allocations).
+    return [rows[0], rows[2]]
+
+
+# ------------------------------------------------------------------ report
+
+COLS = [
+    ("output_tok_s", "out tok/s", 0),
+    ("mean_ttft_ms", "TTFT mean", 0),
+    ("p99_ttft_ms", "TTFT P99", 0),
+    ("mean_tpot_ms", "TPOT mean", 1),
+    ("p99_tpot_ms", "TPOT P99", 1),
+    ("mean_itl_ms", "ITL mean", 1),
+    ("p99_itl_ms", "ITL P99", 1),
+]
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (server, phase, rate): the median over rounds of every metric."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["phase"], r["rate"]), []).append(r)
+    out = []
+    for (server, phase, rate), rs in groups.items():
+        m = {"server": server, "phase": phase, "rate": rate, "rounds": len(rs)}
+        for key in [c[0] for c in COLS] + ["load", "failed", "startup_s"]:
+            vals = [r[key] for r in rs if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+            m[key] = statistics.median(vals) if vals else math.nan
+        out.append(m)
+    return out
+
+
+def markdown(rows: list[dict], args) -> str:
+    med = median_rows(rows)
+    refs = [r["output_tok_s"] for r in med if r["server"] == "offline" and r["phase"] == "warm"]
+    ref = refs[0] if refs else math.nan
+    head = "| engine | run | rate (req/s) | " + " | ".join(c[1] for c in COLS) + " | x offline | failed |"
+    lines = [head, "|" + "---|" * (len(COLS) + 5)]
+    for r in med:
+        offline = r["server"].startswith("offline")
+        rate = "inf" if math.isinf(r["rate"]) else f"{r['rate']:g}"
+        cells = [
+            "-" if math.isnan(r.get(k, math.nan)) or (k != "output_tok_s" and offline) else f"{r[k]:,.{d}f}"
+            for k, _, d in COLS
+        ]
+        ratio = r["output_tok_s"] / ref if ref == ref and math.isinf(r["rate"]) else math.nan
+        ratio_s = "" if math.isnan(ratio) else f"{ratio:.2f}"
+        failed = "" if math.isnan(r["failed"]) else f"{r['failed']:.0f}"
+        head_cells = f"| {r['server']} | {r['phase']} | {rate} | "
+        lines.append(head_cells + " | ".join(cells) + f" | {ratio_s} | {failed} |")
+    loads = [r["load"] for r in rows if "load" in r]
+    lines.append("")
+    lines.append(
+        f"{args.num_prompts} requests of {args.input_len} prompt tokens and {args.output_len} new tokens "
+        f"per run, {'streaming' if args.stream else 'non-streaming'}, {args.threads} threads, "
+        f"median of {args.rounds} round(s); ms for latencies; load average during the runs "
+        f"{min(loads):.1f}-{max(loads):.1f}; CPU: {cpu_name()}."
+    )
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def plot_svg(rows: list[dict], path: str) -> None:
+    """Output tok/s and mean TTFT per rate for each engine (matplotlib when importable, else a
+    plain bar chart written as SVG by hand)."""
+    med = [r for r in median_rows(rows) if r["phase"] == "warm" or r["server"].startswith("offline")]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return _plot_svg_by_hand(median_rows(rows), path)
+    servers = sorted({r["server"] for r in med if not r["server"].startswith("offline")})
+    rates = sorted({r["rate"] for r in med if not r["server"].startswith("offline")})
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    xs = list(range(len(rates)))
+    labels = ["inf" if math.isinf(r) else f"{r:g}" for r in rates]
+    for server in servers:
+        mine = {r["rate"]: r for r in med if r["server"] == server}
+        for ax, key in zip(axes, ("output_tok_s", "mean_ttft_ms", "mean_tpot_ms"), strict=True):
+            ax.plot(xs, [mine.get(rt, {}).get(key, math.nan) for rt in rates], "o-", label=server)
+    off = next((r for r in med if r["server"] == "offline" and r["phase"] == "warm"), None)
+    if off:
+        axes[0].axhline(off["output_tok_s"], color="k", ls="--", lw=1, label="offline generate")
+    for ax, title in zip(axes, ("output tok/s", "mean TTFT (ms)", "mean TPOT (ms)"), strict=True):
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _plot_svg_by_hand(med: list[dict], path: str) -> None:
+    bars = [(f"{r['server']} {r['phase']} {r['rate']:g}", r["output_tok_s"]) for r in med]
+    top = max((v for _, v in bars if v == v), default=1.0)
+    h = 22 * len(bars) + 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="720" height="{h}" font-size="11">']
+    out.append('<text x="10" y="16">output tok/s</text>')
+    for i, (name, v) in enumerate(bars):
+        y, w = 30 + 22 * i, 0 if v != v else 400 * v / top
+        out.append(f'<text x="10" y="{y + 12}">{name}</text>')
+        out.append(f'<rect x="250" y="{y}" width="{w:.0f}" height="16" fill="#4477aa"/>')
+        out.append(f'<text x="{255 + w:.0f}" y="{y + 12}">{v:,.0f}</text>')
+    out.append("</svg>")
+    Path(path).write_text("\n".join(out))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: make_small_moe's mixtral-448)")
+    ap.add_argument("--servers", default="expertmesh,vllm,llama.cpp", help="also: expertmesh-nowarmup")
+    ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--offline-nowarmup", action="store_true", help="also offline generate with LLM(warmup=False)"
+    )
+    ap.add_argument("--rates", default="1,4,inf", help="warm runs' request rates (requests/s, or inf)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (median reported)")
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--quick", action="store_true", help="24 prompts, one round: under 5 min")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--vllm-python", default=VLLM_PY)
+    ap.add_argument("--llama-python", default=LLAMA_PY)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--log-dir", default="/tmp")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--plot", default=None, help="SVG/PNG path")
+    ap.add_argument("--from-json", default=None, help="run nothing: report an earlier --json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.rounds = 24, 1
+    args.rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
+    if any(r <= 0 for r in args.rates):
+        ap.error(f"--rates must be positive or inf, got {args.rates}")
+    args.servers = [s for s in args.servers.split(",") if s]
+    unknown = set(args.servers) - {"expertmesh", "expertmesh-nowarmup", "vllm", "llama.cpp"}
+    if unknown:
+        ap.error(f"--servers: unknown {sorted(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        rows = data["rows"]
+        for key in ("num_prompts", "input_len", "output_len", "stream", "threads", "rounds"):
+            setattr(args, key, data["args"][key])
+    else:
+        if args.model is None:
+            from make_small_moe import DEFAULT_CACHE, make_small_moe
+
+            args.model = make_small_moe(DEFAULT_CACHE, "float32", "mixtral-448")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        servers = [s for s in args.servers if available(args, s)]
+        rows = []
+
+        def save() -> None:  # after every engine, so a later failure keeps what was measured
+            if args.json:
+                Path(args.json).write_text(
+                    json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str)
+                )
+
+        for round_no in range(args.rounds):
+            if args.offline:
+                rows += bench_offline(args, tokenizer, round_no, warmup=True)
+            if args.offline_nowarmup:
+                rows += bench_offline(args, tokenizer, round_no, warmup=False)
+            save()
+            for server in servers:
+                rows += bench_server(args, server, tokenizer, round_no)
+                save()
+    table = markdown(rows, args)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.plot:
+        plot_svg(rows, args.plot)
+    return 1 if any(r.get("failed") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
