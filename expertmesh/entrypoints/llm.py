@@ -60,6 +60,7 @@ class LLM:
         quantization: str | None = None,
         native_decode: bool = True,
         warmup: bool = True,
+        deterministic: bool = False,
     ) -> None:
         self._executor = None
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import tree_sum
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.activation import GatedActivation
@@ -124,6 +125,103 @@ class FusedExperts(nn.Module):
             return
         copy_into(dst, read(src, 1, self.shard_rank * self.inter, self.inter), f"expert {expert} w2")
 
+    # Deterministic mode (distributed/fixed_sum.py): this rank's fixed chunks of the intermediate
+    # dim (0: off), and per chunk the fused kernel's stacked panels (None: the torch path).
+    fixed_chunks = 0
+    chunked: list[tuple[CpuKernels, torch.Tensor, torch.Tensor, str]] | None = None
+
+    def _chunk_dense(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk j's [E, 2c, H] gate|up rows and [E, H, c] down columns of the dense weights."""
+        c = self.inter // self.fixed_chunks
+        cols = slice(j * c, (j + 1) * c)
+        w13 = torch.cat(
+            [self.w13.data[:, cols], self.w13.data[:, self.inter + j * c : self.inter + (j + 1) * c]], 1
+        )
+        return w13.contiguous(), self.w2.data[:, :, cols].contiguous()
+
+    def _pack_chunks(self, kernels: CpuKernels | None) -> None:
+        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        if kernels is None or not self.expert_ids or not plain:
+            return  # the torch path of pair_sums on the dense weights
+        if not kernels.moe_supports(self.w13.dtype, self.act_name):
+            return
+        chunked = []
+        for j in range(self.fixed_chunks):
+            stacks = []
+            for w in self._chunk_dense(j):
+                shape = (w.shape[0], *kernels.panel_shape(*w.shape[1:], w.dtype))
+                out = torch.empty(shape, dtype=w.dtype)
+                for e in range(w.shape[0]):
+                    out[e] = kernels.pack(w[e]).data
+                stacks.append(out)
+            chunked.append((kernels, stacks[0], stacks[1], self.act_name))
+        self.chunked = chunked
+        cpu_gemm.release(self.w13)
+        cpu_gemm.release(self.w2)
+
+    def pair_sums(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Deterministic mode: x [n, H], topk [n, k] -> [n, k, H] float32, each (token, pick)'s
+        unweighted expert output over this rank's fixed chunks, added by the fixed tree (zero
+        for picks held elsewhere). Routing weights on the input (weight_on_input) are applied
+        here; on the output, by `finish`."""
+        n, k = topk_ids.shape
+        out = torch.zeros((n, k, x.shape[1]), dtype=torch.float32, device=x.device)
+        if n == 0 or not self.expert_ids:
+            return out
+        slot = self.local_index.index_select(0, topk_ids.flatten()).view(n, k)  # [n, k], -1 elsewhere
+        if self.chunked is not None:
+            ones = torch.ones((n, 1), dtype=torch.float32)
+            for p in range(k):
+                s = slot[:, p : p + 1].to(torch.int32).contiguous()
+                parts = [kern.moe(x, s, ones, w13, w2, self.inter // self.fixed_chunks, act)
+                         for kern, w13, w2, act in self.chunked]  # fmt: skip
+                out[:, p] = tree_sum(parts)
+            return out
+        c = self.inter // self.fixed_chunks
+        chunks = [self._chunk_dense(j) for j in range(self.fixed_chunks)]
+        for e in range(len(self.expert_ids)):
+            tok, pick = (slot == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xs = x[tok]
+            if self.weight_on_input:
+                xs = xs * topk_weights[tok, pick].unsqueeze(1).to(xs.dtype)
+            parts = []
+            for j, (w13, w2) in enumerate(chunks):
+                b13 = None
+                if self.w13_bias is not None:
+                    b = self.w13_bias.data[e]
+                    b13 = torch.cat(
+                        [b[j * c : (j + 1) * c], b[self.inter + j * c : self.inter + (j + 1) * c]]
+                    )
+                h = self.act(F.linear(xs, w13[e], b13))
+                parts.append(F.linear(h.float(), w2[e].float()))
+            out[tok, pick] = tree_sum(parts)
+        return out
+
+    def finish(self, sums: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """[n, k, H] whole (or, under EP, local) expert outputs -> [n, H] float32: the down bias,
+        the routing weight, and the sum over the picks in the order of their expert ids, whatever
+        rank computed them."""
+        n, k = topk_ids.shape
+        y = torch.zeros((n, sums.shape[2]), dtype=torch.float32, device=sums.device)
+        if n == 0:
+            return y
+        order = torch.argsort(topk_ids, dim=1, stable=True)  # [n, k]
+        slot = self.local_index.index_select(0, topk_ids.flatten()).view(n, k)
+        for p in range(k):
+            col = order[:, p]
+            rows = torch.arange(n, device=sums.device)
+            term = sums[rows, col]  # [n, H]
+            if self.w2_bias is not None:
+                local = slot[rows, col] >= 0
+                b = self.w2_bias.data.float()[slot[rows, col].clamp(min=0)]
+                term = torch.where(local.unsqueeze(1), term + b, term)
+            if not self.weight_on_input:
+                term = term * topk_weights[rows, col].float().unsqueeze(1)
+            y = y + term
+        return y
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] float32 partial sum over local experts."""
         if self.fused is not None:
@@ -182,6 +280,8 @@ class FusedExperts(nn.Module):
     fused: tuple[CpuKernels, torch.Tensor, torch.Tensor, str] | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        if self.fixed_chunks:
+            return self._pack_chunks(kernels)
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
         form = getattr(self.act, "moe_q_form", None)  # biases / clamped SwiGLU: moe_*_ex
         extras = not plain and not self.weight_on_input and form is not None
@@ -225,6 +325,8 @@ class FusedExperts(nn.Module):
         block runs in one call of moe_q; otherwise each expert's pair runs on the per-expert path."""
         if not self.expert_ids:
             return
+        if self.fixed_chunks:
+            raise ValueError("deterministic=True does not serve quantized experts yet")
         shards = self.full_inter // self.inter
         scheme.check_split(
             f"the experts' down projection [{self.w2.shape[1]}, {self.inter}]", self.inter, shards
