@@ -155,6 +155,13 @@ def _add_verify_parser(sub) -> None:
     )
     verify.add_argument("--json", action="store_true", help="print the rows as JSON")
     verify.add_argument(
+        "--no-deterministic",
+        dest="deterministic",
+        action="store_false",
+        help="engines without deterministic=True: compare tokens only (logprobs may differ in the "
+        "last bits of bf16, the order of float32 sums)",
+    )
+    verify.add_argument(
         "--eplb",
         action="store_true",
         help="also run each EP layout with EPLB (2 redundant experts, a rebalance every 2 forwards)",
@@ -296,6 +303,7 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         dtype=args.dtype,
         eplb=args.eplb,
+        deterministic=args.deterministic,
     )
     if torchrun_env() is not None:
         if args.world is not None:

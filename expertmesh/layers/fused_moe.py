@@ -96,7 +96,9 @@ class FusedExperts(nn.Module):
         """Views of local slot `slot`'s weights as stored now (dense, packed panels, quantized codes
         with their scales, offsets and desc_act order, biases): what EPLB copies between ranks in
         place, whatever the format; same shapes and dtypes for every slot."""
-        if self.fused is not None:  # stacks [E, ...]: float panels or QuantizedExperts
+        if self.chunked is not None:  # deterministic mode: per fixed chunk, stacks [E, ...]
+            out = [w[slot] for _, w13, w2, _ in self.chunked for w in (w13, w2)]
+        elif self.fused is not None:  # stacks [E, ...]: float panels or QuantizedExperts
             q = isinstance(self.fused[1], QuantizedExperts)
             out = [t for w in self.fused[1:3] for t in (w.slot_tensors(slot) if q else [w[slot]])]
         elif self.packed is not None:  # per expert: float panels, or quantized (slot_tensors)
