@@ -14,6 +14,8 @@ tip under float32 reordering: without the option, TP2 is measurably off one proc
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from distributed_utils import run_distributed
@@ -160,3 +162,49 @@ def test_batch_invariant(wide_mixtral, det):
         batch = others[: size // 2] + [target] + others[size // 2 : size - 1]
         got = logprobs(llm, batch)[size // 2]
         assert got == alone, f"deterministic={det}: batch of {size} changed the request's logprobs"
+
+
+def max_difference(ref, got: dict) -> float:
+    """Largest |logprob difference| over one process's top tokens at every position (inf: a
+    reference token missing from the layout's)."""
+    return max(
+        (
+            abs(lps.get(t, float("inf")) - v)
+            for i, per_pos in got.items()
+            for j, lps in enumerate(per_pos)
+            for t, v in ref[i][j].items()
+        ),  # fmt: skip
+        default=0.0,
+    )
+
+
+PHI_LAYERS = int(os.environ.get("EXPERTMESH_BITWISE_PHI_LAYERS", "2"))  # 8: ~4 GB a process
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_phi_mini_moe_width_before_after(tmp_path_factory, tokenizer_dir):
+    """Phi-mini-MoE's published width (hidden 4,096, 16 experts of 960; tests/real_configs), bf16,
+    PHI_LAYERS layers: per layout the largest logprob difference from one process without the
+    option (printed: the order of float32 sums) and with it (asserted 0: bit-equal)."""
+    from test_bf16_layouts import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path_factory.mktemp("phi_bitwise")), tokenizer_dir, PHI_LAYERS)
+    batch = prompts(4)
+    refs = {det: logprobs(engine(path, det=det), batch) for det in (False, True)}
+    world2 = [(1, 1, 2, False, "allgather_reducescatter"), (1, 2, 1, False, "allgather_reducescatter"),
+              (2, 1, 1, True, "alltoall")]  # fmt: skip
+    world4 = [(2, 1, 2, False, "naive"), (2, 1, 2, False, "allgather_reducescatter"),
+              (2, 1, 2, True, "alltoall"), (1, 1, 4, False, "allgather_reducescatter")]  # fmt: skip
+    lines, bad = [], []
+    for world, layouts in ((2, world2), (4, world4)):
+        cases = [(*layout, det) for layout in layouts for det in (False, True)]
+        results = run_distributed(_rank_main, world, path, batch, cases, timeout=1500, gloo_timeout=600)
+        for rank, per_rank in enumerate(results):
+            for layout, got in per_rank:
+                diff = max_difference(refs[layout[-1]], got)
+                lines.append(f"rank {rank} {layout}: max |logprob diff| {diff:.4g}")
+                if layout[-1] and diff != 0.0:
+                    bad.append(lines[-1])
+    print("\n".join(lines))
+    assert not bad, bad
