@@ -208,3 +208,25 @@ def test_phi_mini_moe_width_before_after(tmp_path_factory, tokenizer_dir):
                     bad.append(lines[-1])
     print("\n".join(lines))
     assert not bad, bad
+
+
+def test_fixed_tree_and_chunks():
+    """The tree's order (float32 sums that differ by order do differ here), and chunk counts."""
+    from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
+
+    parts = [torch.tensor([v], dtype=torch.float32) for v in (1e8, 1.0, -1e8, 1.0)]
+    assert tree_sum(parts).item() == 0.0  # (1e8 + 1) + (-1e8 + 1) in float32: 1e8 absorbs each 1
+    assert sum(parts).item() == 1.0  # the running order: (((0 + 1e8) + 1) - 1e8) + 1
+    with pytest.raises(ValueError, match="power of two"):
+        tree_sum(parts[:3])
+    assert chunk_count(4096, 2, "k") == 8 and chunk_count(960, 4, "k") == 8 and chunk_count(12, 2, "k") == 2
+    with pytest.raises(ValueError, match="deterministic=True: k of 4096 sums in 8 fixed chunks"):
+        chunk_count(4096, 16, "k")
+
+
+def test_deterministic_refuses_quantized_weights(checkpoint):
+    path = checkpoint("mixtral", num_hidden_layers=2)
+    with pytest.raises(ValueError, match="deterministic=True does not serve quantized"):
+        LLM(path, quantization="int8", deterministic=True, max_model_len=64, kv_cache_memory_bytes=1 << 22)
+    llm = LLM(path, deterministic=True, max_model_len=64, kv_cache_memory_bytes=1 << 22, warmup=False)
+    assert logprobs(llm, [[5, 6, 7]])[0]  # the next engine builds and runs

@@ -327,8 +327,6 @@ class FusedExperts(nn.Module):
         block runs in one call of moe_q; otherwise each expert's pair runs on the per-expert path."""
         if not self.expert_ids:
             return
-        if self.fixed_chunks:
-            raise ValueError("deterministic=True does not serve quantized experts yet")
         shards = self.full_inter // self.inter
         scheme.check_split(
             f"the experts' down projection [{self.w2.shape[1]}, {self.inter}]", self.inter, shards
@@ -347,6 +345,8 @@ class FusedExperts(nn.Module):
         """Serve the experts from compressed (w13, w2) pairs, one a local expert (online, or a
         checkpoint's codes as stored): with our kernel in one moe_q_ex call (biases and the clamped
         SwiGLU included), except experts weighted on their input."""
+        if self.fixed_chunks:
+            raise ValueError("deterministic=True does not serve quantized experts yet")
         cpu_gemm.release(self.w13)
         cpu_gemm.release(self.w2)
         form = self._moe_q_form(kernels)
