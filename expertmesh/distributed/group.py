@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import expertmesh.distributed.watchdog as watchdog
+from expertmesh.distributed.fixed_sum import tree_sum
 from expertmesh.distributed.layout import ParallelLayout, check_world_size
 
 ReduceOp = Literal["sum", "max", "min"]
@@ -174,8 +175,6 @@ class Group:
         whatever the collective does inside. The group size must be a power of two."""
         if self.world_size == 1:
             return x
-        from expertmesh.distributed.fixed_sum import tree_sum
-
         return tree_sum(list(self.all_gather(x.unsqueeze(0)).unbind(0)))
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
