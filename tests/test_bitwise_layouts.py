@@ -237,3 +237,22 @@ def test_deterministic_refuses_quantized_weights(checkpoint):
         LLM(path, quantization="int8", deterministic=True, max_model_len=64, kv_cache_memory_bytes=1 << 22)
     llm = LLM(path, deterministic=True, max_model_len=64, kv_cache_memory_bytes=1 << 22, warmup=False)
     assert logprobs(llm, [[5, 6, 7]])[0]  # the next engine builds and runs
+
+
+def test_verify_compares_logprobs_bitwise():
+    """verify's comparison: with deterministic engines a rank whose tokens match but whose logprob
+    is one float32 ulp off disagrees, and the table shows the difference; without, it agrees."""
+    from expertmesh.entrypoints import verify
+
+    case = verify.Case(1, 1, 2, False, "allgather_reducescatter")
+    expected, lps = [[5, 6]], [[-0.5, -1.25]]
+    off = float(torch.nextafter(torch.tensor(-1.25), torch.tensor(0.0)))
+    per_rank = [[([0], [[5, 6]], 0, 1.0, [[-0.5, -1.25]])], [([0], [[5, 6]], 0, 1.0, [[-0.5, off]])]]
+    strict = verify.compare([case], per_rank, expected, lps, bitwise=True)[0]
+    assert strict["ranks_agreeing"] == 1 and not strict["logprobs_bitwise"]
+    assert strict["max_logprob_difference"] == pytest.approx(off + 1.25)
+    assert "1.2e-07" in verify.table([strict], [])
+    loose = verify.compare([case], per_rank, expected, lps, bitwise=False)[0]
+    assert loose["ranks_agreeing"] == 2
+    same = verify.compare([case], [per_rank[0]] * 2, expected, lps, bitwise=True)[0]
+    assert same["ranks_agreeing"] == 2 and "bitwise" in verify.table([same], [])

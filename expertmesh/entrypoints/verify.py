@@ -7,9 +7,10 @@ last replica gets fewer), and compares every rank's tokens with one process. Pri
 (layout, backend, ranks agreeing, the first differing token where one differs, bytes the MoE
 exchange moved, tok/s) and exits 1 on any disagreement; `--json` prints the rows for scripts.
 Every engine, the one-process reference included, runs with ``deterministic=True`` (layout-
-invariant sums, distributed/fixed_sum.py) unless ``--no-deterministic``: then every generated
-token's logprob must equal one process's bit for bit too (bf16 included), and the table's
-"logprobs" column says "bitwise" or the largest difference.
+invariant sums, distributed/fixed_sum.py; not with ``--no-deterministic``, nor on a quantized
+checkpoint, which that mode does not serve yet), and every generated token's logprob must then
+equal one process's bit for bit too, bf16 included; the table's "logprobs" column says "bitwise"
+or the largest difference.
 `--eplb` adds, for every EP layout with more than one EP rank, the same layout with EPLB: two
 redundant experts and an online rebalance every two forwards, so expert weights move between
 ranks during the run and the tokens must still equal one process.
@@ -316,10 +317,11 @@ def verify(
         "max_model_len": max_model_len, "kv_cache_memory_bytes": kv_cache_memory_bytes, "dtype": dtype,
         "deterministic": deterministic,
     }  # fmt: skip
+    spec["deterministic"] = deterministic and mc.quantization is None  # quantized: not served yet
     cases, skipped = cases_for(world, mc, eplb)
     expected, expected_lps = reference_tokens(spec)
     per_rank = run_spmd(run_cases, world, spec, cases, setup, timeout=timeout) if cases else []
-    return compare(cases, per_rank, expected, expected_lps, bitwise=deterministic), skipped
+    return compare(cases, per_rank, expected, expected_lps, bitwise=spec["deterministic"]), skipped
 
 
 def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], list[tuple[Case, str]]] | None:
@@ -338,6 +340,7 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     model_dir = resolve_model(model, None)
     mc = ModelConfig.from_hf(load_hf_config(model_dir), kw.get("dtype", "auto"))
     spec = {"model": model_dir, "prompts": default_prompts(mc.vocab_size), **kw}
+    spec["deterministic"] = spec["deterministic"] and mc.quantization is None
     cases, skipped = cases_for(world, mc, eplb)
     results = run_cases(rank, world, spec, cases)
     gathered = [None] * world if rank == 0 else None
