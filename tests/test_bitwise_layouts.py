@@ -256,3 +256,13 @@ def test_verify_compares_logprobs_bitwise():
     assert loose["ranks_agreeing"] == 2
     same = verify.compare([case], [per_rank[0]] * 2, expected, lps, bitwise=True)[0]
     assert same["ranks_agreeing"] == 2 and "bitwise" in verify.table([same], [])
+
+
+def test_cli_flag():
+    from expertmesh.entrypoints.cli import _engine_kwargs, build_parser
+
+    parser = build_parser()
+    assert _engine_kwargs(parser.parse_args(["serve", "m", "--deterministic"]), "m")["deterministic"] is True
+    assert _engine_kwargs(parser.parse_args(["serve", "m"]), "m")["deterministic"] is False
+    assert parser.parse_args(["verify", "--world", "2"]).deterministic is True  # verify's default
+    assert parser.parse_args(["verify", "--world", "2", "--no-deterministic"]).deterministic is False

@@ -102,6 +102,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="skip the start-up warm-up (dummy requests of every step shape before the first request)",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="layout- and batch-invariant sums: every layout gives one process's logprobs bit for bit, "
+        "bf16 included, at a cost in speed (docs/layouts.md)",
+    )
+    p.add_argument(
         "--distributed-timeout-seconds",
         type=float,
         default=60.0,  # = distributed.watchdog.DEFAULT_TIMEOUT_S (not imported: --help stays fast)
@@ -231,6 +237,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         num_redundant_experts=args.num_redundant_experts,
         eplb_config=args.eplb_config,
         warmup=args.warmup,
+        deterministic=args.deterministic,
     )
 
 
