@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode = max(whole - prefill, 0.0) / args.new_tokens
                 rows.append(dict(dtype=dtype, batch=batch, deterministic=det, prefill_ms=prefill * 1e3,
                                  decode_ms_per_step=decode * 1e3))  # fmt: skip
+                print(f"{rows[-1]}", flush=True)  # as measured: a long run shows progress
         del engines
     print(f"load average {os.getloadavg()}, {os.cpu_count()} CPUs")
     print(
