@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         g = torch.Generator().manual_seed(0)
         for batch in args.batch_sizes:
-            prompts = [torch.randint(3, 3000, (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
+            vocab = engines[False].llm_engine.config.model_config.vocab_size
+            prompts = [
+                torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)
+            ]
             times = {(det, n): [] for det in engines for n in (1, 1 + args.new_tokens)}
             for _ in range(args.repeats):
                 for n in (1, 1 + args.new_tokens):
