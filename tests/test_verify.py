@@ -58,6 +58,7 @@ def test_verify_world4_exits_0_and_reports_every_layout(checkpoint):
     rows = out["rows"]
     assert len(rows) >= 15
     assert all(r["ranks_agreeing"] == r["ranks"] == 4 and r["first_difference"] is None for r in rows)
+    assert all(r["logprobs_bitwise"] for r in rows)  # deterministic=True, verify's default
     assert {(r["dp"], r["pp"], r["tp"]) for r in rows} == {
         (4, 1, 1),
         (2, 1, 2),

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import expertmesh.distributed.watchdog as watchdog
+from expertmesh.distributed.fixed_sum import tree_sum
 from expertmesh.distributed.layout import ParallelLayout, check_world_size
 
 ReduceOp = Literal["sum", "max", "min"]
@@ -105,6 +106,9 @@ class Group:
         self.world_size = len(self.ranks)
         self.traffic = Traffic()
         self.reduce_dtype = reduce_dtype  # see the module docstring
+        # Deterministic mode (distributed/fixed_sum.py): the fixed chunk count of layout-invariant
+        # sums; 0 = off (partial sums all-reduced as they come).
+        self.fixed_chunks = 0
         self.pg = self._resolve_pg(pg) if self.world_size > 1 else None
         self.backend = (backend or dist.get_backend(self.pg)) if self.pg is not None else "none"
 
@@ -164,6 +168,14 @@ class Group:
         moved = 2 * (self.world_size - 1) * _nbytes(wire) // self.world_size
         self._count(moved, moved)
         return wire.to(x.dtype)
+
+    def ordered_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of float32 subtree sums, added by the binary tree in group order
+        (``fixed_sum.tree_sum``): an all-gather, so every rank adds the same terms in the same order,
+        whatever the collective does inside. The group size must be a power of two."""
+        if self.world_size == 1:
+            return x
+        return tree_sum(list(self.all_gather(x.unsqueeze(0)).unbind(0)))
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Equal-shaped tensors from every rank, concatenated along ``dim`` in group order."""
@@ -341,6 +353,12 @@ class ParallelGroups:
             raise ValueError(f"reduce_dtype must be a floating dtype, not {dtype}")
         for group in {id(g): g for g in (self.tp, self.pp, self.dp, self.ep, self.world)}.values():
             group.reduce_dtype = dtype
+
+    def set_fixed_chunks(self, chunks: int) -> None:
+        """Deterministic mode on every group: sums a layout splits are taken over `chunks` fixed
+        chunks by a fixed tree (distributed/fixed_sum.py); 0 turns it off. Set before building."""
+        for group in {id(g): g for g in (self.tp, self.pp, self.dp, self.ep, self.world)}.values():
+            group.fixed_chunks = chunks
 
     def get(self, name: str) -> Group:
         """Group by kind name ("tp", "pp", "dp", "ep", "world"); "dp_tp" is an alias of ep."""

@@ -26,6 +26,7 @@ from expertmesh.config import (
 )
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.all2all_choice import choose_all2all_backend
+from expertmesh.distributed.fixed_sum import FIXED_CHUNKS
 from expertmesh.distributed.launcher import check_model_fits, check_same_config, place_process
 from expertmesh.distributed.moe_plan import MoEPlan
 from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
@@ -86,6 +87,9 @@ class EngineArgs:
     # vLLM's speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...}
     # (spec_decode/config.py; docs/speculative_decoding.md).
     speculative_config: dict | SpeculativeConfig | None = None
+    # Layout- and batch-invariant sums (distributed/fixed_sum.py): every layout gives one process's
+    # logprobs bit for bit, bf16 included; costs measured in docs/layouts.md.
+    deterministic: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
@@ -164,7 +168,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         args.tokenizer, args.seed,
     )  # fmt: skip
     config = replace(config, speculative_config=spec)
-    check_same_config(placement.groups, _describe(config, args.distributed_timeout_seconds))
+    settings = _describe(config, args.distributed_timeout_seconds)
+    check_same_config(placement.groups, {**settings, "deterministic": repr(args.deterministic)})
+    placement.groups.set_fixed_chunks(FIXED_CHUNKS if args.deterministic else 0)
     torch.manual_seed(args.seed)
     env = _model_env(config, placement, args.pipeline_split, args.debug_nan_recv_buffers)
     if parallel.enable_eplb:

@@ -109,6 +109,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="skip the start-up warm-up (dummy requests of every step shape before the first request)",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="layout- and batch-invariant sums: every layout gives one process's logprobs bit for bit, "
+        "bf16 included, at a cost in speed (docs/layouts.md)",
+    )
+    p.add_argument(
         "--distributed-timeout-seconds",
         type=float,
         default=60.0,  # = distributed.watchdog.DEFAULT_TIMEOUT_S (not imported: --help stays fast)
@@ -161,6 +167,13 @@ def _add_verify_parser(sub) -> None:
         "--kv-cache-memory-bytes", type=int, default=1 << 23, help="KV cache per rank and layout"
     )
     verify.add_argument("--json", action="store_true", help="print the rows as JSON")
+    verify.add_argument(
+        "--no-deterministic",
+        dest="deterministic",
+        action="store_false",
+        help="engines without deterministic=True: compare tokens only (logprobs may differ in the "
+        "last bits of bf16, the order of float32 sums)",
+    )
     verify.add_argument(
         "--eplb",
         action="store_true",
@@ -232,6 +245,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
         eplb_config=args.eplb_config,
         warmup=args.warmup,
         speculative_config=args.speculative_config,
+        deterministic=args.deterministic,
     )
 
 
@@ -304,6 +318,7 @@ def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         dtype=args.dtype,
         eplb=args.eplb,
+        deterministic=args.deterministic,
     )
     if torchrun_env() is not None:
         if args.world is not None:

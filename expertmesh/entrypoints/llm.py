@@ -63,6 +63,7 @@ class LLM:
         # generate ran as fast without it; `expertmesh serve` turns it on (its first requests).
         warmup: bool = False,
         speculative_config: dict | None = None,
+        deterministic: bool = False,
     ) -> None:
         self._executor = None
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}

@@ -6,6 +6,11 @@ allow, each rank generating greedily for its DP replica's share of the prompts (
 last replica gets fewer), and compares every rank's tokens with one process. Prints a table
 (layout, backend, ranks agreeing, the first differing token where one differs, bytes the MoE
 exchange moved, tok/s) and exits 1 on any disagreement; `--json` prints the rows for scripts.
+Every engine, the one-process reference included, runs with ``deterministic=True`` (layout-
+invariant sums, distributed/fixed_sum.py; not with ``--no-deterministic``, nor on a quantized
+checkpoint, which that mode does not serve yet), and every generated token's logprob must then
+equal one process's bit for bit too, bf16 included; the table's "logprobs" column says "bitwise"
+or the largest difference.
 `--eplb` adds, for every EP layout with more than one EP rank, the same layout with EPLB: two
 redundant experts and an online rebalance every two forwards, so expert weights move between
 ranks during the run and the tokens must still equal one process.
@@ -115,7 +120,20 @@ def prompt_share(num_prompts: int, dp: int, dp_rank: int) -> list[int]:
 
 
 def _engine_kwargs(spec: dict) -> dict:
-    return {k: spec[k] for k in ("max_model_len", "kv_cache_memory_bytes", "dtype") if spec.get(k)}
+    keys = ("max_model_len", "kv_cache_memory_bytes", "dtype", "deterministic")
+    return {k: spec[k] for k in keys if spec.get(k)}
+
+
+def _params(spec: dict):
+    from expertmesh import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=1)
+
+
+def _chosen_logprobs(out) -> list[float]:
+    """The logprob of each generated token (greedy: the top one)."""
+    c = out.outputs[0]
+    return [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [], strict=False)]
 
 
 def shown_backend(case: Case) -> str:
@@ -123,25 +141,25 @@ def shown_backend(case: Case) -> str:
     return case.backend if case.dp > 1 else "- (no exchange)"
 
 
-def reference_tokens(spec: dict) -> list[list[int]]:
-    from expertmesh import LLM, SamplingParams
+def reference_tokens(spec: dict) -> tuple[list[list[int]], list[list[float]]]:
+    """One process's tokens and their logprobs."""
+    from expertmesh import LLM
 
     setup_logging().setLevel(logging.WARNING)
 
     llm = LLM(spec["model"], **_engine_kwargs(spec))
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], _params(spec), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [_chosen_logprobs(o) for o in outs]
 
 
 def run_cases(rank: int, world: int, spec: dict, cases: list[Case], setup: Callable | None = None):
-    """SPMD, on every rank: each case's (prompt indices, tokens, bytes sent, seconds)."""
-    from expertmesh import LLM, SamplingParams
+    """SPMD, on every rank: each case's (prompt indices, tokens, bytes sent, seconds, logprobs)."""
+    from expertmesh import LLM
 
     setup_logging(rank).setLevel(logging.WARNING)  # one progress line per layout instead
     if setup is not None:
         setup()
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    params = _params(spec)
     results = []
     for n, case in enumerate(cases, 1):
         if rank == 0:
@@ -165,7 +183,8 @@ def run_cases(rank: int, world: int, spec: dict, cases: list[Case], setup: Calla
         outs = llm.generate([{"prompt_token_ids": spec["prompts"][i]} for i in idx], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         sent = llm.all2all_stats()["bytes_sent"]
-        results.append((idx, [o.outputs[0].token_ids for o in outs], sent, seconds))
+        lps = [_chosen_logprobs(o) for o in outs]
+        results.append((idx, [o.outputs[0].token_ids for o in outs], sent, seconds, lps))
         del llm
     return results
 
@@ -177,18 +196,39 @@ def first_difference(ours: list[int], ref: list[int]) -> int | None:
     return None if len(ours) == len(ref) else min(len(ours), len(ref))
 
 
-def compare(cases: list[Case], per_rank: list[list[tuple]], expected: list[list[int]]) -> list[dict]:
+def logprob_difference(idx, tokens, lps, expected, expected_lps) -> float:
+    """Largest |logprob difference| over the positions whose tokens equal one process's."""
+    worst = 0.0
+    for i, t, lp in zip(idx, tokens, lps, strict=True):
+        for j, (a, b) in enumerate(zip(lp, expected_lps[i], strict=False)):
+            if j < len(t) and j < len(expected[i]) and t[j] == expected[i][j]:
+                worst = max(worst, abs(a - b))
+    return worst
+
+
+def compare(
+    cases: list[Case],
+    per_rank: list[list[tuple]],
+    expected: list[list[int]],
+    expected_lps: list[list[float]] | None = None,
+    bitwise: bool = False,
+) -> list[dict]:
+    """Rows of the table. `bitwise`: a rank agrees only if its logprobs equal one process's too."""
     rows = []
     for c, case in enumerate(cases):
-        agree, first = 0, None
+        agree, first, lp_diff = 0, None, 0.0
         for rank, results in enumerate(per_rank):
-            idx, tokens, _, _ = results[c]
+            idx, tokens = results[c][0], results[c][1]
             bad = [
                 (i, first_difference(t, expected[i]))
                 for i, t in zip(idx, tokens, strict=True)
                 if t != expected[i]
             ]
-            agree += not bad
+            diff = 0.0
+            if expected_lps is not None and len(results[c]) > 4:
+                diff = logprob_difference(idx, tokens, results[c][4], expected, expected_lps)
+            lp_diff = max(lp_diff, diff)
+            agree += not bad and not (bitwise and diff)
             if bad and first is None:
                 i, j = bad[0]
                 got = per_rank[rank][c][1][idx.index(i)]
@@ -210,6 +250,8 @@ def compare(cases: list[Case], per_rank: list[list[tuple]], expected: list[list[
                 "ranks_agreeing": agree,
                 "ranks": len(per_rank),
                 "first_difference": first,
+                "max_logprob_difference": lp_diff,
+                "logprobs_bitwise": lp_diff == 0.0,
                 "bytes_sent": sum(r[c][2] for r in per_rank),
                 "tok_s": round(generated / seconds, 1) if seconds > 0 else None,
             }
@@ -217,7 +259,9 @@ def compare(cases: list[Case], per_rank: list[list[tuple]], expected: list[list[
     return rows
 
 
-COLUMNS = (("layout", 20), ("backend", 24), ("ranks agreeing", 15), ("first difference", 40))
+COLUMNS = (
+    ("layout", 20), ("backend", 24), ("ranks agreeing", 15), ("first difference", 40), ("logprobs", 10),
+)  # fmt: skip
 
 
 def table(rows: list[dict], skipped: list[tuple[Case, str]]) -> str:
@@ -231,8 +275,9 @@ def table(rows: list[dict], skipped: list[tuple[Case, str]]) -> str:
         if d:
             diff = f"rank {d['rank']} prompt {d['prompt']} token {d['token']}: {d['got']} != {d['want']}"
         agree = f"{r['ranks_agreeing']}/{r['ranks']}"
+        lp = "bitwise" if r.get("logprobs_bitwise", True) else f"{r.get('max_logprob_difference', 0):.2g}"
         lines.append(
-            line([r["layout"], r["shown_backend"], agree, diff], f"{r['bytes_sent']:>12} {r['tok_s']:>8}")
+            line([r["layout"], r["shown_backend"], agree, diff, lp], f"{r['bytes_sent']:>12} {r['tok_s']:>8}")
         )
     for case, reason in skipped:
         lines.append(line([case.label, shown_backend(case)], f"not run: {reason}"))
@@ -258,6 +303,7 @@ def verify(
     setup: Callable | None = None,
     timeout: float = 900.0,
     eplb: bool = False,
+    deterministic: bool = True,
 ) -> tuple[list[dict], list[tuple[Case, str]]]:
     """Self-spawned world of `world` ranks; `setup` (importable) runs first in every rank, which
     is how tests break a layout on purpose."""
@@ -269,11 +315,13 @@ def verify(
     spec = {
         "model": model_dir, "prompts": default_prompts(mc.vocab_size), "max_tokens": max_tokens,
         "max_model_len": max_model_len, "kv_cache_memory_bytes": kv_cache_memory_bytes, "dtype": dtype,
+        "deterministic": deterministic,
     }  # fmt: skip
+    spec["deterministic"] = deterministic and mc.quantization is None  # quantized: not served yet
     cases, skipped = cases_for(world, mc, eplb)
-    expected = reference_tokens(spec)
+    expected, expected_lps = reference_tokens(spec)
     per_rank = run_spmd(run_cases, world, spec, cases, setup, timeout=timeout) if cases else []
-    return compare(cases, per_rank, expected), skipped
+    return compare(cases, per_rank, expected, expected_lps, bitwise=spec["deterministic"]), skipped
 
 
 def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], list[tuple[Case, str]]] | None:
@@ -284,6 +332,7 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     from expertmesh.model_source import resolve_model
 
     eplb = kw.pop("eplb", False)
+    kw.setdefault("deterministic", True)
     env = torchrun_env()
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if not dist.is_initialized():
@@ -291,13 +340,15 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     model_dir = resolve_model(model, None)
     mc = ModelConfig.from_hf(load_hf_config(model_dir), kw.get("dtype", "auto"))
     spec = {"model": model_dir, "prompts": default_prompts(mc.vocab_size), **kw}
+    spec["deterministic"] = spec["deterministic"] and mc.quantization is None
     cases, skipped = cases_for(world, mc, eplb)
     results = run_cases(rank, world, spec, cases)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(results, gathered, dst=0)
     if rank != 0:
         return None
-    return compare(cases, gathered, reference_tokens(spec)), skipped
+    expected, expected_lps = reference_tokens(spec)
+    return compare(cases, gathered, expected, expected_lps, bitwise=spec["deterministic"]), skipped
 
 
 def report(rows: list[dict], skipped: list[tuple[Case, str]], as_json: bool) -> int:
@@ -307,9 +358,10 @@ def report(rows: list[dict], skipped: list[tuple[Case, str]], as_json: bool) -> 
         print(json.dumps(out, indent=2))
     else:
         print(table(rows, skipped))
-        verdict = (
-            "every rank of every layout equals one process" if not bad else f"{len(bad)} layout(s) disagree"
-        )
+        same = "every rank of every layout equals one process"
+        if rows and all(r.get("logprobs_bitwise") for r in rows):
+            same += " (tokens, and logprobs bit for bit)"
+        verdict = same if not bad else f"{len(bad)} layout(s) disagree"
         print(f"\n{len(rows)} layouts run, {len(skipped)} not run: {verdict}")
     sys.stdout.flush()
     return 1 if bad or not rows else 0

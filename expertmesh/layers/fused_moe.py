@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import tree_sum
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.activation import GatedActivation
@@ -99,7 +100,9 @@ class FusedExperts(nn.Module):
         """Views of local slot `slot`'s weights as stored now (dense, packed panels, quantized codes
         with their scales, offsets and desc_act order, biases): what EPLB copies between ranks in
         place, whatever the format; same shapes and dtypes for every slot."""
-        if self.fused is not None:  # stacks [E, ...]: float panels or QuantizedExperts
+        if self.chunked is not None:  # deterministic mode: per fixed chunk, stacks [E, ...]
+            out = [w[slot] for _, w13, w2, _ in self.chunked for w in (w13, w2)]
+        elif self.fused is not None:  # stacks [E, ...]: float panels or QuantizedExperts
             q = isinstance(self.fused[1], QuantizedExperts)
             out = [t for w in self.fused[1:3] for t in (w.slot_tensors(slot) if q else [w[slot]])]
         elif self.packed is not None:  # per expert: float panels, or quantized (slot_tensors)
@@ -129,6 +132,103 @@ class FusedExperts(nn.Module):
             copy_into(dst, read(src), f"expert {expert} down bias")
             return
         copy_into(dst, read(src, 1, self.shard_rank * self.inter, self.inter), f"expert {expert} w2")
+
+    # Deterministic mode (distributed/fixed_sum.py): this rank's fixed chunks of the intermediate
+    # dim (0: off), and per chunk the fused kernel's stacked panels (None: the torch path).
+    fixed_chunks = 0
+    chunked: list[tuple[CpuKernels, torch.Tensor, torch.Tensor, str]] | None = None
+
+    def _chunk_dense(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk j's [E, 2c, H] gate|up rows and [E, H, c] down columns of the dense weights."""
+        c = self.inter // self.fixed_chunks
+        cols = slice(j * c, (j + 1) * c)
+        w13 = torch.cat(
+            [self.w13.data[:, cols], self.w13.data[:, self.inter + j * c : self.inter + (j + 1) * c]], 1
+        )
+        return w13.contiguous(), self.w2.data[:, :, cols].contiguous()
+
+    def _pack_chunks(self, kernels: CpuKernels | None) -> None:
+        """The fused kernel's stacks [E, ...] per fixed chunk (one stack a chunk: one slot a chunk
+        and expert in a single stack measured 2-3x slower, many narrow experts for the kernel)."""
+        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        if kernels is None or not self.expert_ids or not plain:
+            return  # the torch path of pair_sums on the dense weights
+        if not kernels.moe_supports(self.w13.dtype, self.act_name):
+            return
+        chunked = []
+        for j in range(self.fixed_chunks):
+            stacks = []
+            for w in self._chunk_dense(j):
+                shape = (w.shape[0], *kernels.panel_shape(*w.shape[1:], w.dtype))
+                out = torch.empty(shape, dtype=w.dtype)
+                for e in range(w.shape[0]):
+                    out[e] = kernels.pack(w[e]).data
+                stacks.append(out)
+            chunked.append((kernels, stacks[0], stacks[1], self.act_name))
+        self.chunked = chunked
+        cpu_gemm.release(self.w13)
+        cpu_gemm.release(self.w2)
+
+    def pair_sums(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Deterministic mode: x [n, H], topk [n, k] -> [n, k, H] float32, each (token, pick)'s
+        unweighted expert output over this rank's fixed chunks, added by the fixed tree (zero
+        for picks held elsewhere). Routing weights on the input (weight_on_input) are applied
+        here; on the output, by `finish`."""
+        n, k = topk_ids.shape
+        out = torch.zeros((n, k, x.shape[1]), dtype=torch.float32, device=x.device)
+        if n == 0 or not self.expert_ids:
+            return out
+        slot = self.local_index.index_select(0, topk_ids.flatten()).view(n, k)  # [n, k], -1 elsewhere
+        if self.chunked is not None:
+            # One row per (token, pick), each with its one slot and weight 1 (1 * y + 0 is exact):
+            # a call of the fused kernel per chunk, whose row results do not depend on the rows.
+            rows = x.repeat_interleave(k, dim=0)  # [n * k, H], row t * k + p
+            s = slot.reshape(-1, 1).to(torch.int32).contiguous()
+            ones = torch.ones((n * k, 1), dtype=torch.float32)
+            c = self.inter // self.fixed_chunks
+            parts = [kern.moe(rows, s, ones, w13, w2, c, act) for kern, w13, w2, act in self.chunked]
+            return tree_sum(parts).view(n, k, x.shape[1])
+        c = self.inter // self.fixed_chunks
+        chunks = [self._chunk_dense(j) for j in range(self.fixed_chunks)]
+        for e in range(len(self.expert_ids)):
+            tok, pick = (slot == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xs = x[tok]
+            if self.weight_on_input:
+                xs = xs * topk_weights[tok, pick].unsqueeze(1).to(xs.dtype)
+            parts = []
+            for j, (w13, w2) in enumerate(chunks):
+                b13 = None
+                if self.w13_bias is not None:
+                    b = self.w13_bias.data[e]
+                    b13 = torch.cat(
+                        [b[j * c : (j + 1) * c], b[self.inter + j * c : self.inter + (j + 1) * c]]
+                    )
+                h = self.act(F.linear(xs, w13[e], b13))
+                parts.append(F.linear(h.float(), w2[e].float()))
+            out[tok, pick] = tree_sum(parts)
+        return out
+
+    def finish(self, sums: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """[n, k, H] whole (or, under EP, local) expert outputs -> [n, H] float32: the down bias,
+        the routing weight, and the sum over the picks in the order of their expert ids, whatever
+        rank computed them."""
+        n, k = topk_ids.shape
+        y = torch.zeros((n, sums.shape[2]), dtype=torch.float32, device=sums.device)
+        if n == 0:
+            return y
+        order = torch.argsort(topk_ids, dim=1, stable=True)  # [n, k]
+        terms = sums.gather(1, order.unsqueeze(2).expand(-1, -1, sums.shape[2]))  # picks by expert id
+        if self.w2_bias is not None:
+            slot = self.local_index.index_select(0, topk_ids.gather(1, order).flatten()).view(n, k)
+            bias = self.w2_bias.data.float()[slot.clamp(min=0)]  # [n, k, H]
+            terms = torch.where((slot >= 0).unsqueeze(2), terms + bias, terms)
+        if not self.weight_on_input:
+            terms = terms * topk_weights.gather(1, order).float().unsqueeze(2)
+        for p in range(k):
+            y = y + terms[:, p]
+        return y
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] float32 partial sum over local experts."""
@@ -186,6 +286,8 @@ class FusedExperts(nn.Module):
     fused: tuple[CpuKernels, torch.Tensor, torch.Tensor, str] | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        if self.fixed_chunks:
+            return self._pack_chunks(kernels)
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
         form = getattr(self.act, "moe_q_form", None)  # biases / clamped SwiGLU: moe_*_ex
         extras = not plain and not self.weight_on_input and form is not None
@@ -247,6 +349,8 @@ class FusedExperts(nn.Module):
         """Serve the experts from compressed (w13, w2) pairs, one a local expert (online, or a
         checkpoint's codes as stored): with our kernel in one moe_q_ex call (biases and the clamped
         SwiGLU included), except experts weighted on their input."""
+        if self.fixed_chunks:
+            raise ValueError("deterministic=True does not serve quantized experts yet")
         cpu_gemm.release(self.w13)
         cpu_gemm.release(self.w2)
         form = self._moe_q_form(kernels)

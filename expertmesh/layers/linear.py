@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
 from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.quantization.packed import QuantizedWeight
@@ -181,6 +182,12 @@ class RowParallelLinear(LinearBase):
     With TP > 1 each rank's product is a float32 partial; the all-reduce sums them in float32
     (the group's ``reduce_dtype``) and the result is rounded to x's dtype once. Without the
     reduce (``reduce=False``) the float32 partial is returned for the caller to sum and round.
+
+    Deterministic mode (the group's ``fixed_chunks``; distributed/fixed_sum.py): the whole K is cut
+    into fixed chunks, whatever TP is; each chunk's product is its own float32 GEMM on the same
+    shape, the chunks are added by a fixed tree, the ranks' subtree sums by ``Group.ordered_sum``.
+    The result is then the whole sum on every rank, so ``reduce=False`` returns it (float32, bias
+    added) and the caller adds nothing more over TP.
     """
 
     def __init__(
@@ -196,6 +203,12 @@ class RowParallelLinear(LinearBase):
         self.tp_rank, self.tp_size = group.rank_in_group, group.world_size
         self.partial_output = self.tp_size > 1 or not reduce
         self.input_shards = self.tp_size
+        # Deterministic mode: fixed chunks of the whole K, this rank's share of them.
+        self.fixed_chunks = 0
+        if getattr(group, "fixed_chunks", 0):
+            self.fixed_chunks = chunk_count(in_features, self.tp_size, "a row-parallel input") // self.tp_size
+            self.partial_output = True  # float32 chunk sums; never the native one-GEMM decode form
+        self.chunk_weights: list | None = None
         super().__init__(_divide(in_features, self.tp_size, "input size"), out_features, bias, dtype)
         set_loader(self.weight, self._load)
         if self.bias is not None:
@@ -205,7 +218,44 @@ class RowParallelLinear(LinearBase):
         cols = param.shape[1]
         copy_into(param.data, read(src, 1, self.tp_rank * cols, cols), "row-parallel weight")
 
+    def hold_quantized(self, weight: QuantizedWeight) -> None:
+        if self.fixed_chunks:
+            raise ValueError("deterministic=True does not serve quantized weights yet (a row-parallel layer)")
+        super().hold_quantized(weight)
+
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        if not self.fixed_chunks:
+            return super().use_cpu_kernels(kernels)
+        # One packed weight per fixed chunk (the same shapes in every layout); dense where no
+        # kernel serves it (F.linear on float32-widened operands).
+        width = self.weight.shape[1] // self.fixed_chunks
+        chunks = []
+        for j in range(self.fixed_chunks):
+            dense = self.weight.data[:, j * width : (j + 1) * width].contiguous()
+            chunks.append(cpu_gemm.pack(dense, kernels, float32_out=True) or dense)
+        self.chunk_weights = chunks
+        cpu_gemm.release(self.weight)
+
+    def _fixed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunk_weights is None:  # never packed (e.g. not on CPU): slices of the dense weight
+            w = self.weight.shape[1] // self.fixed_chunks
+            self.chunk_weights = [self.weight.data[:, j * w : (j + 1) * w] for j in range(self.fixed_chunks)]
+        width = x.shape[-1] // self.fixed_chunks
+        parts = []
+        for j, w in enumerate(self.chunk_weights):
+            xs = x[..., j * width : (j + 1) * width]
+            if isinstance(w, torch.Tensor):
+                parts.append(F.linear(xs.float(), w.float()))
+            else:
+                parts.append(w(xs.contiguous(), None, torch.float32))
+        y = self.group.ordered_sum(tree_sum(parts))  # the whole sum, the same bits on every rank
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype) if self.reduce else y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_chunks:
+            return self._fixed_forward(x)
         if not self.partial_output:  # one rank holds the whole sum: one rounding, in the GEMM
             return self.matmul(x, self.bias)
         y = self.matmul(x, None, out_dtype=torch.float32)  # [n, out] this rank's partial, unrounded

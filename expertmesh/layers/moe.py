@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config import ModelConfig
+from expertmesh.distributed.fixed_sum import chunk_count
 from expertmesh.distributed.moe_plan import ExpertPlacement
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
@@ -99,6 +100,19 @@ class MoE(nn.Module):
             weight_on_input=spec.weights_input and not self.prescale,
             slot_map=None if placement.is_identity else placement.slot_map(rank),
         )
+        # Deterministic mode (distributed/fixed_sum.py): the intermediate dim in fixed chunks; the
+        # ranks holding different shards of every expert (tp, dp_tp modes: the "ep" group, indexed
+        # by shard rank) add their (token, pick) subtree sums in tree order before any weighting.
+        self.fixed = bool(getattr(groups.ep, "fixed_chunks", 0))
+        self.shard_group = None
+        if self.fixed:
+            shards = 1 if plan.expert_parallel else plan.weight_shard_size
+            chunks = chunk_count(cfg.moe_intermediate_size, shards, "an expert's intermediate size")
+            self.experts.fixed_chunks = chunks // shards
+            if not plan.expert_parallel:
+                self.shard_group = groups.ep
+                if (groups.ep.world_size, groups.ep.rank_in_group) != (shards, plan.weight_shard_rank):
+                    raise RuntimeError(f"group {groups.ep!r} does not match the MoE plan {plan!r}")
         self._set_placement(placement)
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert is not None and spec.shared_width:
@@ -173,13 +187,32 @@ class MoE(nn.Module):
                 flat = flat[flat >= 0]
             self.load.index_add_(0, flat, flat.new_ones(1).expand(flat.numel()))
         if self.dispatcher is None:
-            y = self.experts(x, ids, weights)
+            x_all, ids_all, w_all = x, ids, weights
         else:
             x_all, ids_all, w_all = self.dispatcher.dispatch(x, ids, weights, sizes)
+        if self.fixed:
+            y = self._fixed_experts(x_all, ids_all, w_all, sizes)
+        elif self.dispatcher is None:
+            y = self.experts(x_all, ids_all, w_all)
+        else:
             y = self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
         if identity is not None and self.adds_identity:
             y = y + x.float() * identity
         return y
+
+    def _fixed_experts(self, x_all, ids_all, w_all, sizes) -> torch.Tensor:
+        """Deterministic mode: [n, H] float32, the whole routed sum for this rank's tokens when the
+        experts are sharded (tp, dp_tp), else this rank's local picks for the combine to add (whole
+        experts: with top-2 at most two non-zero terms meet, and a + b = b + a)."""
+        sums = self.experts.pair_sums(x_all, ids_all, w_all)  # [m, k, H]
+        if self.shard_group is not None:
+            sums = self.shard_group.ordered_sum(sums)  # every expert's whole output, same bits
+            if self.dispatcher is not None:  # the gathered tokens of the DP group: keep ours
+                own = self.dispatcher._own_rows(sizes)
+                sums, ids_all, w_all = sums[own], ids_all[own], w_all[own]
+            return self.experts.finish(sums, ids_all, w_all)
+        y = self.experts.finish(sums, ids_all, w_all)
+        return y if self.dispatcher is None else self.dispatcher.combine(y, sizes)
 
     def native_form(self, keep: list) -> dict | None:
         """Router and experts of a native decode layer (layers/native_decode.py), when this block
@@ -216,6 +249,8 @@ class MoE(nn.Module):
         in float32 (the combine, the TP all-reduce) and rounded to x's dtype once, after the
         last sum, in every layout and in one process alike.
         """
+        if self.fixed:
+            return self._fixed_forward(x, ctx)
         shared = None
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # [n, H] float32, TP-partial
@@ -231,3 +266,21 @@ class MoE(nn.Module):
         if shared is not None:
             y = y + shared
         return self.tp.all_reduce(y).to(x.dtype)
+
+    def _fixed_forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """forward() in deterministic mode: the shared expert's down projection and the sharded
+        experts' sums are whole on every rank already (fixed trees); only whole experts spread over
+        TP (ep mode, DP=1) still meet in the TP all-reduce (at most top-k non-zero terms)."""
+        shared = None
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)  # [n, H] float32, whole
+            if self.shared_expert_gate is not None:
+                shared = F.sigmoid(self.shared_expert_gate(x).float()) * shared
+        if self.plan.sequence_parallel:
+            y = self.routed(x[self.plan.sp_slice(x.shape[0])], ctx)  # float32, summed over EP
+            y = self.tp.all_gather_v(y, self.plan.sp_sizes(x.shape[0]))
+        else:
+            y = self.routed(x, ctx)
+            if self.plan.expert_parallel:
+                y = self.tp.all_reduce(y)
+        return (y if shared is None else y + shared).to(x.dtype)

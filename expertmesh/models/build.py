@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,11 @@ def build_model(
     kernels = cpu_kernels.load() if device == "cpu" else None
     if kernels is not None and not kernels.supports(cfg.dtype):
         kernels = None
+    if kernels is not None and env.groups.world.fixed_chunks and kernels.onednn_bf16_rows is not None:
+        # deterministic=True: products of many rows stay on our kernels, whose row results do not
+        # depend on the row count (oneDNN's AMX matmul is not known to be batch-invariant).
+        kernels = copy.copy(kernels)
+        kernels.onednn_bf16_rows = None
     model.cpu_kernels = kernels
     # Compressed weights are quantized or packed as they load (one pass); the rest after.
     streamed = load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights, kernels=kernels)

@@ -33,6 +33,9 @@ def resident_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
         fused = getattr(module, "fused", None)
         if fused is not None:
             items = [*items, fused[1], fused[2]]
+        # deterministic=True (distributed/fixed_sum.py): a packed weight per fixed chunk
+        items += list(getattr(module, "chunk_weights", None) or ())
+        items += [w for c in getattr(module, "chunked", None) or () for w in c[1:3]]
         for item in items:
             for w in item if isinstance(item, tuple) else (item,):
                 if isinstance(w, PermutedInputs):  # desc_act: the codes and the inputs' order
