@@ -97,6 +97,12 @@ class ParallelConfig:
             raise ValueError(
                 f"all2all_backend={self.all2all_backend!r} is unknown; valid: {list(ALL2ALL_BACKEND_NAMES)}"
             )
+        if self.all2all_backend == "alltoall" and not self.enable_expert_parallel:
+            raise ValueError(
+                "all2all_backend='alltoall' requires enable_expert_parallel=True (it sends each "
+                "token to the ranks owning its experts; without expert parallelism every rank holds "
+                "a slice of every expert); use 'allgather_reducescatter' or 'naive'"
+            )
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend={self.distributed_executor_backend!r} is unknown; "

@@ -72,16 +72,10 @@ class ModelEnv:
     def make_dispatcher(self, num_experts: int) -> All2AllBackend | None:
         """One backend per MoE layer (so traffic is counted per layer), on the plan's group.
 
-        "alltoall" routes tokens by expert owner, so it needs whole experts per rank (EP) and
-        the placement the layer's experts use.
+        "alltoall" routes tokens by expert owner, with the placement the layer's experts use (it
+        needs expert parallelism: ParallelConfig checks that).
         """
         plan = self.moe_plan
-        if self.all2all_backend == "alltoall" and not plan.expert_parallel:
-            raise ValueError(
-                "all2all backend 'alltoall' requires enable_expert_parallel=True (it sends each "
-                "token to the ranks owning its experts; without expert parallelism every rank holds "
-                "a slice of every expert); use 'allgather_reducescatter' or 'naive'"
-            )
         name = plan.dispatch_group_name
         if name is None:
             return None
