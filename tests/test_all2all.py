@@ -10,9 +10,9 @@ from expertmesh.config import ParallelConfig
 from expertmesh.distributed.all2all import KNOWN_ALL2ALL_BACKENDS, make_all2all
 from expertmesh.distributed.group import Group, ParallelGroups, init_groups
 from expertmesh.distributed.layout import ParallelLayout
+from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
 from expertmesh.layers.fused_moe import FusedExperts
-from expertmesh.models.build import ModelEnv
 
 WORLD = 4
 BACKENDS = ["naive", "allgather_reducescatter"]

@@ -25,6 +25,7 @@ from expertmesh.config import (
 )
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.launcher import check_model_fits, check_same_config, place_process
+from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan
 from expertmesh.engine.expert_load import ExpertLoad, read_initial_load
 from expertmesh.engine.llm_engine import LLMEngine
@@ -34,7 +35,7 @@ from expertmesh.hf_config import load_hf_config
 from expertmesh.layers.native_decode import set_native_decode
 from expertmesh.logger import setup_logging
 from expertmesh.model_source import resolve_model
-from expertmesh.models.build import ModelEnv, build_model, stage_layers
+from expertmesh.models.build import build_model, stage_layers
 
 log = logging.getLogger("expertmesh")
 

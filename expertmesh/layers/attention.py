@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.kv_cache import KVCacheSpec
+from expertmesh.layers.cache_spec import KVCacheSpec
 from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.rotary import RotaryTables
 from expertmesh.layers.weights import copy_into, read, set_loader

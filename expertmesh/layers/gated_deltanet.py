@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.state_cache import StateSpec
 from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 from expertmesh.linear_attention_config import LinearAttentionConfig

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.kv_cache import KVCacheSpec
 from expertmesh.layers.attention import AttentionMetadata, PrefillChunk, prefill_mask
+from expertmesh.layers.cache_spec import KVCacheSpec
 from expertmesh.layers.cpu_kernels import CpuKernels
 
 

@@ -15,14 +15,15 @@ ExpertLoad attached one) counts the pairs per slot with one index_add, no host s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config import ModelConfig
-from expertmesh.distributed.moe_plan import ExpertPlacement
+from expertmesh.distributed.all2all import All2AllBackend
+from expertmesh.distributed.group import ParallelGroups
+from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
 from expertmesh.layers.fused_moe import FusedExperts
@@ -52,9 +53,9 @@ class MoE(nn.Module):
         self,
         cfg: ModelConfig,
         spec: MoESpec,
-        plan: Any,
-        groups: Any,
-        dispatcher: Any,
+        plan: MoEPlan,
+        groups: ParallelGroups,
+        dispatcher: All2AllBackend | None,
         placement: str | ExpertPlacement = "contiguous",
         layer_index: int = 0,
     ) -> None:
