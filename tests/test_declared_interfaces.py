@@ -1,5 +1,5 @@
 """Interfaces declared once and checked, instead of probed:
-- the quantized code kinds: csrc/quant_kinds.h's defines carry the number and, in their comment,
+- the quantized code kinds: cpu/csrc/quant_kinds.h's defines carry the number and, in their comment,
   the Python name; layers/cpu_kernels.QUANT_KINDS lists the names in number order (read from the
   header's text, no compiler needed, and from the built library where there is one);
 - every weight format ModelConfig.quantization can hold satisfies model_config.WeightFormat;
@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.config.model_config import WeightFormat
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.quantization.packed import BF16_PAIRS, KINDS
 from expertmesh.layers.quantization.registry import resolve
-from expertmesh.model_config import WeightFormat
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets
 from expertmesh.models.mixtral import MixtralForCausalLM
 

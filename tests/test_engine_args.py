@@ -12,7 +12,7 @@ import pytest
 
 from expertmesh import LLM
 from expertmesh.config import EPLBConfig, ParallelConfig
-from expertmesh.engine_args import EngineArgs, cli_fields, flag, from_cli
+from expertmesh.config.engine_args import EngineArgs, cli_fields, flag, from_cli
 from expertmesh.entrypoints.cli import build_parser
 
 

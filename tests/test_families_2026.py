@@ -85,7 +85,7 @@ def test_kimi_k25_serves_its_text_tower_and_logs_the_vision_skip(real_checkpoint
 def test_published_2026_configs_shrink_with_every_flag_kept(name):
     """Every key survives shrinking; a flag (not a size) keeps its published value; our config
     reading (hf_config.load_hf_config) takes each file, Kimi-K2's kimi_k2 included."""
-    from expertmesh.hf_config import load_hf_config
+    from expertmesh.config.hf_config import load_hf_config
 
     full = published(f"2026/{name}")
     small = shrink(full)

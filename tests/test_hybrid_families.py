@@ -233,8 +233,8 @@ def test_mamba2_under_tensor_parallelism_is_refused_by_name():
     """Mamba2 layers are not split over TP yet: building one for a TP group of 2 says so."""
     from types import SimpleNamespace
 
+    from expertmesh.config.linear_attention_config import Mamba2Config
     from expertmesh.layers.mamba2 import Mamba2Mixer
-    from expertmesh.linear_attention_config import Mamba2Config
 
     m = Mamba2Config(num_heads=8, head_dim=16, state_size=8, n_groups=1, conv_kernel=4)
     with pytest.raises(ValueError, match="tensor_parallel_size=2: Mamba2 layers are not split over TP"):

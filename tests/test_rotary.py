@@ -18,9 +18,9 @@ from transformers.models.llama4.modeling_llama4 import apply_rotary_emb as llama
 from transformers.models.phimoe.modeling_phimoe import PhimoeRotaryEmbedding
 
 from expertmesh.config import RopeConfig
-from expertmesh.layers import cpu_kernels
+from expertmesh.config.rope_config import ROPE_TYPE_NAMES
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.rotary import ROPE_TYPES, RotaryEmbedding
-from expertmesh.rope_config import ROPE_TYPE_NAMES
 
 ORIGINAL = 256  # original_max_position_embeddings of the synthetic blocks; positions go to 2x this
 HEAD_DIM = 64

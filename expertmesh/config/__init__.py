@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from expertmesh.config.model_config import ModelConfig, RopeConfig, resolve_dtype  # noqa: F401 -- re-exported
 from expertmesh.distributed.layout import ParallelLayout
-from expertmesh.model_config import ModelConfig, RopeConfig, resolve_dtype  # noqa: F401 -- re-exported
 
 ALL2ALL_BACKEND_NAMES = ("allgather_reducescatter", "naive", "alltoall")
 EXECUTOR_BACKENDS = (None, "external_launcher", "mp", "uni")

@@ -4,7 +4,7 @@
 derive from this dataclass (tests/test_engine_args.py checks that they agree). Each field's
 `metadata` holds its help text and, where argparse needs it, its flag aliases, parser and
 choices; a field with `cli=False` is a Python-only keyword. Rules on one value or on several
-values together are checked once, by the frozen configs built from these (config.py).
+values together are checked once, by the frozen configs built from these (config/__init__.py).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class EngineArgs:
     native_decode: bool = _arg(
         True,
         "decode-only steps through whole decoder layers in one native call where every block has a "
-        "native form (layers/native_decode.py); off: the per-op path only (A/B, debugging)",
+        "native form (cpu/native_decode.py); off: the per-op path only (A/B, debugging)",
     )
     warmup: bool = _arg(
         True,

@@ -12,9 +12,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from expertmesh.linear_attention_config import LinearAttentionConfig, Mamba2Config
-from expertmesh.mla_config import MLAConfig
-from expertmesh.rope_config import RopeConfig, opt_float
+from expertmesh.config.linear_attention_config import LinearAttentionConfig, Mamba2Config
+from expertmesh.config.mla_config import MLAConfig
+from expertmesh.config.rope_config import RopeConfig, opt_float
 
 _DTYPES = {
     "float32": torch.float32,

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from expertmesh.layers import cpu_features, cpu_onednn
-from expertmesh.layers.cpu_attention_kernels import AttentionKernels
+from expertmesh.cpu import cpu_features, cpu_onednn
+from expertmesh.cpu.cpu_attention_kernels import AttentionKernels
 
 log = logging.getLogger("expertmesh")
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 
 
 def source_digest(source: Path = SOURCE) -> str:

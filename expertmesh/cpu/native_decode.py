@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from expertmesh.layers.cpu_kernels import CpuKernels, PanelWeight
-from expertmesh.layers.native_desc import (  # noqa: F401 -- the descriptors, re-exported for callers
+from expertmesh.cpu.cpu_kernels import CpuKernels, PanelWeight
+from expertmesh.cpu.native_desc import (  # noqa: F401 -- the descriptors, re-exported for callers
     _D,
     _I,
     _P,

@@ -1,7 +1,7 @@
 """One rank's engine from the user's arguments: what `LLM`, the mp workers and `serve` under
 torchrun all build (the engine layer; nothing here knows the user-facing `LLM`).
 
-`EngineArgs` (engine_args.py) holds vLLM's engine keywords; `build_engine` places this process
+`EngineArgs` (config/engine_args.py) holds vLLM's engine keywords; `build_engine` places this process
 (one process, or one torchrun / mp-worker rank), loads the model and returns the rank's
 `LLMEngine` with the `ModelEnv` its layers received.
 """
@@ -23,6 +23,10 @@ from expertmesh.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from expertmesh.config.engine_args import EngineArgs
+from expertmesh.config.hf_config import load_hf_config
+from expertmesh.config.model_source import resolve_model
+from expertmesh.cpu.native_decode import set_native_decode
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.launcher import check_model_fits, check_same_config, place_process
 from expertmesh.distributed.model_env import ModelEnv
@@ -30,11 +34,7 @@ from expertmesh.distributed.moe_plan import MoEPlan
 from expertmesh.engine.expert_load import ExpertLoad, read_initial_load
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.model_runner import ModelRunner
-from expertmesh.engine_args import EngineArgs
-from expertmesh.hf_config import load_hf_config
-from expertmesh.layers.native_decode import set_native_decode
 from expertmesh.logger import setup_logging
-from expertmesh.model_source import resolve_model
 from expertmesh.models.build import build_model, stage_layers
 
 log = logging.getLogger("expertmesh")
@@ -161,7 +161,7 @@ def load_tokenizer(path: str, trust_remote_code: bool, hf_config: Any = None):
     if hf_config is not None:
         kwargs["config"] = hf_config
     elif os.path.isfile(os.path.join(path, "config.json")):
-        try:  # AutoTokenizer reads config.json too: hand it the fixed one (hf_config.py)
+        try:  # AutoTokenizer reads config.json too: hand it the fixed one (config/hf_config.py)
             kwargs["config"] = load_hf_config(path, trust_remote_code)
         except (OSError, ValueError):  # a tokenizer_config.json may name its class without it
             pass

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from expertmesh.layers import huge_pages
+from expertmesh.cpu import huge_pages
 from expertmesh.layers.cache_spec import KV_CACHE_KINDS, CacheKind, KVCacheSpec, element_size  # noqa: F401
 
 log = logging.getLogger("expertmesh")

@@ -8,13 +8,13 @@ import os
 import sys
 import time
 
-from expertmesh.engine_args import add_cli_args, from_cli
+from expertmesh.config.engine_args import add_cli_args, from_cli
+from expertmesh.config.model_source import DEFAULT_MODEL_DIR
 from expertmesh.entrypoints import stats_cli
-from expertmesh.model_source import DEFAULT_MODEL_DIR
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The engine flags of `generate` and `serve`: one per EngineArgs field (engine_args.py)."""
+    """The engine flags of `generate` and `serve`: one per EngineArgs field (config/engine_args.py)."""
     add_cli_args(p)
 
 

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from expertmesh.config import EPLBConfig
+from expertmesh.config.engine_args import EngineArgs
+from expertmesh.config.model_source import resolve_model
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
 from expertmesh.engine import offline
 from expertmesh.engine.builder import build_engine, check_request, load_tokenizer
 from expertmesh.engine.client import EngineClient, EngineStepper
-from expertmesh.engine_args import EngineArgs
-from expertmesh.model_source import resolve_model
 from expertmesh.outputs import RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ PromptType = offline.PromptType
 
 
 class LLM:
-    """vLLM's offline entry point. The keywords are EngineArgs' fields (engine_args.py: each one's
+    """vLLM's offline entry point. The keywords are EngineArgs' fields (config/engine_args.py: each one's
     default and help text); tests/test_engine_args.py checks that this signature equals them."""
 
     def __init__(

@@ -43,9 +43,9 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
     import torch
     import torch.distributed as dist
 
+    from expertmesh.config.engine_args import EngineArgs
     from expertmesh.engine.builder import build_engine
     from expertmesh.engine.client import EngineStepper
-    from expertmesh.engine_args import EngineArgs
 
     # The ranks share this machine's cores: one rank must not take them all.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

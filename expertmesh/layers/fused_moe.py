@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.cpu import cpu_gemm, huge_pages
+from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.distributed.moe_plan import local_slot_map
-from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.activation import GatedActivation
-from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.quantization.packed import (
     QuantizedExperts,
     QuantizedMoE,

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.layers.attention import AttentionMetadata, PrefillChunk, prefill_mask
 from expertmesh.layers.cache_spec import KVCacheSpec
-from expertmesh.layers.cpu_kernels import CpuKernels
 
 
 class LatentAttention(nn.Module):

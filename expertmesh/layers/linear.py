@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.layers import cpu_gemm, huge_pages
-from expertmesh.layers.cpu_kernels import CpuKernels
-from expertmesh.layers.native_decode import bias_ptr, gemm_form
+from expertmesh.cpu import cpu_gemm, huge_pages
+from expertmesh.cpu.cpu_kernels import CpuKernels
+from expertmesh.cpu.native_decode import bias_ptr, gemm_form
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 

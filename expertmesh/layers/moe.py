@@ -163,7 +163,7 @@ class MoE(nn.Module):
         return self.dispatcher.combine(self.experts(x_all, ids_all, w_all), sizes)
 
     def native_form(self, keep: list) -> dict | None:
-        """Router and experts of a native decode layer (layers/native_decode.py), when this block
+        """Router and experts of a native decode layer (cpu/native_decode.py), when this block
         has no collective (no EP dispatch, no TP or SP), no shared expert and no input weighting."""
         local = self.dispatcher is None and not self.plan.sequence_parallel and self.tp.world_size == 1
         if not local or self.shared_expert is not None or self.prescale:

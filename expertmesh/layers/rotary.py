@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from expertmesh.rope_config import RopeConfig
+from expertmesh.config.rope_config import RopeConfig
 
 Frequencies = tuple[torch.Tensor, float]
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from expertmesh.config import ModelConfig
+from expertmesh.cpu import cpu_kernels
 from expertmesh.distributed.model_env import ModelEnv
-from expertmesh.layers import cpu_kernels
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
 

@@ -306,6 +306,6 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
            threads);
 }
 
-/* How many code kinds gemm_q / moe_q know (layers/cpu_kernels.py QUANT_KINDS). */
+/* How many code kinds gemm_q / moe_q know (cpu/cpu_kernels.py QUANT_KINDS). */
 int64_t q_kinds(void) { return Q_KINDS; }
 

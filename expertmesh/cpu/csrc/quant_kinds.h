@@ -1,4 +1,4 @@
-/* gemm_q / moe_q's code kinds, by number. The Python side's names are layers/cpu_kernels.py's
+/* gemm_q / moe_q's code kinds, by number. The Python side's names are cpu/cpu_kernels.py's
  * QUANT_KINDS (a kind's number is its index there); tests/test_declared_interfaces.py reads this header and
  * checks that each number below has the name in its comment. */
 #ifndef EXPERTMESH_QUANT_KINDS_H

@@ -1,5 +1,5 @@
 """Quantized weights held compressed, in the panel layout the CPU kernel reads (gemm_q, moe_q in
-csrc/cpu_kernels.c), with a torch fallback that dequantizes per call (no compiler, other devices).
+cpu/csrc/cpu_kernels.c), with a torch fallback that dequantizes per call (no compiler, other devices).
 
 A [O, I] weight becomes codes [P, I, lanes] (one byte a value: int8, fp8 e4m3) or [P, I, lanes/2]
 (a nibble: uint4, fp4 e2m1), P = ceil(O / lanes) panels of `lanes` output rows, plus float32
@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from expertmesh.layers import huge_pages
-from expertmesh.layers import native_desc as nd
-from expertmesh.layers.cpu_kernels import QUANT_KINDS
+from expertmesh.cpu import huge_pages
+from expertmesh.cpu import native_desc as nd
+from expertmesh.cpu.cpu_kernels import QUANT_KINDS
 from expertmesh.layers.quantization.mxfp4 import E2M1
 
-# A weight kind's gemm_q code (cpu_kernels.QUANT_KINDS numbers them, csrc/quant_kinds.h for C)
+# A weight kind's gemm_q code (cpu_kernels.QUANT_KINDS numbers them, cpu/csrc/quant_kinds.h for C)
 KINDS = {name: QUANT_KINDS.index(name) for name in ("int8", "int4", "fp8", "fp4", "w8a8", "w4a8")}
 # uint4 / int8 / fp4 / fp8 codes (int4's / int8's / fp4's / fp8's) against activations rounded to
 # bf16 (product_kind)
@@ -291,7 +291,7 @@ class QuantizedWeight:
         return y.to(out_dtype).view(*shape[:-1], self.out_features)
 
     def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
-        """This weight in a native decode layer's GEMM slot (layers/native_decode.py): the gemm_q
+        """This weight in a native decode layer's GEMM slot (cpu/native_decode.py): the gemm_q
         shim for activations in `dtype` (the product rounded to it, or left in float32 with
         `float32_out`) and its q_weight_desc, held by `keep`; None without our kernel (the torch
         fallback) or a shim for the dtype."""
