@@ -66,6 +66,8 @@ class WeightFormat(Protocol):
 
 def _quantization(hf: Any, online: str | None) -> WeightFormat | None:
     """The checkpoint's weight format (its quantization_config) or the online scheme asked for."""
+    # The weight formats live with the layers, above config/: imported when a config is built, so
+    # importing config/ (engine arguments, --help) does not load them and they may import config/.
     from expertmesh.layers.quantization import resolve
 
     return resolve(getattr(hf, "quantization_config", None), online)

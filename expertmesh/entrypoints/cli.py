@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from expertmesh.config import ParallelConfig
 from expertmesh.config.engine_args import add_cli_args, from_cli
 from expertmesh.config.model_source import DEFAULT_MODEL_DIR
 from expertmesh.entrypoints import stats_cli
@@ -122,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stats":
         return stats_cli.main(args)
     from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
-    from expertmesh.config import ParallelConfig
 
     llm = LLM(**_engine_kwargs(args, args.model))
     engine = getattr(llm, "llm_engine", None)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from expertmesh.entrypoints.serve import serve
+    from expertmesh.entrypoints.serve import serve  # fastapi and uvicorn: only for `serve`
 
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
@@ -172,7 +172,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from expertmesh.distributed.launcher import torchrun_env
+    from expertmesh.distributed.launcher import torchrun_env  # torch.distributed: only for `verify`
     from expertmesh.entrypoints import verify
 
     kw = dict(

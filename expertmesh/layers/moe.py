@@ -22,6 +22,7 @@ from torch import nn
 
 from expertmesh.config import ModelConfig
 from expertmesh.distributed.all2all import All2AllBackend
+from expertmesh.distributed.eplb import move_expert_weights
 from expertmesh.distributed.group import ParallelGroups
 from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan
 from expertmesh.forward_context import ForwardContext
@@ -132,8 +133,6 @@ class MoE(nn.Module):
     def apply_placement(self, new: ExpertPlacement) -> int:
         """EPLB between steps, on every rank of the EP group at once: move the expert weights to
         `new` and route by it from the next step on. Returns the bytes this rank sent."""
-        from expertmesh.distributed.eplb import move_expert_weights
-
         if self.ep_group is None:
             raise ValueError("a rebalance needs expert parallelism")
         rank = self.plan.ep_rank

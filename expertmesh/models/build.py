@@ -10,6 +10,8 @@ import torch
 from expertmesh.config import ModelConfig
 from expertmesh.cpu import cpu_kernels
 from expertmesh.distributed.model_env import ModelEnv
+from expertmesh.layers.quantization.accounting import resident_weight_bytes
+from expertmesh.layers.quantization.held import hold
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
 
@@ -98,8 +100,6 @@ def _hold_quantized(model: torch.nn.Module, kernels: Any) -> set[int]:
     """Modules whose checkpoint codes were loaded as stored (layers/quantization/held.py) take them."""
     if getattr(model, "held_weights", None) is None:
         return set()
-    from expertmesh.layers.quantization.held import hold
-
     return hold(model, model.held_weights, kernels)
 
 
@@ -112,8 +112,6 @@ def _held_note(model: torch.nn.Module) -> str:
 
 def log_weight_bytes(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
     """This rank's resident weight bytes, quantized and not (layers/quantization/accounting.py)."""
-    from expertmesh.layers.quantization.accounting import resident_weight_bytes
-
     counts = resident_weight_bytes(model)
     q = cfg.quantization
     log.info(

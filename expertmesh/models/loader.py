@@ -27,6 +27,8 @@ from tqdm import tqdm
 from expertmesh.distributed.group import ParallelGroups
 from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.layers.quantization.held import plan
+from expertmesh.layers.quantization.streaming import Streaming
 from expertmesh.layers.quantization.view import CheckpointView, opened
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
@@ -107,8 +109,6 @@ def _streaming(model: Any, kernels: Any) -> Any:
     scheme = fmt if fmt is not None and fmt.online else None
     if scheme is None and not (model.held_weights is not None and model.held_weights.params):
         return None
-    from expertmesh.layers.quantization.streaming import Streaming
-
     try:
         return Streaming(model, model.held_weights, scheme, kernels)
     except ValueError as exc:  # a layout that cuts a quantization group (online.check_split)
@@ -119,8 +119,6 @@ def _plan_held(model: Any, view: CheckpointView) -> Any:
     """Quantized checkpoint weights that load as codes into compressed storage (quantization/held.py)."""
     if model.cfg.quantization is None or not model.cfg.quantization.holds_compressed:
         return None
-    from expertmesh.layers.quantization.held import plan
-
     names, experts, tie = model.family.names, _experts_lookup(model), model.cfg.tie_word_embeddings
     local_layers = set(model.model.layer_range)
 
