@@ -3,7 +3,7 @@
 One fresh causal prompt of `--length` tokens (the case the engine sends to torch's flash kernel
 or to ours, layers/attention.py), at the small MoE's head layout (8 heads of 64 over 4 KV heads)
 and Qwen3-30B-A3B's (32 of 128 over 4), float32 and bf16; each other kernel source (`--source`,
-e.g. csrc/cpu_kernels.c in a saved copy of csrc/) is built and timed in the same rounds. One
+e.g. cpu/csrc/cpu_kernels.c in a saved copy of cpu/csrc/) is built and timed in the same rounds. One
 thread and process CPU time by default; medians of `--rounds` alternated rounds.
 
     .venv/bin/python benchmarks/attention_bench.py --length 2000
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from kernel_bench import build_from
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 
 LAYOUTS = {"small": (8, 4, 64), "qwen3-30b-a3b": (32, 4, 128)}  # heads, KV heads, head dim
 

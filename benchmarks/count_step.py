@@ -29,7 +29,7 @@ def child(args: argparse.Namespace) -> None:
     from profile_decode import prefilled_engine, time_steps
 
     torch.set_num_threads(1)
-    from expertmesh.layers import cpu_features, cpu_kernels
+    from expertmesh.cpu import cpu_features, cpu_kernels
 
     if "avx512f" in cpu_features.cpu_flags():
         # valgrind has no AVX-512 (an -march=native build dies with SIGILL under it): count the

@@ -4,7 +4,7 @@ For each product (qkv, o_proj, expert gate+up, expert down, lm_head) and row cou
 ms per call, GFLOP/s and GB/s of weights streamed, for our panel GEMM and for torch (F.linear on
 the dense weight; oneDNN where it has a path for the dtype). `--moe` also times the routed
 experts of one layer in one call. Kernels can be A/B-compared by building another source
-(`--source`, e.g. csrc/cpu_kernels.c in a saved copy of csrc/) in the same run: every engine of
+(`--source`, e.g. cpu/csrc/cpu_kernels.c in a saved copy of cpu/csrc/) in the same run: every engine of
 a row is timed in the same alternated rounds. `--cold-mb`: each product cycles through copies of
 its weights (the experts through copies of the layer), so few-row products read them from memory
 as decode does in a model larger than the caches, not from cache.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 
 # (name, out_features, in_features) per model shape; "moe" = (hidden, inter, experts, top_k).
 SHAPES = {

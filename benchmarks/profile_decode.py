@@ -16,7 +16,7 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
 `--tool whole-step-ab` builds a second engine whose decode steps stop at the native layer call
 (embedding, final norm and LM head per op, as before decode_model) and alternates blocks of
 `--steps` steps between the two, 15 rounds: medians and the median of the rounds' ratios.
-`--tool huge-pages-ab` does the same against a second engine built with layers/huge_pages.py off
+`--tool huge-pages-ab` does the same against a second engine built with cpu/huge_pages.py off
 (weights and KV cache on 4 KiB pages).
 
 torch.profiler sees torch ops only; `--tool kernels` times each call into expertmesh's compiled CPU
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
-from expertmesh.layers import huge_pages  # noqa: E402
+from expertmesh.cpu import huge_pages  # noqa: E402
 
 
 def prefilled_engine(
@@ -98,11 +98,11 @@ def profile_kernels(engine, steps: int) -> None:
     """Wall time per step in each CpuKernels entry point, and what is left for torch and Python."""
     import collections
 
-    from expertmesh.layers.cpu_kernels import CpuKernels
+    from expertmesh.cpu.cpu_kernels import CpuKernels
 
     spent, calls = collections.defaultdict(float), collections.Counter()
     originals = {}
-    from expertmesh.layers.native_decode import decoders
+    from expertmesh.cpu.native_decode import decoders
 
     def timed_call(fn, label: str):
         def timed_native(*args):
@@ -115,7 +115,7 @@ def profile_kernels(engine, steps: int) -> None:
 
         return timed_native
 
-    for native in decoders(engine.runner.model):  # the whole-layer C call (layers/native_decode.py)
+    for native in decoders(engine.runner.model):  # the whole-layer C call (cpu/native_decode.py)
         native.fn = timed_call(native.fn, "decode_layers (native)")
         if native.model_fn is not None:  # whole steps: embedding, layers, norm and head in one call
             native.model_fn = timed_call(native.model_fn, "decode_model (native)")
@@ -163,7 +163,7 @@ def alternate(first, second, steps: int, rounds: int) -> tuple[float, float, flo
 
 def whole_step_ab(engine, other, steps: int, rounds: int = 15) -> None:
     """`engine` (whole decode steps in one call) against `other` (the native layer call only)."""
-    from expertmesh.layers.native_decode import decoders
+    from expertmesh.cpu.native_decode import decoders
 
     for native in decoders(other.runner.model):
         native.model_fn = None  # NativeDecoder.logits then declines: the model's forward runs

@@ -1,10 +1,11 @@
 """A/B micro-benchmark of the quantized kernels (gemm_q, moe_q) against the float32 panel GEMM.
 
-Each kernel source given (`--source`, e.g. csrc/cpu_kernels.c in a saved copy of csrc/; the working tree's
-is "ours") is built once; then every (product, rows, kind) case is timed for each source in turn,
-alternated A B A B over `--rounds` rounds, and the median is printed with GB/s of weights read
-(codes + scales + offsets) and the ratio to the float32 GEMM of the same source. One thread and
-process CPU time by default: on a shared machine CPU time does not count other processes' turns.
+Each kernel source given (`--source`, e.g. cpu/csrc/cpu_kernels.c in a saved copy of cpu/csrc/;
+the working tree's is "ours") is built once; then every (product, rows, kind) case is timed for
+each source in turn, alternated A B A B over `--rounds` rounds, and the median is printed with
+GB/s of weights read (codes + scales + offsets) and the ratio to the float32 GEMM of the same
+source. One thread and process CPU time by default: on a shared machine CPU time does not count
+other processes' turns.
 
     .venv/bin/python benchmarks/quant_kernel_bench.py --source /tmp/base/cpu_kernels.c --rows 1,4,32 --moe
     # weights read from memory, not cache (a decode step's weights exceed L3):
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.quantization.packed import (
     BF16_PAIRS,
     KINDS,

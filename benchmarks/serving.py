@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = make_small_moe(DEFAULT_CACHE, args.dtype)
     elif args.model == "embedded":
-        from expertmesh.model_source import DEFAULT_MODEL_DIR
+        from expertmesh.config.model_source import DEFAULT_MODEL_DIR
 
         args.model = str(DEFAULT_MODEL_DIR)
     with open(Path(args.model) / "config.json") as f:

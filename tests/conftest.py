@@ -81,7 +81,7 @@ def kernels():
     """expertmesh's compiled CPU kernels (this machine image has a C compiler: a build failure fails)."""
     from expect import no_kernels
 
-    from expertmesh.layers import cpu_kernels
+    from expertmesh.cpu import cpu_kernels
 
     k = cpu_kernels.load()
     if k is None:
@@ -95,7 +95,7 @@ def generic_kernels(tmp_path_factory):
     without AVX-512 take, built once for the tests that check that path on any x86 CPU."""
     import platform
 
-    from expertmesh.layers import cpu_kernels
+    from expertmesh.cpu import cpu_kernels
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512f is an x86 flag")

@@ -48,7 +48,7 @@ def kernels_disabled() -> bool:
 
 def no_kernels() -> NoReturn:
     """cpu_kernels.load() gave None: a skip only when switched off on purpose, else a build failure."""
-    from expertmesh.layers import cpu_kernels
+    from expertmesh.cpu import cpu_kernels
 
     if kernels_disabled():
         pytest.skip("CPU kernels switched off by EXPERTMESH_DISABLE_CPU_KERNELS")

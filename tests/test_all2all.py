@@ -6,12 +6,13 @@ import pytest
 import torch
 from distributed_utils import run_distributed
 
+from expertmesh.config import ParallelConfig
 from expertmesh.distributed.all2all import KNOWN_ALL2ALL_BACKENDS, make_all2all
 from expertmesh.distributed.group import Group, ParallelGroups, init_groups
 from expertmesh.distributed.layout import ParallelLayout
+from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
 from expertmesh.layers.fused_moe import FusedExperts
-from expertmesh.models.build import ModelEnv
 
 WORLD = 4
 BACKENDS = ["naive", "allgather_reducescatter"]
@@ -300,12 +301,14 @@ def test_alltoall_pairing_and_sizes_fail_loudly():
         assert "rows but dispatch handed out" in errors[3]
 
 
-def test_make_dispatcher_alltoall_needs_expert_parallel():
-    for ep in (False, True):
-        layout = ParallelLayout(1, 1, 1, ep)
-        env = ModelEnv(ParallelGroups.single(layout), MoEPlan.decide(layout, 0), "alltoall", range(1))
-        if ep:
-            assert env.make_dispatcher(EXPERTS) is None  # EP with DP=1: nothing to exchange
-        else:
-            with pytest.raises(ValueError, match="'alltoall' requires enable_expert_parallel=True"):
-                env.make_dispatcher(EXPERTS)
+def test_alltoall_needs_expert_parallel_at_config_construction():
+    """The rule is checked once, by ParallelConfig (any DP size, before any process group)."""
+    for dp in (1, 2):
+        with pytest.raises(
+            ValueError, match="all2all_backend='alltoall' requires enable_expert_parallel=True"
+        ):
+            ParallelConfig(data_parallel_size=dp, all2all_backend="alltoall")
+        assert ParallelConfig(data_parallel_size=dp, enable_expert_parallel=True, all2all_backend="alltoall")
+    layout = ParallelLayout(1, 1, 1, True)
+    env = ModelEnv(ParallelGroups.single(layout), MoEPlan.decide(layout, 0), "alltoall", range(1))
+    assert env.make_dispatcher(EXPERTS) is None  # EP with DP=1: nothing to exchange

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from expertmesh.layers import cpu_features, cpu_kernels, cpu_onednn
+from expertmesh.cpu import cpu_features, cpu_kernels, cpu_onednn
 from expertmesh.layers.fused_moe import FusedExperts
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.attention import (
     Attention,
     AttentionMetadata,

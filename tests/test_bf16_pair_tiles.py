@@ -1,4 +1,4 @@
-"""bf16 pair products (AVX512-BF16, csrc/bf16_pairs.c) at every tile shape they pick.
+"""bf16 pair products (AVX512-BF16, cpu/csrc/bf16_pairs.c) at every tile shape they pick.
 
 Products pick their tiles by row count: 1-3 rows in wide one-pass tiles (4-6 panels), more in
 8 x 3 tiles whose first row tile streams the weights (narrower tiles for a group's last panels);

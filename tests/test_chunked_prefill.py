@@ -12,7 +12,7 @@ from test_deepseek import MODELS
 from test_real_families import FAMILIES
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 
 BUDGET = 64
 SHORT = [1, 7, 40, 64, 65, 150]  # under, at and over the budget (and the shrunk window of 32)

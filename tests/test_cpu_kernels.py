@@ -1,6 +1,6 @@
 """expertmesh's compiled CPU kernels against torch's own ops, and the engine with and without them.
 
-The kernels are compiled here from csrc/cpu_kernels.c; this machine image has a C compiler, so
+The kernels are compiled here from cpu/csrc/cpu_kernels.c; this machine image has a C compiler, so
 a failed build is a test failure, not a skip.
 """
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.config import RopeConfig
-from expertmesh.layers import cpu_gemm, cpu_kernels
+from expertmesh.cpu import cpu_gemm, cpu_kernels
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.norm import RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding

@@ -18,8 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.config import ModelConfig
+from expertmesh.cpu import cpu_kernels
 from expertmesh.engine import kv_cache
-from expertmesh.layers import cpu_kernels
 from expertmesh.layers.mla import MLAAttention, mla_softmax_scale
 
 MODELS = {

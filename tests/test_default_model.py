@@ -11,7 +11,7 @@ import torch
 from distributed_utils import run_distributed
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.model_source import DEFAULT_MODEL_DIR
+from expertmesh.config.model_source import DEFAULT_MODEL_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "tools", "checkable_prompts.json")) as f:

@@ -47,7 +47,7 @@ def _mxfp4(w: torch.Tensor, seed: int, zeros: dict, kernels) -> QuantizedWeight:
 
 def _experts(case: str, fast: bool, placement: ExpertPlacement, rank: int) -> FusedExperts:
     """FusedExperts holding `rank`'s slots of `placement` compressed, expert e drawn from seed e."""
-    from expertmesh.layers import cpu_kernels
+    from expertmesh.cpu import cpu_kernels
     from expertmesh.layers.quantization.online import OnlineScheme
 
     kernels = cpu_kernels.load() if fast else None

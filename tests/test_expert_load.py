@@ -44,7 +44,7 @@ def _skewed(original):
 
 def _no_native_form(layer, keep):
     """The skew lives in Router.forward, which native decode steps do not call (they route in C,
-    layers/native_decode.py): a skewed model's layers declare no native form."""
+    cpu/native_decode.py): a skewed model's layers declare no native form."""
     return None
 
 
@@ -396,7 +396,7 @@ def _experts_for(
 ):
     """FusedExperts holding `rank`'s slots of `placement` (experts, hidden, intermediate: `shape`),
     expert e's weights drawn from seed e; `packed`: laid out for our kernels."""
-    from expertmesh.layers import cpu_kernels
+    from expertmesh.cpu import cpu_kernels
     from expertmesh.layers.fused_moe import FusedExperts
 
     experts, hidden, inter = shape

@@ -97,7 +97,7 @@ def test_kimi_k25_serves_its_text_tower_and_logs_the_vision_skip(real_checkpoint
 def test_published_2026_configs_shrink_with_every_flag_kept(name):
     """Every key survives shrinking; a flag (not a size) keeps its published value; our config
     reading (hf_config.load_hf_config) takes each file, Kimi-K2's kimi_k2 included."""
-    from expertmesh.hf_config import load_hf_config
+    from expertmesh.config.hf_config import load_hf_config
 
     full = published(f"2026/{name}")
     small = shrink(full)
@@ -263,8 +263,8 @@ def test_sparse_attention_configs_fail_by_name():
     indexer's sizes; top-k counts the identity experts among those it may pick."""
     from types import SimpleNamespace
 
-    from expertmesh.mla_config import MLAConfig
-    from expertmesh.model_config import ModelConfig
+    from expertmesh.config.mla_config import MLAConfig
+    from expertmesh.config.model_config import ModelConfig
 
     mla = dict(
         kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=8, hidden_size=16

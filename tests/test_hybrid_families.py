@@ -255,8 +255,8 @@ def test_mamba2_heads_or_groups_that_do_not_split_over_tp_are_refused_by_name():
     other (here 6 groups of 2 heads over 4): the error names both counts."""
     from types import SimpleNamespace
 
+    from expertmesh.config.linear_attention_config import Mamba2Config
     from expertmesh.layers.mamba2 import Mamba2Mixer
-    from expertmesh.linear_attention_config import Mamba2Config
 
     for heads, groups, tp in ((8, 1, 3), (12, 6, 4)):
         m = Mamba2Config(num_heads=heads, head_dim=16, state_size=8, n_groups=groups, conv_kernel=4)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 
 V4 = ["-march=x86-64-v4"]  # AVX-512 F/BW/VL/DQ/CD: no BF16, VBMI or VNNI
 NO_EXTRAS = ["vdpbf16ps", "vpdpbusd", "vpmultishiftqb"]  # BF16, VNNI, VBMI instructions

@@ -1,4 +1,4 @@
-"""The panel GEMM's tile choices (csrc/gemm.c) at every row count they special-case.
+"""The panel GEMM's tile choices (cpu/csrc/gemm.c) at every row count they special-case.
 
 A product is computed by a tile picked for its row count: few-row tiles as wide as the registers
 allow (1-6 rows, span_*), MR x NP tiles beyond, and for bf16 weights from WIDEN_ROWS rows a panel

@@ -13,8 +13,8 @@ from serve_utils import ServeProcess
 from test_server import _chat_ids
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.config.model_source import DEFAULT_MODEL_DIR
 from expertmesh.entrypoints.api_server import DEFAULT_SERVED_NAME
-from expertmesh.model_source import DEFAULT_MODEL_DIR
 
 lm_eval = pytest.importorskip(
     "lm_eval", reason="lm-eval is in the `lmeval` extra: pip install -e '.[lmeval]'"

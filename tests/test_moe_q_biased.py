@@ -8,7 +8,7 @@ from expect import no_kernels
 from real_checkpoints import Sizes
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.activation import ClampedSwiGLU, GatedActivation
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.packed import QuantizedMoE, QuantizedWeight

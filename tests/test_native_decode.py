@@ -1,4 +1,4 @@
-"""Decode steps through whole decoder layers in one native call (layers/native_decode.py) against
+"""Decode steps through whole decoder layers in one native call (cpu/native_decode.py) against
 the per-op path they replace (EngineArgs(native_decode=False)), which stays the reference: the
 same tokens and logprobs, fp32 and bf16, over uneven batches and prompts crossing KV blocks;
 routing ties decided by torch.topk; the expert-load counts; which layers are eligible; and quantized
@@ -10,8 +10,8 @@ import pytest
 from expect import kernels_disabled, no_kernels
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers import cpu_kernels
-from expertmesh.layers.native_decode import NativeDecoder, decoders
+from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu.native_decode import NativeDecoder, decoders
 from expertmesh.models.decoder import DecoderLayer
 
 # only a deliberate EXPERTMESH_DISABLE_CPU_KERNELS skips; a build failure fails (the `kernels` fixture)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from distributed_utils import run_distributed
 
+from expertmesh.cpu import cpu_gemm, cpu_kernels
 from expertmesh.distributed.all2all import make_all2all
 from expertmesh.distributed.group import Group, ParallelGroups
 from expertmesh.distributed.moe_plan import expert_owners
-from expertmesh.layers import cpu_gemm, cpu_kernels
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.linear import RowParallelLinear
 

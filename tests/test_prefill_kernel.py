@@ -1,4 +1,4 @@
-"""The prefill attention kernel (csrc/attention.c paged_prefill) against the torch path it replaces
+"""The prefill attention kernel (cpu/csrc/attention.c paged_prefill) against the torch path it replaces
 (SDPA with a causal / window / chunk mask, `_sink_attention` with sinks) at uneven shapes: fresh
 prompts read from the new rows, chunks over a cached context read from blocks in no particular
 order, GQA, head dims that are and are not whole vectors (odd ones too: bf16 pairs end in a
@@ -9,7 +9,7 @@ layer's forward over a mixed step (decodes, a fresh prompt, a chunk over a conte
 import pytest
 import torch
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 
 BS = 4  # block size: positions run across many blocks

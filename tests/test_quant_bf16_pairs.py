@@ -1,4 +1,4 @@
-"""A bf16 model's int4, int8, fp4 and fp8 products on bf16 pairs (csrc/quant_bf16.c, code kinds 6-9).
+"""A bf16 model's int4, int8, fp4 and fp8 products on bf16 pairs (cpu/csrc/quant_bf16.c, code kinds 6-9).
 
 The inputs are rounded to bf16 (a bf16 model's are already), each pair of uint4 / int8 / fp4 / fp8 codes
 (e4m3 codes drawn from every byte but NaN's, so subnormals and both zeros occur) times a
@@ -20,7 +20,7 @@ import torch
 from expect import no_kernels
 from test_quant_wide_tiles import _weight as wide_tiles_weight
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.quantization.packed import (
     FP4_BF16,
     FP8_BF16,

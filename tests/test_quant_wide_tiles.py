@@ -1,4 +1,4 @@
-"""Weight-only quantized products at a few to some tens of rows (csrc/quant.c `qwide_*`).
+"""Weight-only quantized products at a few to some tens of rows (cpu/csrc/quant.c `qwide_*`).
 
 From 2 rows up to QW_ROWS - 1 (23) a span of panels is taken by the wide tiles: each weight vector
 W = code * s + m is rebuilt once per tile (up to 12 rows x 1-4 panels, the rows read in
@@ -16,7 +16,7 @@ import torch
 from expect import no_kernels
 from test_quantization import moe_reference
 
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 
 # every tile height (1-12), uneven splits (13: 7 + 6; 23: 12 + 11), either side of QW_ROWS (24)

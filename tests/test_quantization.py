@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.fp8 import Fp8Tensor, quantize_blocks
 from expertmesh.layers.quantization.packed import (

@@ -22,7 +22,7 @@ from test_quantization import LENGTHS, _greedy, _online_quantized_key, _qwen3, a
 from transformers import AutoModelForCausalLM
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers import cpu_features, cpu_kernels
+from expertmesh.cpu import cpu_features, cpu_kernels
 from expertmesh.layers.quantization.online import OnlineScheme
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 

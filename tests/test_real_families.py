@@ -9,7 +9,7 @@ from real_checkpoints import Sizes, published
 from sweeps import sweep
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 
 WINDOW = Sizes().window
 LENGTHS = [1, 7, WINDOW - 3, WINDOW + 1, 70, 70]  # across the window / chunk of 32

@@ -1,4 +1,4 @@
-"""rope_cache's vectorised rows (csrc/token_ops.c) bit for bit against torch's rotary (RotaryTables.apply)
+"""rope_cache's vectorised rows (cpu/csrc/token_ops.c) bit for bit against torch's rotary (RotaryTables.apply)
 at prefill sizes: NeoX halves, GPT-J pairs and partial rotary, head dims 64 and 128, bfloat16 values
 at rounding ties, huge, tiny, infinite and NaN, and float32 alike."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from expertmesh.config import RopeConfig
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.rotary import RotaryEmbedding
 
 

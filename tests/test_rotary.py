@@ -18,7 +18,8 @@ from transformers.models.llama4.modeling_llama4 import apply_rotary_emb as llama
 from transformers.models.phimoe.modeling_phimoe import PhimoeRotaryEmbedding
 
 from expertmesh.config import RopeConfig
-from expertmesh.layers import cpu_kernels
+from expertmesh.config.rope_config import ROPE_TYPE_NAMES
+from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.rotary import ROPE_TYPES, RotaryEmbedding
 
 ORIGINAL = 256  # original_max_position_embeddings of the synthetic blocks; positions go to 2x this
@@ -342,3 +343,11 @@ def test_a_positions_values_do_not_depend_on_its_step(dtype):
     positions = torch.tensor([3, 7, 0, 300])
     for ours_t, hf_t in ((batch.cos, hf_cos), (batch.sin, hf_sin)):
         torch.testing.assert_close(ours_t[:, 0].float(), hf_t[positions].to(dtype).float(), rtol=0, atol=1e-6)
+
+
+def test_the_config_knows_exactly_the_rope_types_the_code_computes():
+    """RopeConfig checks rope_type against ROPE_TYPE_NAMES without importing layers/ (no import
+    circle); each name has a frequency function here and each function a name there."""
+    assert sorted(ROPE_TYPES) == sorted(ROPE_TYPE_NAMES)
+    with pytest.raises(ValueError, match="rope_type='spiral' is not supported; supported: \\['default'"):
+        RopeConfig(rope_type="spiral")

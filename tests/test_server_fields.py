@@ -13,10 +13,10 @@ from openai.types.completion_create_params import CompletionCreateParamsBase as 
 from test_server import ServerThread
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.config.model_source import DEFAULT_MODEL_DIR
 from expertmesh.entrypoints.api_server import DEFAULT_SERVED_NAME, build_app
 from expertmesh.entrypoints.async_engine import AsyncEngine
 from expertmesh.entrypoints.protocol import METADATA_FIELDS, NOT_YET_SUPPORTED
-from expertmesh.model_source import DEFAULT_MODEL_DIR
 
 PROMPT = "The capital of France is"
 MSGS = [{"role": "user", "content": "Hi"}]

@@ -1,16 +1,16 @@
 """One rank's engine from the user's arguments: what `LLM`, the mp workers and `serve` under
 torchrun all build (the engine layer; nothing here knows the user-facing `LLM`).
 
-`EngineArgs` holds vLLM's engine keywords; `build_engine` places this process (one process, or
-one torchrun / mp-worker rank), loads the model and returns the rank's `LLMEngine` with the
-`ModelEnv` its layers received.
+`EngineArgs` (config/engine_args.py) holds vLLM's engine keywords; `build_engine` places this process
+(one process, or one torchrun / mp-worker rank), loads the model and returns the rank's
+`LLMEngine` with the `ModelEnv` its layers received.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -19,110 +19,32 @@ from transformers import AutoTokenizer
 from expertmesh.config import (
     CacheConfig,
     EngineConfig,
-    EPLBConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from expertmesh.config.engine_args import EngineArgs
+from expertmesh.config.hf_config import load_hf_config
+from expertmesh.config.model_source import resolve_model
+from expertmesh.cpu.native_decode import set_native_decode
 from expertmesh.distributed import watchdog
-from expertmesh.distributed.all2all_choice import choose_all2all_backend
 from expertmesh.distributed.fixed_sum import FIXED_CHUNKS
 from expertmesh.distributed.launcher import check_model_fits, check_same_config, place_process
+from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan
-from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
 from expertmesh.engine.expert_load import ExpertLoad, read_initial_load
 from expertmesh.engine.llm_engine import LLMEngine
 from expertmesh.engine.model_runner import ModelRunner
-from expertmesh.hf_config import load_hf_config
-from expertmesh.layers.native_decode import set_native_decode
 from expertmesh.logger import setup_logging
-from expertmesh.model_source import resolve_model
-from expertmesh.models.build import ModelEnv, build_model, stage_layers
+from expertmesh.models.build import build_model, stage_layers
 from expertmesh.spec_decode.config import SpeculativeConfig
 
 log = logging.getLogger("expertmesh")
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    """vLLM's engine keywords (`LLM(...)` takes the same ones; see its docs in README.md)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    trust_remote_code: bool = False
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    all2all_backend: str | None = None
-    expert_placement: str = "contiguous"
-    enable_eplb: bool = False
-    num_redundant_experts: int | None = None
-    eplb_config: dict | EPLBConfig | None = None
-    distributed_executor_backend: str | None = None
-    dtype: str | torch.dtype = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = True
-    revision: str | None = None
-    device: str | None = None
-    pipeline_split: list[int] | None = None
-    debug_nan_recv_buffers: bool = False
-    distributed_timeout_seconds: float = DEFAULT_TIMEOUT_S
-    allow_nonfinite_weights: bool = False
-    quantization: str | None = None  # online: int8, int4, fp8 (weight-only), w8a8, w4a8; "dequantize"
-    # Decode-only steps through whole decoder layers in one native call where every block has a
-    # native form (layers/native_decode.py); False: the per-op path only (A/B, debugging).
-    native_decode: bool = True
-    # Dummy requests through every shape class before the first real one (engine.warmup); False
-    # starts at once, the first requests then paying the kernels' and memory's first-use costs.
-    warmup: bool = True
-    # vLLM's speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...}
-    # (spec_decode/config.py; docs/speculative_decoding.md).
-    speculative_config: dict | SpeculativeConfig | None = None
-    # Layout- and batch-invariant sums (distributed/fixed_sum.py): every layout gives one process's
-    # logprobs bit for bit, bf16 included; costs measured in docs/layouts.md.
-    deterministic: bool = False
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
-        """From a keyword dict; an unknown keyword is a TypeError naming it and the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
-        return cls(**kwargs)
-
-    def parallel_config(self) -> ParallelConfig:
-        """The parallel request (checked: sizes, backend names), before any process is placed."""
-        return ParallelConfig(
-            self.tensor_parallel_size,
-            self.data_parallel_size,
-            self.pipeline_parallel_size,
-            self.enable_expert_parallel,
-            choose_all2all_backend(self.all2all_backend),
-            self.distributed_executor_backend,
-            self.expert_placement,
-            self.enable_eplb,
-            EPLBConfig.of(self.eplb_config, self.num_redundant_experts),
-        )
-
-
 class BuiltEngine(NamedTuple):
     engine: LLMEngine
     model_env: ModelEnv
-
-
-def check_timeout(timeout_s: Any) -> None:
-    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"distributed_timeout_seconds={timeout_s!r} must be a number > 0")
 
 
 def check_request(args: EngineArgs, model_dir: str) -> Any:
@@ -147,7 +69,6 @@ def speculative_config(args: EngineArgs, model_config: ModelConfig, hf: Any) -> 
 
 def build_engine(args: EngineArgs) -> BuiltEngine:
     """Place this process, load its part of the model, and build its engine (every rank calls this)."""
-    check_timeout(args.distributed_timeout_seconds)
     parallel = args.parallel_config()
     model_dir = resolve_model(args.model, args.revision)
     hf = load_hf_config(model_dir, args.trust_remote_code)
@@ -256,7 +177,7 @@ def load_tokenizer(path: str, trust_remote_code: bool, hf_config: Any = None):
     if hf_config is not None:
         kwargs["config"] = hf_config
     elif os.path.isfile(os.path.join(path, "config.json")):
-        try:  # AutoTokenizer reads config.json too: hand it the fixed one (hf_config.py)
+        try:  # AutoTokenizer reads config.json too: hand it the fixed one (config/hf_config.py)
             kwargs["config"] = load_hf_config(path, trust_remote_code)
         except (OSError, ValueError):  # a tokenizer_config.json may name its class without it
             pass

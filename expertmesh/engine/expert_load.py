@@ -30,14 +30,13 @@ from typing import Any
 import torch
 
 from expertmesh.distributed.eplb import balanced_placement, check_movable
+from expertmesh.layers.moe import MoE
 
 log = logging.getLogger("expertmesh")
 
 
 class ExpertLoad:
     def __init__(self, model: torch.nn.Module, plan: Any, groups: Any, top_k: int, num_experts: int) -> None:
-        from expertmesh.layers.moe import MoE
-
         self.moes = sorted((m for m in model.modules() if isinstance(m, MoE)), key=lambda m: m.layer_index)
         self.plan, self.groups, self.top_k, self.num_experts = plan, groups, top_k, num_experts
         name = plan.count_group_name

@@ -1,6 +1,7 @@
-"""KV-cache kinds, how many blocks a rank gets, and the cache tensors themselves.
+"""KV-cache budget: how many blocks a rank gets, and the cache tensors themselves.
 
-Each attention layer declares what it caches per token (`KVCacheSpec`, one of KV_CACHE_KINDS):
+Each attention layer declares what it caches per token (layers/cache_spec.py: `KVCacheSpec`, one
+of KV_CACHE_KINDS):
 - "per_head": a K and a V row of `heads` x `width` (GQA/MHA layers: KV heads x head_dim);
 - "latent": one row of `width` values shared by every query head (multi-head latent attention:
   the latent kv_lora_rank values and the rotary key, qk_rope_head_dim; layers/latent_attention.py);
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
-from expertmesh.layers import huge_pages
-from expertmesh.registries import lookup
+from expertmesh.cpu import huge_pages
+from expertmesh.layers.cache_spec import KV_CACHE_KINDS, CacheKind, KVCacheSpec, element_size  # noqa: F401
 
 log = logging.getLogger("expertmesh")
 
@@ -39,51 +39,6 @@ def available_ram_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-@dataclass(frozen=True)
-class CacheKind:
-    planes: int  # tensors per layer: K and V, or one latent row both are read from
-    what: str
-
-
-KV_CACHE_KINDS = {
-    "per_head": CacheKind(2, "per-head K and V"),
-    "latent": CacheKind(1, "one latent row shared by all heads (MLA)"),
-    "index_key": CacheKind(1, "one indexer key per token (DeepSeek Sparse Attention)"),
-}
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """What one attention layer caches per token: `planes` rows of `heads` x `width` values.
-    `expanded` is what per-head K and V of this layer's query heads would take instead (a latent
-    kind reports it next to its own size)."""
-
-    kind: str
-    heads: int
-    width: int
-    expanded: int = 0
-
-    def __post_init__(self) -> None:
-        lookup(KV_CACHE_KINDS, self.kind, "KV-cache kind")
-        if self.heads < 1 or self.width < 1:
-            raise ValueError(f"KV-cache spec {self}: heads and width must be >= 1")
-
-    @property
-    def planes(self) -> int:
-        return KV_CACHE_KINDS[self.kind].planes
-
-    @property
-    def values_per_token(self) -> int:
-        return self.planes * self.heads * self.width
-
-    def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (self.planes, num_blocks, block_size, self.heads, self.width)
-
-
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def bytes_per_token(specs: list[KVCacheSpec], dtype: torch.dtype) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from expertmesh.config import EngineConfig
+from expertmesh.cpu.native_decode import decoders
 from expertmesh.distributed.group import ParallelGroups
 from expertmesh.engine import kv_cache, state_cache
 from expertmesh.engine.block_manager import BlockManager
@@ -17,7 +18,6 @@ from expertmesh.engine.sampler import Sampler, prompt_logprobs, top_logprobs
 from expertmesh.engine.scheduler import ScheduledBatch
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from expertmesh.layers.native_decode import decoders
 from expertmesh.spec_decode.verify import verify
 
 

@@ -12,29 +12,9 @@ cleared by hand. An attention-only model declares no state and pays nothing.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from expertmesh.engine.kv_cache import element_size
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """What one recurrent layer keeps per sequence: tensors of `shapes`, in `dtype`."""
-
-    kind: str  # e.g. "gated_deltanet": the layer kind, for the start-up line
-    shapes: tuple[tuple[int, ...], ...]  # e.g. ((conv channels, kernel - 1), (heads, d_k, d_v))
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self) -> None:
-        if not self.shapes or any(not s or min(s) < 1 for s in self.shapes):
-            raise ValueError(f"state spec {self}: every tensor needs a non-empty shape of sizes >= 1")
-
-    @property
-    def bytes_per_seq(self) -> int:
-        return sum(math.prod(s) for s in self.shapes) * element_size(self.dtype)
+from expertmesh.layers.cache_spec import StateSpec  # noqa: F401 -- the layers' declaration, re-exported
 
 
 def bytes_per_seq(specs: list[StateSpec]) -> int:

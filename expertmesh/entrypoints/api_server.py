@@ -218,7 +218,10 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return {"prompt": await engine.in_pool(_detokenize, engine, body.tokens)}
 
-    responses_api.add_routes(app, engine, tools)  # /v1/responses hook
+    serving = responses_api.ChatServing(
+        GENERATE_RESPONSES, _model_name, _sampling_params, _chat_prompt, _serve
+    )
+    responses_api.add_routes(app, engine, tools, serving)  # /v1/responses hook
     return app
 
 

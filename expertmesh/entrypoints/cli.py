@@ -8,119 +8,19 @@ import os
 import sys
 import time
 
-from expertmesh.config import ALL2ALL_BACKEND_NAMES
+from expertmesh.config import ParallelConfig
+from expertmesh.config.engine_args import add_cli_args, from_cli
+from expertmesh.config.model_source import DEFAULT_MODEL_DIR
 from expertmesh.entrypoints import stats_cli
-from expertmesh.model_source import DEFAULT_MODEL_DIR
+
+# Engine defaults a command changes: a server warms every rank before /health answers (its first
+# requests would pay the first-use costs); offline, the first generate measured as fast without.
+COMMAND_DEFAULTS: dict[str, dict[str, object]] = {"generate": {}, "serve": {"warmup": True}}
 
 
-def _quantization(name: str) -> str:
-    """A scheme LLM(quantization=...) takes, suffixes included ("int4-g32", "int8+head"), or
-    "dequantize"."""
-    from expertmesh.layers.quantization.online import OnlineScheme
-    from expertmesh.layers.quantization.registry import DEQUANTIZE
-
-    if name == DEQUANTIZE:
-        return name
-    try:
-        OnlineScheme.parse(name)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return name
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="local HF directory or hub id (default: the embedded tiny PhiMoE)"
-    )
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
-    p.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        type=_quantization,
-        help="online quantization of an unquantized checkpoint: weight-only int8 / int4 / fp8, or w8a8 / "
-        "w4a8 (int8 / int4 weights, int8 activations); suffixes -g32 (inputs a scale), -ch (one a "
-        "channel), +head (the LM head too); a quantized checkpoint's own format is read from its config.json "
-        "and its codes held as stored, or dequantized to the model dtype at load with 'dequantize'",
-    )
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks per replica")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
-    p.add_argument(
-        "--enable-expert-parallel", action="store_true", help="place whole experts over the EP group"
-    )
-    p.add_argument(
-        "--all2all-backend",
-        choices=ALL2ALL_BACKEND_NAMES,
-        default=None,
-        help="MoE token exchange (default allgather_reducescatter; VLLM_ALL2ALL_BACKEND is honoured)",
-    )
-    p.add_argument(
-        "--distributed-executor-backend",
-        default=None,
-        choices=["external_launcher", "mp"],
-        help="external_launcher: one engine per torchrun process (set automatically under torchrun); "
-        "mp: this process spawns one worker per rank (what `serve` uses for several ranks)",
-    )
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="tokens one step computes (default 8192)"
-    )
-    switches = (
-        ("chunked-prefill", "split long prompts over steps"),
-        ("prefix-caching", "reuse shared prefixes' KV"),
-    )
-    for name, what in switches:
-        p.add_argument(f"--enable-{name}", action=argparse.BooleanOptionalAction, default=True, help=what)
-    p.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        help="KV cache size per rank (default: 10%% of free RAM on CPU, capped at what is useful)",
-    )
-    p.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing (needs EP)")
-    p.add_argument(
-        "--num-redundant-experts", type=int, default=None, help="EPLB: replica slots beyond the experts"
-    )
-    p.add_argument(
-        "--eplb-config",
-        type=json.loads,
-        default=None,
-        help='EPLB as JSON: {"num_redundant_experts": R, "step_interval": N (default 3000; 0 = never), '
-        '"window_size": W (place by the last W forwards; default: since the last rebalance), '
-        '"load_path": "an --expert-stats file to place experts at start-up", "log_balancedness": true}',
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=json.loads,
-        default=None,
-        help='speculative decoding as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": K, '
-        '"prompt_lookup_min": A, "prompt_lookup_max": B} (docs/speculative_decoding.md)',
-    )
-    p.add_argument("--seed", type=int, default=0, help="engine seed (and the sampling seed below)")
-    p.add_argument(
-        "--no-warmup",
-        dest="warmup",
-        action="store_false",
-        help="skip the start-up warm-up (dummy requests of every step shape before the first request)",
-    )
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="layout- and batch-invariant sums: every layout gives one process's logprobs bit for bit, "
-        "bf16 included, at a cost in speed (docs/layouts.md)",
-    )
-    p.add_argument(
-        "--distributed-timeout-seconds",
-        type=float,
-        default=60.0,  # = distributed.watchdog.DEFAULT_TIMEOUT_S (not imported: --help stays fast)
-        help="how long a rank may stop answering before the watchdog ends every rank, naming it "
-        "(default %(default)s)",
-    )
+def _add_engine_flags(p: argparse.ArgumentParser, **defaults: object) -> None:
+    """The engine flags of `generate` and `serve`: one per EngineArgs field (config/engine_args.py)."""
+    add_cli_args(p, defaults=defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts and print them")
-    _add_engine_flags(gen)
+    _add_engine_flags(gen, **COMMAND_DEFAULTS["generate"])
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -186,7 +86,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model (default: embedded)"
     )
-    _add_engine_flags(serve)
+    _add_engine_flags(serve, **COMMAND_DEFAULTS["serve"])
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
@@ -221,32 +121,7 @@ def _add_serve_parser(sub) -> None:
 
 def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict:
     """LLM(...) keywords from the engine flags shared by `generate` and `serve`."""
-    return dict(
-        model=model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        all2all_backend=args.all2all_backend,
-        distributed_executor_backend=args.distributed_executor_backend,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        distributed_timeout_seconds=args.distributed_timeout_seconds,
-        enable_eplb=args.enable_eplb,
-        num_redundant_experts=args.num_redundant_experts,
-        eplb_config=args.eplb_config,
-        warmup=args.warmup,
-        speculative_config=args.speculative_config,
-        deterministic=args.deterministic,
-    )
+    return from_cli(args, model=model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stats":
         return stats_cli.main(args)
     from expertmesh import LLM, SamplingParams  # after parsing: --help stays fast
-    from expertmesh.config import ParallelConfig
 
     llm = LLM(**_engine_kwargs(args, args.model))
     engine = getattr(llm, "llm_engine", None)
@@ -290,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from expertmesh.entrypoints.serve import serve
+    from expertmesh.entrypoints.serve import serve  # fastapi and uvicorn: only for `serve`
 
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
@@ -309,7 +183,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _verify(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from expertmesh.distributed.launcher import torchrun_env
+    from expertmesh.distributed.launcher import torchrun_env  # torch.distributed: only for `verify`
     from expertmesh.entrypoints import verify
 
     kw = dict(

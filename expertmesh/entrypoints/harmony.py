@@ -14,7 +14,6 @@ preamble) messages as content. A message whose header is not complete yet is hel
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
@@ -63,24 +62,3 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     analysis = [m.body for m in msgs if m.complete and m.channel == "analysis"]
     rest = "".join(m.raw for m in msgs if m.complete and m.channel != "analysis")
     return ("".join(analysis) if analysis else None), rest
-
-
-def parse_calls(text: str) -> tuple[str, list]:
-    from expertmesh.entrypoints.tool_parsers import ToolCall
-
-    if not is_harmony(text):
-        return text, []
-    content, calls = [], []
-    for m in messages(text):
-        if not m.complete or m.channel == "analysis":
-            continue
-        if m.recipient is not None:
-            try:
-                args = json.loads(m.body)
-            except json.JSONDecodeError:
-                args = None
-            if isinstance(args, dict):
-                calls.append(ToolCall(m.recipient, json.dumps(args, ensure_ascii=False)))
-                continue
-        content.append(m.body)  # final answer, a preamble, or a malformed call
-    return "".join(content), calls

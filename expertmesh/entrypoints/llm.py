@@ -10,12 +10,13 @@ from typing import Any
 import torch
 
 from expertmesh.config import EPLBConfig
+from expertmesh.config.engine_args import EngineArgs
+from expertmesh.config.model_source import resolve_model
 from expertmesh.distributed import watchdog
 from expertmesh.distributed.watchdog import DEFAULT_TIMEOUT_S
 from expertmesh.engine import offline
-from expertmesh.engine.builder import EngineArgs, build_engine, check_request, check_timeout, load_tokenizer
+from expertmesh.engine.builder import build_engine, check_request, load_tokenizer
 from expertmesh.engine.client import EngineClient, EngineStepper
-from expertmesh.model_source import resolve_model
 from expertmesh.outputs import RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
@@ -24,6 +25,9 @@ PromptType = offline.PromptType
 
 
 class LLM:
+    """vLLM's offline entry point. The keywords are EngineArgs' fields (config/engine_args.py: each one's
+    default and help text); tests/test_engine_args.py checks that this signature equals them."""
+
     def __init__(
         self,
         model: str | None = None,
@@ -68,7 +72,6 @@ class LLM:
         self._executor = None
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         args = EngineArgs.from_kwargs(kwargs)
-        check_timeout(distributed_timeout_seconds)
         if distributed_executor_backend == "mp":
             # Every rank runs in a spawned worker; this process only hands out prompts.
             from expertmesh.executor.mp_executor import MPExecutor  # only this backend needs it

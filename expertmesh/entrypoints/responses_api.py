@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -403,20 +405,31 @@ class _Body(dict):
         return dict(self)
 
 
-def add_routes(app: FastAPI, engine: Any, options: chat_tools.ToolOptions) -> None:
-    """POST /v1/responses on `app` (called by build_app)."""
-    from expertmesh.entrypoints import api_server as srv
+@dataclass(frozen=True)
+class ChatServing:
+    """The chat-completions steps the Responses route reuses, handed over by api_server.build_app
+    (which imports this module, so this one does not import it back)."""
 
-    @app.post("/v1/responses", responses=srv.GENERATE_RESPONSES)
+    responses: dict[int | str, dict[str, Any]]  # the OpenAPI responses of a generate route
+    model_name: Callable[[FastAPI, Any], str]
+    sampling_params: Callable[..., Any]
+    chat_prompt: Callable[[Any, ChatCompletionRequest], str]
+    serve: Callable[..., Awaitable[Response]]
+
+
+def add_routes(app: FastAPI, engine: Any, options: chat_tools.ToolOptions, srv: ChatServing) -> None:
+    """POST /v1/responses on `app` (called by build_app)."""
+
+    @app.post("/v1/responses", responses=srv.responses)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         chat = to_chat(body)
-        name = srv._model_name(app, chat)
-        params = srv._sampling_params(chat, chat.max_tokens, None)
+        name = srv.model_name(app, chat)
+        params = srv.sampling_params(chat, chat.max_tokens, None)
         try:
             params, inner = await chat_tools.prepare(engine, chat, params, options, name, None, always=True)
         except APIFieldError as exc:  # the chat field's Responses name
             exc.param = "text.format" if exc.param == "response_format" else exc.param
             raise
-        prompt = await engine.in_pool(srv._chat_prompt, engine, chat)
+        prompt = await engine.in_pool(srv.chat_prompt, engine, chat)
         renderer = ResponsesRenderer(name, body, inner)
-        return await srv._serve(request, engine, chat, [prompt], params, renderer, add_special_tokens=False)
+        return await srv.serve(request, engine, chat, [prompt], params, renderer, add_special_tokens=False)

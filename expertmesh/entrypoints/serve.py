@@ -55,7 +55,8 @@ def serve(
 def _serve_torchrun(
     llm_kwargs: dict[str, Any], host: str, port: int, names: list[str], max_body: int, api_key: str | None
 ) -> None:
-    from expertmesh.engine.builder import EngineArgs, build_engine
+    from expertmesh.config.engine_args import EngineArgs
+    from expertmesh.engine.builder import build_engine
     from expertmesh.executor.driver_client import DriverClient
     from expertmesh.executor.torchrun_executor import DRIVER, TorchrunExecutor
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from expertmesh.config import ModelConfig
-from expertmesh.hf_config import load_hf_config
+from expertmesh.config.hf_config import load_hf_config
 from expertmesh.logger import setup_logging
 
 BACKENDS_WITH_DP = ("naive", "allgather_reducescatter")
@@ -307,8 +307,8 @@ def verify(
 ) -> tuple[list[dict], list[tuple[Case, str]]]:
     """Self-spawned world of `world` ranks; `setup` (importable) runs first in every rank, which
     is how tests break a layout on purpose."""
+    from expertmesh.config.model_source import resolve_model
     from expertmesh.executor.spawn import run_spmd
-    from expertmesh.model_source import resolve_model
 
     model_dir = resolve_model(model, None)
     mc = ModelConfig.from_hf(load_hf_config(model_dir), dtype)
@@ -328,8 +328,8 @@ def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], lis
     """Every rank of torchrun's world runs the layouts; rank 0 gets the rows (others None)."""
     import torch.distributed as dist
 
+    from expertmesh.config.model_source import resolve_model
     from expertmesh.distributed.launcher import torchrun_env
-    from expertmesh.model_source import resolve_model
 
     eplb = kw.pop("eplb", False)
     kw.setdefault("deterministic", True)

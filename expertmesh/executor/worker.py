@@ -43,7 +43,8 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
     import torch
     import torch.distributed as dist
 
-    from expertmesh.engine.builder import EngineArgs, build_engine
+    from expertmesh.config.engine_args import EngineArgs
+    from expertmesh.engine.builder import build_engine
     from expertmesh.engine.client import EngineStepper
 
     # The ranks share this machine's cores: one rank must not take them all.

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.kv_cache import KVCacheSpec
-from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.cpu.cpu_kernels import CpuKernels
+from expertmesh.layers.cache_spec import KVCacheSpec
 from expertmesh.layers.rotary import RotaryTables
 from expertmesh.layers.weights import copy_into, read, set_loader
 
@@ -150,7 +150,7 @@ class Attention(nn.Module):
         self.kernels = kernels
 
     def native_form(self) -> dict | None:
-        """The cache and masking fields of a native decode layer (layers/native_decode.py): our
+        """The cache and masking fields of a native decode layer (cpu/native_decode.py): our
         kernels serve this layer's decode and its cache is bound; else None."""
         if self.kernels is None or not self.k_cache.numel():
             return None

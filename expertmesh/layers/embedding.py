@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.layers import cpu_gemm, huge_pages
-from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.cpu import cpu_gemm, huge_pages
+from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, read, set_loader
 

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.cpu import cpu_gemm, huge_pages
+from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.distributed.fixed_sum import tree_sum
 from expertmesh.distributed.moe_plan import local_slot_map
-from expertmesh.layers import cpu_gemm, huge_pages
 from expertmesh.layers.activation import GatedActivation
-from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.identity_experts import lookup_picks
 from expertmesh.layers.quantization.packed import (
     QuantizedExperts,

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.state_cache import StateSpec
+from expertmesh.config.linear_attention_config import LinearAttentionConfig
 from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
-from expertmesh.linear_attention_config import LinearAttentionConfig
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

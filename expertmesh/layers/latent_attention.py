@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.kv_cache import KVCacheSpec
+from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.layers.attention import AttentionMetadata, PrefillChunk, prefill_mask
-from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.layers.cache_spec import KVCacheSpec
 
 
 class LatentAttention(nn.Module):

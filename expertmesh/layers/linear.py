@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.cpu import cpu_gemm, huge_pages
+from expertmesh.cpu.cpu_kernels import CpuKernels
+from expertmesh.cpu.native_decode import bias_ptr, gemm_form
 from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
-from expertmesh.layers import cpu_gemm, huge_pages
-from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
@@ -82,8 +83,6 @@ class LinearBase(nn.Module):
     def native_form(self, keep: list) -> tuple[int, int, int | None] | None:
         """(GEMM entry, weight, float32 bias) pointers for a native decode layer, if our panel GEMM
         or gemm_q serves this weight and its product is the whole sum (no TP partial), else None."""
-        from expertmesh.layers.native_decode import bias_ptr, gemm_form
-
         form = None if self.partial_output else gemm_form(self.packed, self.model_dtype, keep)
         return None if form is None else (form["fn"], form["w"], bias_ptr(self.bias, keep))
 

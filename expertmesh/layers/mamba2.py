@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.state_cache import StateSpec
+from expertmesh.config.linear_attention_config import Mamba2Config
 from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.gated_deltanet import RecurrentMixer
 from expertmesh.layers.linear import ReplicatedLinear, RowParallelLinear
 from expertmesh.layers.weights import copy_into, read, set_loader
-from expertmesh.linear_attention_config import Mamba2Config
 
 
 def ssd_chunked(

@@ -15,15 +15,17 @@ ExpertLoad attached one) counts the pairs per slot with one index_add, no host s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config import ModelConfig
+from expertmesh.distributed.all2all import All2AllBackend
+from expertmesh.distributed.eplb import move_expert_weights
 from expertmesh.distributed.fixed_sum import chunk_count
-from expertmesh.distributed.moe_plan import ExpertPlacement
+from expertmesh.distributed.group import ParallelGroups
+from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
 from expertmesh.layers.fused_moe import FusedExperts
@@ -55,9 +57,9 @@ class MoE(nn.Module):
         self,
         cfg: ModelConfig,
         spec: MoESpec,
-        plan: Any,
-        groups: Any,
-        dispatcher: Any,
+        plan: MoEPlan,
+        groups: ParallelGroups,
+        dispatcher: All2AllBackend | None,
         placement: str | ExpertPlacement = "contiguous",
         layer_index: int = 0,
     ) -> None:
@@ -156,8 +158,6 @@ class MoE(nn.Module):
     def apply_placement(self, new: ExpertPlacement) -> int:
         """EPLB between steps, on every rank of the EP group at once: move the expert weights to
         `new` and route by it from the next step on. Returns the bytes this rank sent."""
-        from expertmesh.distributed.eplb import move_expert_weights
-
         if self.ep_group is None:
             raise ValueError("a rebalance needs expert parallelism")
         rank = self.plan.ep_rank
@@ -215,7 +215,7 @@ class MoE(nn.Module):
         return y if self.dispatcher is None else self.dispatcher.combine(y, sizes)
 
     def native_form(self, keep: list) -> dict | None:
-        """Router and experts of a native decode layer (layers/native_decode.py), when this block
+        """Router and experts of a native decode layer (cpu/native_decode.py), when this block
         has no collective (no EP dispatch, no TP or SP), no shared expert and no input weighting."""
         local = self.dispatcher is None and not self.plan.sequence_parallel and self.tp.world_size == 1
         if not local or self.shared_expert is not None or self.prescale or self.num_identity:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.layers.cpu_kernels import CpuKernels
+from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self.kernels = kernels  # the model builder passes them only for dtypes they support
 
     def native_form(self) -> tuple[int, float] | None:
-        """(weight pointer, eps) for a native decode layer (layers/native_decode.py)."""
+        """(weight pointer, eps) for a native decode layer (cpu/native_decode.py)."""
         return None if self.kernels is None else (self.weight.data_ptr(), self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

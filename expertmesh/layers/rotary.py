@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from expertmesh.config import RopeConfig
+from expertmesh.config.rope_config import RopeConfig
 
 Frequencies = tuple[torch.Tensor, float]
 
@@ -125,6 +125,7 @@ def _proportional(rope: RopeConfig, seq_len: int | None = None) -> Frequencies:
     return inv / (rope.factor or 1.0), 1.0
 
 
+# One frequency function per name of rope_config.ROPE_TYPE_NAMES (tests/test_rotary.py checks it).
 ROPE_TYPES: dict[str, Callable[[RopeConfig, int | None], Frequencies]] = {
     "default": _default,
     "linear": _linear,

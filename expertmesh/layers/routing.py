@@ -198,7 +198,7 @@ class Router(ReplicatedLinear):
             )
             set_loader(self.e_score_correction_bias, default_loader)
 
-    NATIVE_RULES = ("softmax_topk",)  # rules decode_layers computes (csrc/cpu_kernels.c)
+    NATIVE_RULES = ("softmax_topk",)  # rules decode_layers computes (cpu/csrc/cpu_kernels.c)
 
     def native_form(self, keep: list) -> dict | None:
         gemm = super().native_form(keep) if self.rule in self.NATIVE_RULES and not self.fp32 else None

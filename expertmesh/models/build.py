@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from expertmesh.config import ModelConfig
-from expertmesh.distributed.all2all import All2AllBackend, make_all2all
-from expertmesh.distributed.group import ParallelGroups
-from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan, expert_owners
-from expertmesh.layers import cpu_kernels
+from expertmesh.cpu import cpu_kernels
+from expertmesh.distributed.model_env import ModelEnv
+from expertmesh.layers.quantization.accounting import resident_weight_bytes
+from expertmesh.layers.quantization.held import hold
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
 
@@ -35,68 +34,6 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, split: list[int] |
         )
     start = sum(split[:pp_rank])
     return range(start, start + split[pp_rank])
-
-
-@dataclass
-class ModelEnv:
-    """What a model's layers receive: their groups and decisions, never the environment."""
-
-    groups: ParallelGroups
-    moe_plan: MoEPlan
-    all2all_backend: str
-    layer_range: range
-    expert_placement: str = "contiguous"
-    poison_recv: bool = False
-    dispatchers: list[All2AllBackend] = field(default_factory=list)
-    num_redundant_experts: int = 0  # EPLB: physical expert slots beyond the logical experts
-    initial_load: dict[int, list[int]] | None = None  # EPLB: measured load per layer, per expert
-
-    def placement_for(self, layer: int, num_experts: int) -> ExpertPlacement:
-        """Where layer `layer`'s experts start: the plan's placement, balanced for EPLB."""
-        load = None if self.initial_load is None else self.initial_load.get(layer)
-        if self.initial_load is not None and load is None:
-            raise ValueError(f"the EPLB load file has no counts for MoE layer {layer}")
-        if load is not None and len(load) != num_experts:
-            raise ValueError(f"EPLB load for layer {layer} has {len(load)} experts, the model {num_experts}")
-        return self.moe_plan.expert_placement(
-            num_experts, self.expert_placement, self.num_redundant_experts, load
-        )
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.groups.pp.rank_in_group == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.groups.pp.rank_in_group == self.groups.pp.world_size - 1
-
-    def make_dispatcher(self, num_experts: int) -> All2AllBackend | None:
-        """One backend per MoE layer (so traffic is counted per layer), on the plan's group.
-
-        "alltoall" routes tokens by expert owner, so it needs whole experts per rank (EP) and
-        the placement the layer's experts use.
-        """
-        plan = self.moe_plan
-        if self.all2all_backend == "alltoall" and not plan.expert_parallel:
-            raise ValueError(
-                "all2all backend 'alltoall' requires enable_expert_parallel=True (it sends each "
-                "token to the ranks owning its experts; without expert parallelism every rank holds "
-                "a slice of every expert); use 'allgather_reducescatter' or 'naive'"
-            )
-        name = plan.dispatch_group_name
-        if name is None:
-            return None
-        group = self.groups.get(name)
-        owner = None
-        if self.all2all_backend == "alltoall":
-            # The owners are EP-group indices: that group's rank order is the weight shard rank.
-            if (group.world_size, group.rank_in_group) != (plan.weight_shard_size, plan.weight_shard_rank):
-                raise RuntimeError(f"group {group!r} does not match the MoE plan {plan!r}")
-            owners = expert_owners(num_experts, plan.weight_shard_size, self.expert_placement)
-            owner = torch.tensor(owners, dtype=torch.int64)  # [E]
-        backend = make_all2all(self.all2all_backend, group, poison_recv=self.poison_recv, expert_owner=owner)
-        self.dispatchers.append(backend)
-        return backend
 
 
 def build_model(
@@ -169,8 +106,6 @@ def _hold_quantized(model: torch.nn.Module, kernels: Any) -> set[int]:
     """Modules whose checkpoint codes were loaded as stored (layers/quantization/held.py) take them."""
     if getattr(model, "held_weights", None) is None:
         return set()
-    from expertmesh.layers.quantization.held import hold
-
     return hold(model, model.held_weights, kernels)
 
 
@@ -183,8 +118,6 @@ def _held_note(model: torch.nn.Module) -> str:
 
 def log_weight_bytes(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
     """This rank's resident weight bytes, quantized and not (layers/quantization/accounting.py)."""
-    from expertmesh.layers.quantization.accounting import resident_weight_bytes
-
     counts = resident_weight_bytes(model)
     q = cfg.quantization
     log.info(

@@ -71,6 +71,11 @@ def _identity(src: Any) -> Any:
     return src
 
 
+# The pick that reads a checkpoint tensor unchanged: the loader may hold such a target's codes as
+# stored (a picked part of a fused tensor is sliced, so it is not held).
+READ_AS_IS = _identity
+
+
 def _expert_of(e: int, half: int | None, inter: int | None, layout: str = "split") -> Callable[[Any], Any]:
     """Source for expert e of a fused [E, ...] tensor: its gate (half 0) or up (half 1) part as
     [I, ...] rows, or (half None) its down projection as [H, I] (biases: [I] and [H])."""

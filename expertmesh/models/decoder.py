@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from expertmesh.config import ModelConfig
+from expertmesh.cpu.cpu_kernels import CpuKernels
+from expertmesh.cpu.native_decode import NativeDecoder
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import Attention
-from expertmesh.layers.cpu_kernels import CpuKernels
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -25,7 +26,6 @@ from expertmesh.layers.mamba2 import Mamba2Mixer
 from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP, UngatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
-from expertmesh.layers.native_decode import NativeDecoder
 from expertmesh.layers.norm import NORMS, QK_NORMS, L2Norm, ProjectionRMSNorm, RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding
 from expertmesh.models.family import Family
@@ -229,7 +229,7 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier
 
     def native_form(self, keep: list) -> dict | None:
-        """The whole layer's descriptor fields (layers/native_decode.py) when every block has a
+        """The whole layer's descriptor fields (cpu/native_decode.py) when every block has a
         native form: RMSNorms, GQA attention, a MoE block (dense MLP layers have none yet)."""
         if self.is_linear:
             return None
@@ -399,7 +399,7 @@ class DecoderModel(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """With our kernels, decode-only steps run runs of eligible layers in one call
-        (layers/native_decode.py; off with EngineArgs(native_decode=False))."""
+        (cpu/native_decode.py; off with EngineArgs(native_decode=False))."""
         if kernels is not None and kernels.supports(self.dtype) and len(self.layers):
             self.native = NativeDecoder(kernels, self.dtype)
 
@@ -451,7 +451,7 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor | None:
         """A decode-only step's float32 logits, every row, through one native call (embedding,
-        layers, norm, head: layers/native_decode.py), or None where that path does not serve."""
+        layers, norm, head: cpu/native_decode.py), or None where that path does not serve."""
         native = self.model.native
         if native is None:
             return None

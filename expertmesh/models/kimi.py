@@ -2,7 +2,7 @@
 router with a correction bias, a plain shared expert, one dense leading layer, YaRN x64), stored
 under `language_model.`; the MoonViT vision tower and its projector are skipped by a named rule
 (expertmesh serves text). Kimi-K2's own config (`model_type: "kimi_k2"`) is read as DeepSeek-V3
-(hf_config.py) and served by DeepseekV3ForCausalLM."""
+(config/hf_config.py) and served by DeepseekV3ForCausalLM."""
 
 from dataclasses import replace
 

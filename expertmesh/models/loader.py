@@ -24,9 +24,14 @@ import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
 
+from expertmesh.distributed.group import ParallelGroups
+from expertmesh.distributed.model_env import ModelEnv
+from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.layers.quantization.held import plan
+from expertmesh.layers.quantization.streaming import Streaming
 from expertmesh.layers.quantization.view import CheckpointView, opened
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
-from expertmesh.models.checkpoint import checkpoint_targets, layer_index
+from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
 from expertmesh.models.tensor_file import TensorFile
 
 log = logging.getLogger("expertmesh")
@@ -104,8 +109,6 @@ def _streaming(model: Any, kernels: Any) -> Any:
     scheme = fmt if fmt is not None and fmt.online else None
     if scheme is None and not (model.held_weights is not None and model.held_weights.params):
         return None
-    from expertmesh.layers.quantization.streaming import Streaming
-
     try:
         return Streaming(model, model.held_weights, scheme, kernels)
     except ValueError as exc:  # a layout that cuts a quantization group (online.check_split)
@@ -114,10 +117,8 @@ def _streaming(model: Any, kernels: Any) -> Any:
 
 def _plan_held(model: Any, view: CheckpointView) -> Any:
     """Quantized checkpoint weights that load as codes into compressed storage (quantization/held.py)."""
-    if not getattr(model.cfg.quantization, "holds_compressed", False):
+    if model.cfg.quantization is None or not model.cfg.quantization.holds_compressed:
         return None
-    from expertmesh.layers.quantization.held import plan
-
     names, experts, tie = model.family.names, _experts_lookup(model), model.cfg.tie_word_embeddings
     local_layers = set(model.model.layer_range)
 
@@ -127,7 +128,7 @@ def _plan_held(model: Any, view: CheckpointView) -> Any:
         if skip_rule(key, model) is not None or (layer is not None and layer not in local_layers):
             return []
         targets = checkpoint_targets(names.canonical(key), names, experts, tie) or []
-        return [(name, pick.__name__ == "_identity") for name, _, pick in targets]
+        return [(name, pick is READ_AS_IS) for name, _, pick in targets]
 
     try:
         return plan(model, view, targets_of)
@@ -192,10 +193,6 @@ def skip_rule(key: str, model: Any) -> str | None:
 # ---- the one-rank twin: full shapes and dtypes, before any rank slices ------------------------------
 def _twin(model: Any) -> Any:
     """The same model class and config at one rank (every layer, expert and head), on meta."""
-    from expertmesh.distributed.group import ParallelGroups
-    from expertmesh.distributed.moe_plan import MoEPlan
-    from expertmesh.models.build import ModelEnv
-
     groups = ParallelGroups.single()
     env = ModelEnv(groups, MoEPlan.decide(groups.layout, 0), "naive", range(model.cfg.num_layers))
     with torch.device("meta"):

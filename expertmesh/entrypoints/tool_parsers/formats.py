@@ -21,7 +21,8 @@ import ast
 import json
 import re
 
-from expertmesh.entrypoints.tool_parsers import ToolCall, ToolParser, call_of, register
+from expertmesh.entrypoints.harmony import is_harmony, messages
+from expertmesh.entrypoints.tool_parsers.base import ToolCall, ToolParser, call_of, register
 
 
 def _json(text: str):
@@ -217,9 +218,22 @@ register(
 
 # ---- gpt-oss harmony -------------------------------------------------------------------------------
 def _harmony(text: str) -> tuple[str, list[ToolCall]]:
-    from expertmesh.entrypoints.harmony import parse_calls
-
-    return parse_calls(text)
+    if not is_harmony(text):
+        return text, []
+    content, calls = [], []
+    for m in messages(text):
+        if not m.complete or m.channel == "analysis":
+            continue
+        if m.recipient is not None:
+            try:
+                args = json.loads(m.body)
+            except json.JSONDecodeError:
+                args = None
+            if isinstance(args, dict):
+                calls.append(ToolCall(m.recipient, json.dumps(args, ensure_ascii=False)))
+                continue
+        content.append(m.body)  # final answer, a preamble, or a malformed call
+    return "".join(content), calls
 
 
 register(ToolParser("openai", ("<|channel|>", "<|start|>", "<|message|>"), _harmony))

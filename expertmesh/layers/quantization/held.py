@@ -32,27 +32,13 @@ import torch
 
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 from expertmesh.layers.quantization.permuted import PermutedInputs
-from expertmesh.layers.quantization.view import LogicalTensor
+from expertmesh.layers.quantization.view import CodesRegion, LogicalTensor, local_groups
 
 log = logging.getLogger("expertmesh")
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def local_groups(what: str, kind: tuple[str, int], i0: int, i1: int, in_f: int) -> tuple[int, int]:
-    """(group, first group) of the inputs [i0, i1) of a weight with in_f inputs; whole groups only."""
-    group = kind[1] or in_f  # 0: one scale per row
-    if group >= in_f and (i0, i1) != (0, in_f):
-        group = i1 - i0  # one scale a row: any slice of the inputs keeps it
-        return group, 0
-    if i0 % group or (i1 % group and i1 != in_f):
-        raise ValueError(
-            f"{what} ({kind[0]}, groups of {group}): a rank reads its inputs [{i0}, {i1}) of {in_f}, "
-            "which cuts a group; choose a layout that keeps whole groups per rank"
-        )
-    return group, i0 // group
 
 
 @dataclass
@@ -104,15 +90,6 @@ class HeldWeights:
         held.place(dst, region.scales, region.offsets, region.group, region.perm)
 
 
-class CodesRegion:
-    """What a held logical tensor's slice returns in place of floats: codes with their scales."""
-
-    perm: torch.Tensor | None = None  # desc_act: input perm[j] held at column j (quantization/permuted.py)
-
-    def __init__(self, held: HeldWeights, codes, scales, offsets, group: int) -> None:
-        self.held, self.codes, self.scales, self.offsets, self.group = held, codes, scales, offsets, group
-
-
 def _module_of(model: Any, name: str) -> Any:
     return model.get_submodule(name.rpartition(".")[0])
 
@@ -132,22 +109,21 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
             continue
         fills[key] = [name for name, _ in targets]
         src = view.get_slice(key)
-        kind = getattr(src, "held_kind", None)
-        if isinstance(src, LogicalTensor) and kind is None:  # the source may say why (GGUF's types)
-            reason = getattr(src, "unheld_reason", "groups out of input order (desc_act's g_idx)")
-            if reason:
-                reasons[reason] += 1
-        full = getattr(src, "held_in", None) or src.get_shape()[-1]
+        logical = isinstance(src, LogicalTensor)  # else a plain safetensors slice: floats, never held
+        kind = src.held_kind if logical else None
+        if logical and kind is None and src.unheld_reason:  # the source says why (GGUF's types)
+            reasons[src.unheld_reason] += 1
+        full = (src.held_in if logical else None) or src.get_shape()[-1]
         for name, as_is in targets:
-            as_is = as_is or getattr(src, "held_through_picks", False)
+            as_is = as_is or (logical and src.held_through_picks)
             cut = name in params and _cuts_groups(kind, params[name].shape[-1], full)
             if cut:
                 local = params[name].shape[-1]
                 reasons[f"a rank's {local} of {full} inputs cut groups of {kind[1]}"] += 1
             kinds.setdefault(name, set()).add(kind if as_is and not cut else None)
             if kind is not None:
-                storage[name] = getattr(src, "held_storage", torch.uint8)
-            if kind is not None and name in params and hasattr(src, "held_input_order"):
+                storage[name] = src.held_storage
+            if kind is not None and name in params:
                 order = src.held_input_order(params[name].shape[-1])
                 if order is None:
                     reasons["desc_act groups a rank's slice of the inputs would cut"] += 1

@@ -42,6 +42,7 @@ class OnlineScheme:
     group_size: int = DEFAULT_GROUP  # inputs per scale; 0: one scale per output channel
     online: bool = True
     lm_head: bool = False  # "+head": the LM head quantized too
+    holds_compressed: ClassVar[bool] = False  # a checkpoint's codes: none (it quantizes dense weights)
 
     METHODS: ClassVar[tuple[str, ...]] = ("fp8", "int4", "int8", "w4a8", "w8a8")
 

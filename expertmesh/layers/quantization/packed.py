@@ -1,5 +1,5 @@
 """Quantized weights held compressed, in the panel layout the CPU kernel reads (gemm_q, moe_q in
-csrc/cpu_kernels.c), with a torch fallback that dequantizes per call (no compiler, other devices).
+cpu/csrc/cpu_kernels.c), with a torch fallback that dequantizes per call (no compiler, other devices).
 
 A [O, I] weight becomes codes [P, I, lanes] (one byte a value: int8, fp8 e4m3) or [P, I, lanes/2]
 (a nibble: uint4, fp4 e2m1), P = ceil(O / lanes) panels of `lanes` output rows, plus float32
@@ -20,12 +20,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from expertmesh.layers import huge_pages
+from expertmesh.cpu import huge_pages
+from expertmesh.cpu import native_desc as nd
+from expertmesh.cpu.cpu_kernels import QUANT_KINDS
+from expertmesh.layers.quantization.mxfp4 import E2M1
 
-KINDS = {"int8": 0, "int4": 1, "fp8": 2, "fp4": 3, "w8a8": 4, "w4a8": 5}
+# A weight kind's gemm_q code (cpu_kernels.QUANT_KINDS numbers them, cpu/csrc/quant_kinds.h for C)
+KINDS = {name: QUANT_KINDS.index(name) for name in ("int8", "int4", "fp8", "fp4", "w8a8", "w4a8")}
 # uint4 / int8 / fp4 / fp8 codes (int4's / int8's / fp4's / fp8's) against activations rounded to
 # bf16 (product_kind)
-INT4_BF16, INT8_BF16, FP4_BF16, FP8_BF16 = 6, 7, 8, 9
+INT4_BF16, INT8_BF16, FP4_BF16, FP8_BF16 = (
+    QUANT_KINDS.index(f"{k}-bf16") for k in ("int4", "int8", "fp4", "fp8")
+)
 BF16_PAIRS = {"int4": INT4_BF16, "int8": INT8_BF16, "fp4": FP4_BF16, "fp8": FP8_BF16}
 ACTIVATIONS_QUANTIZED = ("w8a8", "w4a8")  # the kernels quantize the inputs to int8 per row and group
 NIBBLES = ("int4", "fp4")
@@ -108,8 +114,6 @@ def decode_codes(codes: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "fp8":
         return codes.view(torch.float8_e4m3fn).float()
     if kind == "fp4":
-        from expertmesh.layers.quantization.mxfp4 import E2M1
-
         return torch.tensor(E2M1, dtype=torch.float32)[codes.long()]
     return codes.float()
 
@@ -287,12 +291,10 @@ class QuantizedWeight:
         return y.to(out_dtype).view(*shape[:-1], self.out_features)
 
     def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
-        """This weight in a native decode layer's GEMM slot (layers/native_decode.py): the gemm_q
+        """This weight in a native decode layer's GEMM slot (cpu/native_decode.py): the gemm_q
         shim for activations in `dtype` (the product rounded to it, or left in float32 with
         `float32_out`) and its q_weight_desc, held by `keep`; None without our kernel (the torch
         fallback) or a shim for the dtype."""
-        from expertmesh.layers import native_decode as nd
-
         suffix = nd.SHIM_SUFFIX.get(dtype)
         if self.kernels is None or suffix is None or self.codes.device.type != "cpu":
             return None
@@ -376,8 +378,6 @@ def _zero_stack(experts: int, offsets: torch.Tensor) -> torch.Tensor:
 def experts_native_form(kernels: Any, w13: QuantizedExperts, w2: QuantizedExperts, dtype, keep: list):
     """moe_q's shim and q_experts_desc for a native decode layer's experts slot, None where there
     is none (no shim for the model dtype, an older build)."""
-    from expertmesh.layers import native_decode as nd
-
     suffix = nd.SHIM_SUFFIX.get(dtype)
     fn = None if suffix is None else nd.c_entry(kernels, f"moe_q_desc_{suffix}")
     if fn is None or w13.kind != w2.kind:

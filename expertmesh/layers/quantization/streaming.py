@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from expertmesh.layers import huge_pages
+from expertmesh.cpu import huge_pages
 from expertmesh.layers.quantization.held import (
     HeldParam,
     HeldWeights,

@@ -22,6 +22,30 @@ import torch
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
+def local_groups(what: str, kind: tuple[str, int], i0: int, i1: int, in_f: int) -> tuple[int, int]:
+    """(group, first group) of the inputs [i0, i1) of a weight with in_f inputs; whole groups only."""
+    group = kind[1] or in_f  # 0: one scale per row
+    if group >= in_f and (i0, i1) != (0, in_f):
+        group = i1 - i0  # one scale a row: any slice of the inputs keeps it
+        return group, 0
+    if i0 % group or (i1 % group and i1 != in_f):
+        raise ValueError(
+            f"{what} ({kind[0]}, groups of {group}): a rank reads its inputs [{i0}, {i1}) of {in_f}, "
+            "which cuts a group; choose a layout that keeps whole groups per rank"
+        )
+    return group, i0 // group
+
+
+class CodesRegion:
+    """What a held logical tensor's slice returns in place of floats: codes with their scales.
+    `held`: the HeldWeights (held.py) that planned them, which imports this module."""
+
+    perm: torch.Tensor | None = None  # desc_act: input perm[j] held at column j (quantization/permuted.py)
+
+    def __init__(self, held: Any, codes, scales, offsets, group: int) -> None:
+        self.held, self.codes, self.scales, self.offsets, self.group = held, codes, scales, offsets, group
+
+
 class LogicalTensor:
     """A tensor made from stored pieces on demand; subclasses define `shape` and `materialize`."""
 
@@ -31,6 +55,12 @@ class LogicalTensor:
     # (kind, group) when this tensor maps exactly onto a QuantizedWeight kind (layers/quantization/
     # held.py); `held` is set once the loader decided to hold it: slices then return codes.
     held_kind: tuple[str, int] | None = None
+    # A picked part of this fused tensor can still be held (its slices carry their scales: mxfp4.py)
+    held_through_picks: bool = False
+    held_storage: torch.dtype = torch.uint8  # the held parameter's storage (mxfp4: int16)
+    held_in: int | None = None  # inputs of the held weight when not the last dim's size (mxfp4)
+    # Why a tensor with no held_kind is dequantized (logged once a reason); None: a float, say nothing
+    unheld_reason: str | None = "groups out of input order (desc_act's g_idx)"
     held: Any = None
 
     def get_shape(self) -> list[int]:
@@ -38,6 +68,11 @@ class LogicalTensor:
 
     def get_dtype(self) -> str:
         return DTYPE_NAMES[self.dtype]
+
+    def held_input_order(self, local_in: int) -> bytes | None:
+        """The order a rank's `local_in` inputs are held in: b"" (as stored); desc_act formats
+        (gptq.py) a key of their permutation, None where a rank's slice would cut a group."""
+        return b""
 
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         """The region [start, stop) of every dim, dequantized (float32)."""
@@ -49,8 +84,6 @@ class LogicalTensor:
         raise NotImplementedError
 
     def held_region(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
-        from expertmesh.layers.quantization.held import CodesRegion, local_groups
-
         (o0, o1), (i0, i1) = bounds
         group, g0 = local_groups(self.base, self.held_kind, i0, i1, self.shape[1])
         codes, scales, offsets = self.quantized((o0, o1), (i0, i1), group, g0)

@@ -1,6 +1,6 @@
 /* Part of cpu_kernels.c (one translation unit; see its list): decode steps: whole decoder layers in one call. */
 
-/* ---- decode steps: whole decoder layers in one call (layers/native_decode.py) ---------------
+/* ---- decode steps: whole decoder layers in one call (cpu/native_decode.py) ---------------
  * For a decode-only step (B tokens, one per sequence), each layer of a run of eligible layers:
  *
  *   h = rms_norm(x); qkv = h @ Wqkv (+ b); per-head q/k RMSNorm (optional); rotary + KV store;

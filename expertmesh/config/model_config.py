@@ -8,13 +8,13 @@ family's declaration (models/family.py); the decoder combines the two.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from expertmesh.linear_attention_config import LinearAttentionConfig, Mamba2Config
-from expertmesh.mla_config import MLAConfig
-from expertmesh.rope_config import RopeConfig, opt_float
+from expertmesh.config.linear_attention_config import LinearAttentionConfig, Mamba2Config
+from expertmesh.config.mla_config import MLAConfig
+from expertmesh.config.rope_config import RopeConfig, opt_float
 
 _DTYPES = {
     "float32": torch.float32,
@@ -63,8 +63,22 @@ LAYER_TYPES = (
 )
 
 
-def _quantization(hf: Any, online: str | None) -> Any:
+@runtime_checkable
+class WeightFormat(Protocol):
+    """What ModelConfig.quantization holds: a checkpoint's format (layers/quantization/registry.py
+    CHECKPOINT_FORMATS), an online scheme (quantization/online.py), or the two together."""
+
+    method: str  # the quant_method, or the online scheme's name
+    online: bool  # dense weights quantized at load (an online scheme)
+    holds_compressed: bool  # the checkpoint's codes held as stored (quantization/held.py)
+
+    def describe(self) -> str: ...
+
+
+def _quantization(hf: Any, online: str | None) -> WeightFormat | None:
     """The checkpoint's weight format (its quantization_config) or the online scheme asked for."""
+    # The weight formats live with the layers, above config/: imported when a config is built, so
+    # importing config/ (engine arguments, --help) does not load them and they may import config/.
     from expertmesh.layers.quantization import resolve
 
     return resolve(getattr(hf, "quantization_config", None), online)
@@ -141,7 +155,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # ---- weights: the checkpoint's format (layers/quantization: fp8, mxfp4) or an online scheme
     # (int8, int4, fp8, w8a8, w4a8) from LLM(quantization=...); None: unquantized
-    quantization: Any = None
+    quantization: WeightFormat | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):

@@ -1,4 +1,4 @@
-/* expertmesh CPU kernels, compiled on first use by expertmesh/layers/cpu_kernels.py.
+/* expertmesh CPU kernels, compiled on first use by expertmesh/cpu/cpu_kernels.py.
  *
  * Plain C with OpenMP: loops are written so that gcc/clang vectorise them for the host
  * (-O3 -march=native), with the common head sizes as compile-time constants so the inner

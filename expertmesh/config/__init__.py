@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from expertmesh.config.model_config import ModelConfig, RopeConfig, resolve_dtype  # noqa: F401 -- re-exported
 from expertmesh.distributed.layout import ParallelLayout
-from expertmesh.model_config import ModelConfig, RopeConfig, resolve_dtype  # noqa: F401 -- re-exported
 from expertmesh.spec_decode.config import SpeculativeConfig
 
 ALL2ALL_BACKEND_NAMES = ("allgather_reducescatter", "naive", "alltoall")
@@ -97,6 +97,12 @@ class ParallelConfig:
         if self.all2all_backend not in ALL2ALL_BACKEND_NAMES:
             raise ValueError(
                 f"all2all_backend={self.all2all_backend!r} is unknown; valid: {list(ALL2ALL_BACKEND_NAMES)}"
+            )
+        if self.all2all_backend == "alltoall" and not self.enable_expert_parallel:
+            raise ValueError(
+                "all2all_backend='alltoall' requires enable_expert_parallel=True (it sends each "
+                "token to the ranks owning its experts; without expert parallelism every rank holds "
+                "a slice of every expert); use 'allgather_reducescatter' or 'naive'"
             )
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(

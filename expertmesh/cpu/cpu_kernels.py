@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from expertmesh.layers import cpu_features, cpu_onednn
-from expertmesh.layers.cpu_attention_kernels import AttentionKernels
+from expertmesh.cpu import cpu_features, cpu_onednn
+from expertmesh.cpu.cpu_attention_kernels import AttentionKernels
 
 log = logging.getLogger("expertmesh")
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 
 
 def source_digest(source: Path = SOURCE) -> str:
@@ -141,9 +141,10 @@ _SIGNATURES = {
 }
 
 
-# gemm_q's code kinds by number: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and uint4 weights
-# with activations quantized to int8 per row and group (W8A8, W4A8); uint4, int8 and fp4 weights with
-# activations rounded to bf16, on bf16 pairs (a bf16 model's int4 / int8 / MXFP4: csrc/quant_bf16.c)
+# gemm_q's code kinds, a kind's number its index: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and
+# uint4 weights with activations quantized to int8 per row and group (W8A8, W4A8); uint4, int8, fp4 and
+# fp8 weights with activations rounded to bf16, on bf16 pairs (csrc/quant_bf16.c). The one Python
+# declaration: csrc/quant_kinds.h numbers them for C (tests/test_declared_interfaces.py checks they agree).
 QUANT_KINDS = (
     "int8", "int4", "fp8", "fp4", "w8a8", "w4a8", "int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16"
 )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "default_model")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The rope types layers/rotary.py computes (its ROPE_TYPES has one frequency function for each; a
+# test checks that the two agree). Named here so the config checks a type without importing layers.
+ROPE_TYPE_NAMES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 _ROPE_REQUIRED = {  # rope_type -> RopeConfig fields a published rope block must set
     "linear": ("factor",),
     "dynamic": ("factor",),
@@ -44,10 +47,8 @@ class RopeConfig:
     high_freq_factor: float | None = None
 
     def __post_init__(self) -> None:
-        from expertmesh.layers.rotary import ROPE_TYPES  # the registry lives with the code
-
-        if self.rope_type not in ROPE_TYPES:
-            known = sorted(ROPE_TYPES)
+        if self.rope_type not in ROPE_TYPE_NAMES:
+            known = sorted(ROPE_TYPE_NAMES)
             raise ValueError(f"rope_type={self.rope_type!r} is not supported; supported: {known}")
         missing = [k for k in _ROPE_REQUIRED.get(self.rope_type, ()) if getattr(self, k) is None]
         if missing:

@@ -33,9 +33,6 @@ static void qw_layout(const float* x, int64_t I, int64_t r0, int64_t r1, float* 
     memcpy(xt + r0 * I, x + r0 * I, sizeof(float) * (size_t)((r1 - r0) * I));
 }
 
-#define Q_KIND_A8 4
-#define Q_KIND_A4 5
-
 /* Rows [r0, r1) against the NQ1 panels from p0 (a multiple of NQ1; fewer at the end): one row of a
  * whole span by the one-row kernels, weight-only kinds at 2 to QW_ROWS - 1 rows by the wide tiles, anything
  * else by the tiles, NP panels at a time. The activations are x (weight-only kinds; in qw_interleave's
@@ -309,6 +306,6 @@ void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, 
            threads);
 }
 
-/* How many code kinds gemm_q / moe_q know (layers/cpu_kernels.py QUANT_KINDS). */
-int64_t q_kinds(void) { return 10; }
+/* How many code kinds gemm_q / moe_q know (cpu/cpu_kernels.py QUANT_KINDS). */
+int64_t q_kinds(void) { return Q_KINDS; }
 

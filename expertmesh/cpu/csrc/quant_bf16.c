@@ -16,10 +16,6 @@
  * fp8 on pairs too (qb_row1), int8 and fp4 by kind 0's / 3's one-row kernels on the rounded inputs.
  * The pair tiles need AVX512-BF16 and VBMI (q_bf16_tiles() says); without them the Python side keeps
  * kinds 1 / 0 / 3 / 2, and a kind 6-9 call here runs its weight kind on the rounded inputs. */
-#define Q_KIND_B4 6
-#define Q_KIND_B8 7
-#define Q_KIND_BF4 8
-#define Q_KIND_BF8 9
 #define QB_KIND(kind) ((kind) >= Q_KIND_B4 && (kind) <= Q_KIND_BF8)
 /* The codes' own kind: uint4 (1) for kind 6, int8 (0) for kind 7, fp4 (3) for kind 8, fp8 (2) for
  * kind 9, any other kind itself. */

@@ -29,8 +29,8 @@ import dataclasses
 
 import torch
 
-from expertmesh.layers.cpu_features import onednn_bf16
-from expertmesh.layers.cpu_kernels import CpuKernels, PanelWeight
+from expertmesh.cpu.cpu_features import onednn_bf16
+from expertmesh.cpu.cpu_kernels import CpuKernels, PanelWeight
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_kinds.h"
+
 typedef uint16_t bf16_t;
 
 static inline float bf16_to_f32(bf16_t x) {
