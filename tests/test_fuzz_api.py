@@ -61,7 +61,7 @@ def test_after_the_fuzzing_the_engine_is_whole(fuzzed_server):
 
         @given(case=operation.as_strategy())
         @settings(
-            max_examples=4,
+            max_examples=2,
             deadline=None,
             derandomize=True,
             database=None,
