@@ -93,9 +93,10 @@ def test_big_tensors_land_on_huge_pages_and_hold_only_their_bytes():
         f"[{m}]" in defrag.read_text() for m in ("always", "madvise", "defer+madvise")
     ):
         assert kb["AnonHugePages"] >= 2048, kb
-    tail = mapping_kb(t.data_ptr() + (4 << 20))  # the 1 MiB tail: not advised, plain pages
-    assert "hg" not in mapping_flags(t.data_ptr() + (4 << 20)) and tail["AnonHugePages"] == 0, tail
-    assert kb["Rss"] + tail["Rss"] <= 5 * 1024 + 4, (kb, tail)  # the slack before and after it never touched
+    # The 1 MiB tail is not advised. (Its mapping may merge with a neighbouring one, so only its
+    # flags are read, and only the advised part's RSS.)
+    assert "hg" not in mapping_flags(t.data_ptr() + (4 << 20))
+    assert kb["Rss"] <= 4096, kb
 
 
 @thp_offered
