@@ -25,19 +25,38 @@ from expertmesh import LLM
 def status():
     lines = (line.split(":", 1) for line in open("/proc/self/status"))
     return {k: int(v.split()[0]) for k, v in lines if k.startswith("Vm")}
+if sys.argv[3]:  # build (and drop) the tiny default model first: lazy imports, the kernels'
+    import gc  # library, a tokenizer, thread pools: what any LLM costs once, whatever its weights
+    LLM(None, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    gc.collect()
 before = status()["VmRSS"]
-LLM(sys.argv[1], max_model_len=64, kv_cache_memory_bytes=1 << 20, quantization=sys.argv[2] or None)
-print(status()["VmHWM"], status()["VmRSS"], before)
+llm = LLM(sys.argv[1], max_model_len=64, kv_cache_memory_bytes=1 << 20, quantization=sys.argv[2] or None)
+steady = status()
+if sys.argv[3]:  # what is held: loading leaves cyclic garbage holding transient buffers (~50 MB),
+    import ctypes, ctypes.util, gc  # and glibc keeps freed heap (~40 MB for MXFP4) until trimmed
+    gc.collect()
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+print(steady["VmHWM"], steady["VmRSS"], before, status()["VmRSS"])
 """
 
 
 def peak_and_steady(path: str, quantization: str | None = None, timeout: int = 230) -> tuple[int, int, int]:
     """(VmHWM, VmRSS, VmRSS before building: the imports) in kB of a fresh process that builds an
-    LLM of `path`, then stops. The probe runs in /tmp: the expertmesh imported is PYTHONPATH's or
-    the installed one, never the current directory's."""
+    LLM of `path`, then stops."""
+    return peak_steady_held(path, quantization, timeout)[:3]
+
+
+def peak_steady_held(
+    path: str, quantization: str | None = None, timeout: int = 230, warm: bool = False
+) -> tuple[int, int, int, int]:
+    """(VmHWM, VmRSS, VmRSS before building, VmRSS held) in kB of a fresh process that builds an
+    LLM of `path`, then stops. With `warm`, "before" is read once the tiny default model was built
+    and dropped there, and "held" once the load's garbage is collected and glibc's heap trimmed
+    (without it, "held" is VmRSS). The probe runs in /tmp: the expertmesh imported is PYTHONPATH's
+    or the installed one, never the current directory's."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, path, quantization or ""],
+        [sys.executable, "-c", PROBE, path, quantization or "", "warm" if warm else ""],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -46,8 +65,8 @@ def peak_and_steady(path: str, quantization: str | None = None, timeout: int = 2
     )
     if out.returncode:
         raise RuntimeError(f"loading {path} ({quantization}) failed:\n{out.stderr[-3000:]}")
-    peak, steady, before = map(int, out.stdout.split()[-3:])
-    return peak, steady, before
+    peak, steady, before, held = map(int, out.stdout.split()[-4:])
+    return peak, steady, before, held
 
 
 def checkpoints(root: str, tokenizer_dir: str, hidden: int, layers: int) -> dict[str, tuple[str, str | None]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,3 +23,11 @@ def scrape(url: str) -> dict[str, float]:
 def total(samples: dict[str, float], name: str) -> float:
     """The sum of `name` over its labels (DP replicas, finish reasons)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def wait_running(url: str, timeout: float = 60.0) -> None:
+    """Return once the server reports a request running (an event read from /metrics, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while total(scrape(url), "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, f"no request running after {timeout} s"
+        time.sleep(0.05)

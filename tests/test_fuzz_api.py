@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 from test_server import ServerThread
@@ -49,11 +49,30 @@ def test_api_from_its_schema(case, fuzzed_server):
     case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=30)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_after_the_fuzzing_the_engine_is_whole(fuzzed_server):
-    """Run alone (no schemathesis cases before it) it would prove nothing, so it sends its own bad
-    requests first: each a 4xx, and the engine still answers as offline LLM.generate."""
+    """Order-independent: it fuzzes every operation itself (a few derandomized schema cases each,
+    whatever ran before it), sends bad requests of its own (each a 4xx), then the engine answers as
+    offline LLM.generate with every KV block free."""
     server, engine, text = fuzzed_server
+    sent = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(
+            max_examples=2,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        def fuzz(case):
+            case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=30)
+            sent.append(case.operation.label)
+
+        fuzz()
+    assert len(set(sent)) == len(list(schema.get_all_operations())), sorted(set(sent))
     bad = [
         b"{not json",
         b'{"model": "tiny", "prompt": "x", "max_tokens": "six"}',

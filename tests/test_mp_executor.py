@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from expect import assert_within
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.executor.mp_executor import WorkerError
@@ -67,6 +68,7 @@ def test_dp2_spreads_prompts_keeps_order_and_exits_when_collected(reference):
     _wait_no_workers()
 
 
+@pytest.mark.time_bound
 @pytest.mark.timeout(90)
 def test_a_killed_worker_is_reported_by_rank_within_seconds(reference):
     path, _ = reference
@@ -83,7 +85,7 @@ def test_a_killed_worker_is_reported_by_rank_within_seconds(reference):
     with pytest.raises(WorkerError, match=r"worker rank 1 of 2 .* died") as err:
         while True:  # the kill lands during a call, or just before the next one
             llm.generate(PROMPTS * 4, long)
-    assert time.monotonic() - killed_at[0] < 30, err.value
+    assert_within(time.monotonic() - killed_at[0], 30, f"the report ({err.value})")
     _wait_no_workers()
     with pytest.raises(WorkerError, match="shut down"):
         llm.generate(PROMPTS, GREEDY)
@@ -103,6 +105,7 @@ def test_a_worker_that_raises_at_start_up_is_reported_with_its_traceback(referen
     _wait_no_workers()
 
 
+@pytest.mark.time_bound
 @pytest.mark.timeout(60)
 def test_a_stopped_worker_is_named_and_every_worker_ended(reference):
     path, _ = reference
@@ -124,7 +127,7 @@ def test_a_stopped_worker_is_named_and_every_worker_ended(reference):
     ) as err:
         while True:
             llm.generate(PROMPTS * 4, long)
-    assert time.monotonic() - start < 3 + 12, err.value  # it hung in silence before
+    assert_within(time.monotonic() - start, 3 + 12, f"the report ({err.value})")  # it hung in silence before
     _wait_no_workers()
 
 
@@ -157,9 +160,11 @@ def test_bad_requests_and_ctrl_c_leave_the_workers_serving(reference, monkeypatc
         while True:  # a call that ends within its first wait is followed by another
             llm.generate(PROMPTS * 24, long)
     monkeypatch.setattr(mp_executor, "wait", real_wait)
-    start = time.monotonic()
-    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected  # the interrupted requests are gone
-    took = time.monotonic() - start
+    # The interrupted requests are gone from every worker (counted, not timed: the next call used
+    # to finish them first): one empty step round reports nothing running or waiting.
+    idle = llm.engine_client().step().stats
+    assert idle["num_requests_running"] == [0] and idle["num_requests_waiting"] == [0], idle
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
     # Ctrl-C (a real SIGINT) after rank 0 was sent the call and before rank 1 was: held until
     # every rank has it, then the call is aborted as above; the workers stay in lockstep.
     real_send, sent = mp_executor.send, []
@@ -199,4 +204,3 @@ def test_bad_requests_and_ctrl_c_leave_the_workers_serving(reference, monkeypatc
     with pytest.raises(WorkerError, match="shut down; create a new LLM"):
         llm.generate(PROMPTS, GREEDY)
     llm.shutdown()
-    assert took < 5, f"the next call took {took:.1f} s: it finished the interrupted requests first"

@@ -21,7 +21,7 @@ import os
 
 import pytest
 import torch
-from loading_memory import peak_and_steady
+from loading_memory import peak_steady_held
 from real_checkpoints import Sizes, published, shrink
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -66,11 +66,14 @@ def _write_checkpoint(path: str, tokenizer_dir: str) -> int:
     return _save(path, tensors, tokenizer_dir)
 
 
-def _peak_and_steady(path: str, quantization: str | None = None) -> tuple[int, int, int]:
-    """(peak, steady after loading, RSS before loading: the imports) in kB, of a fresh process."""
-    peak_kb, steady_kb, before_kb = peak_and_steady(path, quantization)
+def _peak_and_steady(
+    path: str, quantization: str | None = None, warm: bool = False
+) -> tuple[int, int, int, int]:
+    """(peak, steady after loading, RSS before loading, RSS held) in kB, of a fresh process
+    (loading_memory.peak_steady_held)."""
+    peak_kb, steady_kb, before_kb, held_kb = peak_steady_held(path, quantization, warm=warm)
     print(f"peak {peak_kb / 1024:.0f} MB, steady {steady_kb / 1024:.0f} MB, {peak_kb / steady_kb:.3f}x")
-    return peak_kb, steady_kb, before_kb
+    return peak_kb, steady_kb, before_kb, held_kb
 
 
 @pytest.mark.timeout(240)
@@ -78,7 +81,7 @@ def test_peak_rss_while_loading_is_within_1_15x_of_steady_state(tmp_path, tokeni
     path = str(tmp_path / "phi-mini-moe-2-layers")
     size = _write_checkpoint(path, tokenizer_dir)
     assert size > 1 << 30
-    peak_kb, steady_kb, _ = _peak_and_steady(path)
+    peak_kb, steady_kb, _, _ = _peak_and_steady(path)
     assert steady_kb * 1024 > size  # the weights are resident (and held once)
     assert peak_kb <= 1.15 * steady_kb, f"peak {peak_kb / 1024:.0f} MB, steady {steady_kb / 1024:.0f} MB"
 
@@ -131,16 +134,23 @@ def test_compressed_weights_load_in_one_pass(tmp_path, tokenizer_dir, case):
     else:
         other = _qwen3_bf16(path, tokenizer_dir)
         quantization, per_weight = "int4-g32", 0.5 + 8 / 32
-    peak_kb, steady_kb, before_kb = _peak_and_steady(path, quantization)
-    grown = (steady_kb - before_kb) * 1024  # measured from outside: the process's RSS, less its imports
-    assert grown > EXPERT_WEIGHTS * per_weight  # the experts are resident
-    # ... and held once, compressed: the RSS grown past the compressed experts and the other weights
-    # is bounded by 3 bytes a weight. Part of that gap is not yet accounted for (issue 41: the KV
-    # cache, kernels' buffers and the allocator explain only some of it, and it varies between runs
-    # by tens of MB); a leftover float32 copy of the experts (4 bytes a weight) is past it.
-    held = EXPERT_WEIGHTS * per_weight + other
+    peak_kb, steady_kb, before_kb, held_kb = _peak_and_steady(path, quantization, warm=True)
+    # Measured from outside: the process's RSS after loading, less the same process's RSS before
+    # it, once the tiny default model was built and dropped there. That first build is what any
+    # LLM costs once whatever its weights (lazy imports, the kernels' library, a tokenizer, thread
+    # pools: ~90 MB here), which the earlier baseline (the imports alone) left in the difference as
+    # an unexplained 100-190 MB; the probe then collects the load's cyclic garbage and trims
+    # glibc's free lists before it reads the steady RSS (loading_memory.PROBE).
+    grown = (held_kb - before_kb) * 1024
+    held = EXPERT_WEIGHTS * per_weight + other  # the compressed experts and the other weights, as stored
     print(f"grown {grown / 2**20:.0f} MB, held {held / 2**20:.0f} MB, other {other / 2**20:.0f} MB")
-    limit = held + 3 * EXPERT_WEIGHTS
+    assert grown > EXPERT_WEIGHTS * per_weight  # the experts are resident
+    # ... and held once, compressed. The other weights may be held wider than stored (bf16 read
+    # into a float32 model: twice their bytes); what else this load allocates is the 1 MiB KV
+    # cache, rope tables and per-thread scratch, none of it per weight: a quarter byte an expert
+    # weight (25 MB) covers it. A leftover copy of the experts at bf16 or wider (2 bytes a weight
+    # and more) is past it.
+    limit = held + other + EXPERT_WEIGHTS // 4
     assert grown <= limit, (
         f"grown {grown / 2**20:.0f} MB, held {held / 2**20:.0f} MB, limit {limit / 2**20:.0f}"
     )

@@ -183,15 +183,26 @@ def test_online_activation_quantization_matches_the_same_arithmetic_in_transform
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
 
 
-# Activation rounding moves this model's log-probabilities by up to ~4e-2 against the same weights
-# unrounded (measured: w8a8 against weight-only int8, 8 steps). Layouts that sum partial products in
-# another order (TP's all-reduce) differ by float32 rounding, and where an activation lies on a
-# rounding tie that difference flips its int8 code: one code step of noise. A layout may then pick
-# the other of two tokens whose one-process log-probabilities are closer than this.
-W8A8_MARGIN = 4e-2
+def _activation_rounding_noise(path: str, prompts: list[list[int]], expected) -> float:
+    """The largest change that rounding every activation to int8 makes to a log-probability of
+    this model on the reference's own tokens (w8a8 against weight-only int8: the same weight
+    codes, activations unrounded; teacher-forced through prompt logprobs, top 2 at each step)."""
+    seqs = [{"prompt_token_ids": p + list(ref.token_ids)} for p, ref in zip(prompts, expected, strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    runs = []
+    for quantization in ("w8a8-g16", "int8-g16"):
+        llm = LLM(path, quantization=quantization, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+        runs.append([o.prompt_logprobs for o in llm.generate(seqs, params)])
+        del llm
+    noise = 0.0
+    for rounded, exact, prompt in zip(*runs, prompts, strict=True):
+        for a, b in zip(rounded[len(prompt) :], exact[len(prompt) :], strict=True):
+            noise = max([noise] + [abs(a[t].logprob - b[t].logprob) for t in a.keys() & b.keys()])
+    assert noise > 0, "rounding the activations changed nothing: the comparison is not w8a8"
+    return noise
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_w8a8_tp2_and_ep_layouts_equal_one_process_up_to_rounding_ties(real_checkpoint):
     from distributed_utils import run_distributed
     from test_quantization import _layouts_main
@@ -201,7 +212,16 @@ def test_w8a8_tp2_and_ep_layouts_equal_one_process_up_to_rounding_ties(real_chec
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     one = LLM(path, quantization="w8a8-g16", max_model_len=128, kv_cache_memory_bytes=1 << 22)
     expected = [o.outputs[0] for o in one.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    divergences = 0
+    del one
+    # Layouts that sum partial products in another order (TP's all-reduce) differ by float32
+    # rounding, and where an activation lies on a rounding tie that flips its int8 code: one code
+    # step in one activation, a perturbation inside the one that rounding every activation makes.
+    # That full rounding moves each log-probability by at most `noise` (measured here, on this
+    # model and these tokens), so it moves the gap between the top two by at most 2 * noise: a
+    # layout may pick the other token only where the one-process gap is below that. A wrong
+    # layout diverges where the gap is wide. How many prompts diverge is not bounded: each
+    # divergence must be a near-tie of its own.
+    margin = 2 * _activation_rounding_noise(path, prompts, expected)
     for rank, results in enumerate(run_distributed(_layouts_main, 2, path, "w8a8-g16", prompts, timeout=220)):
         for layout, tokens in results:
             for ours, ref in zip(tokens, expected, strict=True):
@@ -211,9 +231,9 @@ def test_w8a8_tp2_and_ep_layouts_equal_one_process_up_to_rounding_ties(real_chec
                 if step is None:
                     continue
                 top = sorted((v.logprob for v in ref.logprobs[step].values()), reverse=True)
-                assert top[0] - top[1] < W8A8_MARGIN, f"rank {rank}, (TP, EP)={layout}, step {step}: {top}"
-                divergences += 1
-    assert divergences <= 2 * 2  # one prompt at most for each (rank, layout); 4 seen (margin 4.8e-4)
+                assert top[0] - top[1] < margin, (
+                    f"rank {rank}, (TP, EP)={layout}, step {step}: {top}, bound {margin:.3g}"
+                )
 
 
 def _build_equals_the_reference(kernels) -> None:

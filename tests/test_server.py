@@ -255,12 +255,9 @@ def test_32_concurrent_clients_then_every_block_free(served):
             ok.append(text == expected[prompt])
         return ok
 
-    start = time.monotonic()
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(client_session, range(32)))
-    elapsed = time.monotonic() - start
     assert all(all(r) for r in results), results
-    assert elapsed < 60, elapsed
     metrics = _metrics(server)
     assert metrics["kv_blocks_used"] == 0 and metrics["kv_blocks_free"] > 0
     assert metrics["num_requests_running"] == 0 and metrics["num_requests_waiting"] == 0
