@@ -1,14 +1,28 @@
-"""Prefill and decode of a Qwen3.5-35B-A3B-shaped slice: expertmesh against transformers.
+"""A slice of a hybrid family at full width: prefill and decode against transformers, and prefill
+with a cached prefix against without.
 
-Four layers of Qwen/Qwen3.5-35B-A3B's published text config at full width (hidden 2048; three
-Gated DeltaNet layers with 16 key / 32 value heads of 128, one gated attention layer with 16 query
-/ 2 KV heads of 256; MoE of expert width 512, top-8, with the gated shared expert), with 64
-experts instead of 256 (memory: the slice stays ~1.6 GB in bf16) and the test tokenizer's 512-token
-vocabulary. Random weights from transformers' class, cached. One prompt of `--prompt` tokens:
-prefill = time to the first token; decode = tokens per second over `--new` more tokens (greedy,
-batch 1). Both engines run in this process with the same torch threads.
+Slices (`--family`), random weights from transformers' class, cached, with the test tokenizer's
+512-token vocabulary:
 
-    .venv/bin/python benchmarks/hybrid_slice.py --prompt 512 --new 32
+- `qwen3.5`: four layers of Qwen/Qwen3.5-35B-A3B's published text config (hidden 2048; three Gated
+  DeltaNet layers with 16 key / 32 value heads of 128, one gated attention layer with 16 query /
+  2 KV heads of 256; MoE of expert width 512, top-8, with the gated shared expert), 64 experts
+  instead of 256 (~1.6 GB in bf16).
+- `nemotron-h`: five layers of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's published config
+  (hidden 2688; pattern MEM*E: Mamba2 with 64 heads of 64 in 8 groups, state 128; MoE of expert
+  width 1856, top-6, with the shared expert of 3712; attention with 32 query / 2 KV heads of 128),
+  16 experts instead of 128 (~1 GB in bf16).
+
+One prompt of `--prompt` tokens: prefill = time to the first token; decode = tokens per second over
+`--new` more tokens (greedy, batch 1); both engines in this process with the same torch threads.
+With `--prefix-rounds N`: prompts of `--prompt` shared tokens plus 16 of their own, each timed to
+its first token on an engine with prefix caching (after the prefix was computed once: a KV hit
+plus the recurrent-state snapshot restored) and on one without, interleaved over N rounds; the
+ratio is what to read (the machine's load moves both alike).
+
+    .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --prompt 512 --new 32
+    .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 512 --new 16 --prefix-rounds 4
+    .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --quick   # < 5 min
 """
 
 from __future__ import annotations
@@ -16,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,19 +43,55 @@ import torch  # noqa: E402
 from expertmesh import LLM, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPE = {"num_hidden_layers": 4, "num_experts": 64, "vocab_size": 512, "dtype": "bfloat16",
-         "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 
 
-def make_model(cache_dir: str) -> str:
-    path = Path(cache_dir) / "qwen3.5-35b-a3b-slice"
-    text = json.loads((ROOT / "tests/real_configs/2026/qwen3.5-35b-a3b.json").read_text())["text_config"]
-    config = {**text, **SHAPE, "layer_types": text["layer_types"][:4],
-              "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"}  # fmt: skip
+@dataclass(frozen=True)
+class Slice:
+    directory: str
+    config_file: str  # under tests/real_configs/2026/
+    hf_class: str
+    shape: dict  # overrides of the published config: fewer layers and experts, a small vocabulary
+    text_config: bool = False  # the published file wraps the text model (a multimodal checkpoint)
+
+    def config(self) -> dict:
+        published = json.loads((ROOT / "tests/real_configs/2026" / self.config_file).read_text())
+        if self.text_config:
+            text = published["text_config"]
+            layers = self.shape["num_hidden_layers"]
+            return {**text, **self.shape, "layer_types": text["layer_types"][:layers]}
+        config = {**published, **self.shape}
+        config.pop("auto_map", None)  # transformers' own class, no remote code
+        return config
+
+
+SLICES = {
+    "qwen3.5": Slice(
+        "qwen3.5-35b-a3b-slice",
+        "qwen3.5-35b-a3b.json",
+        "Qwen3_5MoeForCausalLM",
+        {"num_hidden_layers": 4, "num_experts": 64, "vocab_size": 512, "dtype": "bfloat16",
+         "bos_token_id": 1, "eos_token_id": 2, "architectures": ["Qwen3_5MoeForCausalLM"],
+         "model_type": "qwen3_5_moe_text"},
+        text_config=True,
+    ),
+    "nemotron-h": Slice(
+        "nemotron-3-nano-slice",
+        "nemotron-3-nano-30b-a3b.json",
+        "NemotronHForCausalLM",
+        {"hybrid_override_pattern": "MEM*E", "num_hidden_layers": 5, "n_routed_experts": 16,
+         "vocab_size": 512, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+         "pad_token_id": 0},
+    ),
+}  # fmt: skip
+
+
+def make_model(family: Slice, cache_dir: str) -> str:
+    path = Path(cache_dir) / family.directory
+    config = family.config()
     marker = path / "READY"
     if marker.exists() and json.loads(marker.read_text()) == config:
         return str(path)
-    from transformers import AutoConfig, Qwen3_5MoeForCausalLM
+    import transformers
 
     sys.path.insert(0, str(ROOT / "tests"))
     from checkpoints import train_tokenizer
@@ -47,7 +99,8 @@ def make_model(cache_dir: str) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM._from_config(AutoConfig.from_pretrained(path)).to(torch.bfloat16).eval()
+    cls = getattr(transformers, family.hf_class)
+    model = cls._from_config(transformers.AutoConfig.from_pretrained(path)).to(torch.bfloat16).eval()
     model.save_pretrained(path)
     (path / "config.json").write_text(json.dumps(config))
     train_tokenizer(str(path))
@@ -55,13 +108,35 @@ def make_model(cache_dir: str) -> str:
     return str(path)
 
 
-def ours(path: str, prompt: list[int], new: int) -> tuple[float, float]:
-    llm = LLM(path, dtype="bfloat16", max_model_len=len(prompt) + new + 8, max_num_seqs=4)
+def ttft(llm: LLM, prompt: list[int]) -> float:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompt[:16]}], one, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
-    prefill = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def prefix_cache(path: str, prefix_len: int, rounds: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 512, (prefix_len,), generator=g).tolist()
+    tails = [torch.randint(3, 512, (16,), generator=g).tolist() for _ in range(rounds + 1)]
+    kw = dict(dtype="bfloat16", max_model_len=prefix_len + 64, max_num_seqs=4)
+    on, off = LLM(path, **kw), LLM(path, enable_prefix_caching=False, **kw)
+    ttft(on, prefix + tails[0])  # computes the prefix (and its state snapshot)
+    warm, cold = [], []
+    for tail in tails[1:]:  # interleaved: the same load on both
+        warm.append(ttft(on, prefix + tail))
+        cold.append(ttft(off, prefix + tail))
+    hits = on.llm_engine.stats()["prefix_cache_hits"]
+    w, c = statistics.median(warm), statistics.median(cold)
+    print(f"prefix caching: {prefix_len}+16-token prompts, time to first token (median of {rounds}): "
+          f"warm {w:.3f} s, cold {c:.3f} s, warm/cold {w / c:.3f}; {hits} tokens hit")  # fmt: skip
+
+
+def ours(path: str, prompt: list[int], new: int) -> tuple[float, float]:
+    llm = LLM(path, dtype="bfloat16", max_model_len=len(prompt) + new + 8, max_num_seqs=4,
+              enable_prefix_caching=False)  # fmt: skip
+    ttft(llm, prompt[:16])  # warm-up
+    prefill = ttft(llm, prompt)
     t0 = time.perf_counter()
     many = SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], many, use_tqdm=False)
@@ -87,12 +162,19 @@ def theirs(path: str, prompt: list[int], new: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--family", choices=sorted(SLICES), default="qwen3.5")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (the shared prefix's too)")
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--prefix-rounds", type=int, default=0, help="time a cached prefix over N rounds")
+    ap.add_argument("--quick", action="store_true", help="--prompt 256 --new 8 --prefix-rounds 2")
     ap.add_argument("--cache", default="/tmp/expertmesh-bench")
     args = ap.parse_args()
-    path = make_model(args.cache)
-    prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+    if args.quick:
+        args.prompt, args.new, args.prefix_rounds = 256, 8, 2
+    path = make_model(SLICES[args.family], args.cache)
+    if args.prefix_rounds:
+        prefix_cache(path, args.prompt, args.prefix_rounds)
+    prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     for name, fn in (("expertmesh", ours), ("transformers", theirs)):
         prefill, tps = fn(path, prompt, args.new)
         print(f"{name:12s} prefill {args.prompt} tokens: {prefill:.3f} s; decode: {tps:.2f} tokens/s "
