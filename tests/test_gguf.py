@@ -2,6 +2,7 @@
 greedy tokens equal transformers' run of the same file, split sets and directories load, TP2 and
 EP2 equal one process, and bad files fail naming what is wrong."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import torch
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
 from gguf_checkpoints import dequantized_state, quantize_k, write_gguf
+from real_checkpoints import Sizes
+from safetensors.torch import load_file
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.models.gguf_file import (
@@ -316,6 +319,94 @@ def test_file_written_by_llama_cpps_converter(checkpoint, real_checkpoint, tmp_p
         assert _greedy(out) == _transformers_greedy(out, source)
     else:
         assert _greedy(out) == _greedy(source)
+
+
+# DeepSeek's MLA widths made whole Q8_0 blocks (32) so a Q8_0 file holds every MLA projection
+MLA_SIZES = Sizes(qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64)
+DEEPSEEK = ["deepseek-v2-lite", "deepseek-v3"]
+
+
+def _checkpoint_state(hf: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (every shard) but the MTP layer, which llama.cpp's converter skips."""
+    layers = json.load(open(os.path.join(hf, "config.json")))["num_hidden_layers"]
+    names = [n for n in os.listdir(hf) if n.endswith(".safetensors")]
+    sd = {k: v for n in names for k, v in load_file(os.path.join(hf, n)).items()}
+    return {k: v for k, v in sd.items() if not k.startswith(f"model.layers.{layers}.")}
+
+
+def _served(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor the GGUF file serves under its HF name, whole, as the loader reads it."""
+    info = json.load(open(os.path.join(gguf_model_dir(path), "gguf.json")))
+    f = GGUFTensorFile(path, info)
+    return {k: f.get_slice(k).materialize([(0, d) for d in f.get_slice(k).shape]) for k in f.keys()}
+
+
+@pytest.mark.parametrize("published", DEEPSEEK)
+def test_deepseek2_from_published_configs(real_checkpoint, tmp_path, published):
+    """deepseek2 (MLA; V2-Lite: q_proj, softmax greedy, 2 shared experts, YaRN mscale 0.707; V3: q
+    LoRA, sigmoid groups with the exp_probs_b correction bias, renormalised, scaled by 2.5, MTP layer
+    skipped), tiny checkpoints of the published configs: an F32 file serves every checkpoint tensor
+    exactly under its name (kv_b_proj rebuilt from the split attn_k_b / attn_v_b) and runs like the
+    checkpoint; a Q8_0 file, held, runs like an F32 file of its values."""
+    hf = real_checkpoint(published, sizes=MLA_SIZES)
+    (f32,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    want, got = _checkpoint_state(hf), _served(f32)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [
+        k for k in want if not torch.equal(got[k], want[k])
+    ]
+    cfg = json.load(open(os.path.join(gguf_model_dir(f32), "config.json")))
+    source = json.load(open(os.path.join(hf, "config.json")))
+    for key in ("architectures", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group",
+                "topk_group", "topk_method", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
+                "num_key_value_heads"):  # fmt: skip
+        assert cfg[key] == source[key], key
+    yarn = (
+        "factor",
+        "original_max_position_embeddings",
+        "mscale",
+        "mscale_all_dim",
+        "beta_fast",
+        "beta_slow",
+    )
+    assert {k: cfg["rope_scaling"][k] for k in yarn} == {k: source["rope_scaling"][k] for k in yarn}
+    assert _greedy(f32) == _greedy(hf)
+    (q8,) = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got, text = _logged(_greedy, q8)
+    assert "weights held compressed as stored: 26 parameters" in text, text  # every MLA / FFN matrix
+    assert "kv_b_proj from attn_k_b / attn_v_b: dequantized" in text
+    assert got == _greedy(ref)
+
+
+def test_deepseek2_kv_b_needs_both_halves(tmp_path):
+    path = str(tmp_path / "half.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_tensor("blk.0.attn_k_b.weight", np.zeros((4, 32, 16), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    info = {"arch": "deepseek2", "num_attention_heads": 4, "num_key_value_heads": 4}
+    with pytest.raises(GGUFError, match="kv_b_proj.weight needs attn_k_b and attn_v_b.*only.*attn_k_b"):
+        GGUFTensorFile(path, info)
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
+@pytest.mark.parametrize("published", DEEPSEEK)
+def test_deepseek2_written_by_llama_cpps_converter(real_checkpoint, tmp_path, published):
+    """llama.cpp's own converter on the tiny DeepSeek-V2-Lite / V3 (kv_b_proj split into k_b / v_b,
+    MLA written as MQA, the MTP layer skipped): its F32 file runs like the checkpoint, its Q8_0 file
+    (held) like an F32 file of the values gguf dequantizes from it."""
+    hf = real_checkpoint(published, sizes=MLA_SIZES)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
+    subprocess.run([*cmd, hf, "--outtype", "f32", "--outfile", f32], check=True)
+    subprocess.run([*cmd, hf, "--outtype", "q8_0", "--outfile", q8], check=True)
+    assert _greedy(f32) == _greedy(hf)
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got, text = _logged(_greedy, q8)
+    assert "weights held compressed as stored: 26 parameters" in text, text
+    assert got == _greedy(ref)
 
 
 LLAMA_CPP_PYTHON = os.environ.get("EXPERTMESH_LLAMA_CPP_PYTHON")  # a python with llama-cpp-python
