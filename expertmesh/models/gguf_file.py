@@ -210,7 +210,8 @@ def _deepseek2(cfg: dict[str, Any], get: Any) -> None:
         cfg["rope_scaling"] = {
             "type": "yarn", "factor": get("rope.scaling.factor"),
             "original_max_position_embeddings": get("rope.scaling.original_context_length"),
-            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
             "mscale": mscale, "mscale_all_dim": mscale,
         }  # fmt: skip
 
