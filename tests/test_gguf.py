@@ -323,11 +323,20 @@ def test_file_written_by_llama_cpps_converter(checkpoint, real_checkpoint, tmp_p
 
 # DeepSeek's MLA widths made whole Q8_0 blocks (32) so a Q8_0 file holds every MLA projection
 MLA_SIZES = Sizes(qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64)
-DEEPSEEK = ["deepseek-v2-lite", "deepseek-v3"]
+# (published config, overrides): V2-Lite, V3, GLM-4.5-Air and GLM-4.5's per-head q/k norm
+DS_GLM = [
+    ("deepseek-v2-lite", {}),
+    ("deepseek-v3", {}),
+    ("glm-4.5-air", {}),
+    ("glm-4.5-air", {"use_qk_norm": True}),
+]
+# config keys a GGUF file does not carry as the checkpoint has them: the token ids (GGUF has one
+# eos), the MTP layers (not loaded from GGUF), the dtype; rms_norm_eps is a float32 (approx below)
+NOT_CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "num_nextn_predict_layers", "torch_dtype")
 
 
 def _checkpoint_state(hf: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (every shard) but the MTP layer, which llama.cpp's converter skips."""
+    """The checkpoint's tensors (every shard) but the MTP layer, which GGUF files do not serve."""
     layers = json.load(open(os.path.join(hf, "config.json")))["num_hidden_layers"]
     names = [n for n in os.listdir(hf) if n.endswith(".safetensors")]
     sd = {k: v for n in names for k, v in load_file(os.path.join(hf, n)).items()}
@@ -341,42 +350,56 @@ def _served(path: str) -> dict[str, torch.Tensor]:
     return {k: f.get_slice(k).materialize([(0, d) for d in f.get_slice(k).shape]) for k in f.keys()}
 
 
-@pytest.mark.parametrize("published", DEEPSEEK)
-def test_deepseek2_from_published_configs(real_checkpoint, tmp_path, published):
+def _check_config(path: str, hf: str) -> None:
+    """The config made from the file's metadata has the checkpoint's values (YaRN's too)."""
+    cfg = json.load(open(os.path.join(gguf_model_dir(path), "config.json")))
+    source = json.load(open(os.path.join(hf, "config.json")))
+    assert cfg["rms_norm_eps"] == pytest.approx(source["rms_norm_eps"], rel=1e-6)
+    same = set(source) & set(cfg) - {"rms_norm_eps", "rope_scaling", *NOT_CARRIED}
+    assert {k: cfg[k] for k in same} == {k: source[k] for k in same}
+    own = ("q_lora_rank", "qk_nope_head_dim", "n_shared_experts", "first_k_dense_replace", "topk_group",
+           "routed_scaling_factor", "norm_topk_prob", "partial_rotary_factor", "use_qk_norm")  # fmt: skip
+    assert all(key not in source or key in same for key in own)  # the family's own keys are all carried
+    if source.get("rope_scaling"):
+        yarn = (
+            "factor",
+            "original_max_position_embeddings",
+            "mscale",
+            "mscale_all_dim",
+            "beta_fast",
+            "beta_slow",
+        )
+        assert {k: cfg["rope_scaling"][k] for k in yarn} == {k: source["rope_scaling"][k] for k in yarn}
+
+
+def _held_but(text: str, allowed: tuple[str, ...]) -> None:
+    assert "weights held compressed as stored" in text, text
+    unheld = [line for line in text.splitlines() if "not held compressed" in line]
+    assert all(any(a in line for a in allowed) for line in unheld), unheld
+
+
+@pytest.mark.parametrize("published,overrides", DS_GLM)
+def test_deepseek2_and_glm4moe_from_published_configs(real_checkpoint, tmp_path, published, overrides):
     """deepseek2 (MLA; V2-Lite: q_proj, softmax greedy, 2 shared experts, YaRN mscale 0.707; V3: q
     LoRA, sigmoid groups with the exp_probs_b correction bias, renormalised, scaled by 2.5, MTP layer
-    skipped), tiny checkpoints of the published configs: an F32 file serves every checkpoint tensor
-    exactly under its name (kv_b_proj rebuilt from the split attn_k_b / attn_v_b) and runs like the
-    checkpoint; a Q8_0 file, held, runs like an F32 file of its values."""
-    hf = real_checkpoint(published, sizes=MLA_SIZES)
+    skipped) and glm4moe (partial rotary, q/k/v biases, optional per-head q/k norm, sigmoid router
+    with its correction bias, the MTP block written last and skipped), tiny checkpoints of the
+    published configs: an F32 file serves every checkpoint tensor exactly under its name (DeepSeek's
+    kv_b_proj rebuilt from the split attn_k_b / attn_v_b), its config has the checkpoint's values,
+    and it runs like the checkpoint; a Q8_0 file, held, runs like an F32 file of its values."""
+    hf = real_checkpoint(published, sizes=MLA_SIZES, **overrides)
     (f32,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
     want, got = _checkpoint_state(hf), _served(f32)
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want), [
         k for k in want if not torch.equal(got[k], want[k])
     ]
-    cfg = json.load(open(os.path.join(gguf_model_dir(f32), "config.json")))
-    source = json.load(open(os.path.join(hf, "config.json")))
-    for key in ("architectures", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group",
-                "topk_group", "topk_method", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
-                "num_key_value_heads"):  # fmt: skip
-        assert cfg[key] == source[key], key
-    yarn = (
-        "factor",
-        "original_max_position_embeddings",
-        "mscale",
-        "mscale_all_dim",
-        "beta_fast",
-        "beta_slow",
-    )
-    assert {k: cfg["rope_scaling"][k] for k in yarn} == {k: source["rope_scaling"][k] for k in yarn}
+    _check_config(f32, hf)
     assert _greedy(f32) == _greedy(hf)
     (q8,) = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
     (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
     got, text = _logged(_greedy, q8)
-    assert "weights held compressed as stored: 26 parameters" in text, text  # every MLA / FFN matrix
-    assert "kv_b_proj from attn_k_b / attn_v_b: dequantized" in text
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b"))
     assert got == _greedy(ref)
 
 
@@ -391,21 +414,25 @@ def test_deepseek2_kv_b_needs_both_halves(tmp_path):
 
 
 @pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
-@pytest.mark.parametrize("published", DEEPSEEK)
-def test_deepseek2_written_by_llama_cpps_converter(real_checkpoint, tmp_path, published):
+@pytest.mark.parametrize("published,overrides", DS_GLM[:3])
+def test_deepseek2_and_glm4moe_written_by_llama_cpps_converter(
+    real_checkpoint, tmp_path, published, overrides
+):
     """llama.cpp's own converter on the tiny DeepSeek-V2-Lite / V3 (kv_b_proj split into k_b / v_b,
-    MLA written as MQA, the MTP layer skipped): its F32 file runs like the checkpoint, its Q8_0 file
-    (held) like an F32 file of the values gguf dequantizes from it."""
-    hf = real_checkpoint(published, sizes=MLA_SIZES)
+    MLA written as MQA, the MTP layer skipped) and GLM-4.5-Air (its MTP block kept last): its F32
+    file runs like the checkpoint, its Q8_0 file (held) like an F32 file of the values gguf
+    dequantizes from it."""
+    hf = real_checkpoint(published, sizes=MLA_SIZES, **overrides)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
     f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
     subprocess.run([*cmd, hf, "--outtype", "f32", "--outfile", f32], check=True)
     subprocess.run([*cmd, hf, "--outtype", "q8_0", "--outfile", q8], check=True)
+    _check_config(f32, hf)
     assert _greedy(f32) == _greedy(hf)
     (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
     got, text = _logged(_greedy, q8)
-    assert "weights held compressed as stored: 26 parameters" in text, text
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b"))
     assert got == _greedy(ref)
 
 

@@ -186,7 +186,31 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
          "norm_topk_prob": False, "moe_layer_freq": 1, "attention_bias": False, "first_k_dense_replace": 0,
          "n_shared_experts": 0, "hidden_act": "silu"},
     ),
+    # GLM-4.5 / 4.6 / 4.5-Air. The converter keeps the MTP layer as the last block (block_count
+    # counts it, nextn_predict_layers says how many): _glm4moe takes it off, the loader skips it
+    "glm4moe": (
+        "Glm4MoeForCausalLM", "glm4_moe",
+        {"expert_count": "n_routed_experts", "expert_used_count": "num_experts_per_tok",
+         "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_count": "n_shared_experts",
+         "leading_dense_block_count": "first_k_dense_replace", "expert_group_count": "n_group",
+         "expert_group_used_count": "topk_group", "expert_weights_scale": "routed_scaling_factor",
+         "expert_weights_norm": "norm_topk_prob"},
+        {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+         "first_k_dense_replace": 0, "n_shared_experts": 0, "hidden_act": "silu"},
+    ),
 }  # fmt: skip
+# config flags read off the tensors present (gguf_model_dir): config key -> a tensor's name
+TENSOR_FLAGS = {"glm4moe": {"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"}}
+
+
+def _glm4moe(cfg: dict[str, Any], get: Any) -> None:
+    """glm4moe's derived values: the main layers (block_count less the MTP blocks), the partial
+    rotary factor (rope.dimension_count of key_length), the published style's rope keys."""
+    cfg["num_hidden_layers"] -= get("nextn_predict_layers") or 0
+    cfg["num_nextn_predict_layers"] = 0  # the MTP blocks are not loaded from GGUF
+    cfg["partial_rotary_factor"] = get("rope.dimension_count") / get("attention.key_length")
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = None
 
 
 def _deepseek2(cfg: dict[str, Any], get: Any) -> None:
@@ -216,7 +240,7 @@ def _deepseek2(cfg: dict[str, Any], get: Any) -> None:
         }  # fmt: skip
 
 
-DERIVED = {"deepseek2": _deepseek2}
+DERIVED = {"deepseek2": _deepseek2, "glm4moe": _glm4moe}
 
 
 # ---- names --------------------------------------------------------------------------------------
@@ -261,6 +285,9 @@ _MLA = {
     "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
     "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+}  # fmt: skip
+# DeepSeek's and GLM's MoE block: the router, V3's / GLM's correction bias, the shared experts
+_DS_MOE = {
     "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction",
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
@@ -268,7 +295,8 @@ _MLA = {
 KV_B = ("attn_k_b", "attn_v_b")
 # per architecture: (llama.cpp piece -> HF piece, stacked experts)
 _PIECES = {
-    "deepseek2": ({**_ATTN, **_MLA}, _EXPERTS["qwen"]),
+    "deepseek2": ({**_ATTN, **_MLA, **_DS_MOE}, _EXPERTS["qwen"]),
+    "glm4moe": ({**_ATTN, **_DS_MOE, "post_attention_norm": "post_attention_layernorm"}, _EXPERTS["qwen"]),
     "qwen2moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
     "qwen3moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
     "olmoe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
@@ -512,6 +540,8 @@ class GGUFTensorFile:
             top = name.rsplit(".", 1)
             if top[0] in _TOP:
                 hf = f"{_TOP[top[0]]}.{top[1]}"
+            if _mtp_block(name, info.get("num_hidden_layers")):
+                continue  # an MTP block after the main layers (glm4moe): not loaded
             m = BLOCK.match(name)
             if m:
                 layer, piece, kind = m.groups()
@@ -564,6 +594,11 @@ class GGUFTensorFile:
         elif key.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp: a vector [H]
             shape, data = (1, *shape), data[None]
         return GGUFTensor(data, t.tensor_type, shape, key, permute, kind)
+
+
+def _mtp_block(name: str, layers: int | None) -> bool:
+    m = re.match(r"^blk\.(\d+)\.", name)
+    return bool(m and layers is not None and int(m.group(1)) >= layers)
 
 
 def _shape(t: Any) -> tuple[int, ...]:
@@ -662,6 +697,8 @@ def gguf_model_dir(model: str) -> str:
         cfg["vocab_size"] = int(emb.shape[-1])
     if cfg["architectures"][0] == "Qwen2MoeForCausalLM":
         cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
+    for key, tensor in TENSOR_FLAGS.get(meta["general.architecture"], {}).items():
+        cfg[key] = tensor in names
     cfg["torch_dtype"] = "float32"
     held = sorted(set(types.values()) & set(HELD))
     if held:  # the loader holds these codes as stored (GGUFFormat); quantization="dequantize" does not
@@ -677,7 +714,10 @@ def gguf_model_dir(model: str) -> str:
         "arch": meta["general.architecture"],
         "num_attention_heads": cfg["num_attention_heads"],
         "num_key_value_heads": cfg["num_key_value_heads"],
-        "held_kinds": held_kinds(types),
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "held_kinds": held_kinds(
+            {n: t for n, t in types.items() if not _mtp_block(n, cfg["num_hidden_layers"])}
+        ),
     }
     with open(os.path.join(tmp, MARKER), "w") as f:
         json.dump(info, f, indent=1)
