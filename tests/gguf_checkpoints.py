@@ -43,9 +43,13 @@ ATTN.update({
 })  # fmt: skip
 
 
-def _deepseek_tensors(piece: str, kind: str, w: np.ndarray, cfg: dict) -> list[tuple[str, str, np.ndarray]]:
+def _deepseek_tensors(
+    piece: str, kind: str, w: np.ndarray, cfg: dict, legacy: bool = False
+) -> list[tuple[str, str, np.ndarray]]:
     """(GGUF piece, kind, array) for DeepSeek's pieces the converter rewrites: kv_b_proj split per
     head into k_b [H, rank, nope] (transposed) and v_b [H, v, rank]; the correction bias."""
+    if piece == "self_attn.kv_b_proj" and legacy:  # converters before the split: kv_b as it is
+        return [("attn_kv_b", kind, w)]
     if piece == "self_attn.kv_b_proj":
         heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
         kv_b = w.reshape(heads, nope + v, w.shape[-1])
@@ -80,11 +84,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(
-    hf_dir: str, out: str, qtype: str = "F32", split: int = 1, values: dict[str, torch.Tensor] | None = None
+    hf_dir: str,
+    out: str,
+    qtype: str = "F32",
+    split: int = 1,
+    values: dict[str, torch.Tensor] | None = None,
+    legacy_mla: bool = False,
 ) -> list[str]:
     """The checkpoint in hf_dir as GGUF; matrices (2-D and expert stacks) in `qtype`, vectors F32.
     `split` > 1 writes llama.cpp's split set (`-0000k-of-0000n.gguf`, tensors dealt in order).
-    `values` ({GGUF name: tensor}, e.g. dequantized_state of another file) replaces the weights."""
+    `values` ({GGUF name: tensor}, e.g. dequantized_state of another file) replaces the weights.
+    `legacy_mla`: DeepSeek as converters before the k_b / v_b split wrote it (attn_kv_b, MHA sizes)."""
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     arch = ARCH[cfg["model_type"]]
     sd = _load_state(hf_dir)
@@ -101,7 +111,9 @@ def write_gguf(
         for key in sorted(k for k in sd if k.startswith(p) and ".experts." not in k):
             piece, kind = key[len(p) :].rsplit(".", 1)
             w = sd[key]
-            if arch in ("deepseek2", "glm4moe") and (rewritten := _deepseek_tensors(piece, kind, w, cfg)):
+            if arch in ("deepseek2", "glm4moe") and (
+                rewritten := _deepseek_tensors(piece, kind, w, cfg, legacy_mla)
+            ):
                 tensors += [(f"blk.{layer}.{name}.{k}", a) for name, k, a in rewritten]
                 continue
             if arch == "llama" and piece in ("self_attn.q_proj", "self_attn.k_proj") and kind == "weight":
@@ -127,7 +139,9 @@ def write_gguf(
         w.add_block_count(cfg["num_hidden_layers"] + mtp)
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count(cfg["num_attention_heads"])
-        w.add_head_count_kv(1 if arch == "deepseek2" else cfg["num_key_value_heads"])  # MLA as MQA
+        w.add_head_count_kv(
+            1 if arch == "deepseek2" and not legacy_mla else cfg["num_key_value_heads"]
+        )  # MLA as MQA
         w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))  # OLMoE: 1e-5 by default
         rope = cfg.get("rope_parameters") or {}
         w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
@@ -143,7 +157,7 @@ def write_gguf(
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
         if arch == "deepseek2":
-            _deepseek_meta(w, cfg)
+            _deepseek_meta(w, cfg, legacy_mla)
         if arch == "glm4moe":
             _glm4moe_meta(w, cfg, mtp)
         if arch == "granitemoe":
@@ -211,7 +225,7 @@ def _add_tensor(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: str) -> N
         w.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
 
 
-def _deepseek_meta(w: gguf.GGUFWriter, cfg: dict) -> None:
+def _deepseek_meta(w: gguf.GGUFWriter, cfg: dict, legacy: bool = False) -> None:
     """deepseek2's keys as DeepseekV2Model.set_gguf_parameters writes them (and the base class's
     expert groups, gating function and YaRN keys)."""
     rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
@@ -219,10 +233,14 @@ def _deepseek_meta(w: gguf.GGUFWriter, cfg: dict) -> None:
     if cfg.get("q_lora_rank"):
         w.add_q_lora_rank(cfg["q_lora_rank"])
     w.add_kv_lora_rank(rank)
-    w.add_key_length(rank + rope)
-    w.add_value_length(rank)
-    w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope)
-    w.add_value_length_mla(cfg["v_head_dim"])
+    if legacy:  # MHA sizes, no *_mla keys
+        w.add_key_length(cfg["qk_nope_head_dim"] + rope)
+        w.add_value_length(cfg["v_head_dim"])
+    else:
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope)
+        w.add_value_length_mla(cfg["v_head_dim"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_expert_shared_count(cfg.get("n_shared_experts") or 0)
     w.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))

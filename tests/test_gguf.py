@@ -403,6 +403,16 @@ def test_deepseek2_and_glm4moe_from_published_configs(real_checkpoint, tmp_path,
     assert got == _greedy(ref)
 
 
+def test_deepseek2_before_the_kv_b_split(real_checkpoint, tmp_path):
+    """Files from converters before kv_b_proj was split (attn_kv_b, MHA key / value lengths, no
+    *_mla keys), as many published DeepSeek GGUFs are: served as is, run like the checkpoint."""
+    hf = real_checkpoint("deepseek-v2-lite", sizes=MLA_SIZES)
+    (f32,) = write_gguf(hf, str(tmp_path / "legacy.gguf"), "F32", legacy_mla=True)
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in gguf.GGUFReader(f32).tensors}
+    _check_config(f32, hf)
+    assert _greedy(f32) == _greedy(hf)
+
+
 def test_deepseek2_kv_b_needs_both_halves(tmp_path):
     path = str(tmp_path / "half.gguf")
     w = gguf.GGUFWriter(path, "deepseek2")
@@ -510,14 +520,20 @@ def _rank_main(rank, world, runs):
 
 
 @pytest.mark.timeout(200)
-def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model, k_quant_model):
+def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model, k_quant_model, real_checkpoint, tmp_path):
     """Q4_0 and Q4_K_M Qwen3-MoE under TP2 and DP2 + EP (a TP rank's half of a 256-wide super-block,
-    held in groups of 16), and a permuted-Q/K Mixtral file under TP2 (each rank un-permutes, then
-    keeps its heads)."""
+    held in groups of 16), a permuted-Q/K Mixtral file under TP2 (each rank un-permutes, then
+    keeps its heads), and a Q8_0 DeepSeek-V3 under TP2 (each rank's heads of the rebuilt kv_b_proj)
+    and DP2 + EP."""
     (qwen,) = gguf_model("Q4_0")
     (mixtral,) = gguf_model("Q8_0", family="mixtral")
     k_quant = k_quant_model["Q4_K_M"][0]
+    (deepseek,) = write_gguf(
+        real_checkpoint("deepseek-v3", sizes=MLA_SIZES), str(tmp_path / "v3.gguf"), "Q8_0"
+    )
     runs = [
+        (deepseek, dict(tensor_parallel_size=2)),
+        (deepseek, dict(data_parallel_size=2, enable_expert_parallel=True)),
         (qwen, dict(tensor_parallel_size=2)),
         (qwen, dict(data_parallel_size=2, enable_expert_parallel=True)),
         (mixtral, dict(tensor_parallel_size=2)),

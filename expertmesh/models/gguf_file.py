@@ -220,7 +220,14 @@ def _deepseek2(cfg: dict[str, Any], get: Any) -> None:
     both published configs have mscale equal to mscale_all_dim)."""
     cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     cfg.pop("head_dim", None)  # key_length is the MQA view's kv_lora_rank + rope dims
-    cfg["qk_nope_head_dim"] = get("attention.key_length_mla") - cfg["qk_rope_head_dim"]
+    # files from before the k_b / v_b split (attn_kv_b) wrote MHA sizes: key_length is nope + rope,
+    # value_length v_head_dim, and no *_mla keys
+    old = get("attention.key_length_mla") is None
+    cfg["qk_nope_head_dim"] = (
+        get("attention.key_length" if old else "attention.key_length_mla") - cfg["qk_rope_head_dim"]
+    )
+    if old:
+        cfg["v_head_dim"] = get("attention.value_length")
     if get("expert_gating_func") == 2:
         cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", scoring_func="sigmoid",
                    topk_method="noaux_tc")  # fmt: skip
