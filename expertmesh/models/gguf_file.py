@@ -11,7 +11,9 @@ Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K matrices are held as stored (codes, with t
 offsets our int8 / int4 group kinds take, exactly: HELD, decode_blocks); every other type is
 dequantized with `gguf.quants.dequantize` (the format's own dequantizer) for just the rows a rank
 asks for. The file is read through gguf's memory map: only touched pages are read. Families are
-declarations (FAMILY_CONFIG, _PIECES) beside the older branches of hf_config.
+declarations (FAMILY_CONFIG, DERIVED, TENSOR_FLAGS, _PIECES) beside the older branches of
+hf_config; DeepSeek's MLA kv_b_proj is rebuilt from llama.cpp's split attn_k_b / attn_v_b
+(KvBTensor), GLM's trailing MTP block skipped.
 """
 
 from __future__ import annotations
