@@ -403,6 +403,25 @@ def test_deepseek2_and_glm4moe_from_published_configs(real_checkpoint, tmp_path,
     assert got == _greedy(ref)
 
 
+# every width a whole 256-wide K-quant super-block, so each matrix is written in Q4_K / Q6_K
+K_SIZES = Sizes(hidden=256, expert_inter=256, dense_inter=256, shared_inter=256, qk_nope_head_dim=32,
+                v_head_dim=32, q_lora_rank=256, kv_lora_rank=256)  # fmt: skip
+
+
+@pytest.mark.parametrize("published", ["deepseek-v3", "glm-4.5-air"])
+def test_deepseek2_and_glm4moe_k_quants(real_checkpoint, tmp_path, published):
+    """A Q4_K_M-like file (Q4_K, Q6_K on attn_v / ffn_down / the head) of DeepSeek-V3 (MLA's q_a,
+    q_b, kv_a and o held in Q4_K; k_b / v_b dequantized into kv_b_proj) and GLM-4.5-Air: held, and
+    greedy tokens equal our float run of an F32 file of the values gguf dequantizes."""
+    hf = real_checkpoint(published, sizes=K_SIZES)
+    (path,) = write_gguf(hf, str(tmp_path / "q4km.gguf"), "Q4_K_M")
+    (ref,) = write_gguf(hf, str(tmp_path / "q4km-as-f32.gguf"), "F32", values=dequantized_state([path]))
+    assert "Q4_K" in {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    got, text = _logged(_greedy, path)
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b"))
+    assert got == _greedy(ref)
+
+
 def test_deepseek2_before_the_kv_b_split(real_checkpoint, tmp_path):
     """Files from converters before kv_b_proj was split (attn_kv_b, MHA key / value lengths, no
     *_mla keys), as many published DeepSeek GGUFs are: served as is, run like the checkpoint."""
