@@ -468,6 +468,44 @@ def test_deepseek2_and_glm4moe_written_by_llama_cpps_converter(
 LLAMA_CPP_PYTHON = os.environ.get("EXPERTMESH_LLAMA_CPP_PYTHON")  # a python with llama-cpp-python
 
 
+# llama.cpp's own greedy decoding of a file, token ids in and out (run under LLAMA_CPP_PYTHON)
+LLAMA_CPP_GREEDY = """
+import json, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=128, n_threads=1, verbose=False)
+out = []
+for prompt in json.loads(sys.argv[2]):
+    tokens = []
+    for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        tokens.append(t)
+        if len(tokens) == int(sys.argv[3]):
+            break
+    out.append(tokens)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    not (LLAMA_CPP and LLAMA_CPP_PYTHON),
+    reason="EXPERTMESH_LLAMA_CPP (sources) and EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) are not set",
+)
+@pytest.mark.parametrize("published", ["deepseek-v3", "glm-4.5-air"])
+def test_llama_cpp_runs_the_converted_file_like_we_do(real_checkpoint, tmp_path, published):
+    """llama.cpp itself (llama-cpp-python) on its converter's F32 file of a tiny DeepSeek-V3 / GLM-4.5-Air:
+    the same greedy tokens as ours. (llama.cpp takes a deepseek2 file without q_lora_rank for V2-Lite
+    only at V2-Lite's 27 layers, so a tiny V2-Lite cannot be run there.)"""
+    hf = real_checkpoint(published, sizes=MLA_SIZES)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "f32.gguf")
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*cmd, hf, "--outtype", "f32", "--outfile", out], check=True)
+    args = [out, json.dumps(PROMPTS), str(GREEDY["max_tokens"])]
+    run = subprocess.run(
+        [LLAMA_CPP_PYTHON, "-c", LLAMA_CPP_GREEDY, *args], check=True, capture_output=True, text=True
+    )
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == _greedy(out)
+
+
 @pytest.mark.skipif(
     not (LLAMA_CPP and LLAMA_CPP_PYTHON),
     reason="EXPERTMESH_LLAMA_CPP (sources) and EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) are not set",
