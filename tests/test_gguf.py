@@ -529,6 +529,30 @@ def test_file_quantized_by_llama_cpp(checkpoint, tmp_path, ftype):
     assert got == _greedy(ref)
 
 
+@pytest.mark.skipif(
+    not (LLAMA_CPP and LLAMA_CPP_PYTHON),
+    reason="EXPERTMESH_LLAMA_CPP (sources) and EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) are not set",
+)
+@pytest.mark.parametrize("published", ["deepseek-v3", "glm-4.5-air"])
+def test_deepseek2_and_glm4moe_quantized_by_llama_cpp(real_checkpoint, tmp_path, published):
+    """llama.cpp's converter (F32) then its quantizer (Q4_K_M: Q4_K, Q6_K, and Q5_0 where a row is
+    not whole super-blocks, e.g. DeepSeek's attn_output and attn_k_b): the K-quant matrices held,
+    Q5_0 dequantized with its log line, greedy tokens equal our float run of the file's values."""
+    hf = real_checkpoint(published, sizes=K_SIZES)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f32, out = str(tmp_path / "f32.gguf"), str(tmp_path / "q4km.gguf")
+    convert = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*convert, hf, "--outtype", "f32", "--outfile", f32], check=True)
+    subprocess.run(
+        [LLAMA_CPP_PYTHON, os.path.join(root, "benchmarks", "gguf_quantize.py"), f32, out, "Q4_K_M"],
+        check=True,
+    )
+    (ref,) = write_gguf(hf, str(tmp_path / "as-f32.gguf"), "F32", values=dequantized_state([out]))
+    got, text = _logged(_greedy, out)
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b", "no kernel holds it"))
+    assert got == _greedy(ref)
+
+
 def test_tokenizer_from_metadata_and_override(gguf_model, checkpoint):
     from transformers import AutoTokenizer
 
