@@ -25,12 +25,15 @@ EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
         "granitemoe": "granitemoe"}  # fmt: skip
 ATTN["block_sparse_moe.router.layer"] = "ffn_gate_inp"  # Granite's router
-ARCH.update(deepseek_v2="deepseek2", deepseek_v3="deepseek2", glm4_moe="glm4moe")
+ARCH.update(deepseek_v2="deepseek2", deepseek_v3="deepseek2", deepseek_v32="deepseek32", glm4_moe="glm4moe")
+DEEPSEEK = ("deepseek2", "deepseek32")
 # GLM-4.5's MTP block, which its converter keeps as the last block (blk.<n>.nextn.*)
 ATTN.update({
     "eh_proj": "nextn.eh_proj", "embed_tokens": "nextn.embed_tokens", "enorm": "nextn.enorm",
     "hnorm": "nextn.hnorm", "shared_head.head": "nextn.shared_head_head",
-    "shared_head.norm": "nextn.shared_head_norm",
+    "shared_head.norm": "nextn.shared_head_norm", "self_attn.indexer.wq_b": "indexer.attn_q_b",
+    "self_attn.indexer.wk": "indexer.attn_k", "self_attn.indexer.k_norm": "indexer.k_norm",
+    "self_attn.indexer.weights_proj": "indexer.proj",
 })  # fmt: skip
 # DeepSeek (convert_hf_to_gguf.py's DeepseekV2Model): MLA pieces, dense leading layers' MLP, shared
 # experts, V3's correction bias (written as exp_probs_b.bias); kv_b_proj split into k_b / v_b
@@ -105,13 +108,13 @@ def write_gguf(
     if "lm_head.weight" in sd:
         tensors.append(("output.weight", sd.pop("lm_head.weight")))
     n_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
-    mtp = cfg.get("num_nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    mtp = cfg.get("num_nextn_predict_layers", 0) if arch in ("glm4moe", "deepseek32") else 0  # kept last
     for layer in range(cfg["num_hidden_layers"] + mtp):
         p = f"model.layers.{layer}."
         for key in sorted(k for k in sd if k.startswith(p) and ".experts." not in k):
             piece, kind = key[len(p) :].rsplit(".", 1)
             w = sd[key]
-            if arch in ("deepseek2", "glm4moe") and (
+            if arch in (*DEEPSEEK, "glm4moe") and (
                 rewritten := _deepseek_tensors(piece, kind, w, cfg, legacy_mla)
             ):
                 tensors += [(f"blk.{layer}.{name}.{k}", a) for name, k, a in rewritten]
@@ -140,7 +143,7 @@ def write_gguf(
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count(cfg["num_attention_heads"])
         w.add_head_count_kv(
-            1 if arch == "deepseek2" and not legacy_mla else cfg["num_key_value_heads"]
+            1 if arch in DEEPSEEK and not legacy_mla else cfg["num_key_value_heads"]
         )  # MLA as MQA
         w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))  # OLMoE: 1e-5 by default
         rope = cfg.get("rope_parameters") or {}
@@ -156,8 +159,13 @@ def write_gguf(
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
-        if arch == "deepseek2":
+        if arch in DEEPSEEK:
             _deepseek_meta(w, cfg, legacy_mla)
+        if arch == "deepseek32":
+            w.add_nextn_predict_layers(mtp)
+            w.add_indexer_head_count(cfg["index_n_heads"])
+            w.add_indexer_key_length(cfg["index_head_dim"])
+            w.add_indexer_top_k(cfg["index_topk"])
         if arch == "glm4moe":
             _glm4moe_meta(w, cfg, mtp)
         if arch == "granitemoe":

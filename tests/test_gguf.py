@@ -323,10 +323,12 @@ def test_file_written_by_llama_cpps_converter(checkpoint, real_checkpoint, tmp_p
 
 # DeepSeek's MLA widths made whole Q8_0 blocks (32) so a Q8_0 file holds every MLA projection
 MLA_SIZES = Sizes(qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64)
-# (published config, overrides): V2-Lite, V3, GLM-4.5-Air and GLM-4.5's per-head q/k norm
+# (published config, overrides): V2-Lite, V3, V3.2 (its indexer, MTP block kept last by the
+# converter), GLM-4.5-Air and GLM-4.5's per-head q/k norm
 DS_GLM = [
     ("deepseek-v2-lite", {}),
     ("deepseek-v3", {}),
+    ("2026/deepseek-v3.2", {}),
     ("glm-4.5-air", {}),
     ("glm-4.5-air", {"use_qk_norm": True}),
 ]
@@ -384,7 +386,8 @@ def test_deepseek2_and_glm4moe_from_published_configs(real_checkpoint, tmp_path,
     LoRA, sigmoid groups with the exp_probs_b correction bias, renormalised, scaled by 2.5, MTP layer
     skipped) and glm4moe (partial rotary, q/k/v biases, optional per-head q/k norm, sigmoid router
     with its correction bias, the MTP block written last and skipped), tiny checkpoints of the
-    published configs: an F32 file serves every checkpoint tensor exactly under its name (DeepSeek's
+    published configs (and DeepSeek-V3.2: deepseek32, V3's with the sparse-attention indexer's
+    tensors and keys): an F32 file serves every checkpoint tensor exactly under its name (DeepSeek's
     kv_b_proj rebuilt from the split attn_k_b / attn_v_b), its config has the checkpoint's values,
     and it runs like the checkpoint; a Q8_0 file, held, runs like an F32 file of its values."""
     hf = real_checkpoint(published, sizes=MLA_SIZES, **overrides)
@@ -443,7 +446,7 @@ def test_deepseek2_kv_b_needs_both_halves(tmp_path):
 
 
 @pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
-@pytest.mark.parametrize("published,overrides", DS_GLM[:3])
+@pytest.mark.parametrize("published,overrides", DS_GLM[:4])
 def test_deepseek2_and_glm4moe_written_by_llama_cpps_converter(
     real_checkpoint, tmp_path, published, overrides
 ):

@@ -188,6 +188,14 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
          "norm_topk_prob": False, "moe_layer_freq": 1, "attention_bias": False, "first_k_dense_replace": 0,
          "n_shared_experts": 0, "hidden_act": "silu"},
     ),
+    # DeepSeek-V3.2 / V3.2-Exp: deepseek2's keys with the sparse-attention indexer's, the MTP block
+    # kept last as glm4moe's (_deepseek32)
+    "deepseek32": (
+        "DeepseekV32ForCausalLM", "deepseek_v32",
+        {"attention.indexer.head_count": "index_n_heads", "attention.indexer.key_length": "index_head_dim",
+         "attention.indexer.top_k": "index_topk"},
+        {},
+    ),
     # GLM-4.5 / 4.6 / 4.5-Air. The converter keeps the MTP layer as the last block (block_count
     # counts it, nextn_predict_layers says how many): _glm4moe takes it off, the loader skips it
     "glm4moe": (
@@ -201,6 +209,8 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
          "first_k_dense_replace": 0, "n_shared_experts": 0, "hidden_act": "silu"},
     ),
 }  # fmt: skip
+FAMILY_CONFIG["deepseek32"][2].update(FAMILY_CONFIG["deepseek2"][2])
+FAMILY_CONFIG["deepseek32"][3].update(FAMILY_CONFIG["deepseek2"][3])
 # config flags read off the tensors present (gguf_model_dir): config key -> a tensor's name
 TENSOR_FLAGS = {"glm4moe": {"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"}}
 
@@ -249,7 +259,14 @@ def _deepseek2(cfg: dict[str, Any], get: Any) -> None:
         }  # fmt: skip
 
 
-DERIVED = {"deepseek2": _deepseek2, "glm4moe": _glm4moe}
+def _deepseek32(cfg: dict[str, Any], get: Any) -> None:
+    _deepseek2(cfg, get)
+    cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
+    cfg["num_hidden_layers"] -= get("nextn_predict_layers") or 0
+    cfg["num_nextn_predict_layers"] = 0  # the MTP blocks are not loaded from GGUF
+
+
+DERIVED = {"deepseek2": _deepseek2, "deepseek32": _deepseek32, "glm4moe": _glm4moe}
 
 
 # ---- names --------------------------------------------------------------------------------------
@@ -282,7 +299,7 @@ _EXPERTS = {
               "ffn_down_exps": ("block_sparse_moe", "w2")},
 }  # fmt: skip
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+BLOCK = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")  # pieces may be dotted: indexer.attn_k
 
 
 _GRANITE_EXPERTS = {"ffn_gate_exps": ("block_sparse_moe", "gate_proj"),
@@ -302,9 +319,15 @@ _DS_MOE = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }  # fmt: skip
 KV_B = ("attn_k_b", "attn_v_b")
+# DeepSeek-V3.2's lightning indexer
+_INDEXER = {
+    "indexer.attn_q_b": "self_attn.indexer.wq_b", "indexer.attn_k": "self_attn.indexer.wk",
+    "indexer.k_norm": "self_attn.indexer.k_norm", "indexer.proj": "self_attn.indexer.weights_proj",
+}  # fmt: skip
 # per architecture: (llama.cpp piece -> HF piece, stacked experts)
 _PIECES = {
     "deepseek2": ({**_ATTN, **_MLA, **_DS_MOE}, _EXPERTS["qwen"]),
+    "deepseek32": ({**_ATTN, **_MLA, **_DS_MOE, **_INDEXER}, _EXPERTS["qwen"]),
     "glm4moe": ({**_ATTN, **_DS_MOE, "post_attention_norm": "post_attention_layernorm"}, _EXPERTS["qwen"]),
     "qwen2moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
     "qwen3moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
