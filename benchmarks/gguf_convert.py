@@ -25,6 +25,13 @@ def main() -> None:
     from conversion.base import TextModel
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    # GLM's vocabulary writer looks up GLM's own special tokens ([gMASK], <|user|>), which the
+    # benchmarks' tokenizer does not have: it is written like any GPT-2 style vocabulary instead
+    TextModel._set_vocab_glm = TextModel._set_vocab_gpt2
+    # DeepSeek-V3.2's asserts add_bos_token in tokenizer_config.json, which the benchmarks' lacks
+    from conversion.deepseek import DeepseekV32Model
+
+    DeepseekV32Model.set_vocab = TextModel._set_vocab_gpt2
     import convert_hf_to_gguf
 
     sys.argv = ["convert_hf_to_gguf.py", *rest]

@@ -25,6 +25,47 @@ EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
         "granitemoe": "granitemoe"}  # fmt: skip
 ATTN["block_sparse_moe.router.layer"] = "ffn_gate_inp"  # Granite's router
+ARCH.update(deepseek_v2="deepseek2", deepseek_v3="deepseek2", deepseek_v32="deepseek32", glm4_moe="glm4moe")
+DEEPSEEK = ("deepseek2", "deepseek32")
+# GLM-4.5's MTP block, which its converter keeps as the last block (blk.<n>.nextn.*)
+ATTN.update({
+    "eh_proj": "nextn.eh_proj", "embed_tokens": "nextn.embed_tokens", "enorm": "nextn.enorm",
+    "hnorm": "nextn.hnorm", "shared_head.head": "nextn.shared_head_head",
+    "shared_head.norm": "nextn.shared_head_norm", "self_attn.indexer.wq_b": "indexer.attn_q_b",
+    "self_attn.indexer.wk": "indexer.attn_k", "self_attn.indexer.k_norm": "indexer.k_norm",
+    "self_attn.indexer.weights_proj": "indexer.proj",
+})  # fmt: skip
+# DeepSeek (convert_hf_to_gguf.py's DeepseekV2Model): MLA pieces, dense leading layers' MLP, shared
+# experts, V3's correction bias (written as exp_probs_b.bias); kv_b_proj split into k_b / v_b
+ATTN.update({
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+})  # fmt: skip
+
+
+def _deepseek_tensors(
+    piece: str, kind: str, w: np.ndarray, cfg: dict, legacy: bool = False
+) -> list[tuple[str, str, np.ndarray]]:
+    """(GGUF piece, kind, array) for DeepSeek's pieces the converter rewrites: kv_b_proj split per
+    head into k_b [H, rank, nope] (transposed) and v_b [H, v, rank]; the correction bias."""
+    if piece == "self_attn.kv_b_proj" and legacy:  # converters before the split: kv_b as it is
+        return [("attn_kv_b", kind, w)]
+    if piece == "self_attn.kv_b_proj":
+        heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        kv_b = w.reshape(heads, nope + v, w.shape[-1])
+        return [("attn_k_b", kind, np.ascontiguousarray(kv_b[:, :nope].swapaxes(1, 2))),
+                ("attn_v_b", kind, np.ascontiguousarray(kv_b[:, nope:]))]  # fmt: skip
+    if piece == "mlp.gate" and kind == "e_score_correction_bias":
+        return [("exp_probs_b", "bias", w)]
+    return []
+
+
+def _load_state(hf_dir: str) -> dict[str, np.ndarray]:
+    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    return {k: v.float().numpy() for n in names for k, v in load_file(os.path.join(hf_dir, n)).items()}
 
 
 def _split_granite(sd: dict[str, np.ndarray], layers: int) -> None:
@@ -46,32 +87,49 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(
-    hf_dir: str, out: str, qtype: str = "F32", split: int = 1, values: dict[str, torch.Tensor] | None = None
+    hf_dir: str,
+    out: str,
+    qtype: str = "F32",
+    split: int = 1,
+    values: dict[str, torch.Tensor] | None = None,
+    legacy_mla: bool = False,
 ) -> list[str]:
     """The checkpoint in hf_dir as GGUF; matrices (2-D and expert stacks) in `qtype`, vectors F32.
     `split` > 1 writes llama.cpp's split set (`-0000k-of-0000n.gguf`, tensors dealt in order).
-    `values` ({GGUF name: tensor}, e.g. dequantized_state of another file) replaces the weights."""
+    `values` ({GGUF name: tensor}, e.g. dequantized_state of another file) replaces the weights.
+    `legacy_mla`: DeepSeek as converters before the k_b / v_b split wrote it (attn_kv_b, MHA sizes)."""
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     arch = ARCH[cfg["model_type"]]
-    sd = {k: v.float().numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    sd = _load_state(hf_dir)
     if arch == "granitemoe":
         _split_granite(sd, cfg["num_hidden_layers"])
     tensors: list[tuple[str, np.ndarray]] = [("token_embd.weight", sd.pop("model.embed_tokens.weight"))]
     tensors.append(("output_norm.weight", sd.pop("model.norm.weight")))
     if "lm_head.weight" in sd:
         tensors.append(("output.weight", sd.pop("lm_head.weight")))
-    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    for layer in range(cfg["num_hidden_layers"]):
+    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    mtp = cfg.get("num_nextn_predict_layers", 0) if arch in ("glm4moe", "deepseek32") else 0  # kept last
+    for layer in range(cfg["num_hidden_layers"] + mtp):
         p = f"model.layers.{layer}."
         for key in sorted(k for k in sd if k.startswith(p) and ".experts." not in k):
             piece, kind = key[len(p) :].rsplit(".", 1)
             w = sd[key]
+            if arch in (*DEEPSEEK, "glm4moe") and (
+                rewritten := _deepseek_tensors(piece, kind, w, cfg, legacy_mla)
+            ):
+                tensors += [(f"blk.{layer}.{name}.{k}", a) for name, k, a in rewritten]
+                continue
             if arch == "llama" and piece in ("self_attn.q_proj", "self_attn.k_proj") and kind == "weight":
                 heads = cfg["num_attention_heads"] if "q_proj" in piece else cfg["num_key_value_heads"]
                 w = _permute(w, heads)
             if piece == "mlp.shared_expert_gate":
                 w = w.reshape(-1)  # llama.cpp holds it as a vector [H]
-            tensors.append((f"blk.{layer}.{ATTN[piece]}.{kind}", w))
+            name = (
+                "post_attention_norm"
+                if (arch, piece) == ("glm4moe", "post_attention_layernorm")
+                else ATTN[piece]
+            )
+            tensors.append((f"blk.{layer}.{name}.{kind}", w))
         block = "block_sparse_moe" if arch in ("llama", "granitemoe") else "mlp"
         for proj, name in EXPERT.items():
             keys = [f"{p}{block}.experts.{e}.{proj}.weight" for e in range(n_experts)]
@@ -81,10 +139,12 @@ def write_gguf(
     def add_meta(w: gguf.GGUFWriter) -> None:
         w.add_context_length(cfg["max_position_embeddings"])
         w.add_embedding_length(cfg["hidden_size"])
-        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_block_count(cfg["num_hidden_layers"] + mtp)
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count(cfg["num_attention_heads"])
-        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_head_count_kv(
+            1 if arch in DEEPSEEK and not legacy_mla else cfg["num_key_value_heads"]
+        )  # MLA as MQA
         w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))  # OLMoE: 1e-5 by default
         rope = cfg.get("rope_parameters") or {}
         w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
@@ -99,6 +159,15 @@ def write_gguf(
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
+        if arch in DEEPSEEK:
+            _deepseek_meta(w, cfg, legacy_mla)
+        if arch == "deepseek32":
+            w.add_nextn_predict_layers(mtp)
+            w.add_indexer_head_count(cfg["index_n_heads"])
+            w.add_indexer_key_length(cfg["index_head_dim"])
+            w.add_indexer_top_k(cfg["index_topk"])
+        if arch == "glm4moe":
+            _glm4moe_meta(w, cfg, mtp)
         if arch == "granitemoe":
             for key, hf in (
                 ("attention.scale", "attention_multiplier"),
@@ -154,12 +223,66 @@ def _add_tensor(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: str) -> N
             w.add_tensor(name, raw.reshape(*arr.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[qtype])
             return
     t = gguf.GGMLQuantizationType[qtype]
+    if arr.shape[-1] % gguf.GGML_QUANT_SIZES[t][0]:  # rows of part blocks: llama.cpp falls back too
+        t = gguf.GGMLQuantizationType.F32
     if arr.ndim == 1 or t == gguf.GGMLQuantizationType.F32:
         w.add_tensor(name, arr)
     elif t == gguf.GGMLQuantizationType.F16:
         w.add_tensor(name, arr.astype(np.float16))
     else:
         w.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
+
+
+def _deepseek_meta(w: gguf.GGUFWriter, cfg: dict, legacy: bool = False) -> None:
+    """deepseek2's keys as DeepseekV2Model.set_gguf_parameters writes them (and the base class's
+    expert groups, gating function and YaRN keys)."""
+    rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    w.add_leading_dense_block_count(cfg.get("first_k_dense_replace") or 0)
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    if legacy:  # MHA sizes, no *_mla keys
+        w.add_key_length(cfg["qk_nope_head_dim"] + rope)
+        w.add_value_length(cfg["v_head_dim"])
+    else:
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope)
+        w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg.get("n_shared_experts") or 0)
+    w.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_expert_group_count(cfg.get("n_group") or 1)
+    w.add_expert_group_used_count(cfg.get("topk_group") or 1)
+    func = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
+    w.add_expert_gating_func(func[cfg.get("scoring_func", "softmax")])
+    w.add_rope_dimension_count(rope)
+    yarn = cfg.get("rope_scaling") or {}
+    if yarn.get("type", yarn.get("rope_type")) == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(yarn["factor"]))
+        w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(float(yarn["beta_fast"]))
+        w.add_rope_scaling_yarn_beta_slow(float(yarn["beta_slow"]))
+        w.add_rope_scaling_yarn_log_mul(0.1 * yarn["mscale_all_dim"])
+
+
+def _glm4moe_meta(w: gguf.GGUFWriter, cfg: dict, mtp: int) -> None:
+    """glm4moe's keys as Glm4MoeModel.set_gguf_parameters writes them."""
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 0.5)))
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_group_count(cfg.get("n_group") or 1)
+    w.add_expert_group_used_count(cfg.get("topk_group") or 1)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
+    w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+    w.add_nextn_predict_layers(mtp)
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: str) -> None:

@@ -2,6 +2,7 @@
 greedy tokens equal transformers' run of the same file, split sets and directories load, TP2 and
 EP2 equal one process, and bad files fail naming what is wrong."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import torch
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
 from gguf_checkpoints import dequantized_state, quantize_k, write_gguf
+from real_checkpoints import Sizes
+from safetensors.torch import load_file
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.models.gguf_file import (
@@ -318,7 +321,192 @@ def test_file_written_by_llama_cpps_converter(checkpoint, real_checkpoint, tmp_p
         assert _greedy(out) == _greedy(source)
 
 
+# DeepSeek's MLA widths made whole Q8_0 blocks (32) so a Q8_0 file holds every MLA projection
+MLA_SIZES = Sizes(qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64)
+# (published config, overrides): V2-Lite, V3, V3.2 (its indexer, MTP block kept last by the
+# converter), GLM-4.5-Air and GLM-4.5's per-head q/k norm
+DS_GLM = [
+    ("deepseek-v2-lite", {}),
+    ("deepseek-v3", {}),
+    ("2026/deepseek-v3.2", {}),
+    ("glm-4.5-air", {}),
+    ("glm-4.5-air", {"use_qk_norm": True}),
+]
+# config keys a GGUF file does not carry as the checkpoint has them: the token ids (GGUF has one
+# eos), the MTP layers (not loaded from GGUF), the dtype; rms_norm_eps is a float32 (approx below)
+NOT_CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "num_nextn_predict_layers", "torch_dtype")
+
+
+def _checkpoint_state(hf: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (every shard) but the MTP layer, which GGUF files do not serve."""
+    layers = json.load(open(os.path.join(hf, "config.json")))["num_hidden_layers"]
+    names = [n for n in os.listdir(hf) if n.endswith(".safetensors")]
+    sd = {k: v for n in names for k, v in load_file(os.path.join(hf, n)).items()}
+    return {k: v for k, v in sd.items() if not k.startswith(f"model.layers.{layers}.")}
+
+
+def _served(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor the GGUF file serves under its HF name, whole, as the loader reads it."""
+    info = json.load(open(os.path.join(gguf_model_dir(path), "gguf.json")))
+    f = GGUFTensorFile(path, info)
+    return {k: f.get_slice(k).materialize([(0, d) for d in f.get_slice(k).shape]) for k in f.keys()}
+
+
+def _check_config(path: str, hf: str) -> None:
+    """The config made from the file's metadata has the checkpoint's values (YaRN's too)."""
+    cfg = json.load(open(os.path.join(gguf_model_dir(path), "config.json")))
+    source = json.load(open(os.path.join(hf, "config.json")))
+    assert cfg["rms_norm_eps"] == pytest.approx(source["rms_norm_eps"], rel=1e-6)
+    same = set(source) & set(cfg) - {"rms_norm_eps", "rope_scaling", *NOT_CARRIED}
+    assert {k: cfg[k] for k in same} == {k: source[k] for k in same}
+    own = ("q_lora_rank", "qk_nope_head_dim", "n_shared_experts", "first_k_dense_replace", "topk_group",
+           "routed_scaling_factor", "norm_topk_prob", "partial_rotary_factor", "use_qk_norm")  # fmt: skip
+    assert all(key not in source or key in same for key in own)  # the family's own keys are all carried
+    if source.get("rope_scaling"):
+        yarn = (
+            "factor",
+            "original_max_position_embeddings",
+            "mscale",
+            "mscale_all_dim",
+            "beta_fast",
+            "beta_slow",
+        )
+        assert {k: cfg["rope_scaling"][k] for k in yarn} == {k: source["rope_scaling"][k] for k in yarn}
+
+
+def _held_but(text: str, allowed: tuple[str, ...]) -> None:
+    assert "weights held compressed as stored" in text, text
+    unheld = [line for line in text.splitlines() if "not held compressed" in line]
+    assert all(any(a in line for a in allowed) for line in unheld), unheld
+
+
+@pytest.mark.parametrize("published,overrides", DS_GLM)
+def test_deepseek2_and_glm4moe_from_published_configs(real_checkpoint, tmp_path, published, overrides):
+    """deepseek2 (MLA; V2-Lite: q_proj, softmax greedy, 2 shared experts, YaRN mscale 0.707; V3: q
+    LoRA, sigmoid groups with the exp_probs_b correction bias, renormalised, scaled by 2.5, MTP layer
+    skipped) and glm4moe (partial rotary, q/k/v biases, optional per-head q/k norm, sigmoid router
+    with its correction bias, the MTP block written last and skipped), tiny checkpoints of the
+    published configs (and DeepSeek-V3.2: deepseek32, V3's with the sparse-attention indexer's
+    tensors and keys): an F32 file serves every checkpoint tensor exactly under its name (DeepSeek's
+    kv_b_proj rebuilt from the split attn_k_b / attn_v_b), its config has the checkpoint's values,
+    and it runs like the checkpoint; a Q8_0 file, held, runs like an F32 file of its values."""
+    hf = real_checkpoint(published, sizes=MLA_SIZES, **overrides)
+    (f32,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    want, got = _checkpoint_state(hf), _served(f32)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [
+        k for k in want if not torch.equal(got[k], want[k])
+    ]
+    _check_config(f32, hf)
+    assert _greedy(f32) == _greedy(hf)
+    (q8,) = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got, text = _logged(_greedy, q8)
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b"))
+    assert got == _greedy(ref)
+
+
+# every width a whole 256-wide K-quant super-block, so each matrix is written in Q4_K / Q6_K
+K_SIZES = Sizes(hidden=256, expert_inter=256, dense_inter=256, shared_inter=256, qk_nope_head_dim=32,
+                v_head_dim=32, q_lora_rank=256, kv_lora_rank=256)  # fmt: skip
+
+
+@pytest.mark.parametrize("published", ["deepseek-v3", "glm-4.5-air"])
+def test_deepseek2_and_glm4moe_k_quants(real_checkpoint, tmp_path, published):
+    """A Q4_K_M-like file (Q4_K, Q6_K on attn_v / ffn_down / the head) of DeepSeek-V3 (MLA's q_a,
+    q_b, kv_a and o held in Q4_K; k_b / v_b dequantized into kv_b_proj) and GLM-4.5-Air: held, and
+    greedy tokens equal our float run of an F32 file of the values gguf dequantizes."""
+    hf = real_checkpoint(published, sizes=K_SIZES)
+    (path,) = write_gguf(hf, str(tmp_path / "q4km.gguf"), "Q4_K_M")
+    (ref,) = write_gguf(hf, str(tmp_path / "q4km-as-f32.gguf"), "F32", values=dequantized_state([path]))
+    assert "Q4_K" in {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    got, text = _logged(_greedy, path)
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b"))
+    assert got == _greedy(ref)
+
+
+def test_deepseek2_before_the_kv_b_split(real_checkpoint, tmp_path):
+    """Files from converters before kv_b_proj was split (attn_kv_b, MHA key / value lengths, no
+    *_mla keys), as many published DeepSeek GGUFs are: served as is, run like the checkpoint."""
+    hf = real_checkpoint("deepseek-v2-lite", sizes=MLA_SIZES)
+    (f32,) = write_gguf(hf, str(tmp_path / "legacy.gguf"), "F32", legacy_mla=True)
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in gguf.GGUFReader(f32).tensors}
+    _check_config(f32, hf)
+    assert _greedy(f32) == _greedy(hf)
+
+
+def test_deepseek2_kv_b_needs_both_halves(tmp_path):
+    path = str(tmp_path / "half.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_tensor("blk.0.attn_k_b.weight", np.zeros((4, 32, 16), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    info = {"arch": "deepseek2", "num_attention_heads": 4, "num_key_value_heads": 4}
+    with pytest.raises(GGUFError, match="kv_b_proj.weight needs attn_k_b and attn_v_b.*only.*attn_k_b"):
+        GGUFTensorFile(path, info)
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
+@pytest.mark.parametrize("published,overrides", DS_GLM[:4])
+def test_deepseek2_and_glm4moe_written_by_llama_cpps_converter(
+    real_checkpoint, tmp_path, published, overrides
+):
+    """llama.cpp's own converter on the tiny DeepSeek-V2-Lite / V3 (kv_b_proj split into k_b / v_b,
+    MLA written as MQA, the MTP layer skipped) and GLM-4.5-Air (its MTP block kept last): its F32
+    file runs like the checkpoint, its Q8_0 file (held) like an F32 file of the values gguf
+    dequantizes from it."""
+    hf = real_checkpoint(published, sizes=MLA_SIZES, **overrides)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
+    subprocess.run([*cmd, hf, "--outtype", "f32", "--outfile", f32], check=True)
+    subprocess.run([*cmd, hf, "--outtype", "q8_0", "--outfile", q8], check=True)
+    _check_config(f32, hf)
+    assert _greedy(f32) == _greedy(hf)
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got, text = _logged(_greedy, q8)
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b"))
+    assert got == _greedy(ref)
+
+
 LLAMA_CPP_PYTHON = os.environ.get("EXPERTMESH_LLAMA_CPP_PYTHON")  # a python with llama-cpp-python
+
+
+# llama.cpp's own greedy decoding of a file, token ids in and out (run under LLAMA_CPP_PYTHON)
+LLAMA_CPP_GREEDY = """
+import json, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=128, n_threads=1, verbose=False)
+out = []
+for prompt in json.loads(sys.argv[2]):
+    tokens = []
+    for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        tokens.append(t)
+        if len(tokens) == int(sys.argv[3]):
+            break
+    out.append(tokens)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    not (LLAMA_CPP and LLAMA_CPP_PYTHON),
+    reason="EXPERTMESH_LLAMA_CPP (sources) and EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) are not set",
+)
+@pytest.mark.parametrize("published", ["deepseek-v3", "glm-4.5-air"])
+def test_llama_cpp_runs_the_converted_file_like_we_do(real_checkpoint, tmp_path, published):
+    """llama.cpp itself (llama-cpp-python) on its converter's F32 file of a tiny DeepSeek-V3 / GLM-4.5-Air:
+    the same greedy tokens as ours. (llama.cpp takes a deepseek2 file without q_lora_rank for V2-Lite
+    only at V2-Lite's 27 layers, so a tiny V2-Lite cannot be run there.)"""
+    hf = real_checkpoint(published, sizes=MLA_SIZES)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "f32.gguf")
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*cmd, hf, "--outtype", "f32", "--outfile", out], check=True)
+    args = [out, json.dumps(PROMPTS), str(GREEDY["max_tokens"])]
+    run = subprocess.run(
+        [LLAMA_CPP_PYTHON, "-c", LLAMA_CPP_GREEDY, *args], check=True, capture_output=True, text=True
+    )
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == _greedy(out)
 
 
 @pytest.mark.skipif(
@@ -341,6 +529,30 @@ def test_file_quantized_by_llama_cpp(checkpoint, tmp_path, ftype):
     (ref,) = write_gguf(hf, str(tmp_path / "as-f32.gguf"), "F32", values=dequantized_state([out]))
     got, text = _logged(_greedy, out)
     assert "weights held compressed as stored: 8 parameters" in text, text
+    assert got == _greedy(ref)
+
+
+@pytest.mark.skipif(
+    not (LLAMA_CPP and LLAMA_CPP_PYTHON),
+    reason="EXPERTMESH_LLAMA_CPP (sources) and EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) are not set",
+)
+@pytest.mark.parametrize("published", ["deepseek-v3", "glm-4.5-air"])
+def test_deepseek2_and_glm4moe_quantized_by_llama_cpp(real_checkpoint, tmp_path, published):
+    """llama.cpp's converter (F32) then its quantizer (Q4_K_M: Q4_K, Q6_K, and Q5_0 where a row is
+    not whole super-blocks, e.g. DeepSeek's attn_output and attn_k_b): the K-quant matrices held,
+    Q5_0 dequantized with its log line, greedy tokens equal our float run of the file's values."""
+    hf = real_checkpoint(published, sizes=K_SIZES)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f32, out = str(tmp_path / "f32.gguf"), str(tmp_path / "q4km.gguf")
+    convert = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP]
+    subprocess.run([*convert, hf, "--outtype", "f32", "--outfile", f32], check=True)
+    subprocess.run(
+        [LLAMA_CPP_PYTHON, os.path.join(root, "benchmarks", "gguf_quantize.py"), f32, out, "Q4_K_M"],
+        check=True,
+    )
+    (ref,) = write_gguf(hf, str(tmp_path / "as-f32.gguf"), "F32", values=dequantized_state([out]))
+    got, text = _logged(_greedy, out)
+    _held_but(text, ("embedding / head", "kv_b_proj from attn_k_b / attn_v_b", "no kernel holds it"))
     assert got == _greedy(ref)
 
 
@@ -392,14 +604,20 @@ def _rank_main(rank, world, runs):
 
 
 @pytest.mark.timeout(200)
-def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model, k_quant_model):
+def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model, k_quant_model, real_checkpoint, tmp_path):
     """Q4_0 and Q4_K_M Qwen3-MoE under TP2 and DP2 + EP (a TP rank's half of a 256-wide super-block,
-    held in groups of 16), and a permuted-Q/K Mixtral file under TP2 (each rank un-permutes, then
-    keeps its heads)."""
+    held in groups of 16), a permuted-Q/K Mixtral file under TP2 (each rank un-permutes, then
+    keeps its heads), and a Q8_0 DeepSeek-V3 under TP2 (each rank's heads of the rebuilt kv_b_proj)
+    and DP2 + EP."""
     (qwen,) = gguf_model("Q4_0")
     (mixtral,) = gguf_model("Q8_0", family="mixtral")
     k_quant = k_quant_model["Q4_K_M"][0]
+    (deepseek,) = write_gguf(
+        real_checkpoint("deepseek-v3", sizes=MLA_SIZES), str(tmp_path / "v3.gguf"), "Q8_0"
+    )
     runs = [
+        (deepseek, dict(tensor_parallel_size=2)),
+        (deepseek, dict(data_parallel_size=2, enable_expert_parallel=True)),
         (qwen, dict(tensor_parallel_size=2)),
         (qwen, dict(data_parallel_size=2, enable_expert_parallel=True)),
         (mixtral, dict(tensor_parallel_size=2)),

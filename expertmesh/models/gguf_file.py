@@ -11,7 +11,9 @@ Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K matrices are held as stored (codes, with t
 offsets our int8 / int4 group kinds take, exactly: HELD, decode_blocks); every other type is
 dequantized with `gguf.quants.dequantize` (the format's own dequantizer) for just the rows a rank
 asks for. The file is read through gguf's memory map: only touched pages are read. Families are
-declarations (FAMILY_CONFIG, _PIECES) beside the older branches of hf_config.
+declarations (FAMILY_CONFIG, DERIVED, TENSOR_FLAGS, _PIECES) beside the older branches of
+hf_config; DeepSeek's MLA kv_b_proj is rebuilt from llama.cpp's split attn_k_b / attn_v_b
+(KvBTensor), GLM's trailing MTP block skipped.
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ def hf_config(meta: dict[str, Any]) -> dict[str, Any]:
         hf_arch, model_type, keys, fixed = FAMILY_CONFIG[arch]
         cfg.update(architectures=[hf_arch], model_type=model_type, **fixed)
         cfg.update({hf: get(key) for key, hf in keys.items() if get(key) is not None})
+        if arch in DERIVED:
+            DERIVED[arch](cfg, get)
     else:
         raise GGUFError(
             f"GGUF architecture {arch!r} is not supported yet (supported: qwen3moe, qwen2moe, "
@@ -168,7 +172,101 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
          "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"},
         {"attention_bias": False},
     ),
+    # DeepSeek-V2 / V2-Lite / V3 (MLA). The converter writes MLA as MQA (head_count_kv 1,
+    # key_length kv_lora_rank + rope dims); the per-head sizes are in key_length_mla /
+    # value_length_mla and rope.dimension_count (_deepseek2 derives the rest)
+    "deepseek2": (
+        "DeepseekV2ForCausalLM", "deepseek_v2",
+        {"expert_count": "n_routed_experts", "expert_used_count": "num_experts_per_tok",
+         "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_count": "n_shared_experts",
+         "leading_dense_block_count": "first_k_dense_replace", "attention.q_lora_rank": "q_lora_rank",
+         "attention.kv_lora_rank": "kv_lora_rank", "attention.value_length_mla": "v_head_dim",
+         "rope.dimension_count": "qk_rope_head_dim", "expert_group_count": "n_group",
+         "expert_group_used_count": "topk_group", "expert_weights_scale": "routed_scaling_factor",
+         "expert_weights_norm": "norm_topk_prob"},
+        {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+         "norm_topk_prob": False, "moe_layer_freq": 1, "attention_bias": False, "first_k_dense_replace": 0,
+         "n_shared_experts": 0, "hidden_act": "silu"},
+    ),
+    # DeepSeek-V3.2 / V3.2-Exp: deepseek2's keys with the sparse-attention indexer's, the MTP block
+    # kept last as glm4moe's (_deepseek32)
+    "deepseek32": (
+        "DeepseekV32ForCausalLM", "deepseek_v32",
+        {"attention.indexer.head_count": "index_n_heads", "attention.indexer.key_length": "index_head_dim",
+         "attention.indexer.top_k": "index_topk"},
+        {},
+    ),
+    # GLM-4.5 / 4.6 / 4.5-Air. The converter keeps the MTP layer as the last block (block_count
+    # counts it, nextn_predict_layers says how many): _glm4moe takes it off, the loader skips it
+    "glm4moe": (
+        "Glm4MoeForCausalLM", "glm4_moe",
+        {"expert_count": "n_routed_experts", "expert_used_count": "num_experts_per_tok",
+         "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_count": "n_shared_experts",
+         "leading_dense_block_count": "first_k_dense_replace", "expert_group_count": "n_group",
+         "expert_group_used_count": "topk_group", "expert_weights_scale": "routed_scaling_factor",
+         "expert_weights_norm": "norm_topk_prob"},
+        {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+         "first_k_dense_replace": 0, "n_shared_experts": 0, "hidden_act": "silu"},
+    ),
 }  # fmt: skip
+FAMILY_CONFIG["deepseek32"][2].update(FAMILY_CONFIG["deepseek2"][2])
+FAMILY_CONFIG["deepseek32"][3].update(FAMILY_CONFIG["deepseek2"][3])
+# config flags read off the tensors present (gguf_model_dir): config key -> a tensor's name
+TENSOR_FLAGS = {"glm4moe": {"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"}}
+
+
+def _glm4moe(cfg: dict[str, Any], get: Any) -> None:
+    """glm4moe's derived values: the main layers (block_count less the MTP blocks), the partial
+    rotary factor (rope.dimension_count of key_length), the published style's rope keys."""
+    cfg["num_hidden_layers"] -= get("nextn_predict_layers") or 0
+    cfg["num_nextn_predict_layers"] = 0  # the MTP blocks are not loaded from GGUF
+    cfg["partial_rotary_factor"] = get("rope.dimension_count") / get("attention.key_length")
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = None
+
+
+def _deepseek2(cfg: dict[str, Any], get: Any) -> None:
+    """deepseek2's derived values: MHA heads, the nope width, the router (expert_gating_func 2 =
+    sigmoid: V3, with its exp_probs_b correction bias; else V2's softmax), YaRN from rope.scaling.*
+    (llama.cpp keeps mscale_all_dim as yarn_log_multiplier = 0.1 * mscale_all_dim, and one mscale:
+    both published configs have mscale equal to mscale_all_dim)."""
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    cfg.pop("head_dim", None)  # key_length is the MQA view's kv_lora_rank + rope dims
+    # files from before the k_b / v_b split (attn_kv_b) wrote MHA sizes: key_length is nope + rope,
+    # value_length v_head_dim, and no *_mla keys
+    old = get("attention.key_length_mla") is None
+    cfg["qk_nope_head_dim"] = (
+        get("attention.key_length" if old else "attention.key_length_mla") - cfg["qk_rope_head_dim"]
+    )
+    if old:
+        cfg["v_head_dim"] = get("attention.value_length")
+    if get("expert_gating_func") == 2:
+        cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", scoring_func="sigmoid",
+                   topk_method="noaux_tc")  # fmt: skip
+    else:
+        grouped = cfg["n_group"] > 1
+        cfg.update(scoring_func="softmax", topk_method="group_limited_greedy" if grouped else "greedy")
+    cfg.pop("rope_parameters", None)  # the published style: rope_theta beside rope_scaling
+    if get("rope.scaling.type") == "yarn":
+        # a float32 in the file: rounded back to the config's decimals (0.707, 1.0)
+        mscale = round((get("rope.scaling.yarn_log_multiplier") or 0.0) / 0.1, 6)
+        cfg["rope_scaling"] = {
+            "type": "yarn", "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+            "mscale": mscale, "mscale_all_dim": mscale,
+        }  # fmt: skip
+
+
+def _deepseek32(cfg: dict[str, Any], get: Any) -> None:
+    _deepseek2(cfg, get)
+    cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
+    cfg["num_hidden_layers"] -= get("nextn_predict_layers") or 0
+    cfg["num_nextn_predict_layers"] = 0  # the MTP blocks are not loaded from GGUF
+
+
+DERIVED = {"deepseek2": _deepseek2, "deepseek32": _deepseek32, "glm4moe": _glm4moe}
 
 
 # ---- names --------------------------------------------------------------------------------------
@@ -201,14 +299,36 @@ _EXPERTS = {
               "ffn_down_exps": ("block_sparse_moe", "w2")},
 }  # fmt: skip
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+BLOCK = re.compile(r"^blk\.(\d+)\.([\w.]+)\.(weight|bias)$")  # pieces may be dotted: indexer.attn_k
 
 
 _GRANITE_EXPERTS = {"ffn_gate_exps": ("block_sparse_moe", "gate_proj"),
                     "ffn_up_exps": ("block_sparse_moe", "up_proj"),
                     "ffn_down_exps": ("block_sparse_moe", "down_proj")}  # fmt: skip
+# DeepSeek's MLA pieces; attn_k_b / attn_v_b (newer converters split kv_b_proj) are recombined into
+# kv_b_proj (KV_B); an older file's attn_kv_b is kv_b_proj as is
+_MLA = {
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+}  # fmt: skip
+# DeepSeek's and GLM's MoE block: the router, V3's / GLM's correction bias, the shared experts
+_DS_MOE = {
+    "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}  # fmt: skip
+KV_B = ("attn_k_b", "attn_v_b")
+# DeepSeek-V3.2's lightning indexer
+_INDEXER = {
+    "indexer.attn_q_b": "self_attn.indexer.wq_b", "indexer.attn_k": "self_attn.indexer.wk",
+    "indexer.k_norm": "self_attn.indexer.k_norm", "indexer.proj": "self_attn.indexer.weights_proj",
+}  # fmt: skip
 # per architecture: (llama.cpp piece -> HF piece, stacked experts)
 _PIECES = {
+    "deepseek2": ({**_ATTN, **_MLA, **_DS_MOE}, _EXPERTS["qwen"]),
+    "deepseek32": ({**_ATTN, **_MLA, **_DS_MOE, **_INDEXER}, _EXPERTS["qwen"]),
+    "glm4moe": ({**_ATTN, **_DS_MOE, "post_attention_norm": "post_attention_layernorm"}, _EXPERTS["qwen"]),
     "qwen2moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
     "qwen3moe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
     "olmoe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
@@ -446,14 +566,20 @@ class GGUFTensorFile:
                 "GGUF %s: %d %s tensors dequantized to float at load (no kernel of ours holds %s; "
                 "held as stored: %s)", os.path.basename(path), count, qtype, qtype, ", ".join(HELD),
             )  # fmt: skip
+        self.kv_b: dict[str, dict[str, Any]] = {}  # kv_b_proj key -> {attn_k_b: t, attn_v_b: t}
         for t in self.reader.tensors:
             name, hf = t.name, None
             top = name.rsplit(".", 1)
             if top[0] in _TOP:
                 hf = f"{_TOP[top[0]]}.{top[1]}"
+            if _mtp_block(name, info.get("num_hidden_layers")):
+                continue  # an MTP block after the main layers (glm4moe): not loaded
             m = BLOCK.match(name)
             if m:
                 layer, piece, kind = m.groups()
+                if piece in KV_B and arch in _PIECES and "attn_kv_b" in _PIECES[arch][0]:
+                    self.kv_b.setdefault(f"model.layers.{layer}.self_attn.kv_b_proj.{kind}", {})[piece] = t
+                    continue
                 if piece in experts:
                     block, proj = experts[piece]
                     for e in range(int(t.shape[-1])):
@@ -461,13 +587,20 @@ class GGUFTensorFile:
                         self.tensors[key] = (t, e, 0)
                     continue
                 if piece in pieces:
-                    hf = f"model.layers.{layer}.{pieces[piece]}.{kind}"
+                    # the converter's `e_score_correction.bias` is the checkpoint's `_bias`
+                    hf = f"model.layers.{layer}.{pieces[piece]}.{kind}".replace(
+                        "correction.bias", "correction_bias"
+                    )
             if hf is None:
                 raise GGUFError(f"{path}: tensor {name!r} has no HF name for architecture {arch!r}")
             permute = 0
             if arch == "llama" and piece_of(name) in ("attn_q", "attn_k") and name.endswith(".weight"):
                 permute = heads if piece_of(name) == "attn_q" else kv
             self.tensors[hf] = (t, None, permute)
+        for key, parts in self.kv_b.items():
+            if len(parts) != 2:
+                raise GGUFError(f"{path}: {key} needs attn_k_b and attn_v_b; the file has only {list(parts)}")
+            self.tensors[key] = (parts["attn_k_b"], None, 0)
 
     def __enter__(self) -> GGUFTensorFile:
         return self
@@ -482,6 +615,9 @@ class GGUFTensorFile:
         if key not in self.tensors:
             raise KeyError(f"{self.path} has no tensor {key!r}")
         t, e, permute = self.tensors[key]
+        if key in self.kv_b:
+            k_b, v_b = (self.kv_b[key][p] for p in KV_B)
+            return KvBTensor(*(GGUFTensor(x.data, x.tensor_type, _shape(x), key) for x in (k_b, v_b)))
         kind = self.kinds.get(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy order: HF's [out, in]
         data = t.data
@@ -490,6 +626,37 @@ class GGUFTensorFile:
         elif key.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp: a vector [H]
             shape, data = (1, *shape), data[None]
         return GGUFTensor(data, t.tensor_type, shape, key, permute, kind)
+
+
+def _mtp_block(name: str, layers: int | None) -> bool:
+    m = re.match(r"^blk\.(\d+)\.", name)
+    return bool(m and layers is not None and int(m.group(1)) >= layers)
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+class KvBTensor(LogicalTensor):
+    """kv_b_proj [H * (nope + v), kv_lora_rank] from llama.cpp's split attn_k_b [H, rank, nope] (kv_b's
+    k rows transposed for its absorbed attention) and attn_v_b [H, v, rank]: per head the k rows
+    (k_b's transpose) then the v rows, as the checkpoint has them. The model keeps kv_b_proj in float
+    (MLA relays it into per-head W_UK / W_UV), so both parts are dequantized."""
+
+    def __init__(self, k_b: GGUFTensor, v_b: GGUFTensor) -> None:
+        heads, rank, nope = k_b.shape
+        v = v_b.shape[1]
+        if v_b.shape != (heads, v, rank):
+            raise GGUFError(f"{k_b.base}: attn_k_b {k_b.shape} and attn_v_b {v_b.shape} do not pair")
+        self.k_b, self.v_b, self.base = k_b, v_b, k_b.base
+        self.shape, self.dtype = (heads * (nope + v), rank), k_b.dtype
+        self.unheld_reason = "GGUF kv_b_proj from attn_k_b / attn_v_b: dequantized"
+
+    def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        k = self.k_b.materialize([(0, s) for s in self.k_b.shape]).transpose(1, 2)
+        v = self.v_b.materialize([(0, s) for s in self.v_b.shape])
+        w = torch.cat([k, v], dim=1).reshape(self.shape)
+        return w[tuple(slice(a, b) for a, b in bounds)].contiguous()
 
 
 def piece_of(name: str) -> str:
@@ -562,6 +729,8 @@ def gguf_model_dir(model: str) -> str:
         cfg["vocab_size"] = int(emb.shape[-1])
     if cfg["architectures"][0] == "Qwen2MoeForCausalLM":
         cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
+    for key, tensor in TENSOR_FLAGS.get(meta["general.architecture"], {}).items():
+        cfg[key] = tensor in names
     cfg["torch_dtype"] = "float32"
     held = sorted(set(types.values()) & set(HELD))
     if held:  # the loader holds these codes as stored (GGUFFormat); quantization="dequantize" does not
@@ -577,7 +746,10 @@ def gguf_model_dir(model: str) -> str:
         "arch": meta["general.architecture"],
         "num_attention_heads": cfg["num_attention_heads"],
         "num_key_value_heads": cfg["num_key_value_heads"],
-        "held_kinds": held_kinds(types),
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "held_kinds": held_kinds(
+            {n: t for n, t in types.items() if not _mtp_block(n, cfg["num_hidden_layers"])}
+        ),
     }
     with open(os.path.join(tmp, MARKER), "w") as f:
         json.dump(info, f, indent=1)
