@@ -24,9 +24,9 @@ import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from expertmesh.distributed.group import ParallelGroups
 from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.layers.quantization.held import plan
 from expertmesh.layers.quantization.streaming import Streaming
 from expertmesh.layers.quantization.view import CheckpointView, opened
