@@ -1,29 +1,43 @@
-"""Serving benchmark of issue 40: expertmesh serve against vLLM's CPU server and llama.cpp's server,
-cold and warm, at several request rates, with offline `generate` of the same requests as 1.0.
+"""Serving benchmark: expertmesh serve against vLLM's CPU server and llama.cpp's server, cold and
+warm, at several request rates, with offline `generate` of the same requests as 1.0.
 
-The workload is `vllm bench serve --dataset-name random --random-input-len 128
---random-output-len 64 --ignore-eos`: prompts of random token ids decoded to text (every server
-tokenizes the same text with the same tokenizer), a fixed number of new tokens, greedy. Each run
-draws fresh prompts (its own seed), so no run reuses an earlier run's prefix cache. The client is
-an open-loop asyncio one (Poisson arrivals at rate R, or all at once for `inf`) with vLLM's
-metrics: TTFT (first streamed chunk), TPOT per request ((latency - TTFT) / (tokens - 1)), ITL (every
-gap between two chunks, pooled over requests), output tok/s (all output tokens / the run's
-wall time); mean and P99 each. `--no-stream` measures non-streaming requests (TTFT = latency).
+Two workloads (`--workload`), both prompts of random token ids decoded to text (every server
+tokenizes the same text with the same tokenizer), greedy, `ignore_eos` holding each output to its
+length:
+- `fixed` (default): issue 40's `vllm bench serve --dataset-name random --random-input-len 128
+  --random-output-len 64 --ignore-eos`: every prompt `--input-len` tokens, every output
+  `--output-len`.
+- `sharegpt`: a ShareGPT-like length mix made locally (log-normal, long-tailed prompts up to
+  `--max-prompt`, shorter outputs up to `--max-output`; no download).
+`--shared-prefix N` puts one N-token "system prompt" in front of every prompt (what automatic
+prefix caching saves). Each run draws fresh prompts (its own seed; the shared prefix stays), so no
+run reuses an earlier run's cached prompts.
+
+The client is an open-loop asyncio one (Poisson arrivals at rate R whatever the server is doing,
+so queueing shows in the latencies; or all at once for `inf`) with vLLM's metrics: TTFT (first
+streamed chunk), TPOT per request ((latency - TTFT) / (tokens - 1)), ITL (every gap between two
+chunks, pooled over requests), E2E (request latency), output tok/s (all output tokens / the run's
+wall time); mean, P50 and P99 (nearest rank) each. `--no-stream` measures non-streaming requests
+(TTFT = latency).
 
 Per server: start it, wait for /v1/models, run `cold` (the first run after start, at the
 saturation rate `inf`), then the warm runs at every rate, then stop it. The servers run one after
 another on the same cores, in rounds (`--rounds`), interleaved with the offline reference, so a
 load change on a shared machine hits every engine; the table gives the median over rounds and
-each row's ratio to offline. Load average and CPU are printed with the table.
+each saturation row's ratio to offline. Load average and CPU are printed with the table.
 
     .venv/bin/python benchmarks/bench_serving.py --quick              # <= 5 min, all engines found
     .venv/bin/python benchmarks/bench_serving.py --rounds 2 --num-prompts 64 \\
         --json serving.json --plot docs/serving_bench.svg --markdown serving.md
+    .venv/bin/python benchmarks/bench_serving.py --model embedded --workload sharegpt \\
+        --shared-prefix 256 --rates 1,2,4,8 --servers expertmesh --no-offline
 
 vLLM is run from its own venv (`--vllm-python`, default /work/peers/vllm/bin/python), llama.cpp's
 `llama_cpp.server` from `--llama-python` on a GGUF made from the same checkpoint with llama.cpp's
 converter (benchmarks/gguf_convert.py run by this venv's python; cached next to the checkpoint).
-A server whose python is missing is skipped with a line saying so.
+A server whose python is missing is skipped with a line saying so. A checkpoint without a
+tokenizer (the embedded model) is given one (a sibling directory with a byte-level BPE of its
+vocabulary size), since a server streams text.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import os
 import platform
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,13 +61,18 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from serving import free_port, wait_ready  # noqa: E402
+sys.path.insert(0, str(HERE))  # make_small_moe, gguf_convert
 
 FIRST_TOKEN_ID = 3  # ids 0-2 are pad, bos and eos in the benchmark models
 VLLM_PY = "/work/peers/vllm/bin/python"
 LLAMA_PY = "/work/peers/llamacpp/bin/python"
 LLAMA_SRC = "/work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    max_tokens: int
 
 
 @dataclass
@@ -70,13 +90,33 @@ class Result:
         return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else math.nan
 
 
-def make_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[str]:
-    """`n` texts of random token ids (vLLM's random dataset): decoded, so every server tokenizes
-    the same text; re-encoding may merge a few ids, which is the same for every engine."""
+def sharegpt_like_lengths(n: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
+    """(prompt, output) token counts: log-normal like ShareGPT's (prompt median ~ a third of
+    max_prompt with a long tail, output median ~ a quarter of max_output), clipped to [4, max]."""
     rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        p = int(rng.lognormvariate(math.log(max_prompt / 3), 0.8))
+        o = int(rng.lognormvariate(math.log(max_output / 4), 0.7))
+        pairs.append((min(max(p, 4), max_prompt), min(max(o, 4), max_output)))
+    return pairs
+
+
+def make_jobs(tokenizer, args: argparse.Namespace, seed: int) -> list[Job]:
+    """`args.num_prompts` texts of random token ids (vLLM's random dataset) with the workload's
+    lengths, each after the shared prefix (the same for every run: `args.seed`). Decoded, so every
+    server tokenizes the same text; re-encoding may merge a few ids, the same for every engine."""
+    if args.workload == "fixed":
+        lengths = [(args.input_len, args.output_len)] * args.num_prompts
+    else:
+        lengths = sharegpt_like_lengths(args.num_prompts, seed, args.max_prompt, args.max_output)
     vocab = len(tokenizer)
+    system = random.Random(args.seed + 2)
+    prefix = [system.randrange(FIRST_TOKEN_ID, vocab) for _ in range(args.shared_prefix)]
+    rng = random.Random(seed)
     return [
-        tokenizer.decode([rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(input_len)]) for _ in range(n)
+        Job(tokenizer.decode(prefix + [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(p_len)]), o_len)
+        for p_len, o_len in lengths
     ]
 
 
@@ -137,25 +177,25 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
     return res
 
 
-def request_body(server: str, prompt: str, output_len: int) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0}
+def request_body(server: str, job: Job) -> dict:
+    body = {"model": "bench", "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0}
     if server == "llama.cpp":
-        body["min_tokens"] = output_len  # llama-cpp-python has no ignore_eos: EOS is masked until then
+        body["min_tokens"] = job.max_tokens  # llama-cpp-python has no ignore_eos: EOS is masked until then
     else:
         body["ignore_eos"] = True
         body["stream_options"] = {"include_usage": True}
     return body
 
 
-async def run_load(url: str, server: str, prompts: list[str], args, rate: float, seed: int, stream: bool):
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    times = arrivals(len(prompts), rate, seed)
+async def run_load(url: str, server: str, jobs: list[Job], rate: float, seed: int, stream: bool):
+    limits = httpx.Limits(max_connections=len(jobs) + 4, max_keepalive_connections=len(jobs) + 4)
+    times = arrivals(len(jobs), rate, seed)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0), limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(
             *(
-                one_request(client, request_body(server, p, args.output_len), t, start, stream)
-                for p, t in zip(prompts, times, strict=True)
+                one_request(client, request_body(server, j), t, start, stream)
+                for j, t in zip(jobs, times, strict=True)
             )
         )
         return list(results), time.perf_counter() - start
@@ -164,21 +204,26 @@ async def run_load(url: str, server: str, prompts: list[str], args, rate: float,
 def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
 
-    def mean_p99(values: list[float]) -> tuple[float, float]:
+    def mean_p50_p99(values: list[float]) -> tuple[float, float, float]:
         values = sorted(v for v in values if not math.isnan(v))
         if not values:
-            return math.nan, math.nan
-        p99 = values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
-        return 1e3 * statistics.fmean(values), 1e3 * p99
+            return math.nan, math.nan, math.nan
+
+        def rank(q: float) -> float:  # nearest rank
+            return 1e3 * values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+        return 1e3 * statistics.fmean(values), rank(0.5), rank(0.99)
 
     out = {"requests": len(results), "failed": len(results) - len(ok), "duration_s": duration}
     out["output_tok_s"] = sum(r.output_tokens for r in ok) / duration
+    out["request_s"] = len(ok) / duration
     for key, values in (
         ("ttft", [r.ttft_s for r in ok]),
         ("tpot", [r.tpot_s for r in ok]),
         ("itl", [g for r in ok for g in r.itl_s]),
+        ("e2e", [r.latency_s for r in ok]),
     ):
-        out[f"mean_{key}_ms"], out[f"p99_{key}_ms"] = mean_p99(values)
+        out[f"mean_{key}_ms"], out[f"p50_{key}_ms"], out[f"p99_{key}_ms"] = mean_p50_p99(values)
     out["first_error"] = next((r.error for r in results if not r.ok), "")
     return out
 
@@ -186,13 +231,71 @@ def summarize(results: list[Result], duration: float) -> dict:
 # ------------------------------------------------------------------ servers
 
 
+def with_tokenizer(model_dir: str, vocab: int) -> str:
+    """`model_dir`, or (when it has no tokenizer) a sibling that links its files and adds a
+    byte-level BPE of exactly `vocab` ids trained on text shipped with CPython: a server streams
+    text, and a tokenizer-less model would hold its text back."""
+    src = Path(model_dir)
+    if any((src / n).exists() for n in ("tokenizer.json", "tokenizer_config.json")):
+        return model_dir
+    dst = src.with_name(src.name + "-with-tokenizer")
+    if (dst / "tokenizer.json").exists():
+        return str(dst)
+    # Only for a tokenizer-less checkpoint: these take seconds to import.
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        (tmp / f.name).symlink_to(f.resolve())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(list(topics.values()), trainer)
+    short = vocab - tok.get_vocab_size()
+    if short > 0:  # the text ran out of merges: fill the rest so every id decodes
+        tok.add_tokens([f"<fill{i}>" for i in range(short)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(tmp)
+    tmp.rename(dst)
+    return str(dst)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready (see its log)")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {url} not ready within {timeout} s")
+
+
 def gguf_for(args) -> str | None:
-    path = Path(args.model).with_suffix(".f32.gguf")
+    outtype = {"float32": "f32", "bfloat16": "bf16"}[args.dtype]
+    path = Path(args.model).with_suffix(f".{outtype}.gguf")
     if path.exists():
         return str(path)
     # The converter imports transformers and torch: this venv has them, llama.cpp's may not.
     cmd = [sys.executable, str(HERE / "gguf_convert.py"), "--converter", LLAMA_SRC, args.model]
-    cmd += ["--outtype", "f32", "--outfile", str(path)]
+    cmd += ["--outtype", outtype, "--outfile", str(path)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"llama.cpp: GGUF conversion failed, skipped:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -206,7 +309,8 @@ def server_cmd(args, server: str, port: int) -> tuple[list[str], dict]:
     if server.startswith("expertmesh"):
         exe = str(Path(sys.executable).with_name("expertmesh"))
         cmd = [exe, "serve", args.model, "--port", p, "--max-model-len", str(args.max_model_len)]
-        cmd += ["--dtype", "float32", "--served-model-name", "bench", "--kv-cache-memory-bytes", str(1 << 30)]
+        cmd += ["--dtype", args.dtype, "--served-model-name", "bench"]
+        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
         if server == "expertmesh-nowarmup":
             cmd.append("--no-warmup")
         return cmd, env
@@ -214,11 +318,11 @@ def server_cmd(args, server: str, port: int) -> tuple[list[str], dict]:
         env.update(
             VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(max(1, args.kv_cache_bytes >> 30)),
         )
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
         cmd += ["--port", p]
-        cmd += ["--max-model-len", str(args.max_model_len), "--dtype", "float32", "--enforce-eager"]
+        cmd += ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--enforce-eager"]
         return cmd + ["--served-model-name", "bench"], env
     gguf = gguf_for(args)
     cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", gguf or "", "--port", p]
@@ -256,14 +360,16 @@ def bench_server(args, server: str, tokenizer, round_no: int) -> list[dict]:
         except (RuntimeError, TimeoutError) as exc:
             print(f"{server}: {exc}", file=sys.stderr)
             return [{"server": server, "phase": "start", "rate": math.inf, "round": round_no, "failed": 1,
-                     "first_error": str(exc), "load": os.getloadavg()[0]}]  # fmt: skip
+                     "first_error": str(exc), "load": os.getloadavg()[0],
+                     "shared_prefix": args.shared_prefix}]  # fmt: skip
         startup = time.perf_counter() - t0
         plan = [("cold", math.inf)] + [("warm", r) for r in args.rates]
         for i, (phase, rate) in enumerate(plan):
-            seed = 1000 * round_no + 10 * i + 1  # fresh prompts for every run: no prefix-cache reuse
-            prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, seed)
-            results, duration = asyncio.run(run_load(url, server, prompts, args, rate, seed, args.stream))
+            seed = args.seed + 1000 * round_no + 10 * i + 1  # fresh prompts every run: no cache reuse
+            jobs = make_jobs(tokenizer, args, seed)
+            results, duration = asyncio.run(run_load(url, server, jobs, rate, seed, args.stream))
             row = {"server": server, "phase": phase, "rate": rate, "round": round_no, "startup_s": startup}
+            row.update(workload=args.workload, shared_prefix=args.shared_prefix)
             row.update(summarize(results, duration), load=os.getloadavg()[0])
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -293,10 +399,10 @@ OFFLINE_SCRIPT = r"""
 import json, sys, time
 from expertmesh import LLM, SamplingParams
 spec = json.loads(sys.argv[1])
-llm = LLM(spec["model"], dtype="float32", max_model_len=spec["max_model_len"],
-          kv_cache_memory_bytes=1 << 30, warmup=spec["warmup"])
-params = SamplingParams(max_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
-for name, prompts in spec["runs"]:
+llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+          kv_cache_memory_bytes=spec["kv_cache_bytes"], warmup=spec["warmup"])
+for name, prompts, max_tokens in spec["runs"]:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
@@ -309,12 +415,12 @@ for name, prompts in spec["runs"]:
 def bench_offline(args, tokenizer, round_no: int, warmup: bool) -> list[dict]:
     """expertmesh's LLM.generate of saturation runs (all prompts in one call): the first call
     after construction (cold) and a later one (warm), fresh prompts each."""
-    runs = [
-        (phase, make_prompts(tokenizer, args.num_prompts, args.input_len, 1000 * round_no + 500 + i))
-        for i, phase in enumerate(("cold", "warm", "warm"))
-    ]
-    spec = {"model": args.model, "max_model_len": args.max_model_len, "output_len": args.output_len}
-    spec.update(runs=runs, warmup=warmup)
+    runs = []
+    for i, phase in enumerate(("cold", "warm", "warm")):
+        jobs = make_jobs(tokenizer, args, args.seed + 1000 * round_no + 500 + i)
+        runs.append((phase, [j.prompt for j in jobs], [j.max_tokens for j in jobs]))
+    spec = {"model": args.model, "max_model_len": args.max_model_len, "dtype": args.dtype}
+    spec.update(runs=runs, warmup=warmup, kv_cache_bytes=args.kv_cache_bytes)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-c", OFFLINE_SCRIPT, json.dumps(spec)], env=env, capture_output=True, text=True
@@ -327,6 +433,7 @@ def bench_offline(args, tokenizer, round_no: int, warmup: bool) -> list[dict]:
         if line.startswith("{"):
             d = json.loads(line)
             rows.append({"server": name, "rate": math.inf, "round": round_no, **d})
+            rows[-1].update(workload=args.workload, shared_prefix=args.shared_prefix)
             rows[-1]["load"] = os.getloadavg()[0]
             print(json.dumps(rows[-1]), flush=True)
     # Two warm calls: the second is the reference (the first may still settle allocations).
@@ -338,19 +445,30 @@ def bench_offline(args, tokenizer, round_no: int, warmup: bool) -> list[dict]:
 COLS = [
     ("output_tok_s", "out tok/s", 0),
     ("mean_ttft_ms", "TTFT mean", 0),
+    ("p50_ttft_ms", "TTFT P50", 0),
     ("p99_ttft_ms", "TTFT P99", 0),
     ("mean_tpot_ms", "TPOT mean", 1),
+    ("p50_tpot_ms", "TPOT P50", 1),
     ("p99_tpot_ms", "TPOT P99", 1),
     ("mean_itl_ms", "ITL mean", 1),
     ("p99_itl_ms", "ITL P99", 1),
+    ("p50_e2e_ms", "E2E P50", 0),
+    ("p99_e2e_ms", "E2E P99", 0),
 ]
+
+
+def series(row: dict) -> str:
+    """The engine's name, with the shared prefix when there is one (several --json files of
+    different runs can be reported together)."""
+    prefix = row.get("shared_prefix", 0)
+    return row["server"] + (f" (+{prefix}-token shared prefix)" if prefix else "")
 
 
 def median_rows(rows: list[dict]) -> list[dict]:
     """One row per (server, phase, rate): the median over rounds of every metric."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["server"], r["phase"], r["rate"]), []).append(r)
+        groups.setdefault((series(r), r["phase"], r["rate"]), []).append(r)
     out = []
     for (server, phase, rate), rs in groups.items():
         m = {"server": server, "phase": phase, "rate": rate, "rounds": len(rs)}
@@ -363,7 +481,7 @@ def median_rows(rows: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict], args) -> str:
     med = median_rows(rows)
-    refs = [r["output_tok_s"] for r in med if r["server"] == "offline" and r["phase"] == "warm"]
+    refs = [r["output_tok_s"] for r in med if r["server"].split(" ")[0] == "offline" and r["phase"] == "warm"]
     ref = refs[0] if refs else math.nan
     head = "| engine | run | rate (req/s) | " + " | ".join(c[1] for c in COLS) + " | x offline | failed |"
     lines = [head, "|" + "---|" * (len(COLS) + 5)]
@@ -381,8 +499,14 @@ def markdown(rows: list[dict], args) -> str:
         lines.append(head_cells + " | ".join(cells) + f" | {ratio_s} | {failed} |")
     loads = [r["load"] for r in rows if "load" in r]
     lines.append("")
+    if args.workload == "fixed":
+        work = f"{args.input_len} prompt tokens and {args.output_len} new tokens"
+    else:
+        work = f"ShareGPT-like lengths (prompts up to {args.max_prompt}, outputs up to {args.max_output})"
+    if args.shared_prefix:
+        work += f" after a {args.shared_prefix}-token shared prefix"
     lines.append(
-        f"{args.num_prompts} requests of {args.input_len} prompt tokens and {args.output_len} new tokens "
+        f"{args.num_prompts} requests of {work} "
         f"per run, {'streaming' if args.stream else 'non-streaming'}, {args.threads} threads, "
         f"median of {args.rounds} round(s); ms for latencies; load average during the runs "
         f"{min(loads):.1f}-{max(loads):.1f}; CPU: {cpu_name()}."
@@ -412,6 +536,7 @@ def plot_svg(rows: list[dict], path: str) -> None:
     except ImportError:
         return _plot_svg_by_hand(median_rows(rows), path)
     servers = sorted({r["server"] for r in med if not r["server"].startswith("offline")})
+    # (median_rows named each row by its series: engine plus shared prefix)
     rates = sorted({r["rate"] for r in med if not r["server"].startswith("offline")})
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     xs = list(range(len(rates)))
@@ -420,7 +545,7 @@ def plot_svg(rows: list[dict], path: str) -> None:
         mine = {r["rate"]: r for r in med if r["server"] == server}
         for ax, key in zip(axes, ("output_tok_s", "mean_ttft_ms", "mean_tpot_ms"), strict=True):
             ax.plot(xs, [mine.get(rt, {}).get(key, math.nan) for rt in rates], "o-", label=server)
-    off = next((r for r in med if r["server"] == "offline" and r["phase"] == "warm"), None)
+    off = next((r for r in med if r["server"].split(" ")[0] == "offline" and r["phase"] == "warm"), None)
     if off:
         axes[0].axhline(off["output_tok_s"], color="k", ls="--", lw=1, label="offline generate")
     for ax, title in zip(axes, ("output tok/s", "mean TTFT (ms)", "mean TPOT (ms)"), strict=True):
@@ -450,21 +575,35 @@ def _plot_svg_by_hand(med: list[dict], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: make_small_moe's mixtral-448)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir, or 'embedded' for the embedded default model (default: make_small_moe's "
+        "mixtral-448)",
+    )
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--workload", default="fixed", choices=["fixed", "sharegpt"], help="see the docstring")
     ap.add_argument("--servers", default="expertmesh,vllm,llama.cpp", help="also: expertmesh-nowarmup")
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(
         "--offline-nowarmup", action="store_true", help="also offline generate with LLM(warmup=False)"
     )
     ap.add_argument("--rates", default="1,4,inf", help="warm runs' request rates (requests/s, or inf)")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-prompts", "--requests", type=int, default=64, help="requests per run")
+    ap.add_argument("--input-len", type=int, default=128, help="fixed workload: prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="fixed workload: new tokens")
+    ap.add_argument("--max-prompt", type=int, default=512, help="sharegpt workload: longest prompt")
+    ap.add_argument("--max-output", type=int, default=256, help="sharegpt workload: longest output")
+    ap.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens of a system prompt every request starts with"
+    )
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (median reported)")
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--quick", action="store_true", help="24 prompts, one round: under 5 min")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--vllm-python", default=VLLM_PY)
     ap.add_argument("--llama-python", default=LLAMA_PY)
     ap.add_argument("--startup-timeout", type=float, default=600)
@@ -472,13 +611,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--plot", default=None, help="SVG/PNG path")
-    ap.add_argument("--from-json", default=None, help="run nothing: report an earlier --json")
+    ap.add_argument(
+        "--from-json", nargs="+", default=None, help="run nothing: report (and plot) earlier --json files"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.num_prompts, args.rounds = 24, 1
     args.rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
     if any(r <= 0 for r in args.rates):
         ap.error(f"--rates must be positive or inf, got {args.rates}")
+    if args.shared_prefix < 0:
+        ap.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+    longest = (
+        (args.input_len + args.output_len) if args.workload == "fixed" else args.max_prompt + args.max_output
+    )
+    if args.shared_prefix + longest > args.max_model_len:
+        flags = "--input-len + --output-len" if args.workload == "fixed" else "--max-prompt + --max-output"
+        ap.error(f"--shared-prefix + {flags} must fit --max-model-len={args.max_model_len}")
     args.servers = [s for s in args.servers.split(",") if s]
     unknown = set(args.servers) - {"expertmesh", "expertmesh-nowarmup", "vllm", "llama.cpp"}
     if unknown:
@@ -489,17 +638,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        rows = data["rows"]
-        for key in ("num_prompts", "input_len", "output_len", "stream", "threads", "rounds"):
-            setattr(args, key, data["args"][key])
+        rows = []
+        for i, path in enumerate(args.from_json):
+            data = json.loads(Path(path).read_text())
+            rows += [{"shared_prefix": data["args"].get("shared_prefix", 0), **r} for r in data["rows"]]
+            if i == 0:  # the footer describes the first file's run
+                for key, value in data["args"].items():
+                    if key in ("num_prompts", "input_len", "output_len", "stream", "threads", "rounds",
+                               "workload", "max_prompt", "max_output", "shared_prefix"):  # fmt: skip
+                        setattr(args, key, value)
     else:
+        # Both only when measuring: --from-json and --help stay fast.
         if args.model is None:
             from make_small_moe import DEFAULT_CACHE, make_small_moe
 
-            args.model = make_small_moe(DEFAULT_CACHE, "float32", "mixtral-448")
+            args.model = make_small_moe(DEFAULT_CACHE, args.dtype, "mixtral-448")
+        elif args.model == "embedded":
+            from expertmesh.config.model_source import DEFAULT_MODEL_DIR
+
+            args.model = str(DEFAULT_MODEL_DIR)
         from transformers import AutoTokenizer
 
+        with open(Path(args.model) / "config.json") as f:
+            args.model = with_tokenizer(args.model, json.load(f)["vocab_size"])
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         servers = [s for s in args.servers if available(args, s)]
         rows = []

@@ -29,12 +29,12 @@ def child(args: argparse.Namespace) -> None:
     from profile_decode import prefilled_engine, time_steps
 
     torch.set_num_threads(1)
-    from expertmesh.cpu import cpu_features, cpu_kernels
+    from expertmesh.cpu import cpu_features, kernel_library
 
     if "avx512f" in cpu_features.cpu_flags():
         # valgrind has no AVX-512 (an -march=native build dies with SIGILL under it): count the
         # kernels' 8-lane AVX2 build instead (its own cache key: FLAGS are part of it)
-        cpu_kernels.FLAGS = [*cpu_kernels.FLAGS, "-mno-avx512f"]
+        kernel_library.FLAGS = [*kernel_library.FLAGS, "-mno-avx512f"]
     engine = prefilled_engine(
         make_small_moe(args.cache_dir, args.dtype),
         args.dtype,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu import cpu_kernels, kernel_library
 
 # (name, out_features, in_features) per model shape; "moe" = (hidden, inter, experts, top_k).
 SHAPES = {
@@ -183,8 +183,8 @@ def main() -> None:
 
 def build_from(source: Path) -> cpu_kernels.CpuKernels:
     """Kernels compiled from another source file (A/B runs), cached beside it."""
-    compiler = cpu_kernels._compiler()
-    out = Path("/tmp/expertmesh-kernel-ab") / f"{source.stem}-{cpu_kernels.source_digest(source)[:16]}.so"
+    compiler = kernel_library.compiler()
+    out = Path("/tmp/expertmesh-kernel-ab") / f"{source.stem}-{kernel_library.source_digest(source)[:16]}.so"
     return cpu_kernels.build(out, compiler, source=source)
 
 

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu import cpu_kernels, kernel_library
+from expertmesh.layers.quantization.codes import BF16_PAIRS, KINDS
 from expertmesh.layers.quantization.packed import (
-    BF16_PAIRS,
-    KINDS,
     QuantizedExperts,
     QuantizedMoE,
     QuantizedWeight,
@@ -201,9 +200,9 @@ def main() -> None:
     clock = time.perf_counter if args.wall else time.process_time
     kernels = {"ours": cpu_kernels.load()}
     for n, src in enumerate(args.source):
-        digest = cpu_kernels.source_digest(Path(src))[:16]
+        digest = kernel_library.source_digest(Path(src))[:16]
         out = Path("/tmp/expertmesh-kernel-ab") / f"{Path(src).stem}-{digest}.so"
-        kernels[f"src{n}"] = cpu_kernels.build(out, cpu_kernels._compiler(), source=Path(src))
+        kernels[f"src{n}"] = cpu_kernels.build(out, kernel_library.compiler(), source=Path(src))
     rows = [int(r) for r in args.rows.split(",")]
     table = cases(kernels, args.kinds.split(","), rows, args.moe, args.cold_mb)
     only = set(args.only.split(",")) if args.only else None

@@ -95,10 +95,10 @@ def generic_kernels(tmp_path_factory):
     without AVX-512 take, built once for the tests that check that path on any x86 CPU."""
     import platform
 
-    from expertmesh.cpu import cpu_kernels
+    from expertmesh.cpu import cpu_kernels, kernel_library
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512f is an x86 flag")
-    compiler = cpu_kernels._compiler()
+    compiler = kernel_library.compiler()
     assert compiler is not None, "this machine image has a C compiler"
     return cpu_kernels.build(tmp_path_factory.mktemp("generic") / "generic.so", compiler, ("-mno-avx512f",))

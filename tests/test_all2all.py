@@ -8,10 +8,11 @@ from distributed_utils import run_distributed
 
 from expertmesh.config import ParallelConfig
 from expertmesh.distributed.all2all import KNOWN_ALL2ALL_BACKENDS, make_all2all
-from expertmesh.distributed.group import Group, ParallelGroups, init_groups
+from expertmesh.distributed.group import Group
 from expertmesh.distributed.layout import ParallelLayout
 from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
+from expertmesh.distributed.parallel_groups import ParallelGroups, init_groups
 from expertmesh.layers.fused_moe import FusedExperts
 
 WORLD = 4

@@ -1,5 +1,6 @@
 """benchmarks/bench_serving.py's metrics follow vLLM's definitions (checked against the same numbers
-computed by hand here), its arrivals are open-loop, and a bad flag fails naming itself."""
+computed by hand here), its arrivals are open-loop, its two workloads give the lengths asked for
+behind one shared prefix, and a bad flag fails naming itself."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def test_summarize_matches_vllm_definitions() -> None:
     # ITL pooled over every gap of every request (12 gaps).
     assert s["mean_itl_ms"] == pytest.approx(1e3 * (1.0 + 0.4) / 12)
     assert s["p99_itl_ms"] == pytest.approx(300.0)
+    # P50 by nearest rank (the lower of two), E2E the request latencies.
+    assert s["p50_ttft_ms"] == pytest.approx(100.0) and s["p50_tpot_ms"] == pytest.approx(100.0)
+    assert s["mean_e2e_ms"] == pytest.approx(900.0) and s["p99_e2e_ms"] == pytest.approx(1100.0)
+    assert s["request_s"] == pytest.approx(1.0)
 
 
 def test_arrivals_open_loop() -> None:
@@ -36,6 +41,36 @@ def test_arrivals_open_loop() -> None:
     assert (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.1)  # Poisson at 4 req/s
 
 
+class _Ids:
+    """A tokenizer stand-in whose text is its ids, so a prompt's tokens can be read back."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_workloads_lengths_and_shared_prefix() -> None:
+    fixed = bs.parse_args(
+        ["--num-prompts", "5", "--input-len", "12", "--output-len", "7", "--shared-prefix", "4"]
+    )
+    jobs = bs.make_jobs(_Ids(), fixed, seed=1)
+    ids = [list(map(int, j.prompt.split())) for j in jobs]
+    assert [len(i) for i in ids] == [16] * 5 and [j.max_tokens for j in jobs] == [7] * 5
+    assert all(i[:4] == ids[0][:4] for i in ids) and len({tuple(i[4:]) for i in ids}) == 5
+    assert all(3 <= t < 100 for i in ids for t in i)  # never pad, bos or eos
+    # Another run: fresh prompts behind the same prefix.
+    again = [list(map(int, j.prompt.split())) for j in bs.make_jobs(_Ids(), fixed, seed=2)]
+    assert again[0][:4] == ids[0][:4] and again[0][4:] != ids[0][4:]
+    args = ["--workload", "sharegpt", "--requests", "200", "--max-prompt", "64", "--max-output", "32"]
+    mix = bs.make_jobs(_Ids(), bs.parse_args(args), seed=3)
+    p_lens = [len(j.prompt.split()) for j in mix]
+    o_lens = [j.max_tokens for j in mix]
+    assert min(p_lens) >= 4 and max(p_lens) == 64 and len(set(p_lens)) > 20  # long tail, clipped
+    assert min(o_lens) >= 4 and max(o_lens) <= 32 and sorted(o_lens)[100] < sorted(p_lens)[100]
+
+
 def test_bad_flags_name_themselves(capsys) -> None:
     with pytest.raises(SystemExit):
         bs.parse_args(["--rates", "4,-1"])
@@ -43,4 +78,13 @@ def test_bad_flags_name_themselves(capsys) -> None:
     with pytest.raises(SystemExit):
         bs.parse_args(["--servers", "expertmesh,nope"])
     assert "--servers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--shared-prefix", "-1"])
+    assert "--shared-prefix" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--workload", "sharegpt", "--max-prompt", "900", "--max-output", "200"])
+    assert "--max-model-len" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--workload", "nope"])
+    assert "--workload" in capsys.readouterr().err
     assert bs.parse_args(["--quick"]).num_prompts == 24

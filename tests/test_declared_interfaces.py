@@ -12,13 +12,13 @@ import re
 import pytest
 
 from expertmesh.config.model_config import WeightFormat
-from expertmesh.cpu import cpu_kernels
-from expertmesh.layers.quantization.packed import BF16_PAIRS, KINDS
+from expertmesh.cpu import cpu_kernels, kernel_library
+from expertmesh.layers.quantization.codes import BF16_PAIRS, KINDS
 from expertmesh.layers.quantization.registry import resolve
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets
 from expertmesh.models.mixtral import MixtralForCausalLM
 
-HEADER = cpu_kernels.SOURCE.parent / "quant_kinds.h"
+HEADER = kernel_library.SOURCE.parent / "quant_kinds.h"
 
 
 def _header_kinds(text: str) -> dict[int, str]:

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from distributed_utils import run_distributed
 from expect import assert_within
 
-from expertmesh.distributed.group import Group, ParallelGroups, init_groups
+from expertmesh.distributed.group import Group
 from expertmesh.distributed.layout import ParallelLayout
+from expertmesh.distributed.parallel_groups import ParallelGroups, init_groups
 
 WORLD = 4
 SIZES = [2, 0, 1, 3]  # rows per rank for the uneven collectives

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu import kernel_library
 
 V4 = ["-march=x86-64-v4"]  # AVX-512 F/BW/VL/DQ/CD: no BF16, VBMI or VNNI
 NO_EXTRAS = ["vdpbf16ps", "vpdpbusd", "vpmultishiftqb"]  # BF16, VNNI, VBMI instructions
@@ -48,14 +48,14 @@ VARIANTS = {
 
 
 def _compile(compiler: str, flags: list[str], out: str) -> subprocess.CompletedProcess:
-    cmd = [compiler, "-O0", "-fopenmp", "-fPIC", "-Wall", "-Werror", *flags, "-c", str(cpu_kernels.SOURCE)]
+    cmd = [compiler, "-O0", "-fopenmp", "-fPIC", "-Wall", "-Werror", *flags, "-c", str(kernel_library.SOURCE)]
     return subprocess.run([*cmd, "-o", out], capture_output=True, text=True)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -m flags")
 @pytest.mark.timeout(300)
 def test_every_variant_compiles_without_warnings(tmp_path):
-    compiler = cpu_kernels._compiler()
+    compiler = kernel_library.compiler()
     assert compiler is not None, "no C compiler: the kernels cannot be built (set CC)"
     outs = {name: str(tmp_path / f"v{i}.o") for i, name in enumerate(VARIANTS)}
     with ThreadPoolExecutor(2) as pool:  # two at a time: CI has two cores

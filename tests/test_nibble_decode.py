@@ -16,7 +16,7 @@ import pytest
 import torch
 from expect import no_kernels
 
-from expertmesh.cpu import cpu_features, cpu_kernels
+from expertmesh.cpu import cpu_features, cpu_kernels, kernel_library
 from expertmesh.layers.quantization.packed import QuantizedWeight, decode_codes
 
 HARNESS = r"""
@@ -56,13 +56,13 @@ def test_nibble_decodes_bit_for_bit(tmp_path, flags):
     """Every code (-0.0 included) in every lane position, next to other codes in the other lanes; with
     -march=native the vector decodes of this CPU (without VBMI: the AVX-512 build of CPUs before Ice
     Lake), without (baseline x86-64 or any other) the table."""
-    compiler = cpu_kernels._compiler()
+    compiler = kernel_library.compiler()
     if compiler is None:
         no_kernels()
     if flags == NO_VBMI and "avx512vbmi" not in cpu_features.cpu_flags():
         pytest.skip("the same build as native here: this CPU has no AVX512-VBMI")
     src, exe = tmp_path / "fp4.c", tmp_path / "fp4"
-    src.write_text(HARNESS % cpu_kernels.SOURCE)
+    src.write_text(HARNESS % kernel_library.SOURCE)
     build = subprocess.run([compiler, "-O0", "-fopenmp", *flags, str(src), "-o", str(exe), "-lm"], text=True)
     assert build.returncode == 0
     run = subprocess.run([str(exe)], capture_output=True, text=True)

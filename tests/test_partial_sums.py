@@ -14,8 +14,9 @@ from distributed_utils import run_distributed
 
 from expertmesh.cpu import cpu_gemm, cpu_kernels
 from expertmesh.distributed.all2all import make_all2all
-from expertmesh.distributed.group import Group, ParallelGroups
+from expertmesh.distributed.group import Group
 from expertmesh.distributed.moe_plan import expert_owners
+from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.linear import RowParallelLinear
 

@@ -9,7 +9,7 @@ layer's forward over a mixed step (decodes, a fresh prompt, a chunk over a conte
 import pytest
 import torch
 
-from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu import cpu_kernels, kernel_library
 from expertmesh.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 
 BS = 4  # block size: positions run across many blocks
@@ -72,7 +72,7 @@ def no_bf16_kernels(kernels, tmp_path_factory):
     """AVX-512 without AVX512-BF16 (Skylake-X, Ice Lake): 16 lanes, bf16 widened to float32."""
     if kernels.lanes != 16:
         pytest.skip("this CPU has no AVX-512")
-    compiler = cpu_kernels._compiler()
+    compiler = kernel_library.compiler()
     out = tmp_path_factory.mktemp("no-bf16") / "no-bf16.so"
     return cpu_kernels.build(out, compiler, ("-mno-avx512bf16", "-O1"))  # -O1: a quicker build
 

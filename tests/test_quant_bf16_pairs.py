@@ -21,12 +21,8 @@ from expect import no_kernels
 from test_quant_wide_tiles import _weight as wide_tiles_weight
 
 from expertmesh.cpu import cpu_kernels
+from expertmesh.layers.quantization.codes import FP4_BF16, FP8_BF16, INT4_BF16, INT8_BF16, KINDS
 from expertmesh.layers.quantization.packed import (
-    FP4_BF16,
-    FP8_BF16,
-    INT4_BF16,
-    INT8_BF16,
-    KINDS,
     QuantizedExperts,
     QuantizedMoE,
     QuantizedWeight,

@@ -576,14 +576,14 @@ def test_rounding_to_fp4_codes_is_an_error():
 def test_rounding_a_block_of_rows_at_a_time_equals_rounding_the_whole_weight(monkeypatch):
     """quantize_rows rounds VALUES_AT_ONCE values a step (one-pass loading keeps its float32
     temporaries small): every kind and group, a partial last group, gives the whole weight's codes."""
-    from expertmesh.layers.quantization import packed
+    from expertmesh.layers.quantization import codes
 
     w = torch.randn(301, 70, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    for kind in packed.ROUNDED_KINDS:
+    for kind in codes.ROUNDED_KINDS:
         for group in (0, 16, 32):
-            whole = packed.quantize_rows(w, kind, group)
-            monkeypatch.setattr(packed, "VALUES_AT_ONCE", 6 * 70)  # 6 rows a step, the last one row
-            blocks = packed.quantize_rows(w, kind, group)
+            whole = codes.quantize_rows(w, kind, group)
+            monkeypatch.setattr(codes, "VALUES_AT_ONCE", 6 * 70)  # 6 rows a step, the last one row
+            blocks = codes.quantize_rows(w, kind, group)
             monkeypatch.undo()
             assert all(torch.equal(a, b) for a, b in zip(whole, blocks, strict=True)), (kind, group)
 

@@ -22,7 +22,7 @@ from test_quantization import LENGTHS, _greedy, _online_quantized_key, _qwen3, a
 from transformers import AutoModelForCausalLM
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.cpu import cpu_features, cpu_kernels
+from expertmesh.cpu import cpu_features, cpu_kernels, kernel_library
 from expertmesh.layers.quantization.online import OnlineScheme
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 
@@ -251,7 +251,7 @@ def _build_equals_the_reference(kernels) -> None:
 def test_generic_build_without_avx2_equals_the_reference(tmp_path):
     """The portable loops (CPUs without AVX2) compute the same integer sums and scaled folds as
     AVX2's and AVX-512's."""
-    compiler = cpu_kernels._compiler()
+    compiler = kernel_library.compiler()
     if compiler is None:
         no_kernels()
     _build_equals_the_reference(cpu_kernels.build(tmp_path / "generic.so", compiler, ("-mno-avx2",)))
@@ -271,7 +271,7 @@ def test_avx512_build_without_vnni_equals_the_reference(tmp_path):
     """AVX-512 CPUs without VNNI (Skylake-SP/X) take maddubs for W8A8 (|w| times x with w's sign)
     and W4A8; with VNNI (the tests above, on such a CPU) vpdpbusd on x + 128. -O1: a quicker build,
     the same arithmetic."""
-    compiler = cpu_kernels._compiler()
+    compiler = kernel_library.compiler()
     assert compiler is not None, "this machine image has a C compiler"
     built = cpu_kernels.build(tmp_path / "no-vnni.so", compiler, ("-mno-avx512vnni", "-O1"))
     assert built.lanes == 16

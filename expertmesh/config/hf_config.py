@@ -58,6 +58,7 @@ def fix_config_dict(config: dict) -> list[str]:
 
 def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     """The transformers config of a local checkpoint directory, published quirks fixed."""
+    # transformers takes seconds to import: loaded when a config is read, not at `expertmesh --help`
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -13,6 +13,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
     (for a GGUF file or a directory of one: the directory made from its metadata)."""
     if model is None:
         model = DEFAULT_MODEL_DIR
+    # models/ sits above config/ (and brings torch and numpy): loaded when a model is resolved
     from expertmesh.models.gguf_file import gguf_model_dir, is_gguf
 
     if is_gguf(model):  # llama.cpp's format: config and tokenizer from its metadata (models/gguf_file.py)
@@ -27,7 +28,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
 
 
 def _download(repo_id: str, revision: str | None) -> str:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # slow to import; only a hub id needs it
 
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)

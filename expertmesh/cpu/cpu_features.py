@@ -15,6 +15,8 @@ import ctypes
 import platform
 from functools import cache
 
+import torch
+
 _SYS_ARCH_PRCTL = 158  # x86-64 syscall number
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
@@ -55,8 +57,6 @@ def amx_bf16() -> bool:
 def onednn_bf16() -> bool:
     """Whether oneDNN has a bf16 matmul on this CPU (it refuses bf16 weights without avx512bw/vl/dq
     or avx_ne_convert, as on AVX2-only CPUs)."""
-    import torch
-
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(probe()) if probe is not None else False
 

@@ -1,4 +1,6 @@
-"""expertmesh's own CPU kernels (csrc/cpu_kernels.c), compiled for this machine on first use.
+"""expertmesh's own CPU kernels (csrc/cpu_kernels.c), compiled for this machine on first use:
+`load()` and the typed Python entry points (`CpuKernels`); the build itself, its cache key and
+the C functions' ctypes signatures are kernel_library.py.
 
 The C source is built with the system C compiler (`cc`, or $CC) as
 `-O3 -march=native -fopenmp` into ~/.cache/expertmesh/kernels/ (or $EXPERTMESH_CACHE), keyed by
@@ -13,13 +15,9 @@ loaded `CpuKernels` object (or None), as they receive their groups.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -28,61 +26,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from expertmesh.cpu import cpu_features, cpu_onednn
+from expertmesh.cpu import cpu_features, cpu_onednn, kernel_library
 from expertmesh.cpu.cpu_attention_kernels import AttentionKernels
+from expertmesh.cpu.kernel_library import SIGNATURES
 
 log = logging.getLogger("expertmesh")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
-
-
-def source_digest(source: Path = SOURCE) -> str:
-    """sha256 over a kernel source and the parts beside it: cpu_kernels.c includes the other .c / .h
-    files of its folder (one translation unit), so a build's cache key must cover them all."""
-    key = hashlib.sha256()
-    for part in sorted(p for p in source.parent.iterdir() if p.suffix in (".c", ".h")):
-        key.update(part.name.encode() + b"\0" + part.read_bytes())
-    return key.hexdigest()
-
-
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-
-_c = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _threads = torch.get_num_threads  # every entry point follows torch's thread count
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-
-
-def _build(compiler: str, out: Path, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> None:
-    """Compile into a temporary file, then rename: ranks building at once never see half a file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *FLAGS, *extra_flags, str(source), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @dataclass(frozen=True)
@@ -104,41 +55,6 @@ class PanelWeight:
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         return self.kernels.linear(x, self, bias, out_dtype)
-
-
-_F32, _INT = ctypes.c_float, ctypes.c_int
-# Argument types of each entry point (pointers are c_void_p); every one returns nothing.
-_SIGNATURES = {
-    # q, k_cache, v_cache, tables, lens, out, B, H, Hk, D, Dv, W, block_size, scale, window, chunk,
-    # sinks or NULL, threads
-    "paged_decode": [_c] * 6 + [_i64] * 7 + [_F32, _i64, _i64, _c, _INT],
-    # q, its token stride, k, v, their token stride, table or NULL, block_size, context, L, out,
-    # H, Hk, D, scale, window, chunk, sinks or NULL, threads
-    "paged_prefill": [_c, _i64, _c, _c, _i64, _c, _i64, _i64, _i64, _c, _i64, _i64, _i64]
-    + [_F32, _i64, _i64, _c, _INT],
-    # x, its batch and head strides, w, out, B, H, K, N, trans, threads
-    "head_matmul": [_c, _i64, _i64, _c, _c] + [_i64] * 4 + [_INT, _INT],
-    # x, panels, y, M, O, I, bias or NULL, threads
-    "gemm": [_c] * 3 + [_i64] * 3 + [_c, _INT],
-    # x, weight, out, rows, H, eps, threads
-    "rms_norm": [_c] * 3 + [_i64] * 2 + [_F32, _INT],
-    # q, k, v (each with its row stride), cos, sin, slots, k/v caches, q/k/v out, T, H, Hk, D, R,
-    # interleaved, threads
-    "rope_cache": [_c, _i64] * 3 + [_c] * 8 + [_i64] * 5 + [_INT, _INT],
-    # x, n, H, slot, weights, k, w13, w2, E, I, act, out, threads
-    "moe": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _c, _INT],
-    # moe's, then after act: its limit and alpha (act 3), the biases b13 [E, 2I], b2 [E, H] or NULL
-    "moe_ex": [_c, _i64, _i64, _c, _c, _i64, _c, _c, _i64, _i64, _INT, _F32, _F32, _c, _c, _c, _INT],
-    # quantized weights (layers/quantization/packed.py): kind, x, codes, scales, offsets, group,
-    # y, M, O, I, bias or NULL, threads
-    "gemm_q": [_INT, _c, _c, _c, _c, _i64, _c, _i64, _i64, _i64, _c, _INT],
-    # kind, x, n, H, slot, weights, k, w13 codes/scales/offsets/group, w2 ditto, E, I, act, out, threads
-    "moe_q": [_INT, _c, _i64, _i64, _c, _c, _i64] + [_c, _c, _c, _i64] * 2 + [_i64, _i64, _INT, _c, _INT],
-    # moe_q's, then after act: its limit and alpha (act 3), the biases b13 [E, 2I], b2 [E, H] or NULL
-    "moe_q_ex": [_INT, _c, _i64, _i64, _c, _c, _i64]
-    + [_c, _c, _c, _i64] * 2
-    + [_i64, _i64, _INT, _F32, _F32, _c, _c, _c, _INT],
-}
 
 
 # gemm_q's code kinds, a kind's number its index: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and
@@ -182,10 +98,10 @@ class CpuKernels(AttentionKernels):
         for kind, names in variants.items():
             for name in names:
                 fn = getattr(lib, f"{kind}_{name}")
-                fn.restype, fn.argtypes = None, _SIGNATURES[kind]
+                fn.restype, fn.argtypes = None, SIGNATURES[kind]
         for name in ("gemm_q", "moe_q"):  # quantized weights: one entry point each, the code kind an argument
             fn = getattr(lib, name)
-            fn.restype, fn.argtypes = None, _SIGNATURES[name]
+            fn.restype, fn.argtypes = None, SIGNATURES[name]
         # None: an older build (no biases, act 0-2)
         self.moe_q_ex = getattr(lib, "moe_q_ex", None)
         self.moe_ex = {
@@ -194,14 +110,14 @@ class CpuKernels(AttentionKernels):
         }
         for fn, sig in [(self.moe_q_ex, "moe_q_ex")] + [(f, "moe_ex") for f in self.moe_ex.values()]:
             if fn is not None:
-                fn.restype, fn.argtypes = None, _SIGNATURES[sig]
-        # code kinds gemm_q / moe_q know, in their numbering (packed.KINDS); older builds: the first 4
+                fn.restype, fn.argtypes = None, SIGNATURES[sig]
+        # code kinds gemm_q / moe_q know, in their numbering (codes.KINDS); older builds: the first 4
         lib_kinds = getattr(lib, "q_kinds", None)
         if lib_kinds is not None:
             lib_kinds.restype = _i64
         self.quant_kinds = QUANT_KINDS[: int(lib_kinds()) if lib_kinds is not None else 4]
         # uint4 / int8 / fp4 / fp8 codes against bf16 activations on bf16 pairs (AVX512-BF16 and VBMI):
-        # a bf16 model's int4 / int8 / fp4 / fp8 products take code kinds 6-9 then (packed.product_kind)
+        # a bf16 model's int4 / int8 / fp4 / fp8 products take code kinds 6-9 then (codes.product_kind)
         tiles = getattr(lib, "q_bf16_tiles", None)
         if tiles is not None:
             tiles.restype = _i64
@@ -437,18 +353,13 @@ def load() -> CpuKernels | None:
     if os.environ.get("EXPERTMESH_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
         log.info("CPU kernels disabled by EXPERTMESH_DISABLE_CPU_KERNELS; using torch ops")
         return None
-    compiler = _compiler()
+    compiler = kernel_library.compiler()
     if compiler is None:
         last_error = "no C compiler found (set CC)"
         log.warning("no C compiler found (set CC); CPU kernels unavailable, using torch ops (slower)")
         return None
-    key = hashlib.sha256()
-    key.update(source_digest().encode())
-    key.update(" ".join([compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode())
-    root = Path(os.environ.get("EXPERTMESH_CACHE", Path.home() / ".cache" / "expertmesh"))
-    path = root / "kernels" / key.hexdigest()[:16] / "libexpertmesh_cpu.so"
     try:
-        kernels = build(path, compiler)
+        kernels = build(kernel_library.library_path(compiler), compiler)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         last_error = detail.strip()
@@ -461,11 +372,13 @@ def load() -> CpuKernels | None:
     return kernels
 
 
-def build(path: Path, compiler: str, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> CpuKernels:
+def build(
+    path: Path, compiler: str, extra_flags: tuple[str, ...] = (), source: Path = kernel_library.SOURCE
+) -> CpuKernels:
     """Compile (unless `path` exists) and load. `extra_flags` lets tests build other variants,
     e.g. `-mno-avx512f` for the generic 8-lane path other CPUs take; `source` another copy of the
     kernels (benchmarks' A/B runs)."""
     if not path.exists():
         log.info("compiling CPU kernels with %s into %s", compiler, path.parent)
-        _build(compiler, path, extra_flags, source)
+        kernel_library.compile_into(compiler, path, extra_flags, source)
     return CpuKernels(ctypes.CDLL(str(path)), path)

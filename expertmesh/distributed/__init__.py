@@ -7,9 +7,10 @@ from expertmesh.distributed.all2all import (
     All2AllBackend,
     make_all2all,
 )
-from expertmesh.distributed.group import Group, ParallelGroups, Traffic, init_groups, poison_
+from expertmesh.distributed.group import Group, Traffic, poison_
 from expertmesh.distributed.layout import ParallelLayout, check_world_size
 from expertmesh.distributed.moe_plan import MoEPlan, expert_owners
+from expertmesh.distributed.parallel_groups import ParallelGroups, init_groups
 
 __all__ = [
     "ALL2ALL_BACKENDS",

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from expertmesh.config import ParallelConfig
 from expertmesh.distributed import watchdog
-from expertmesh.distributed.group import ParallelGroups, init_groups
 from expertmesh.distributed.layout import check_world_size
+from expertmesh.distributed.parallel_groups import ParallelGroups, init_groups
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

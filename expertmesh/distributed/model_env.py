@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from expertmesh.distributed.all2all import All2AllBackend, make_all2all
-from expertmesh.distributed.group import ParallelGroups
 from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan, expert_owners
+from expertmesh.distributed.parallel_groups import ParallelGroups
 
 
 @dataclass

@@ -24,6 +24,7 @@ The dict (``LLM.expert_load()``; JSON with string layer keys):
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -269,8 +270,6 @@ def read_initial_load(path: str | None) -> dict[int, list[int]] | None:
     """Per-layer, per-expert counts from an `--expert-stats` JSON file (its "layers"), or None."""
     if path is None:
         return None
-    import json
-
     try:
         with open(path) as f:
             data = json.load(f)

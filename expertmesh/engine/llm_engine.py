@@ -12,33 +12,27 @@ go on. `check_invariants` verifies the block accounting that promise rests on.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from numbers import Integral
 from typing import Any
 
 import torch
 
 from expertmesh.config import EngineConfig
-from expertmesh.distributed.group import ParallelGroups
+from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.detokenizer import Detokenizer
 from expertmesh.engine.model_runner import ModelRunner
+from expertmesh.engine.request_checks import as_token_ids, bad_words_token_ids, validate_request
 from expertmesh.engine.scheduler import Scheduler
 from expertmesh.engine.sequence import Sequence
+from expertmesh.engine.warmup import WarmUp
 from expertmesh.outputs import CompletionOutput, RequestOutput
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.spec_decode.drafter import Drafter
 from expertmesh.structured_outputs import runtime as structured
 
 log = logging.getLogger("expertmesh")
-# The warm-up's widest decode batch: the per-sequence Python work of a wider one costs start-up
-# time (and every test's LLM) while its kernels are those a batch of 64 already ran.
-WARMUP_MAX_SEQS = 64
-# The warm-up's prefill tokens: enough to reach every expert and the kernels' wide paths; on a CPU no
-# shape is compiled, so the whole budget (8192 by default) would only lengthen start-up.
-WARMUP_MAX_TOKENS = 1024
 
 
 @dataclass
@@ -68,67 +62,7 @@ def prefix_caching_allowed(config: EngineConfig) -> bool:
     return True
 
 
-def validate_prompt(ids: list[int], max_model_len: int, capacity: int, vocab_size: int) -> str | None:
-    """Why a prompt cannot run (too long, empty, ids outside the vocabulary), or None."""
-    if not ids:
-        return "the prompt is empty"
-    if len(ids) > max_model_len:
-        return f"the prompt has {len(ids)} tokens, longer than max_model_len={max_model_len}"
-    if len(ids) > capacity:
-        return f"the prompt has {len(ids)} tokens, more than the KV cache holds ({capacity})"
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
-    return None
-
-
-def as_token_ids(ids: Any) -> tuple[list[int], str | None]:
-    """`ids` as a list of Python ints, or why it is not one (floats, bools, strings, not a list)."""
-    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
-        return [], f"prompt_token_ids must be a list of integers, got {type(ids).__name__}"
-    ids = list(ids)
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
-    if bad:
-        return [], f"prompt_token_ids must be integers; got {bad[:3]!r} ({type(bad[0]).__name__})"
-    return [int(t) for t in ids], None
-
-
-def validate_request(ids: Any, params: Any, max_model_len: int, capacity: int, vocab_size: int) -> str | None:
-    """Why a request cannot run, checked before it reaches the scheduler (the one rule every
-    entry point applies: offline, the server, the mp driver), or None."""
-    if not isinstance(params, SamplingParams):
-        return f"sampling params must be a SamplingParams, got {type(params).__name__}"
-    ids, error = as_token_ids(ids)
-    if error:
-        return error
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None and getattr(params, name) > vocab_size:
-            return f"SamplingParams.{name}={getattr(params, name)} exceeds the vocabulary size {vocab_size}"
-    for name in ("allowed_token_ids", "logit_bias"):
-        outside = [t for t in getattr(params, name) or () if t >= vocab_size]
-        if outside:
-            return (
-                f"SamplingParams.{name}: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})"
-            )
-    return validate_prompt(ids, max_model_len, capacity, vocab_size)
-
-
-def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each bad word as vLLM tokenizes it: as written (leading space stripped) and with one leading
-    space, the second kept when it differs in its first token and has the same length."""
-    if tokenizer is None:
-        raise ValueError("SamplingParams.bad_words needs a tokenizer (the engine has none)")
-    out: list[list[int]] = []
-    for word in words:
-        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        out += [ids for ids in (plain,) if ids]
-        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
-            out.append(spaced)
-    return out
-
-
-class LLMEngine:
+class LLMEngine(WarmUp):
     def __init__(
         self, config: EngineConfig, runner: ModelRunner, groups: ParallelGroups, tokenizer, dispatchers=()
     ) -> None:
@@ -218,77 +152,6 @@ class LLMEngine:
                 f"(one block needs {self.runner.block_bytes()} bytes on this rank)"
             )
         return int(t)
-
-    # ---- warm-up --------------------------------------------------------------------------
-    def warmup_plan(self) -> tuple[int, int, list[int]]:
-        """(requests, prompt length, decode batch sizes) of the warm-up: prompts that fill one step's
-        token budget between them, then decode batches halving from the largest (max_num_seqs, at
-        most WARMUP_MAX_SEQS) down to 1."""
-        sc, bs = self.config.scheduler_config, self.blocks.block_size
-        n = max(1, min(sc.max_num_seqs, WARMUP_MAX_SEQS))
-        sizes = sorted({max(1, n >> k) for k in range(n.bit_length())}, reverse=True)
-        new = min(len(sizes) + 1, max(1, self.capacity - 1))
-        budget = min(sc.max_num_batched_tokens, WARMUP_MAX_TOKENS)
-        prompt = max(1, min(budget // n, self.capacity - new))
-        # Every request's blocks at once, so nothing is preempted and every decode batch is whole.
-        while n > 1 and n * -(-(prompt + new) // bs) > self.blocks.num_blocks:
-            n //= 2
-            prompt = max(1, min(budget // n, self.capacity - new))
-        sizes = [b for b in sizes if b <= n] or [1]
-        return n, prompt, sizes
-
-    def warmup(self) -> int:
-        """Run the shapes the scheduler will produce once (a prefill at the token budget, decodes
-        at halving batch sizes), through the real path: the CPU kernels' first-use work, the
-        weights' and KV cache's pages and the sampler are done before the first request. Leaves
-        no trace a request can see: fresh block manager (empty prefix cache) and scheduler, the
-        sampler's generator, expert-load counts and exchange stats restored, step counters
-        zero. Every rank builds the same requests, so DP ranks step in lockstep. Returns the
-        forwards it ran (also `num_warmup_steps`)."""
-        if self.requests or self.scheduler.has_work():
-            raise RuntimeError("warm-up must run before any request")
-        start = time.perf_counter()
-        n, prompt, sizes = self.warmup_plan()
-        vocab = self.config.model_config.vocab_size
-        generator = self.runner.sampler.generator.get_state()
-        load, self.expert_load = self.expert_load, None  # no EPLB step, no counted forward
-        counts = load.counts.clone() if load is not None else None
-        traffic = [dict(b.stats) for b in self.dispatchers]
-        try:
-            for i in range(n):
-                new = 1 + sum(b > i for b in sizes)
-                # Half the requests sample (with logprobs): the sampler's random path warms too.
-                params = SamplingParams(
-                    max_tokens=new, ignore_eos=True, temperature=0.0 if i % 2 else 1.0, logprobs=1
-                )
-                ids = [(7 * i + 13 * j + 1) % vocab for j in range(prompt)]
-                self.add_request(f"warmup-{i}", ids, params)
-            for _ in self.step_until_none_left():
-                pass
-        finally:
-            self.requests.clear()
-            self.runner.sampler.generator.set_state(generator)
-            self.expert_load = load
-            if load is not None:
-                load.counts.copy_(counts)
-            for b, saved in zip(self.dispatchers, traffic, strict=True):
-                b.stats.clear()
-                b.stats.update(saved)
-            self.last_step_traffic = {"bytes_sent": 0, "bytes_received": 0}
-            self.num_warmup_steps = self.num_steps + self.num_dummy_steps
-            self.num_steps = self.num_dummy_steps = 0
-            b = self.blocks  # a fresh one alike (same blocks, prefix caching and state slots), empty
-            self.blocks = BlockManager(
-                b.num_blocks, b.block_size, b.enable_prefix_caching, b.state_slots, b.snapshots
-            )
-            self.scheduler = Scheduler(self.config.scheduler_config, self.blocks, self.drafter)
-            if self.drafter is not None:
-                self.drafter.stats.clear()
-        log.info(
-            "warm-up: %d forwards (%d requests of %d prompt tokens, decode batches %s) in %.2f s",
-            self.num_warmup_steps, n, prompt, sizes, time.perf_counter() - start,
-        )  # fmt: skip
-        return self.num_warmup_steps
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(

@@ -11,7 +11,7 @@ import torch
 
 from expertmesh.config import EngineConfig
 from expertmesh.cpu.native_decode import decoders
-from expertmesh.distributed.group import ParallelGroups
+from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.engine import kv_cache, state_cache
 from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sampler import Sampler, prompt_logprobs, top_logprobs

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from expertmesh.engine.client import EngineClient, SeqProgress, StepResult
 from expertmesh.engine.incremental_text import IncrementalText
-from expertmesh.engine.llm_engine import as_token_ids
+from expertmesh.engine.request_checks import as_token_ids
 from expertmesh.entrypoints.metrics import RequestMetrics
 from expertmesh.outputs import Logprob, RequestOutput
 from expertmesh.sampling_params import SamplingParams

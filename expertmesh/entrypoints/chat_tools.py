@@ -17,16 +17,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel
 
-from expertmesh.entrypoints.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatRenderer,
-    _finish_reason,
-    chat_logprobs,
+from expertmesh.entrypoints.chat_tool_protocol import (
+    FunctionCall,
+    FunctionDelta,
+    ToolAssistantMessage,
+    ToolCallDelta,
+    ToolCallOut,
+    ToolChatChoice,
+    ToolChatChunk,
+    ToolChatResponse,
+    ToolDelta,
+    ToolStreamChoice,
 )
+from expertmesh.entrypoints.protocol import ChatCompletionResponse
 from expertmesh.entrypoints.reasoning_parsers import (
     END,
     START,
@@ -34,6 +39,7 @@ from expertmesh.entrypoints.reasoning_parsers import (
     ReasoningStream,
     get_reasoning_parser,
 )
+from expertmesh.entrypoints.renderers import ChatRenderer, chat_logprobs, finish_reason_of
 from expertmesh.entrypoints.structured_api import APIFieldError, constrain, tool_choice_kind
 from expertmesh.entrypoints.tool_parsers import ToolCall, ToolParser, ToolStream, call_of, get_tool_parser
 from expertmesh.outputs import RequestOutput
@@ -104,81 +110,6 @@ def message_for_template(message: dict[str, Any]) -> dict[str, Any]:
         call["function"] = fn
         fixed.append(call)
     return {**message, "tool_calls": fixed}
-
-
-# ---- response models -----------------------------------------------------------------------------
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: str = "function"
-    function: FunctionCall
-
-
-class ToolAssistantMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
-
-
-class ToolChatChoice(BaseModel):
-    index: int
-    message: ToolAssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ToolChatResponse(ChatCompletionResponse):
-    choices: list[ToolChatChoice]  # type: ignore[assignment]
-
-
-class FunctionDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-    @model_serializer
-    def _without_nones(self) -> dict[str, str]:
-        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
-
-
-class ToolCallDelta(BaseModel):
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: FunctionDelta
-
-
-class ToolDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer
-    def _without_nones(self) -> dict[str, Any]:
-        out = {"role": self.role, "content": self.content, "reasoning_content": self.reasoning_content}
-        out = {k: v for k, v in out.items() if v is not None}
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
-        return out
-
-    def empty(self) -> bool:
-        return not (self.role or self.content or self.reasoning_content or self.tool_calls)
-
-
-class ToolStreamChoice(BaseModel):
-    index: int
-    delta: ToolDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ToolChatChunk(ChatCompletionChunk):
-    choices: list[ToolStreamChoice]  # type: ignore[assignment]
 
 
 def _call_id() -> str:
@@ -343,7 +274,7 @@ class ToolChatRenderer(ChatRenderer):
     def stream_chunks(self, prompt_index: int, update: Any) -> list[BaseModel]:
         choices = []
         for d in update.deltas:
-            finish = _finish_reason(update, d.index)
+            finish = finish_reason_of(update, d.index)
             text = self._stream_text(d.index, d.text, d.token_ids, finish is not None)
             delta, has_calls = self._deltas(d.index, text, finish is not None)
             if has_calls and finish == "stop":

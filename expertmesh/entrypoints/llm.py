@@ -98,6 +98,7 @@ class LLM:
     def engine_client(self) -> EngineClient:
         """The step-by-step interface the server drives (this process's engine, or the mp workers)."""
         if self._executor is not None:
+            # the mp executor's side: loaded only with distributed_executor_backend="mp"
             from expertmesh.executor.driver_client import DriverClient
 
             return DriverClient(self._executor, self._tokenizer)
@@ -123,7 +124,7 @@ class LLM:
         params = _per_prompt_params(sampling_params, len(prompts))
         # structured outputs hook: a schema, regex or grammar that does not compile is a ValueError now
         if any(getattr(p, "structured_outputs", None) is not None for p in params):
-            from expertmesh.structured_outputs.runtime import check_params
+            from expertmesh.structured_outputs.runtime import check_params  # only for constrained prompts
 
             engine_vocab = (
                 None if self._executor is not None else self.llm_engine.config.model_config.vocab_size

@@ -12,9 +12,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from expertmesh.config.engine_args import EngineArgs
 from expertmesh.distributed.launcher import torchrun_env
+from expertmesh.engine.builder import build_engine
 from expertmesh.entrypoints.api_server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SERVED_NAME, build_app
 from expertmesh.entrypoints.async_engine import AsyncEngine
+from expertmesh.entrypoints.llm import LLM
+from expertmesh.executor.driver_client import DriverClient
+from expertmesh.executor.torchrun_executor import DRIVER, TorchrunExecutor
+from expertmesh.logger import setup_logging
 
 log = logging.getLogger("expertmesh")
 
@@ -29,13 +35,9 @@ def serve(
 ) -> None:
     """Load the model and serve it until interrupted; exits non-zero, naming the rank, when a rank
     of a multi-rank run dies or hangs."""
-    from expertmesh.logger import setup_logging
-
     names = served_model_names or [llm_kwargs.get("model") or DEFAULT_SERVED_NAME]
     if _under_torchrun(llm_kwargs):
         return _serve_torchrun(llm_kwargs, host, port, names, max_request_body_bytes, api_key)
-    from expertmesh import LLM
-
     setup_logging()  # the mp path logs here (worker pids, a dead worker) before any rank does
     llm = LLM(**_with_executor(llm_kwargs))
     try:
@@ -55,11 +57,6 @@ def serve(
 def _serve_torchrun(
     llm_kwargs: dict[str, Any], host: str, port: int, names: list[str], max_body: int, api_key: str | None
 ) -> None:
-    from expertmesh.config.engine_args import EngineArgs
-    from expertmesh.engine.builder import build_engine
-    from expertmesh.executor.driver_client import DriverClient
-    from expertmesh.executor.torchrun_executor import DRIVER, TorchrunExecutor
-
     args = EngineArgs.from_kwargs({**llm_kwargs, "distributed_executor_backend": "external_launcher"})
     engine = build_engine(args).engine
     executor = TorchrunExecutor(engine)
@@ -78,7 +75,7 @@ def _run(
     stop_on_failure: bool,
     api_key: str | None = None,
 ):
-    import uvicorn
+    import uvicorn  # only to run the server: tests build the app and drive it without uvicorn
 
     config = uvicorn.Config(
         build_app(engine, names, max_body, api_key),

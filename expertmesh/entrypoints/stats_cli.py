@@ -55,7 +55,7 @@ def read_json(path: str) -> dict[str, Any]:
 
 def plot(stats: dict[str, Any], out: str, title: str | None = None) -> None:
     """Layer x expert heatmap of each layer's share of routed pairs, EP ranks' imbalance beside it."""
-    try:
+    try:  # optional dependency (matplotlib): only --plot needs it
         import matplotlib
 
         matplotlib.use("Agg")

@@ -195,7 +195,7 @@ async def constrain(
         raise APIFieldError("structured outputs need the model's tokenizer, and this model has none", field)
 
     def compile_it() -> None:
-        from expertmesh.structured_outputs.compiler import get_compiler
+        from expertmesh.structured_outputs.compiler import get_compiler  # llguidance: on first use
 
         get_compiler(tokenizer, _vocab_size(engine)).compile(so)
 

@@ -23,15 +23,23 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from expertmesh.config import ModelConfig
 from expertmesh.config.hf_config import load_hf_config
+from expertmesh.config.model_source import resolve_model
+from expertmesh.distributed.launcher import torchrun_env
+from expertmesh.entrypoints.llm import LLM
+from expertmesh.executor.spawn import run_spmd
 from expertmesh.logger import setup_logging
+from expertmesh.sampling_params import SamplingParams
 
 BACKENDS_WITH_DP = ("naive", "allgather_reducescatter")
 EPLB_REDUNDANT = 2
@@ -125,8 +133,6 @@ def _engine_kwargs(spec: dict) -> dict:
 
 
 def _params(spec: dict):
-    from expertmesh import SamplingParams
-
     return SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=1)
 
 
@@ -143,8 +149,6 @@ def shown_backend(case: Case) -> str:
 
 def reference_tokens(spec: dict) -> tuple[list[list[int]], list[list[float]]]:
     """One process's tokens and their logprobs."""
-    from expertmesh import LLM
-
     setup_logging().setLevel(logging.WARNING)
 
     llm = LLM(spec["model"], **_engine_kwargs(spec))
@@ -154,8 +158,6 @@ def reference_tokens(spec: dict) -> tuple[list[list[int]], list[list[float]]]:
 
 def run_cases(rank: int, world: int, spec: dict, cases: list[Case], setup: Callable | None = None):
     """SPMD, on every rank: each case's (prompt indices, tokens, bytes sent, seconds, logprobs)."""
-    from expertmesh import LLM
-
     setup_logging(rank).setLevel(logging.WARNING)  # one progress line per layout instead
     if setup is not None:
         setup()
@@ -286,8 +288,6 @@ def table(rows: list[dict], skipped: list[tuple[Case, str]]) -> str:
 
 def default_prompts(vocab: int, count: int = 6, seed: int = 0) -> list[list[int]]:
     """Token-id prompts of uneven lengths (1 to 29 tokens) avoiding the usual special ids 0-2."""
-    import random
-
     rng = random.Random(seed)
     lengths = [1, 29, 7, 14, 3, 21, 9, 5][:count]
     return [[rng.randrange(min(3, vocab - 1), vocab) for _ in range(n)] for n in lengths]
@@ -307,9 +307,6 @@ def verify(
 ) -> tuple[list[dict], list[tuple[Case, str]]]:
     """Self-spawned world of `world` ranks; `setup` (importable) runs first in every rank, which
     is how tests break a layout on purpose."""
-    from expertmesh.config.model_source import resolve_model
-    from expertmesh.executor.spawn import run_spmd
-
     model_dir = resolve_model(model, None)
     mc = ModelConfig.from_hf(load_hf_config(model_dir), dtype)
     spec = {
@@ -326,11 +323,6 @@ def verify(
 
 def verify_under_torchrun(model: str | None, **kw: Any) -> tuple[list[dict], list[tuple[Case, str]]] | None:
     """Every rank of torchrun's world runs the layouts; rank 0 gets the rows (others None)."""
-    import torch.distributed as dist
-
-    from expertmesh.config.model_source import resolve_model
-    from expertmesh.distributed.launcher import torchrun_env
-
     eplb = kw.pop("eplb", False)
     kw.setdefault("deterministic", True)
     env = torchrun_env()

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from expertmesh.engine.client import StepResult, merge_stats
 from expertmesh.engine.detokenizer import Detokenizer
-from expertmesh.engine.llm_engine import as_token_ids, validate_request
+from expertmesh.engine.request_checks import as_token_ids, validate_request
 from expertmesh.sampling_params import SamplingParams
 
 

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 
 class RankFailed(RuntimeError):
     """A rank raised, died, or did not finish in time (the message names it)."""
@@ -35,9 +38,6 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any, gloo_s: float):
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),

@@ -9,6 +9,7 @@ goes away (the pipe closes), so a worker never outlives its parent for long.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import signal
@@ -40,6 +41,9 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
         TORCHELASTIC_RESTART_COUNT="0",  # the parent reads the heartbeats of attempt 0
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which tells us
+    # torch and the engine load here, after the rank's environment is set and SIGINT ignored (a
+    # Ctrl-C during these seconds of imports reaches only the parent); the parent imports this
+    # module without them.
     import torch
     import torch.distributed as dist
 
@@ -52,7 +56,7 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
     try:
         args = EngineArgs.from_kwargs({**llm_kwargs, "distributed_executor_backend": "external_launcher"})
         engine = build_engine(args).engine
-        from expertmesh.distributed import watchdog
+        from expertmesh.distributed import watchdog  # as above: the rank's modules load here
 
         # A watchdog that ends this rank tells the parent why first.
         watchdog.current().on_fire.append(lambda message: send(conn, ("error", message)))
@@ -74,8 +78,7 @@ def worker_main(rank: int, world_size: int, port: int, llm_kwargs: dict[str, Any
 
 
 def _serve_calls(engine: LLMEngine, stepper: EngineStepper, conn: Connection) -> None:
-    import itertools
-
+    # as in worker_main: loaded in the rank, not by the parent importing this module
     import torch
 
     from expertmesh.engine import offline
@@ -115,7 +118,7 @@ def _serve_calls(engine: LLMEngine, stepper: EngineStepper, conn: Connection) ->
 
 def step_round(stepper: EngineStepper, dp_rank: int, adds: list[tuple], aborts: list[str]) -> StepResult:
     """Apply this replica's adds and every abort, then step (every rank steps, for lockstep)."""
-    from expertmesh.outputs import RequestOutput
+    from expertmesh.outputs import RequestOutput  # as in worker_main: loaded in the rank only
 
     for rid in aborts:
         stepper.abort_request(rid)

@@ -24,8 +24,8 @@ from expertmesh.config import ModelConfig
 from expertmesh.distributed.all2all import All2AllBackend
 from expertmesh.distributed.eplb import move_expert_weights
 from expertmesh.distributed.fixed_sum import chunk_count
-from expertmesh.distributed.group import ParallelGroups
 from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan
+from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
 from expertmesh.layers.fused_moe import FusedExperts

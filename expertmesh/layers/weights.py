@@ -12,11 +12,13 @@ loads then check each shard for non-finite values.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+log = logging.getLogger("expertmesh")
 _whole = False  # inside whole_tensors(): read() ignores the shard bounds
 _allow_nonfinite = False
 
@@ -87,9 +89,7 @@ def copy_into(dst: torch.Tensor, value: torch.Tensor, what: str) -> None:
         bad = int((~torch.isfinite(value)).sum())
         if not _allow_nonfinite:
             raise NonFinite(f"{what}: {bad} of {value.numel()} values are NaN or infinite")
-        import logging
-
-        logging.getLogger("expertmesh").warning("%s: %d values are NaN or infinite (allowed)", what, bad)
+        log.warning("%s: %d values are NaN or infinite (allowed)", what, bad)
     dst.copy_(value.to(dst.dtype))
 
 

@@ -24,14 +24,15 @@ import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from expertmesh.distributed.group import ParallelGroups
 from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan
+from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.layers.quantization.held import plan
 from expertmesh.layers.quantization.streaming import Streaming
 from expertmesh.layers.quantization.view import CheckpointView, opened
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
+from expertmesh.models.gguf_file import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
 
 log = logging.getLogger("expertmesh")
@@ -70,8 +71,6 @@ def _open(path: str):
 
 
 def _gguf_opener(info: dict):
-    from expertmesh.models.gguf_file import GGUFError, GGUFTensorFile
-
     def open_one(path: str) -> GGUFTensorFile:
         try:
             return GGUFTensorFile(path, info)
@@ -90,8 +89,6 @@ def load_weights(
 ) -> set[int]:
     """Fill every parameter; returns the ids of the modules that took their weights compressed while
     loading (one pass: layers/quantization/streaming.py), which the build then leaves alone."""
-    from expertmesh.models.gguf_file import gguf_info
-
     gguf = gguf_info(model_dir)  # a GGUF model (models/gguf_file.py): its files, tensors under HF names
     files, opener = (gguf["files"], _gguf_opener(gguf)) if gguf else (safetensors_files(model_dir), _open)
     with opened(files, opener) as handles:

@@ -139,7 +139,7 @@ def check_params(params: list[Any], tokenizer: Any, vocab_size: int) -> None:
     prompt whose schema, regex or grammar is invalid."""
     for i, p in enumerate(params):
         if getattr(p, "structured_outputs", None) is not None:
-            from expertmesh.structured_outputs.compiler import get_compiler
+            from expertmesh.structured_outputs.compiler import get_compiler  # llguidance: on first use
 
             try:
                 get_compiler(tokenizer, vocab_size).compile(p.structured_outputs)

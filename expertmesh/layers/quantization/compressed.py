@@ -83,6 +83,7 @@ class CompressedTensorsFormat:
 
     @classmethod
     def from_config(cls, cfg: dict) -> CompressedTensorsFormat:
+        # optional dependency (compressed-tensors): only its checkpoints need it
         from compressed_tensors.quantization import QuantizationConfig
 
         for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
@@ -111,6 +112,7 @@ class CompressedTensorsFormat:
 
     def scheme_of(self, module: str) -> tuple[Any, str] | None:
         """The first config group whose targets name this module (`Linear`: any quantized one)."""
+        # optional dependency (compressed-tensors): only its checkpoints need it
         from compressed_tensors.utils.match import match_name
 
         for _, scheme, fmt in self.schemes():
@@ -119,6 +121,7 @@ class CompressedTensorsFormat:
         return None
 
     def ignored(self, module: str) -> bool:
+        # optional dependency (compressed-tensors): only its checkpoints need it
         from compressed_tensors.utils.match import match_name
 
         return any(match_name(module, t) for t in self.config.ignore or ())
@@ -165,6 +168,7 @@ class CompressedTensor(LogicalTensor):
             return None
         if self.fmt != "pack-quantized" or self.args.strategy == "tensor":
             return self._rows("weight_zero_point", o0, o1)
+        # optional dependency (compressed-tensors): only its checkpoints need it
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
         p = 32 // self.args.num_bits  # values a word, packed along the output dim
@@ -176,6 +180,7 @@ class CompressedTensor(LogicalTensor):
         """Rows [o0, o1) of the int8 values q (whole rows: they pack along the input dim)."""
         if self.fmt != "pack-quantized":
             return self.parts["weight"][o0:o1]
+        # optional dependency (compressed-tensors): only its checkpoints need it
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
         packed = self.parts["weight_packed"][o0:o1]
@@ -198,6 +203,7 @@ class CompressedTensor(LogicalTensor):
         return q.to(torch.int8).view(torch.uint8), s, -z * s
 
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        # optional dependency (compressed-tensors): only its checkpoints need it
         from compressed_tensors.quantization.lifecycle.forward import dequantize
 
         (o0, o1), (i0, i1) = bounds

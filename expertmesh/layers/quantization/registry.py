@@ -116,6 +116,7 @@ def checkpoint_format(quant: Any) -> Any:
     cfg = _as_dict(quant)
     method = cfg.get("quant_method")
     if method == "gguf":  # written by models/gguf_file.py for a GGUF file's held types, never by users
+        # models/ sits above layers/ (and brings numpy): only a GGUF checkpoint loads it
         from expertmesh.models.gguf_file import GGUFFormat
 
         return GGUFFormat.from_config(cfg)
