@@ -98,10 +98,11 @@ def test_mtp_on_a_model_without_mtp_layers_names_both():
         LLM(speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}, warmup=False)
 
 
-def test_mtp_on_a_model_with_mtp_layers_says_it_is_not_built(tmp_path):
-    """The published DeepSeek-V3 config (one MTP layer): refused before any weight is read."""
-    (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
-    with pytest.raises(ValueError, match="1 MTP layer.*DeepseekV3ForCausalLM.*not implemented"):
+def test_mtp_on_a_family_it_is_not_built_for_says_so(tmp_path):
+    """The published GLM-4.5-Air config (one MTP layer; only DeepSeek-V3's is built, see
+    tests/test_spec_mtp.py): refused before any weight is read."""
+    (tmp_path / "config.json").write_text(json.dumps(published("glm-4.5-air")))
+    with pytest.raises(ValueError, match="1 MTP layer.*Glm4MoeForCausalLM.*not implemented"):
         LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 

@@ -86,8 +86,9 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config needs {name!r} (got keys {sorted(value)})")
         return SpeculativeConfig(**value)
 
-    def check_model(self, architecture: str, num_mtp_layers: int) -> None:
-        """An MTP method needs a model that ships MTP layers; drafting with them is not built yet."""
+    def check_model(self, architecture: str, num_mtp_layers: int, world_size: int = 1) -> None:
+        """An MTP method needs a model that ships MTP layers, of a family whose MTP layer is built
+        (spec_decode/mtp.py), in one process."""
         if self.method != "mtp":
             return
         if num_mtp_layers < 1:
@@ -95,7 +96,16 @@ class SpeculativeConfig:
                 f"speculative_config method='mtp' needs multi-token-prediction layers, and this "
                 f"{architecture} model has none (num_nextn_predict_layers=0); use method='ngram'"
             )
-        raise ValueError(
-            f"speculative_config method='mtp': drafting with the {num_mtp_layers} MTP layer(s) of this "
-            f"{architecture} model is not implemented yet; use method='ngram'"
-        )
+        from expertmesh.spec_decode.mtp_families import MTP_ARCHITECTURES
+
+        if architecture not in MTP_ARCHITECTURES:
+            raise ValueError(
+                f"speculative_config method='mtp': drafting with the {num_mtp_layers} MTP layer(s) of this "
+                f"{architecture} model is not implemented yet (built for {list(MTP_ARCHITECTURES)}); "
+                "use method='ngram'"
+            )
+        if world_size != 1:
+            raise ValueError(
+                f"speculative_config method='mtp' runs in one process for now, not world_size={world_size} "
+                "(tensor/pipeline/data/expert parallel); use method='ngram' there"
+            )

@@ -1,0 +1,145 @@
+"""Multi-token-prediction (MTP) drafts: the MTP layer DeepSeek-V3 / R1 ship after their last decoder
+layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and SGLang's DeepSeek MTP run it:
+
+    h = eh_proj(cat(enorm(embed(t[i+1])), hnorm(h_target[i])))     # embedding first, then hidden
+    h = decoder_layer(h)                                             # MLA + MoE, like the target's
+    logits = shared_head.head(shared_head.norm(h))                   # predicts t[i+2]
+
+h_target[i] is the target model's final-normed hidden state at position i (what its lm_head reads).
+The embedding is the target's (`model.embed_tokens`; the checkpoint's copy under the MTP layer is
+the same tensor and is not loaded). A draft of k > 1 chains the one layer: the layer's own output h
+at the last position and the drafted token extend its input, as vLLM does.
+
+KV cache: the MTP layer's attention recomputes over the whole sequence at each draft step, in a
+private cache of its own (one sequence long), instead of keeping a slot in the paged cache. That is
+exact and simple, and costs O(sequence length) per draft step: see docs/speculative_decoding.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from expertmesh.config import ModelConfig
+from expertmesh.engine import kv_cache
+from expertmesh.engine.sequence import Sequence
+from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.attention import AttentionMetadata, PrefillChunk
+from expertmesh.layers.embedding import ParallelLMHead
+from expertmesh.layers.linear import ReplicatedLinear
+from expertmesh.layers.norm import NORMS
+from expertmesh.registries import lookup
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, norm: Any, tp: Any) -> None:
+        super().__init__()
+        self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
+        self.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, tp, cfg.dtype)
+
+
+class MTPLayer(nn.Module):
+    """One MTP layer (parameters `mtp.*`; the loader maps `model.layers.{n}.*` onto them)."""
+
+    def __init__(self, cfg: ModelConfig, family: Any, env: Any) -> None:
+        super().__init__()
+        from expertmesh.models.decoder import DecoderLayer  # models import spec_decode's config
+
+        norm = lookup(NORMS, family.norm, "norm")
+        h = cfg.hidden_size
+        self.enorm, self.hnorm = norm(h, cfg.norm_eps, cfg.dtype), norm(h, cfg.norm_eps, cfg.dtype)
+        self.eh_proj = ReplicatedLinear(2 * h, h, False, cfg.dtype)
+        self.layer = DecoderLayer(cfg, cfg.num_layers, family, env)
+        self.shared_head = SharedHead(cfg, norm, env.groups.tp)
+        self.index = cfg.num_layers
+        self._cache_blocks = 0
+
+    def kv_layer(self) -> Any:
+        (attn,) = self.layer.kv_layers()
+        return attn
+
+    def _ensure_cache(self, tokens: int, block_size: int, dtype: torch.dtype) -> None:
+        """The private cache, grown (doubling) to hold `tokens` rows."""
+        blocks = -(-tokens // block_size)
+        if blocks <= self._cache_blocks:
+            return
+        blocks = max(blocks, 2 * self._cache_blocks)
+        attn = self.kv_layer()
+        device = str(self.enorm.weight.device)
+        (cache,) = kv_cache.allocate([attn.kv_spec], blocks, block_size, dtype, device)
+        attn.bind_kv_cache(cache)
+        self._cache_blocks = blocks
+
+    @torch.inference_mode()
+    def forward(
+        self, embed: nn.Module, rotary: Any, ids: torch.Tensor, hidden: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """The layer's output h [m, H] over MTP positions 0..m-1 (ids[i] = t[i+1], hidden[i] = h[i]),
+        every position attending to those before it (one prefill from scratch)."""
+        m = ids.shape[0]
+        self._ensure_cache(m, block_size, hidden.dtype)
+        x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
+        pos = torch.arange(m)
+        meta = AttentionMetadata(torch.arange(m, dtype=torch.long), 0, [], [PrefillChunk(0, m)])
+        meta.seq_lens = torch.full((m,), m)
+        ctx = ForwardContext(meta, [m], count_load=False)
+        ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
+        return self.layer(pos, x, ctx)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(h)).float()
+
+
+class HiddenHistory:
+    """Per sequence, the target's hidden state at each computed position (what the MTP layer reads).
+    Rows are written by position as the model runner computes them; rows at or past a sequence's
+    computed tokens (rejected draft rows) are stale and rewritten when recomputed."""
+
+    @staticmethod
+    def write(seq: Sequence, first_pos: int, rows: torch.Tensor) -> None:
+        buf: torch.Tensor | None = getattr(seq, "mtp_hidden", None)
+        end = first_pos + rows.shape[0]
+        if buf is None or buf.shape[0] < end:
+            grown = torch.empty(max(end, 2 * (0 if buf is None else buf.shape[0]), 16), rows.shape[1],
+                                dtype=rows.dtype)  # fmt: skip
+            if buf is not None:
+                grown[: buf.shape[0]] = buf
+            buf = seq.mtp_hidden = grown
+        buf[first_pos:end] = rows
+        known = getattr(seq, "mtp_known", 0)
+        if first_pos <= known:  # contiguous from position 0 (a prefix-cache hit leaves a gap)
+            seq.mtp_known = max(known, end)
+
+    @staticmethod
+    def read(seq: Sequence, upto: int) -> torch.Tensor | None:
+        """Rows 0..upto-1, or None where some were never computed for this sequence."""
+        if min(getattr(seq, "mtp_known", 0), seq.num_computed_tokens) < upto:
+            return None
+        return seq.mtp_hidden[:upto]
+
+
+class MTPProposer:
+    """Drafts by the MTP layer of `model` (a CausalLM holding `.mtp`): greedy, k tokens chained."""
+
+    def __init__(self, model: nn.Module, k: int, block_size: int) -> None:
+        self.model, self.k, self.block_size = model, k, block_size
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        n = seq.num_tokens
+        if seq.num_computed_tokens != n - 1 or n < 2:
+            return []
+        hidden = HiddenHistory.read(seq, n - 1)
+        if hidden is None:
+            return []
+        mtp, inner = self.model.mtp, self.model.model
+        ids = torch.tensor(seq.tokens(1, n))
+        draft: list[int] = []
+        for _ in range(min(self.k, limit)):
+            h = mtp(inner.embed_tokens, inner.rotary, ids, hidden, self.block_size)
+            token = int(mtp.logits(h[-1:]).argmax(dim=-1))
+            draft.append(token)
+            ids = torch.cat([ids, torch.tensor([token])])
+            hidden = torch.cat([hidden, h[-1:]])
+        return draft

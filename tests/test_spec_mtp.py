@@ -1,0 +1,154 @@
+"""MTP speculative decoding (spec_decode/mtp.py) on a tiny DeepSeek-V3 checkpoint built from the
+published config with its MTP tensors (real_checkpoints.add_mtp_layers): the MTP layer loads strictly
+(only for method='mtp'); its forward equals the data flow written here in plain torch over the loaded
+weights and the target's hidden states from transformers; greedy speculative output is token-identical
+to decoding without speculation; an MTP layer made to predict what the target predicts is accepted;
+models without MTP layers (or a family it is not built for, or a multi-process layout) are refused
+with the names."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from checkpoints import prompts_of_lengths
+from expect import assert_tokens_equal
+from real_checkpoints import Sizes, published
+from safetensors.torch import load_file, save_file
+
+from expertmesh import LLM, SamplingParams
+
+V3_SIZES = Sizes(layers=5, experts=32, max_top_k=8)
+ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
+MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 1, "disable_by_batch_size": 64}
+
+
+def _v3(real_checkpoint) -> str:
+    return real_checkpoint("deepseek-v3", sizes=V3_SIZES)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    assert llm.llm_engine.blocks.num_free == llm.llm_engine.blocks.num_blocks
+    return outs
+
+
+def _assert_same(spec_outs, plain_outs, what: str) -> None:
+    for i, (a, b) in enumerate(zip(spec_outs, plain_outs, strict=True)):
+        assert_tokens_equal(a.outputs[0].token_ids, b.outputs[0].token_ids, f"{what} request {i}")
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason, i
+
+
+@pytest.mark.timeout(240)
+def test_greedy_mtp_equals_plain_decoding(real_checkpoint):
+    """Random MTP weights: few drafts are accepted, so both paths (accept, reject + roll back) run;
+    an uneven batch, max_tokens 1 (nothing to verify) and k = 1 and 2 (chained)."""
+    path = _v3(real_checkpoint)
+    prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 1, 17, 30)]
+    plain = _generate(LLM(path, **ENGINE), prompts, params)
+    for k in (1, 2):
+        spec = LLM(path, **ENGINE, speculative_config={**MTP, "num_speculative_tokens": k})
+        _assert_same(_generate(spec, prompts, params), plain, f"k={k}")
+        s = spec.llm_engine.stats()
+        assert s["spec_decode_num_drafts"] > 0, s
+
+
+def _consistent(outputs: list[list[int]]) -> tuple[list[int], dict[int, int]]:
+    """The outputs (by index) whose tokens each have one successor, and that successor map: one-to-one
+    over all of them, so that a head can predict every next token from the current one alone."""
+    chosen, successor = [], {}
+    for i, tokens in enumerate(outputs):
+        pairs = dict(zip(tokens, tokens[1:], strict=False))
+        ok = len(pairs) == len(tokens) - 1 and all(successor.get(u, v) == v for u, v in pairs.items())
+        merged = {**successor, **pairs}
+        if ok and len(set(merged.values())) == len(merged):
+            chosen.append(i)
+            successor = merged
+    return chosen, successor
+
+
+def _with_successor_head(src: str, dst: str, successor: dict[int, int]) -> str:
+    """A copy of checkpoint `src` whose MTP layer predicts successor[t] from the token t it embeds:
+    eh_proj = [I | 0] keeps enorm(embed(t)) and drops the hidden state (so a swapped concat order would
+    draft from the hidden state and miss), the decoder layer adds nothing (o_proj and every down_proj
+    zero), unit norms, and head row successor[u] = embed(u) / |embed(u)| (the logit is then the cosine
+    of embed(t) and embed(u), highest at u = t)."""
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model-00002-of-00002.safetensors")
+    mtp = load_file(file)
+    embed = load_file(os.path.join(dst, "model-00001-of-00002.safetensors"))["model.embed_tokens.weight"]
+    n = int(json.load(open(os.path.join(dst, "config.json")))["num_hidden_layers"])
+    p = f"model.layers.{n}."
+    hidden = embed.shape[1]
+    for key, value in mtp.items():
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            mtp[key] = torch.zeros_like(value)
+        if key.endswith("norm.weight") and key.startswith((p + "enorm", p + "hnorm", p + "shared_head")):
+            mtp[key] = torch.ones_like(value)
+    mtp[p + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    head = torch.zeros_like(embed)
+    for u, v in successor.items():
+        head[v] = embed[u] / embed[u].norm()
+    mtp[p + "shared_head.head.weight"] = head
+    save_file(mtp, file, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.timeout(240)
+def test_mtp_layer_that_predicts_the_target_is_accepted(real_checkpoint, tmp_path):
+    """Outputs of the tiny target in which each token has one successor: an MTP layer built to predict
+    that successor from the embedded token drafts every token right (chained too, k = 2), verification
+    accepts all of them, fewer steps run, and the output stays the target's."""
+    path = _v3(real_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain_llm = LLM(path, **ENGINE)
+    candidates = prompts_of_lengths([4, 6, 8, 10, 12, 5, 7, 9], seed=5)
+    outputs = [list(o.outputs[0].token_ids) for o in _generate(plain_llm, candidates, params)]
+    chosen, successor = _consistent(outputs)
+    assert len(chosen) >= 2, outputs
+    prompts = [candidates[i] for i in chosen]
+    before = plain_llm.llm_engine.stats()["steps"]
+    plain = _generate(plain_llm, prompts, params)
+    plain_steps = plain_llm.llm_engine.stats()["steps"] - before
+    synthetic = _with_successor_head(path, str(tmp_path / "synthetic"), successor)
+    for k in (1, 2):
+        spec = LLM(synthetic, **ENGINE, speculative_config={**MTP, "num_speculative_tokens": k})
+        _assert_same(_generate(spec, prompts, params), plain, f"synthetic k={k}")
+        s = spec.llm_engine.stats()
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 0, s
+        assert s["steps"] < plain_steps, s
+
+
+def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_path):
+    """Without method='mtp' the MTP tensors are skipped (no `mtp` module); with it, every MTP tensor
+    fills a parameter, and a checkpoint missing one of them is refused naming the parameter."""
+    path = _v3(real_checkpoint)
+    assert getattr(LLM(path, **ENGINE).llm_engine.runner.model, "mtp", None) is None
+    model = LLM(path, **ENGINE, speculative_config=MTP).llm_engine.runner.model
+    n = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    eh = stored[f"model.layers.{n}.eh_proj.weight"]
+    torch.testing.assert_close(model.mtp.eh_proj(torch.eye(eh.shape[1])).T, eh)  # [H, 2H] as stored
+    torch.testing.assert_close(model.mtp.enorm.weight, stored[f"model.layers.{n}.enorm.weight"])
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    del stored[f"model.layers.{n}.hnorm.weight"]
+    save_file(stored, str(broken / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    del index["weight_map"][f"model.layers.{n}.hnorm.weight"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(Exception, match="mtp.hnorm.weight"):
+        LLM(str(broken), **ENGINE, speculative_config=MTP)
+
+
+def test_mtp_refusals_name_the_model_and_the_layout(tmp_path):
+    """No MTP layers: names the method and the architecture; a multi-process layout: names it."""
+    with pytest.raises(ValueError, match="method='mtp'.*PhimoeForCausalLM model has none"):
+        LLM(speculative_config=MTP, warmup=False)
+    (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
+    with pytest.raises(ValueError, match="method='mtp' runs in one process.*world_size=2"):
+        LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=MTP)
