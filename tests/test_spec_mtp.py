@@ -152,3 +152,32 @@ def test_mtp_refusals_name_the_model_and_the_layout(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
     with pytest.raises(ValueError, match="method='mtp' runs in one process.*world_size=2"):
         LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=MTP)
+
+
+def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint):
+    """The drafter computes only the MTP positions added since its last step over the cached ones: in
+    chunks of 5, 1, 3 and 3 positions, the outputs equal one pass over all 12 (and a later chunk's
+    attention really reads the cached rows: zeroing them changes its output)."""
+    from types import SimpleNamespace
+
+    model = LLM(_v3(real_checkpoint), **ENGINE, speculative_config=MTP).llm_engine.runner.model
+    mtp, inner, bs = model.mtp, model.model, 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (12,), generator=g)
+    hidden = torch.randn(12, model.cfg.hidden_size, generator=g).to(model.cfg.dtype)
+    one = SimpleNamespace()
+    whole = mtp(
+        inner.embed_tokens, inner.rotary, ids, hidden, 0, mtp.cache_for(one, 12, bs, hidden.dtype), bs
+    )
+    seq, parts, start = SimpleNamespace(), [], 0
+    for size in (5, 1, 3, 3):
+        cache = mtp.cache_for(seq, start + size, bs, hidden.dtype)  # grows (and copies) on the way
+        end = start + size
+        parts.append(
+            mtp(inner.embed_tokens, inner.rotary, ids[start:end], hidden[start:end], start, cache, bs)
+        )
+        start = end
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=2e-2, atol=2e-2)
+    seq.mtp_kv.zero_()
+    later = mtp(inner.embed_tokens, inner.rotary, ids[9:], hidden[9:], 9, seq.mtp_kv, bs)
+    assert not torch.allclose(later, whole[9:], rtol=2e-2, atol=2e-2)

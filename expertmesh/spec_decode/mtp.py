@@ -10,9 +10,11 @@ The embedding is the target's (`model.embed_tokens`; the checkpoint's copy under
 the same tensor and is not loaded). A draft of k > 1 chains the one layer: the layer's own output h
 at the last position and the drafted token extend its input, as vLLM does.
 
-KV cache: the MTP layer's attention recomputes over the whole sequence at each draft step, in a
-private cache of its own (one sequence long), instead of keeping a slot in the paged cache. That is
-exact and simple, and costs O(sequence length) per draft step: see docs/speculative_decoding.md.
+KV cache: each sequence keeps the MTP layer's K/V rows in a small cache of its own (`seq.mtp_kv`,
+grown by doubling, freed with the sequence) rather than a slot in the paged cache. MTP position i's
+row depends only on t[i+1] and h[i], both final once t[i+1] is accepted, so each draft step computes
+only the positions added since the last one (a prefill chunk over the cached context); rows of
+chained drafts are past `seq.mtp_done` and are overwritten later.
 """
 
 from __future__ import annotations
@@ -54,36 +56,46 @@ class MTPLayer(nn.Module):
         self.layer = DecoderLayer(cfg, cfg.num_layers, family, env)
         self.shared_head = SharedHead(cfg, norm, env.groups.tp)
         self.index = cfg.num_layers
-        self._cache_blocks = 0
 
     def kv_layer(self) -> Any:
         (attn,) = self.layer.kv_layers()
         return attn
 
-    def _ensure_cache(self, tokens: int, block_size: int, dtype: torch.dtype) -> None:
-        """The private cache, grown (doubling) to hold `tokens` rows."""
-        blocks = -(-tokens // block_size)
-        if blocks <= self._cache_blocks:
-            return
-        blocks = max(blocks, 2 * self._cache_blocks)
-        attn = self.kv_layer()
-        device = str(self.enorm.weight.device)
-        (cache,) = kv_cache.allocate([attn.kv_spec], blocks, block_size, dtype, device)
-        attn.bind_kv_cache(cache)
-        self._cache_blocks = blocks
+    def cache_for(self, seq: Sequence, tokens: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """`seq`'s MTP cache, grown (doubling, rows kept) to hold `tokens` positions."""
+        cache: torch.Tensor | None = getattr(seq, "mtp_kv", None)
+        have = 0 if cache is None else cache.shape[1] - 1  # allocate adds one scratch block
+        need = -(-tokens // block_size)
+        if need > have:
+            blocks = max(need, 2 * have)
+            spec, device = self.kv_layer().kv_spec, str(self.enorm.weight.device)
+            (grown,) = kv_cache.allocate([spec], blocks, block_size, dtype, device)
+            if cache is not None:
+                grown[:, :have] = cache[:, :have]
+            cache = seq.mtp_kv = grown
+        return cache
 
     @torch.inference_mode()
     def forward(
-        self, embed: nn.Module, rotary: Any, ids: torch.Tensor, hidden: torch.Tensor, block_size: int
+        self,
+        embed: nn.Module,
+        rotary: Any,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        context: int,
+        cache: torch.Tensor,
+        block_size: int,
     ) -> torch.Tensor:
-        """The layer's output h [m, H] over MTP positions 0..m-1 (ids[i] = t[i+1], hidden[i] = h[i]),
-        every position attending to those before it (one prefill from scratch)."""
+        """The layer's output h [m, H] at MTP positions context..context+m-1 (ids[j] = t[context+j+1],
+        hidden[j] = h[context+j]), each attending to the cached positions before `context` and to the
+        new ones up to its own; their K/V rows are stored in `cache` (slot = position)."""
         m = ids.shape[0]
-        self._ensure_cache(m, block_size, hidden.dtype)
+        self.kv_layer().bind_kv_cache(cache)
         x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
-        pos = torch.arange(m)
-        meta = AttentionMetadata(torch.arange(m, dtype=torch.long), 0, [], [PrefillChunk(0, m)])
-        meta.seq_lens = torch.full((m,), m)
+        pos = torch.arange(context, context + m)
+        table = torch.arange(-(-(context + m) // block_size)) if context else None
+        meta = AttentionMetadata(pos.clone(), 0, [], [PrefillChunk(0, m, context, table)])
+        meta.seq_lens = torch.full((m,), context + m)
         ctx = ForwardContext(meta, [m], count_load=False)
         ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
         return self.layer(pos, x, ctx)
@@ -134,12 +146,18 @@ class MTPProposer:
         if hidden is None:
             return []
         mtp, inner = self.model.mtp, self.model.model
-        ids = torch.tensor(seq.tokens(1, n))
+        k = min(self.k, limit)
+        cache = mtp.cache_for(seq, n - 1 + k, self.block_size, hidden.dtype)
+        # MTP positions done (their K/V cached) up to n - 2, the last one run again for its output.
+        done = min(getattr(seq, "mtp_done", 0), n - 2)
+        ids, h_in = torch.tensor(seq.tokens(done + 1, n)), hidden[done : n - 1]
         draft: list[int] = []
-        for _ in range(min(self.k, limit)):
-            h = mtp(inner.embed_tokens, inner.rotary, ids, hidden, self.block_size)
+        for j in range(k):
+            h = mtp(inner.embed_tokens, inner.rotary, ids, h_in, done if j == 0 else n - 2 + j, cache,
+                    self.block_size)  # fmt: skip
+            if j == 0:
+                seq.mtp_done = n - 1  # rows past it (chained drafts) are overwritten later
             token = int(mtp.logits(h[-1:]).argmax(dim=-1))
             draft.append(token)
-            ids = torch.cat([ids, torch.tensor([token])])
-            hidden = torch.cat([hidden, h[-1:]])
+            ids, h_in = torch.tensor([token]), h[-1:]
         return draft
