@@ -1,10 +1,9 @@
-"""MTP speculative decoding (spec_decode/mtp.py) on a tiny DeepSeek-V3 checkpoint built from the
-published config with its MTP tensors (real_checkpoints.add_mtp_layers): the MTP layer loads strictly
-(only for method='mtp'); its forward equals the data flow written here in plain torch over the loaded
-weights and the target's hidden states from transformers; greedy speculative output is token-identical
-to decoding without speculation; an MTP layer made to predict what the target predicts is accepted;
-models without MTP layers (or a family it is not built for, or a multi-process layout) are refused
-with the names."""
+"""MTP speculative decoding (spec_decode/mtp.py) on tiny DeepSeek-V3 and GLM-4.5-Air checkpoints
+built from the published configs with their MTP tensors (real_checkpoints.add_mtp_layers): the MTP
+layer loads strictly (only for method='mtp'); its incremental forward equals one pass; greedy
+speculative output is token-identical to decoding without speculation; an MTP layer made to
+predict what the target predicts is fully accepted; a model without MTP layers and a multi-process
+layout are refused with the names."""
 
 import json
 import os
@@ -19,13 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from expertmesh import LLM, SamplingParams
 
-V3_SIZES = Sizes(layers=5, experts=32, max_top_k=8)
+# The families whose MTP layer is built, each at the sizes of its other tests.
+FAMILIES = {"deepseek-v3": Sizes(layers=5, experts=32, max_top_k=8), "glm-4.5-air": None}
 ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 1, "disable_by_batch_size": 64}
 
 
-def _v3(real_checkpoint) -> str:
-    return real_checkpoint("deepseek-v3", sizes=V3_SIZES)
+def _path(real_checkpoint, family: str) -> str:
+    return real_checkpoint(family, sizes=FAMILIES[family])
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
@@ -37,17 +37,23 @@ def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
 
 def _assert_same(spec_outs, plain_outs, what: str) -> None:
     for i, (a, b) in enumerate(zip(spec_outs, plain_outs, strict=True)):
-        assert_tokens_equal(a.outputs[0].token_ids, b.outputs[0].token_ids, f"{what} request {i}")
-        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason, i
+        x, y = a.outputs[0], b.outputs[0]
+        assert_tokens_equal(x.token_ids, y.token_ids, f"{what} request {i}")
+        assert x.finish_reason == y.finish_reason, i
+        for u, v in zip(x.logprobs or [], y.logprobs or [], strict=True):
+            assert u.keys() == v.keys() and all(abs(u[t].logprob - v[t].logprob) < 1e-4 for t in u), i
 
 
 @pytest.mark.timeout(240)
-def test_greedy_mtp_equals_plain_decoding(real_checkpoint):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_mtp_equals_plain_decoding(real_checkpoint, family):
     """Random MTP weights: few drafts are accepted, so both paths (accept, reject + roll back) run;
     an uneven batch, max_tokens 1 (nothing to verify) and k = 1 and 2 (chained)."""
-    path = _v3(real_checkpoint)
+    path = _path(real_checkpoint, family)
     prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 1, 17, 30)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (24, 1, 17, 30)
+    ]
     plain = _generate(LLM(path, **ENGINE), prompts, params)
     for k in (1, 2):
         spec = LLM(path, **ENGINE, speculative_config={**MTP, "num_speculative_tokens": k})
@@ -56,17 +62,21 @@ def test_greedy_mtp_equals_plain_decoding(real_checkpoint):
         assert s["spec_decode_num_drafts"] > 0, s
 
 
-def _consistent(outputs: list[list[int]]) -> tuple[list[int], dict[int, int]]:
-    """The outputs (by index) whose tokens each have one successor, and that successor map: one-to-one
-    over all of them, so that a head can predict every next token from the current one alone."""
-    chosen, successor = [], {}
+def _consistent(outputs: list[list[int]], shortest: int = 4) -> tuple[dict[int, int], dict[int, int]]:
+    """{output index: length} of the output prefixes (at least `shortest` tokens) in which each token
+    has one successor, and that successor map: one-to-one over all of them, so that a head can
+    predict every next token of those prefixes from the current one alone."""
+    chosen, successor = {}, {}
     for i, tokens in enumerate(outputs):
-        pairs = dict(zip(tokens, tokens[1:], strict=False))
-        ok = len(pairs) == len(tokens) - 1 and all(successor.get(u, v) == v for u, v in pairs.items())
-        merged = {**successor, **pairs}
-        if ok and len(set(merged.values())) == len(merged):
-            chosen.append(i)
-            successor = merged
+        merged, n = dict(successor), 1
+        while n < len(tokens):
+            u, v = tokens[n - 1], tokens[n]
+            if merged.get(u, v) != v or (u not in merged and v in merged.values()):
+                break
+            merged[u], n = v, n + 1
+        if n >= shortest:
+            # The last token's successor is never drafted (max_tokens ends the output there).
+            chosen[i], successor = n, merged
     return chosen, successor
 
 
@@ -99,11 +109,12 @@ def _with_successor_head(src: str, dst: str, successor: dict[int, int]) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_mtp_layer_that_predicts_the_target_is_accepted(real_checkpoint, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_layer_that_predicts_the_target_is_accepted(real_checkpoint, tmp_path, family):
     """Outputs of the tiny target in which each token has one successor: an MTP layer built to predict
     that successor from the embedded token drafts every token right (chained too, k = 2), verification
     accepts all of them, fewer steps run, and the output stays the target's."""
-    path = _v3(real_checkpoint)
+    path = _path(real_checkpoint, family)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain_llm = LLM(path, **ENGINE)
     candidates = prompts_of_lengths([4, 6, 8, 10, 12, 5, 7, 9], seed=5)
@@ -111,6 +122,7 @@ def test_mtp_layer_that_predicts_the_target_is_accepted(real_checkpoint, tmp_pat
     chosen, successor = _consistent(outputs)
     assert len(chosen) >= 2, outputs
     prompts = [candidates[i] for i in chosen]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in chosen.values()]
     before = plain_llm.llm_engine.stats()["steps"]
     plain = _generate(plain_llm, prompts, params)
     plain_steps = plain_llm.llm_engine.stats()["steps"] - before
@@ -123,10 +135,11 @@ def test_mtp_layer_that_predicts_the_target_is_accepted(real_checkpoint, tmp_pat
         assert s["steps"] < plain_steps, s
 
 
-def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_path, family):
     """Without method='mtp' the MTP tensors are skipped (no `mtp` module); with it, every MTP tensor
     fills a parameter, and a checkpoint missing one of them is refused naming the parameter."""
-    path = _v3(real_checkpoint)
+    path = _path(real_checkpoint, family)
     assert getattr(LLM(path, **ENGINE).llm_engine.runner.model, "mtp", None) is None
     model = LLM(path, **ENGINE, speculative_config=MTP).llm_engine.runner.model
     n = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
@@ -154,13 +167,14 @@ def test_mtp_refusals_name_the_model_and_the_layout(tmp_path):
         LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=MTP)
 
 
-def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint, family):
     """The drafter computes only the MTP positions added since its last step over the cached ones: in
     chunks of 5, 1, 3 and 3 positions, the outputs equal one pass over all 12 (and a later chunk's
     attention really reads the cached rows: zeroing them changes its output)."""
     from types import SimpleNamespace
 
-    model = LLM(_v3(real_checkpoint), **ENGINE, speculative_config=MTP).llm_engine.runner.model
+    model = LLM(_path(real_checkpoint, family), **ENGINE, speculative_config=MTP).llm_engine.runner.model
     mtp, inner, bs = model.mtp, model.model, 4
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.cfg.vocab_size, (12,), generator=g)

@@ -1,8 +1,8 @@
-"""Multi-token-prediction (MTP) drafts: the MTP layer DeepSeek-V3 / R1 ship after their last decoder
-layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and SGLang's DeepSeek MTP run it:
+"""Multi-token-prediction (MTP) drafts: the MTP layer DeepSeek-V3 / R1 and GLM-4.5 ship after their last
+decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and SGLang's MTP run it:
 
     h = eh_proj(cat(enorm(embed(t[i+1])), hnorm(h_target[i])))     # embedding first, then hidden
-    h = decoder_layer(h)                                             # MLA + MoE, like the target's
+    h = decoder_layer(h)                                             # the target's layer kind
     logits = shared_head.head(shared_head.norm(h))                   # predicts t[i+2]
 
 h_target[i] is the target model's final-normed hidden state at position i (what its lm_head reads).
