@@ -195,3 +195,28 @@ def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint, family):
     seq.mtp_kv.zero_()
     later = mtp(inner.embed_tokens, inner.rotary, ids[9:], hidden[9:], 9, seq.mtp_kv, bs)
     assert not torch.allclose(later, whole[9:], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_with_preemption_and_prefix_cache_hits(real_checkpoint, family):
+    """A small KV cache: sequences are preempted mid-output and recomputed (their kept hidden states
+    and MTP rows are rewritten); then prompts extending earlier prompts + outputs hit the prefix
+    cache, which leaves the MTP layer without the cached positions' hidden states: those sequences
+    do not draft. Output equals decoding without speculation throughout."""
+    path = _path(real_checkpoint, family)
+    plain = LLM(path, **ENGINE, enable_prefix_caching=False)
+    per_block = plain.llm_engine.runner.block_bytes()
+    tight = dict(ENGINE, kv_cache_memory_bytes=12 * per_block, max_num_seqs=8)
+    spec = LLM(path, **tight, speculative_config=MTP)
+    prompts = prompts_of_lengths([6, 11, 4, 9, 7, 5], seed=30)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    first = _generate(spec, prompts, sp)
+    _assert_same(first, _generate(plain, prompts, sp), "preempted")
+    s = spec.llm_engine.stats()
+    assert s["preemptions"] > 0 and s["spec_decode_num_drafts"] > 0, s
+    cut = [25, 20, 28, 17, 30, 22]
+    longer = [p + list(o.outputs[0].token_ids[:m]) for p, o, m in zip(prompts, first, cut, strict=True)]
+    again = _generate(spec, longer, sp)
+    _assert_same(again, _generate(plain, longer, sp), "cached")
+    assert sum(o.num_cached_tokens for o in again) >= 16, [o.num_cached_tokens for o in again]
