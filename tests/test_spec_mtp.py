@@ -220,3 +220,19 @@ def test_mtp_with_preemption_and_prefix_cache_hits(real_checkpoint, family):
     again = _generate(spec, longer, sp)
     _assert_same(again, _generate(plain, longer, sp), "cached")
     assert sum(o.num_cached_tokens for o in again) >= 16, [o.num_cached_tokens for o in again]
+
+
+@pytest.mark.timeout(240)
+def test_mtp_sampled_runs_reproduce_and_warmup_works(real_checkpoint):
+    """Sampling with MTP drafts (the rejection sampler: greedy drafts are one-hot proposals): a seeded
+    request gives the same tokens on a second engine; the engine warms up with MTP on."""
+    path = _path(real_checkpoint, "deepseek-v3")
+    prompts = prompts_of_lengths([7, 12], seed=8)
+    sp = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=s, ignore_eos=True) for s in (1, 2)]
+    warm = LLM(path, **{**ENGINE, "warmup": True}, speculative_config=MTP)
+    a = _generate(warm, prompts, sp)
+    assert warm.llm_engine.stats()["spec_decode_num_drafts"] > 0
+    b = _generate(LLM(path, **ENGINE, speculative_config=MTP), prompts, sp)
+    for x, y in zip(a, b, strict=True):
+        assert list(x.outputs[0].token_ids) == list(y.outputs[0].token_ids)
+        assert len(x.outputs[0].token_ids) == 24
