@@ -159,12 +159,13 @@ def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_p
 
 
 def test_mtp_refusals_name_the_model_and_the_layout(tmp_path):
-    """No MTP layers: names the method and the architecture; a multi-process layout: names it."""
+    """No MTP layers: names the method and the architecture; DP or PP: names the size."""
     with pytest.raises(ValueError, match="method='mtp'.*PhimoeForCausalLM model has none"):
         LLM(speculative_config=MTP, warmup=False)
     (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
-    with pytest.raises(ValueError, match="method='mtp' runs in one process.*world_size=2"):
-        LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=MTP)
+    for name in ("data_parallel_size", "pipeline_parallel_size"):
+        with pytest.raises(ValueError, match=f"method='mtp' is not supported with {name}=2"):
+            LLM(str(tmp_path), **{name: 2}, speculative_config=MTP)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -236,3 +237,31 @@ def test_mtp_sampled_runs_reproduce_and_warmup_works(real_checkpoint):
     for x, y in zip(a, b, strict=True):
         assert list(x.outputs[0].token_ids) == list(y.outputs[0].token_ids)
         assert len(x.outputs[0].token_ids) == 24
+
+
+def _tp_rank(rank, world, path, prompts, lens, ep):
+    llm = LLM(path, tensor_parallel_size=world, enable_expert_parallel=ep, speculative_config=MTP,
+              distributed_executor_backend="external_launcher", **ENGINE)  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    outs = _generate(llm, prompts, params)
+    stats = {k: v for k, v in llm.llm_engine.stats().items() if k.startswith("spec_decode")}
+    return [list(o.outputs[0].token_ids) for o in outs], stats
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_under_tensor_parallel(real_checkpoint, family):
+    """TP2 (the MTP layer sliced per rank like the target's), with and without EP over the TP ranks:
+    greedy output on every rank equals one process without speculation, and both ranks count the
+    same drafts (they take rank 0's)."""
+    from distributed_utils import run_distributed
+
+    path = _path(real_checkpoint, family)
+    prompts, lens = prompts_of_lengths([5, 9, 3], seed=3), [20, 12, 16]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    expected = [list(o.outputs[0].token_ids) for o in _generate(LLM(path, **ENGINE), prompts, params)]
+    for ep in (False, True):
+        per_rank = run_distributed(_tp_rank, 2, path, prompts, lens, ep, timeout=200)
+        for rank, (tokens, stats) in enumerate(per_rank):
+            assert tokens == expected, (ep, rank)
+            assert stats == per_rank[0][1] and stats["spec_decode_num_drafts"] > 0, (ep, rank, stats)

@@ -135,8 +135,11 @@ class HiddenHistory:
 class MTPProposer:
     """Drafts by the MTP layer of `model` (a CausalLM holding `.mtp`): greedy, k tokens chained."""
 
-    def __init__(self, model: nn.Module, k: int, block_size: int) -> None:
+    def __init__(self, model: nn.Module, k: int, block_size: int, tp: Any = None) -> None:
         self.model, self.k, self.block_size = model, k, block_size
+        # TP ranks hold the same sequences and call this in the same order (the layer's collectives
+        # run in lockstep); the draft is taken from rank 0, so ranks cannot disagree on it.
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         n = seq.num_tokens
@@ -160,4 +163,4 @@ class MTPProposer:
             token = int(mtp.logits(h[-1:]).argmax(dim=-1))
             draft.append(token)
             ids, h_in = torch.tensor([token]), h[-1:]
-        return draft
+        return draft if self.tp is None else self.tp.broadcast_object(draft, 0)
