@@ -10,7 +10,13 @@ The decode step at context n decodes --max-tokens tokens after a prompt of n - m
 It prints the median ratios and the break-even acceptance (draft cost / decode cost: a verification
 row is taken as free, batch-1 decode being weight-bandwidth bound) with the load average.
 
+With --synthetic it also times batch-1 generation with and without MTP speculation (k = 1, 2) on a
+copy of the checkpoint whose MTP layer is built to predict the target (tests/test_spec_mtp.py's
+successor head, on output prefixes where the next token is a function of the current one): every
+draft is accepted, so this is the speed-up at acceptance 1.0 on this shape.
+
     .venv/bin/python benchmarks/bench_spec_mtp.py --quick     # under a minute
+    .venv/bin/python benchmarks/bench_spec_mtp.py --quick --synthetic
     .venv/bin/python benchmarks/bench_spec_mtp.py --layers 16 --hidden 512 --rounds 7
 """
 
@@ -74,6 +80,53 @@ def _draft(model, n: int, block_size: int, seq) -> float:
     return time.perf_counter() - t
 
 
+def _synthetic(plain, path: str, root: str, rounds: int) -> str:
+    """Batch-1 tok/s without and with MTP (k = 1, 2) whose drafts are all right, interleaved."""
+    from checkpoints import prompts_of_lengths
+    from test_spec_mtp import _consistent, _with_successor_head
+
+    from expertmesh import LLM, SamplingParams
+
+    candidates = prompts_of_lengths([4, 6, 8, 10, 12, 5, 7, 9, 11, 13, 3, 14], seed=5)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = plain.generate([{"prompt_token_ids": p} for p in candidates], sp, use_tqdm=False)
+    chosen, successor = _consistent([list(o.outputs[0].token_ids) for o in outs], shortest=8)
+    if not chosen:
+        return "synthetic: no output prefix of 8+ tokens with one successor per token; nothing timed"
+    synth = _with_successor_head(path, os.path.join(root, "synthetic"), successor)
+    engine = dict(max_model_len=1024, kv_cache_memory_bytes=1 << 26, warmup=False)
+    specs = {k: LLM(synth, **engine, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+             for k in (1, 2)}  # fmt: skip
+    work = [
+        (candidates[i], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for i, n in chosen.items()
+    ]
+    tokens = sum(p.max_tokens for _, p in work)
+
+    def timed(llm) -> float:
+        t = time.perf_counter()
+        for prompt, p in work:  # batch 1
+            llm.generate([{"prompt_token_ids": prompt}], p, use_tqdm=False)
+        return time.perf_counter() - t
+
+    ratios: dict[int, list[float]] = {1: [], 2: []}
+    base = []
+    for _ in range(rounds):
+        b = timed(plain)
+        base.append(b)
+        for k, llm in specs.items():
+            ratios[k].append(b / timed(llm))
+    lines = [f"synthetic MTP head (every draft right): {len(work)} prompts, {tokens} tokens, batch 1",
+             f"plain: {tokens / statistics.median(base):.1f} tok/s"]  # fmt: skip
+    for k, llm in specs.items():
+        s = llm.llm_engine.stats()
+        acc = f"{s['spec_decode_num_accepted_tokens']}/{s['spec_decode_num_draft_tokens']}"
+        lines.append(
+            f"mtp k={k}: {statistics.median(ratios[k]):.2f}x plain (median of rounds), accepted {acc}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -82,6 +135,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--contexts", default="16,128,512")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 16 tokens")
+    ap.add_argument("--synthetic", action="store_true", help="also time generation, drafts all right")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.max_tokens = 3, 16
@@ -110,6 +164,8 @@ def main() -> None:
                 x = _draft(model, n, bs, seqs[n])
                 drafts[n].append(x)
                 ratios[n].append(x / d)
+        if a.synthetic:
+            synthetic = _synthetic(plain, path, root, a.rounds)
     print(f"DeepSeek-V3 shape: {a.layers} layers + 1 MTP layer, hidden {a.hidden}, {model.cfg.dtype}")
     print(
         f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}"
@@ -120,6 +176,8 @@ def main() -> None:
         r = statistics.median(ratios[n])
         d, x = statistics.median(decodes[n]) * 1e3, statistics.median(drafts[n]) * 1e3
         print(f"| {n} | {d:.2f} | {x:.2f} | {r:.3f} | {r:.3f} |")
+    if a.synthetic:
+        print(synthetic)
 
 
 if __name__ == "__main__":
