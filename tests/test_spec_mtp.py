@@ -141,7 +141,12 @@ def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_p
     fills a parameter, and a checkpoint missing one of them is refused naming the parameter."""
     path = _path(real_checkpoint, family)
     assert getattr(LLM(path, **ENGINE).llm_engine.runner.model, "mtp", None) is None
-    model = LLM(path, **ENGINE, speculative_config=MTP).llm_engine.runner.model
+    engine = LLM(path, **ENGINE, speculative_config=MTP).llm_engine
+    model = engine.runner.model
+    # The target's MoE layers only in the expert load statistics (the MTP layer's is not counted).
+    assert [m.layer_index for m in engine.expert_load.moes] == [
+        i for i, layer in model.model.layers.items() if layer.is_moe for i in [int(i)]
+    ]
     n = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
     stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
     eh = stored[f"model.layers.{n}.eh_proj.weight"]
