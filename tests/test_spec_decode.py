@@ -98,10 +98,12 @@ def test_mtp_on_a_model_without_mtp_layers_names_both():
         LLM(speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}, warmup=False)
 
 
-def test_mtp_on_a_model_with_mtp_layers_says_it_is_not_built(tmp_path):
-    """The published DeepSeek-V3 config (one MTP layer): refused before any weight is read."""
-    (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
-    with pytest.raises(ValueError, match="1 MTP layer.*DeepseekV3ForCausalLM.*not implemented"):
+def test_mtp_on_a_family_it_is_not_built_for_says_so(tmp_path):
+    """The published MiniMax-M2.7 config (3 MTP modules; only DeepSeek-V3's and GLM-4.5's MTP layer
+    is built, see tests/test_spec_mtp.py): refused before any weight is read."""
+    config = {k: v for k, v in published("2026/minimax-m2.7").items() if k != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="3 MTP layer.*MiniMaxM2ForCausalLM.*not implemented"):
         LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 

@@ -63,7 +63,8 @@ def speculative_config(args: EngineArgs, model_config: ModelConfig, hf: Any) -> 
     spec = SpeculativeConfig.of(args.speculative_config)
     if spec is not None:
         mtp = max(model_config.num_nextn_predict_layers, int(getattr(hf, "mtp_num_hidden_layers", 0) or 0))
-        spec.check_model(model_config.architecture, mtp)
+        pc = args.parallel_config()
+        spec.check_model(model_config.architecture, mtp, pc.data_parallel_size, pc.pipeline_parallel_size)
     return spec
 
 
@@ -97,7 +98,10 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     if parallel.enable_eplb:
         env.num_redundant_experts = parallel.eplb_config.num_redundant_experts
         env.initial_load = read_initial_load(parallel.eplb_config.load_path)
-    net = build_model(config.model_config, env, model_dir, placement.device, args.allow_nonfinite_weights)
+    net = build_model(
+        config.model_config, env, model_dir, placement.device, args.allow_nonfinite_weights,
+        mtp=spec is not None and spec.method == "mtp",
+    )  # fmt: skip
     set_native_decode(net, args.native_decode)
     runner = ModelRunner(config, net, placement.groups)
     same_dir = config.tokenizer == model_dir  # then its config.json is the one read above

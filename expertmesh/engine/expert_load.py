@@ -38,7 +38,12 @@ log = logging.getLogger("expertmesh")
 
 class ExpertLoad:
     def __init__(self, model: torch.nn.Module, plan: Any, groups: Any, top_k: int, num_experts: int) -> None:
-        self.moes = sorted((m for m in model.modules() if isinstance(m, MoE)), key=lambda m: m.layer_index)
+        # The target's MoE layers; an MTP layer's (spec_decode/mtp.py) is not counted (its drafts run
+        # with count_load=False) nor rebalanced.
+        mtp = getattr(model, "mtp", None)
+        drafting = {id(m) for m in mtp.modules()} if mtp is not None else set()
+        moes = (m for m in model.modules() if isinstance(m, MoE) and id(m) not in drafting)
+        self.moes = sorted(moes, key=lambda m: m.layer_index)
         self.plan, self.groups, self.top_k, self.num_experts = plan, groups, top_k, num_experts
         name = plan.count_group_name
         self.count_group = groups.get(name) if name is not None else None

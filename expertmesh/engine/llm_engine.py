@@ -107,7 +107,16 @@ class LLMEngine(WarmUp):
                 "tokens (no state snapshots); speculative decoding needs an attention-only model"
             )
         log.info("speculative decoding: %s", spec)
-        return Drafter(spec)
+        if spec.method != "mtp":
+            return Drafter(spec)
+        from expertmesh.spec_decode.mtp import MTPProposer
+
+        model = self.runner.model
+        if getattr(model, "mtp", None) is None:  # the builder attaches it for method="mtp"
+            raise ValueError("speculative_config method='mtp': the model was built without its MTP layer")
+        self.runner.keep_hidden = True  # the MTP layer reads the target's hidden states
+        proposer = MTPProposer(model, spec.num_speculative_tokens, self.blocks.block_size, self.groups.tp)
+        return Drafter(spec, mtp=proposer)
 
     def _agree_on_state_slots(self, runner: ModelRunner) -> int:
         """Hybrid models: the recurrent-state slots every rank affords (the fewest), allocated; they

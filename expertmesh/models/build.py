@@ -42,10 +42,16 @@ def build_model(
     model_dir: str,
     device: str = "cpu",
     allow_nonfinite_weights: bool = False,
+    mtp: bool = False,
 ) -> torch.nn.Module:
+    """`mtp`: also build and load the checkpoint's MTP layer (`model.mtp`, spec_decode/mtp.py)."""
     cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, env)
+        if mtp:
+            from expertmesh.spec_decode.mtp import MTPLayer
+
+            model.mtp = MTPLayer(cfg, model.family, env)
     # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
     # routed experts (weights packed below, or compressed while loading), RMSNorm, rotary + KV
     # store and decode attention; model.cpu_kernels tells the runner to lay out decode metadata.

@@ -35,6 +35,11 @@ from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_i
 from expertmesh.models.gguf_file import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
 
+# The MTP layer's own pieces (spec_decode/mtp.py MTPLayer); the rest of `model.layers.{n}.*` is its
+# decoder layer, and its `embed_tokens` is a copy of the target's.
+HEAD_PIECES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+SHARED_EMBEDDING = "embed_tokens."
+
 log = logging.getLogger("expertmesh")
 
 
@@ -181,10 +186,25 @@ def skip_rule(key: str, model: Any) -> str | None:
         return rule
     layer = layer_index(names.canonical(key))
     if layer is not None and cfg.num_layers <= layer < cfg.num_layers + cfg.num_nextn_predict_layers:
-        return (
-            "mtp layers (num_nextn_predict_layers / num_mtp_modules; speculative decoding is not supported)"
-        )
+        if getattr(model, "mtp", None) is None:
+            return "mtp layers (num_nextn_predict_layers / num_mtp_modules; loaded for method mtp only)"
+        if layer > cfg.num_layers:
+            return "mtp layers after the first (one MTP layer drafts, chained, as in vLLM)"
+        if names.canonical(key).startswith(f"model.layers.{layer}.{SHARED_EMBEDDING}"):
+            return "the MTP layer copy of embed_tokens (the target embedding is used)"
     return None
+
+
+def mtp_key(key: str, model: Any) -> str:
+    """A canonical key of the loaded MTP layer `model.layers.{n}.*` as its parameter name (`mtp.*`:
+    its head pieces, `mtp.layer.*`: its decoder layer); any other key as it is."""
+    if getattr(model, "mtp", None) is None:
+        return key
+    prefix = f"model.layers.{model.cfg.num_layers}."
+    if not key.startswith(prefix):
+        return key
+    rest = key[len(prefix) :]
+    return "mtp." + rest if rest.startswith(HEAD_PIECES) else "mtp.layer." + rest
 
 
 # ---- the one-rank twin: full shapes and dtypes, before any rank slices ------------------------------
@@ -210,6 +230,8 @@ def check_against_twin(model: Any, view: CheckpointView) -> None:
         except ValueError as exc:  # a weight format's pieces that do not fit together
             raise WeightLoadError(f"{exc} (in {path})") from exc
         names = twin.family.names
+        if mtp_key(names.canonical(key), model) != names.canonical(key):
+            continue  # the MTP layer: the twin has none; its loading checks shapes
         targets = checkpoint_targets(names.canonical(key), names, experts, model.cfg.tie_word_embeddings)
         _check_key(key, path, shape, dtype, targets or [], params)
 
@@ -245,7 +267,7 @@ def _check_key(key: str, path: str, shape: tuple[int, ...], dtype: str, targets:
 
 
 def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, tie, stream=None) -> None:
-    checkpoint_key, key = key, model.family.names.canonical(key)
+    checkpoint_key, key = key, mtp_key(model.family.names.canonical(key), model)
     layer = layer_index(key)
     if layer is not None and not 0 <= layer < model.cfg.num_layers:
         raise WeightLoadError(

@@ -86,8 +86,11 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config needs {name!r} (got keys {sorted(value)})")
         return SpeculativeConfig(**value)
 
-    def check_model(self, architecture: str, num_mtp_layers: int) -> None:
-        """An MTP method needs a model that ships MTP layers; drafting with them is not built yet."""
+    def check_model(
+        self, architecture: str, num_mtp_layers: int, data_parallel: int = 1, pipeline_parallel: int = 1
+    ) -> None:
+        """An MTP method needs a model that ships MTP layers, of a family whose MTP layer is built
+        (spec_decode/mtp.py), in one replica of one pipeline stage (tensor parallel allowed)."""
         if self.method != "mtp":
             return
         if num_mtp_layers < 1:
@@ -95,7 +98,22 @@ class SpeculativeConfig:
                 f"speculative_config method='mtp' needs multi-token-prediction layers, and this "
                 f"{architecture} model has none (num_nextn_predict_layers=0); use method='ngram'"
             )
-        raise ValueError(
-            f"speculative_config method='mtp': drafting with the {num_mtp_layers} MTP layer(s) of this "
-            f"{architecture} model is not implemented yet; use method='ngram'"
-        )
+        from expertmesh.spec_decode.mtp_families import MTP_ARCHITECTURES
+
+        if architecture not in MTP_ARCHITECTURES:
+            raise ValueError(
+                f"speculative_config method='mtp': drafting with the {num_mtp_layers} MTP layer(s) of this "
+                f"{architecture} model is not implemented yet (built for {list(MTP_ARCHITECTURES)}); "
+                "use method='ngram'"
+            )
+        for name, size in (
+            ("data_parallel_size", data_parallel),
+            ("pipeline_parallel_size", pipeline_parallel),
+        ):
+            if size != 1:
+                # PP: the hidden states live on the last stage; DP: replicas draft different
+                # sequences, so the MTP layer's expert dispatch across them would leave lockstep.
+                raise ValueError(
+                    f"speculative_config method='mtp' is not supported with {name}={size} yet (tensor "
+                    "parallel is); use method='ngram' there"
+                )

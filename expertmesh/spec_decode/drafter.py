@@ -3,6 +3,8 @@ and the counters of what verification accepted."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from expertmesh.engine.sequence import Sequence
 from expertmesh.spec_decode.adaptive import AdaptiveGate, SpecState
 from expertmesh.spec_decode.config import SpeculativeConfig
@@ -11,12 +13,16 @@ from expertmesh.spec_decode.stats import SpecDecodeStats
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, adaptive: bool = True) -> None:
-        if config.method != "ngram":
+    def __init__(self, config: SpeculativeConfig, adaptive: bool = True, mtp: Any = None) -> None:
+        """`mtp`: the MTP proposer (spec_decode/mtp.py) when config.method is "mtp"."""
+        if (config.method == "mtp") != (mtp is not None):
             raise ValueError(f"speculative_config method={config.method!r} has no drafter here")
         self.config = config
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        self.mtp = mtp
+        self.proposer = (
+            NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            if mtp is None
+            else None
         )
         self.gate = AdaptiveGate() if adaptive else None
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
@@ -37,6 +43,8 @@ class Drafter:
         state = self._state(seq)
         if self.gate is not None and not self.gate.may_draft(state):
             return []
+        if self.mtp is not None:
+            return self.mtp.propose(seq, limit)
         return self.proposer.propose(state.tokens.sync(seq), limit)
 
     def describe(self) -> str:
