@@ -29,7 +29,7 @@ from expertmesh.engine.sequence import Sequence
 from expertmesh.engine.warmup import WarmUp
 from expertmesh.outputs import CompletionOutput, RequestOutput
 from expertmesh.sampling_params import SamplingParams
-from expertmesh.spec_decode.drafter import Drafter
+from expertmesh.spec_decode.drafter import build_drafter
 from expertmesh.structured_outputs import runtime as structured
 
 log = logging.getLogger("expertmesh")
@@ -77,7 +77,9 @@ class LLMEngine(WarmUp):
         self.blocks = BlockManager(
             num_blocks, config.cache_config.block_size, prefix_caching, slots, runner.snapshots
         )
-        self.drafter = self._drafter(config)
+        self.drafter = build_drafter(
+            config, self._model_has_state(), runner, self.blocks.block_size, self.groups.tp
+        )
         self.scheduler = Scheduler(config.scheduler_config, self.blocks, self.drafter)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
@@ -95,28 +97,6 @@ class LLMEngine(WarmUp):
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, self.blocks.block_size, self.capacity
         )
-
-    def _drafter(self, config: EngineConfig) -> Drafter | None:
-        spec = config.speculative_config
-        if spec is None:
-            return None
-        if self._model_has_state():  # the whole model: a PP stage may hold no recurrent layer
-            raise ValueError(
-                f"speculative_config method={spec.method!r}: {config.model_config.architecture} has "
-                "recurrent layers whose per-sequence state cannot be rolled back past rejected draft "
-                "tokens (no state snapshots); speculative decoding needs an attention-only model"
-            )
-        log.info("speculative decoding: %s", spec)
-        if spec.method != "mtp":
-            return Drafter(spec)
-        from expertmesh.spec_decode.mtp import MTPProposer
-
-        model = self.runner.model
-        if getattr(model, "mtp", None) is None:  # the builder attaches it for method="mtp"
-            raise ValueError("speculative_config method='mtp': the model was built without its MTP layer")
-        self.runner.keep_hidden = True  # the MTP layer reads the target's hidden states
-        proposer = MTPProposer(model, spec.num_speculative_tokens, self.blocks.block_size, self.groups.tp)
-        return Drafter(spec, mtp=proposer)
 
     def _agree_on_state_slots(self, runner: ModelRunner) -> int:
         """Hybrid models: the recurrent-state slots every rank affords (the fewest), allocated; they

@@ -3,13 +3,21 @@ and the counters of what verification accepted."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 from expertmesh.engine.sequence import Sequence
 from expertmesh.spec_decode.adaptive import AdaptiveGate, SpecState
 from expertmesh.spec_decode.config import SpeculativeConfig
+from expertmesh.spec_decode.mtp import MTPProposer
 from expertmesh.spec_decode.ngram import NgramProposer
 from expertmesh.spec_decode.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from expertmesh.config import EngineConfig
+    from expertmesh.engine.model_runner import ModelRunner
+
+log = logging.getLogger("expertmesh")
 
 
 class Drafter:
@@ -60,3 +68,27 @@ class Drafter:
         self.stats.observe(num_draft, num_accepted)
         if self.gate is not None:
             self.gate.observe(self._state(seq), num_draft, num_accepted)
+
+
+def build_drafter(
+    config: EngineConfig, has_state: bool, runner: ModelRunner, block_size: int, tp_group: Any
+) -> Drafter | None:
+    """The engine's drafter for its `speculative_config` (None without one). `has_state`: the whole
+    model has recurrent layers (decided over the model, so every pipeline stage agrees)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if has_state:
+        raise ValueError(
+            f"speculative_config method={spec.method!r}: {config.model_config.architecture} has "
+            "recurrent layers whose per-sequence state cannot be rolled back past rejected draft "
+            "tokens (no state snapshots); speculative decoding needs an attention-only model"
+        )
+    log.info("speculative decoding: %s", spec)
+    if spec.method != "mtp":
+        return Drafter(spec)
+    model = runner.model
+    if getattr(model, "mtp", None) is None:  # the builder attaches it for method="mtp"
+        raise ValueError("speculative_config method='mtp': the model was built without its MTP layer")
+    runner.keep_hidden = True  # the MTP layer reads the target's hidden states
+    return Drafter(spec, mtp=MTPProposer(model, spec.num_speculative_tokens, block_size, tp_group))
