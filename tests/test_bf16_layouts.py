@@ -87,7 +87,9 @@ def real_width(tmp_path_factory, tokenizer_dir):
     return (path, *reference(path))
 
 
-def engine(path: str, dp=1, pp=1, tp=1, ep=False, backend="allgather_reducescatter") -> LLM:
+def engine(path: str, dp=1, pp=1, tp=1, ep=False, backend="allgather_reducescatter", **kw) -> LLM:
+    """A bf16 engine in the given layout (test_bitwise_layouts builds its engines here too);
+    `kw`: further LLM keywords, overriding the KV cache size."""
     return LLM(
         path,
         dtype="bfloat16",
@@ -98,7 +100,7 @@ def engine(path: str, dp=1, pp=1, tp=1, ep=False, backend="allgather_reducescatt
         all2all_backend=backend,
         distributed_executor_backend="external_launcher" if dp * pp * tp > 1 else None,
         max_model_len=64,
-        kv_cache_memory_bytes=1 << 25,
+        **{"kv_cache_memory_bytes": 1 << 25, **kw},
     )
 
 

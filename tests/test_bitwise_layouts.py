@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 from distributed_utils import run_distributed
+from test_bf16_layouts import engine as bf16_engine
 
 from expertmesh import LLM, SamplingParams
 
@@ -35,20 +36,8 @@ def prompts(n: int, seed: int = 3) -> list[list[int]]:
 
 
 def engine(path: str, dp=1, pp=1, tp=1, ep=False, backend="allgather_reducescatter", det=True, **kw) -> LLM:
-    return LLM(
-        path,
-        dtype="bfloat16",
-        data_parallel_size=dp,
-        pipeline_parallel_size=pp,
-        tensor_parallel_size=tp,
-        enable_expert_parallel=ep,
-        all2all_backend=backend,
-        distributed_executor_backend="external_launcher" if dp * pp * tp > 1 else None,
-        max_model_len=64,
-        kv_cache_memory_bytes=1 << 24,
-        deterministic=det,
-        warmup=False,
-        **kw,
+    return bf16_engine(
+        path, dp, pp, tp, ep, backend, kv_cache_memory_bytes=1 << 24, deterministic=det, warmup=False, **kw
     )
 
 
