@@ -32,6 +32,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from checkpoint_cache import cached_checkpoint  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
 
@@ -49,23 +50,11 @@ MODES = ("sparse", "expanded", "dense")
 
 def make_model(cache_dir: str) -> str:
     """The checkpoint (config.json + safetensors, no tokenizer), built once and cached."""
-    path = Path(cache_dir) / "deepseek-v3.2-attention"
     config = json.loads((ROOT / "tests" / "real_configs" / "2026" / "deepseek-v3.2.json").read_text())
     config.pop("quantization_config")
     config.update(SHAPE)
-    marker = path / "READY"
-    if marker.exists() and json.loads(marker.read_text()) == {"config": config, "seed": SEED}:
-        return str(path)
-    from transformers import AutoConfig, DeepseekV32ForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(SEED)
-    model = DeepseekV32ForCausalLM._from_config(AutoConfig.from_pretrained(path)).float().eval()
-    model.save_pretrained(path)
-    (path / "config.json").write_text(json.dumps(config))
-    marker.write_text(json.dumps({"config": config, "seed": SEED}))
-    return str(path)
+    path = Path(cache_dir) / "deepseek-v3.2-attention"
+    return cached_checkpoint(path, config, "DeepseekV32ForCausalLM", torch.float32, SEED)
 
 
 def measure(model: str, context: int, batch: int, steps: int) -> dict[str, float]:

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from checkpoint_cache import cached_checkpoint  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
 
@@ -87,25 +87,7 @@ SLICES = {
 
 def make_model(family: Slice, cache_dir: str) -> str:
     path = Path(cache_dir) / family.directory
-    config = family.config()
-    marker = path / "READY"
-    if marker.exists() and json.loads(marker.read_text()) == config:
-        return str(path)
-    import transformers
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from checkpoints import train_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    cls = getattr(transformers, family.hf_class)
-    model = cls._from_config(transformers.AutoConfig.from_pretrained(path)).to(torch.bfloat16).eval()
-    model.save_pretrained(path)
-    (path / "config.json").write_text(json.dumps(config))
-    train_tokenizer(str(path))
-    marker.write_text(json.dumps(config))
-    return str(path)
+    return cached_checkpoint(path, family.config(), family.hf_class, torch.bfloat16, tokenizer=True)
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:

@@ -28,6 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from checkpoint_cache import cached_checkpoint  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
 
@@ -42,22 +43,10 @@ SEED = 0
 
 def make_model(cache_dir: str) -> str:
     """The checkpoint (config.json + safetensors, no tokenizer), built once and cached."""
-    path = Path(cache_dir) / "deepseek-v2-lite-attention"
     config = json.loads((ROOT / "tests" / "real_configs" / "deepseek-v2-lite.json").read_text())
     config.update(SHAPE)
-    marker = path / "READY"
-    if marker.exists() and json.loads(marker.read_text()) == {"config": config, "seed": SEED}:
-        return str(path)
-    from transformers import AutoConfig, DeepseekV2ForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(SEED)
-    model = DeepseekV2ForCausalLM._from_config(AutoConfig.from_pretrained(path)).float().eval()
-    model.save_pretrained(path)
-    (path / "config.json").write_text(json.dumps(config))
-    marker.write_text(json.dumps({"config": config, "seed": SEED}))
-    return str(path)
+    path = Path(cache_dir) / "deepseek-v2-lite-attention"
+    return cached_checkpoint(path, config, "DeepseekV2ForCausalLM", torch.float32, SEED)
 
 
 def measure(model: str, dtype: str, context: int, batch: int, steps: int) -> dict[str, float]:
