@@ -10,6 +10,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_runtest_logreport(report) -> None:
+    """EXPERTMESH_FAILURE_LOG=path: each failure appended as it happens, so a run cut short by a time
+    limit (tools/cuda_check.sh on a lent GPU) still says what failed. Written by the controller only
+    under pytest-xdist (its workers report to it)."""
+    path = os.environ.get("EXPERTMESH_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+
+
 @pytest.fixture
 def engine_log(caplog):
     """The expertmesh logger's records at INFO (it does not propagate to the root logger caplog

@@ -78,6 +78,20 @@ def collective_timeout(watchdog_s: float) -> timedelta:
     return timedelta(seconds=2 * watchdog_s + 10)
 
 
+def default_device(local_rank: int) -> str:
+    """One CUDA device a process (vLLM's rule) when this node sees any, else the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"local rank {local_rank} needs its own CUDA device but this node sees {count} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); launch at most "
+            f"{count} processes a node, or pass device='cpu' (--device cpu) to run on the CPU cores"
+        )
+    return f"cuda:{local_rank}"
+
+
 def place_process(
     pc: ParallelConfig, device: str | None, timeout_s: float = watchdog.DEFAULT_TIMEOUT_S
 ) -> Placement:
@@ -93,7 +107,7 @@ def place_process(
                 f"{pc.pipeline_parallel_size} x TP={pc.tensor_parallel_size}) but nothing launched them; "
                 f"run under torchrun: {torchrun_hint(pc)}"
             )
-        return Placement(0, 0, device or "cpu", ParallelGroups.single(layout))
+        return Placement(0, 0, device or default_device(0), ParallelGroups.single(layout))
     if env is None:
         raise ValueError(
             "distributed_executor_backend='external_launcher' needs torchrun's environment "
@@ -103,7 +117,7 @@ def place_process(
     check_world_size(layout, world)  # before any collective
     local_rank = int(env["LOCAL_RANK"] or 0)
     if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        device = default_device(local_rank)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))

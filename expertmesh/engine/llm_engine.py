@@ -285,6 +285,9 @@ class LLMEngine(WarmUp):
             self.expert_load.begin_step()
         before = self.traffic() if self.dispatchers else None  # none in one process: stays zero
         logits = self.runner.forward(ids, pos, ctx, last, list(extra))
+        if logits is not None and logits.device.type != "cpu":
+            # One sampler for every device: the CPU's (a [B, V] float32 copy a step).
+            logits = logits.cpu()
         if self.expert_load is not None:
             self.expert_load.end_step()
         if before is not None:

@@ -154,7 +154,17 @@ class ModelRunner:
         ctx = ForwardContext(meta, [len(ids)])
         if self.state_layers:
             ctx.state_slots = torch.tensor([s.state_slot for s in batch.decodes + batch.prefills])
-        return torch.tensor(ids), torch.tensor(pos), ctx, last
+        return self._on_device(ids, pos, ctx, last)
+
+    def _on_device(
+        self, ids: list[int], pos: list[int], ctx: ForwardContext, last: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """The step's inputs, built on the CPU, on the device the model runs on."""
+        device = self.config.device
+        ctx.attn.to(device)
+        if ctx.state_slots is not None:
+            ctx.state_slots = ctx.state_slots.to(device)
+        return torch.tensor(ids, device=device), torch.tensor(pos, device=device), ctx, last
 
     def _attention_metadata(
         self, rows: list[tuple], slots: list[int], prefills: list[PrefillChunk]
@@ -218,7 +228,7 @@ class ModelRunner:
         scratch = self.num_blocks * self.block_size
         self._hidden_rows = []
         meta = AttentionMetadata(torch.tensor([scratch]), 0, [], [PrefillChunk(0, 1)])
-        return torch.tensor([0]), torch.tensor([0]), ForwardContext(meta, [1]), [0]
+        return self._on_device([0], [0], ForwardContext(meta, [1]), [0])
 
     # ---- forward --------------------------------------------------------------------------
     @torch.inference_mode()

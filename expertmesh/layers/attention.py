@@ -101,6 +101,24 @@ class AttentionMetadata:
     # every chunk of it: the length the whole prefill reaches), for length-dependent RoPE.
     seq_lens: torch.Tensor | None = None
 
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """Moves the step's index tensors (built on the CPU) to the device the model runs on."""
+        if torch.device(device).type == "cpu":
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        self.slot_mapping = move(self.slot_mapping)
+        for group in self.decode_groups:
+            group.block_tables, group.context_lens = move(group.block_tables), move(group.context_lens)
+        for chunk in self.prefills:
+            chunk.block_table = move(chunk.block_table)
+        self.decode_block_tables = move(self.decode_block_tables)
+        self.decode_context_lens = move(self.decode_context_lens)
+        self.seq_lens = move(self.seq_lens)
+        return self
+
     def token_context_lens(self, positions: torch.Tensor) -> torch.Tensor:
         if self.seq_lens is not None:
             return self.seq_lens

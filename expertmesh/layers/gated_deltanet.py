@@ -155,12 +155,13 @@ class RecurrentMixer(nn.Module):
 
     def _conv_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
         if slots is None or fresh or self.conv_state is None:
-            return torch.zeros(n, self.conv_dim, self.kernel - 1, dtype=torch.float32)
+            dev = self.A_log.device
+            return torch.zeros(n, self.conv_dim, self.kernel - 1, dtype=torch.float32, device=dev)
         return self.conv_state[slots]
 
     def _rec_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
         if slots is None or fresh or self.rec_state is None:
-            return torch.zeros(n, *self.state_spec.shapes[1], dtype=torch.float32)
+            return torch.zeros(n, *self.state_spec.shapes[1], dtype=torch.float32, device=self.A_log.device)
         return self.rec_state[slots]
 
     def _keep(self, slots: torch.Tensor | None, conv: torch.Tensor, rec: torch.Tensor) -> None:

@@ -92,10 +92,11 @@ class MTPLayer(nn.Module):
         m = ids.shape[0]
         self.kv_layer().bind_kv_cache(cache)
         x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
-        pos = torch.arange(context, context + m)
-        table = torch.arange(-(-(context + m) // block_size)) if context else None
+        dev = x.device
+        pos = torch.arange(context, context + m, device=dev)
+        table = torch.arange(-(-(context + m) // block_size), device=dev) if context else None
         meta = AttentionMetadata(pos.clone(), 0, [], [PrefillChunk(0, m, context, table)])
-        meta.seq_lens = torch.full((m,), context + m)
+        meta.seq_lens = torch.full((m,), context + m, device=dev)
         ctx = ForwardContext(meta, [m], count_load=False)
         ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
         return self.layer(pos, x, ctx)
@@ -115,7 +116,7 @@ class HiddenHistory:
         end = first_pos + rows.shape[0]
         if buf is None or buf.shape[0] < end:
             grown = torch.empty(max(end, 2 * (0 if buf is None else buf.shape[0]), 16), rows.shape[1],
-                                dtype=rows.dtype)  # fmt: skip
+                                dtype=rows.dtype, device=rows.device)  # fmt: skip
             if buf is not None:
                 grown[: buf.shape[0]] = buf
             buf = seq.mtp_hidden = grown
@@ -153,7 +154,7 @@ class MTPProposer:
         cache = mtp.cache_for(seq, n - 1 + k, self.block_size, hidden.dtype)
         # MTP positions done (their K/V cached) up to n - 2, the last one run again for its output.
         done = min(getattr(seq, "mtp_done", 0), n - 2)
-        ids, h_in = torch.tensor(seq.tokens(done + 1, n)), hidden[done : n - 1]
+        ids, h_in = torch.tensor(seq.tokens(done + 1, n), device=hidden.device), hidden[done : n - 1]
         draft: list[int] = []
         for j in range(k):
             h = mtp(inner.embed_tokens, inner.rotary, ids, h_in, done if j == 0 else n - 2 + j, cache,
@@ -162,5 +163,5 @@ class MTPProposer:
                 seq.mtp_done = n - 1  # rows past it (chained drafts) are overwritten later
             token = int(mtp.logits(h[-1:]).argmax(dim=-1))
             draft.append(token)
-            ids, h_in = torch.tensor([token]), h[-1:]
+            ids, h_in = torch.tensor([token], device=h.device), h[-1:]
         return draft if self.tp is None else self.tp.broadcast_object(draft, 0)
