@@ -109,3 +109,19 @@ def test_check_world_size():
         check_world_size(_layout(2, 3, 2), 6)
     for text in ("WORLD_SIZE=6", "DP=2", "PP=3", "TP=2", "= 12"):
         assert text in str(err.value)
+
+
+def test_default_device_one_gpu_a_rank(monkeypatch):
+    """A process takes cuda:LOCAL_RANK when it sees GPUs, the CPU when it sees none; a local rank
+    with no GPU of its own is an error naming the rank and the count, not a crash in NCCL."""
+    import torch
+
+    from expertmesh.distributed.launcher import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device(0) == "cpu" and default_device(3) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert default_device(0) == "cuda:0"
+    with pytest.raises(ValueError, match=r"local rank 1 needs its own CUDA device but this node sees 1"):
+        default_device(1)
