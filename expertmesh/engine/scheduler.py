@@ -91,6 +91,8 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         self._schedule_waiting(batch, budget)
+        if self.drafter is not None:
+            self.drafter.fill()  # MTP drafts: their lengths were planned above, their tokens now
         return batch
 
     def _chunk(self, remaining: int, budget: int) -> int:
@@ -118,10 +120,10 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """A decoding sequence's draft, within the step's budget, its max_tokens (the token after
         the draft is always sampled) and the free blocks: a draft never preempts anyone."""
-        limit = min(budget - 1, seq.max_output_tokens() - len(seq.output_token_ids) - 1)
-        draft = self.drafter.draft(seq, limit, self._num_decoding)
         room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
-        return draft[: max(0, room - seq.num_computed_tokens - 1)]
+        left = seq.max_output_tokens() - len(seq.output_token_ids)
+        limit = min(budget - 1, left - 1, room - seq.num_computed_tokens - 1)
+        return self.drafter.draft(seq, limit, self._num_decoding)
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest running sequences not in the step until `seq` can hold `num_tokens`;
