@@ -20,12 +20,15 @@ from expertmesh import LLM, SamplingParams
 
 # The families whose MTP layer is built, each at the sizes of its other tests.
 FAMILIES = {"deepseek-v3": Sizes(layers=5, experts=32, max_top_k=8), "glm-4.5-air": None}
+# MLA with DeepSeek Sparse Attention's indexer (the MTP layer caches the index keys too).
+DSA_FAMILIES = {"2026/deepseek-v3.2": None, "2026/glm-5": None}
+ALL_FAMILIES = {**FAMILIES, **DSA_FAMILIES}
 ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 1, "disable_by_batch_size": 64}
 
 
 def _path(real_checkpoint, family: str) -> str:
-    return real_checkpoint(family, sizes=FAMILIES[family])
+    return real_checkpoint(family, sizes=ALL_FAMILIES[family])
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
@@ -45,7 +48,7 @@ def _assert_same(spec_outs, plain_outs, what: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_greedy_mtp_equals_plain_decoding(real_checkpoint, family):
     """Random MTP weights: few drafts are accepted, so both paths (accept, reject + roll back) run;
     an uneven batch, max_tokens 1 (nothing to verify) and k = 1 and 2 (chained)."""
@@ -135,7 +138,7 @@ def test_mtp_layer_that_predicts_the_target_is_accepted(real_checkpoint, tmp_pat
         assert s["steps"] < plain_steps, s
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_path, family):
     """Without method='mtp' the MTP tensors are skipped (no `mtp` module); with it, every MTP tensor
     fills a parameter, and a checkpoint missing one of them is refused naming the parameter."""
@@ -174,7 +177,7 @@ def test_mtp_refusals_name_the_model(tmp_path):
         LLM(str(tmp_path), speculative_config=MTP)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint, family):
     """The drafter computes only the MTP positions added since its last step over the cached ones: in
     chunks of 5, 1, 3 and 3 positions, the outputs equal one pass over all 12 (and a later chunk's
@@ -199,7 +202,8 @@ def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint, family):
         )
         start = end
     torch.testing.assert_close(torch.cat(parts), whole, rtol=2e-2, atol=2e-2)
-    seq.mtp_kv.zero_()
+    for tensor in seq.mtp_kv:
+        tensor.zero_()
     later = mtp(inner.embed_tokens, inner.rotary, ids[9:], hidden[9:], 9, seq.mtp_kv, bs)
     assert not torch.allclose(later, whole[9:], rtol=2e-2, atol=2e-2)
 

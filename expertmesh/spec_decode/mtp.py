@@ -32,6 +32,7 @@ the drafts are taken from TP rank 0 and broadcast from the last stage to the oth
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,6 +47,22 @@ from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.norm import NORMS
 from expertmesh.registries import lookup
+
+
+def _with_mtp_layer(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with the MTP layer's index num_layers in its per-layer lists: the last layer's kind
+    (DeepSeek-V3.2's indexed attention), full attention after a recurrent last layer."""
+    if not cfg.layer_types and not cfg.rope_layers:
+        return cfg
+    kind = cfg.layer_types[-1] if cfg.layer_types else None
+    if kind == "linear_attention":
+        kind = "full_attention"
+    return replace(
+        cfg,
+        num_layers=cfg.num_layers + 1,
+        layer_types=(*cfg.layer_types, kind) if kind else (),
+        rope_layers=(*cfg.rope_layers, cfg.rope_layers[-1]) if cfg.rope_layers else (),
+    )
 
 
 class SharedHead(nn.Module):
@@ -66,30 +83,27 @@ class MTPLayer(nn.Module):
         h, tp = cfg.hidden_size, env.groups.tp
         self.enorm, self.hnorm = norm(h, cfg.norm_eps, cfg.dtype), norm(h, cfg.norm_eps, cfg.dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, cfg.dtype)
-        self.layer = DecoderLayer(cfg, cfg.num_layers, family, env)
+        self.layer = DecoderLayer(_with_mtp_layer(cfg), cfg.num_layers, family, env)
         self.shared_head = SharedHead(cfg, norm, tp)
         # A later pipeline stage has no target embedding: it loads the MTP layer's copy.
         self.embed_tokens = (
             None if env.is_first_stage else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
         )
         self.index = cfg.num_layers
-        self._scratch: torch.Tensor | None = None  # the K/V rows of lockstep dummies
+        self._scratch: list[torch.Tensor] | None = None  # the K/V rows of lockstep dummies
 
-    def kv_layer(self) -> Any:
-        (attn,) = self.layer.kv_layers()
-        return attn
-
-    def cache_for(self, seq: Any, tokens: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """`seq`'s MTP cache, grown (doubling, rows kept) to hold `tokens` positions."""
-        cache: torch.Tensor | None = getattr(seq, "mtp_kv", None)
-        have = 0 if cache is None else cache.shape[1] - 1  # allocate adds one scratch block
+    def cache_for(self, seq: Any, tokens: int, block_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """`seq`'s MTP cache, one tensor per cache slot of the layer (MLA's latent, DSA's index keys
+        too), grown (doubling, rows kept) to hold `tokens` positions."""
+        cache: list[torch.Tensor] | None = getattr(seq, "mtp_kv", None)
+        have = 0 if cache is None else cache[0].shape[1] - 1  # allocate adds one scratch block
         need = -(-tokens // block_size)
         if need > have:
             blocks = max(need, 2 * have)
-            spec, device = self.kv_layer().kv_spec, str(self.enorm.weight.device)
-            (grown,) = kv_cache.allocate([spec], blocks, block_size, dtype, device)
-            if cache is not None:
-                grown[:, :have] = cache[:, :have]
+            specs = [layer.kv_spec for layer in self.layer.kv_layers()]
+            grown = kv_cache.allocate(specs, blocks, block_size, dtype, str(self.enorm.weight.device))
+            for new, old in zip(grown, cache or [], strict=False):
+                new[:, :have] = old[:, :have]
             cache = seq.mtp_kv = grown
         return cache
 
@@ -101,7 +115,7 @@ class MTPLayer(nn.Module):
         ids: torch.Tensor,
         hidden: torch.Tensor,
         context: int,
-        cache: torch.Tensor,
+        cache: list[torch.Tensor],
         block_size: int,
         counts: list[int] | None = None,
     ) -> torch.Tensor:
@@ -110,7 +124,8 @@ class MTPLayer(nn.Module):
         new ones up to its own; their K/V rows are stored in `cache` (slot = position). `counts`: the
         tokens of this forward on every DP rank (their MoE dispatch sizes), [m] in one replica."""
         m = ids.shape[0]
-        self.kv_layer().bind_kv_cache(cache)
+        for layer, tensor in zip(self.layer.kv_layers(), cache, strict=True):
+            layer.bind_kv_cache(tensor)
         x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
         pos = torch.arange(context, context + m)
         table = torch.arange(-(-(context + m) // block_size)) if context else None
