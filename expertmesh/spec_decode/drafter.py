@@ -46,10 +46,15 @@ class Drafter:
             state = seq.spec_state = SpecState()
         return state
 
-    def draft(self, seq: Sequence, limit: int, num_decoding: int = 1) -> list[int]:
-        """Draft tokens for decoding sequence `seq`, at most `limit` (its token budget, max_tokens);
-        none while more than `max_batch` sequences decode (`num_decoding`)."""
-        if limit < 1 or num_decoding > self.max_batch or getattr(seq, "grammar", None) is not None:
+    def drafts_at(self, num_decoding: int) -> bool:
+        """Whether sequences draft in a step where `num_decoding` decode: none while more than
+        `max_batch` do (asked once a step, so a wide batch pays nothing per sequence)."""
+        return num_decoding <= self.max_batch
+
+    def draft(self, seq: Sequence, limit: int) -> list[int]:
+        """Draft tokens for decoding sequence `seq`, at most `limit` (its token budget, max_tokens,
+        the free KV slots), in a step where `drafts_at` said yes."""
+        if limit < 1 or getattr(seq, "grammar", None) is not None:
             return []  # structured outputs: the grammar's state cannot be rolled back
         state = self._state(seq)
         if self.gate is not None and not self.gate.may_draft(state):
