@@ -6,6 +6,16 @@ first; each round times every cell on both, in alternating order, and a ratio is
 rounds' ratios (absolute numbers drift with the machine's load: the load average is printed).
 Greedy outputs of the two engines are compared too (they must be equal).
 
+With `--llamacpp FILE.gguf` (the same weights as `--model`, converted by benchmarks/gguf_convert.py)
+the batch-1 cells also time llama.cpp without and with its prompt-lookup decoding
+(llama-cpp-python's LlamaPromptLookupDecoding, k and the longest n-gram as ours), in the same
+rounds, on the same token ids (the prompts are tokenized once, by the model's tokenizer), with the
+same thread count (`--threads`, also given to torch).
+
+    .venv/bin/python benchmarks/bench_spec_decode.py --quick --threads 1 \
+        --model /tmp/expertmesh-bench/mixtral-448-fp32 \
+        --llamacpp /tmp/expertmesh-bench/mixtral-448-fp32.f32.gguf
+
     .venv/bin/python benchmarks/bench_spec_decode.py --quick      # about 2-4 minutes
     .venv/bin/python benchmarks/bench_spec_decode.py --rounds 5 --max-tokens 256 --model PATH
 """
@@ -17,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 COPY = [
@@ -52,9 +63,31 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def timed(llm, prompts: list[str], params) -> tuple[float, int, list[list[int]]]:
+class LlamaCpp:
+    """benchmarks/llamacpp_lookup.py in llama-cpp-python's venv, kept running across rounds."""
+
+    def __init__(self, python: str, gguf: str, threads: int, k: int, ngram: int) -> None:
+        driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_lookup.py")
+        cmd = [python, driver, gguf, "--threads", str(threads), "--k", str(k), "--ngram", str(ngram)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        json.loads(self.proc.stdout.readline())  # {"ready": true} once both contexts are loaded
+
+    def timed(self, prompt: list[int], max_tokens: int, lookup: bool) -> tuple[float, int, list[int]]:
+        self.proc.stdin.write(
+            json.dumps({"prompt": prompt, "max_tokens": max_tokens, "lookup": lookup}) + "\n"
+        )
+        self.proc.stdin.flush()
+        out = json.loads(self.proc.stdout.readline())
+        return out["seconds"], len(out["tokens"]), out["tokens"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def timed(llm, prompts: list[list[int]], params) -> tuple[float, int, list[list[int]]]:
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
     return elapsed, sum(len(t) for t in tokens), tokens
@@ -71,10 +104,20 @@ def main() -> None:
     ap.add_argument("--no-adaptive", action="store_true", help="draft at every step (no per-sequence gate)")
     ap.add_argument("--quick", action="store_true", help="6 rounds of 64 tokens")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--llamacpp", default=None, help="a GGUF of --model: also time llama.cpp (batch 1)")
+    ap.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
+    ap.add_argument("--threads", type=int, default=None, help="torch's and llama.cpp's threads")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.max_tokens = 6, 64
+    import torch
+
     from expertmesh import LLM, SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.llamacpp and not args.model:
+        ap.error("--llamacpp needs --model: the checkpoint the GGUF was converted from")
 
     spec_config = {
         "method": "ngram",
@@ -88,9 +131,19 @@ def main() -> None:
     if args.no_adaptive:
         spec_llm.llm_engine.drafter.gate = None
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    tokenizer = plain_llm.get_tokenizer()
     cells = [(w, b) for w in ("copy", "plain") for b in (1, 8)]
-    prompts = {"copy": COPY, "plain": PLAIN}
-    rates: dict[tuple, dict[str, list[float]]] = {c: {"plain": [], "spec": []} for c in cells}
+    prompts = {
+        name: [tokenizer.encode(p) for p in texts] for name, texts in (("copy", COPY), ("plain", PLAIN))
+    }
+    rates: dict[tuple, dict[str, list[float]]] = {
+        c: {"plain": [], "spec": [], "llama": [], "llama_lookup": []} for c in cells
+    }
+    llama = None
+    if args.llamacpp:
+        threads = args.threads or torch.get_num_threads()
+        llama = LlamaCpp(args.llamacpp_python, args.llamacpp, threads, args.k, args.lookup_max)
+    agree = [0, 0]  # batch-1 calls where llama.cpp's greedy tokens equal ours, calls
     acceptance: dict[tuple, list[int]] = {c: [0, 0] for c in cells}
     mismatches = 0
     for r in range(args.rounds):
@@ -114,6 +167,15 @@ def main() -> None:
                         after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
                     )
             mismatches += outs["plain"] != outs["spec"]
+            if llama is not None and batch == 1:
+                runs = [False, True] if r % 2 else [True, False]
+                for lookup in runs:
+                    elapsed, tokens, got = llama.timed(ps[0], args.max_tokens, lookup)
+                    rates[cell]["llama_lookup" if lookup else "llama"].append(tokens / elapsed)
+                    agree[0] += got == list(outs["plain"][0])
+                    agree[1] += 1
+    if llama is not None:
+        llama.close()
     load = os.getloadavg()
     print(
         f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
@@ -123,8 +185,11 @@ def main() -> None:
         f"adaptive={'off' if args.no_adaptive else 'on'}; "
         f"{args.rounds} rounds of {args.max_tokens} tokens"
     )
+    if llama is not None:
+        print(f"llama.cpp: {args.llamacpp}, prompt lookup k={args.k}, max_ngram_size={args.lookup_max}")
     print(
         f"{'workload':<8} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accepted':>14}"
+        + (f" {'llama.cpp':>10} {'lookup':>8} {'spec/lookup':>11}" if llama is not None else "")
     )
     results = []
     for cell in cells:
@@ -132,9 +197,14 @@ def main() -> None:
         ratio = statistics.median(b / a for a, b in zip(p, s, strict=True))
         acc, drafted = acceptance[cell]
         rate = f"{acc}/{drafted}" + (f" ({acc / drafted:.2f})" if drafted else "")
+        extra, vs = "", None
+        if llama is not None and rates[cell]["llama"]:
+            lp, ll = rates[cell]["llama"], rates[cell]["llama_lookup"]
+            vs = statistics.median(b / a for a, b in zip(ll, s, strict=True))
+            extra = f" {statistics.median(lp):>10.1f} {statistics.median(ll):>8.1f} {vs:>10.2f}x"
         print(
             f"{cell[0]:<8} {cell[1]:>5} {statistics.median(p):>12.1f} {statistics.median(s):>11.1f} "
-            f"{ratio:>5.2f}x {rate:>14}"
+            f"{ratio:>5.2f}x {rate:>14}{extra}"
         )
         results.append(
             dict(
@@ -145,11 +215,18 @@ def main() -> None:
                 ratio=ratio,
                 accepted=acc,
                 drafted=drafted,
+                llamacpp_tok_s=statistics.median(rates[cell]["llama"]) if vs is not None else None,
+                llamacpp_lookup_tok_s=statistics.median(rates[cell]["llama_lookup"])
+                if vs is not None
+                else None,
+                spec_over_llamacpp_lookup=vs,
             )
         )
     print(
         f"greedy outputs differing between the two engines: {mismatches} of {args.rounds * len(cells)} calls"
     )
+    if llama is not None:
+        print(f"llama.cpp's greedy tokens equal ours in {agree[0]} of {agree[1]} batch-1 calls")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_name(), "load": load, "args": vars(args), "results": results}, f, indent=1)

@@ -8,6 +8,7 @@ keeps its own prefix cache."""
 import pytest
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
+from layout_cases import rank_main
 from test_deepseek import MODELS
 
 from expertmesh import LLM, SamplingParams
@@ -16,6 +17,7 @@ PREFIX = prompts_of_lengths([40], seed=11)[0]
 TAILS = prompts_of_lengths([3, 60, 1, 9, 25, 5], seed=12)
 P = [PREFIX + t for t in TAILS[:3]] + TAILS[3:] + [PREFIX + [4]]
 LENS = [6, 3, 9, 4, 7, 5, 3]
+ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 21, max_num_batched_tokens=24, max_num_seqs=8)
 CASES = [(2, 1, 2, False, "naive"), (2, 1, 2, True, "alltoall"), (1, 2, 2, True, "allgather_reducescatter")]
 
 
@@ -30,27 +32,15 @@ def _sp(i: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=LENS[i], ignore_eos=True)
 
 
-def _rank_main(rank, world, path, case_list):
-    results = []
-    for dp, pp, tp, ep, backend in case_list:
-        llm = LLM(
-            path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-            enable_expert_parallel=ep, all2all_backend=backend,
-            distributed_executor_backend="external_launcher", max_model_len=128,
-            kv_cache_memory_bytes=1 << 21, max_num_batched_tokens=24, max_num_seqs=8,
-        )  # fmt: skip
-        engine = llm.llm_engine
-        idx = _by_dp_rank(engine.vllm_config.parallel_config.data_parallel_rank, dp)
-        first = llm.generate(
-            [{"prompt_token_ids": P[i]} for i in idx[:1]], [_sp(i) for i in idx[:1]], use_tqdm=False
-        )
-        rest = llm.generate(
-            [{"prompt_token_ids": P[i]} for i in idx[1:]], [_sp(i) for i in idx[1:]], use_tqdm=False
-        )
-        engine.check_invariants()
-        tokens = [o.outputs[0].token_ids for o in first + rest]
-        results.append(((dp, pp, tp, ep, backend), idx, tokens, engine.stats()["prefix_cache_hits"]))
-    return results
+def _run(llm, idx):
+    """The first request alone (it fills the prefix cache), then the rest."""
+    first = llm.generate(
+        [{"prompt_token_ids": P[i]} for i in idx[:1]], [_sp(i) for i in idx[:1]], use_tqdm=False
+    )
+    rest = llm.generate(
+        [{"prompt_token_ids": P[i]} for i in idx[1:]], [_sp(i) for i in idx[1:]], use_tqdm=False
+    )
+    return [o.outputs[0].token_ids for o in first + rest], llm.llm_engine.stats()["prefix_cache_hits"]
 
 
 def _reference(path):
@@ -62,8 +52,9 @@ def _reference(path):
 
 def _check(path, case_list):
     expected = _reference(path)
-    for rank, per_rank in enumerate(run_distributed(_rank_main, 4, path, case_list, timeout=170)):
-        for case, idx, tokens, hits in per_rank:
+    per_ranks = run_distributed(rank_main, 4, path, case_list, ENGINE, _by_dp_rank, _run, timeout=170)
+    for rank, per_rank in enumerate(per_ranks):
+        for case, idx, (tokens, hits) in per_rank:
             assert tokens == [expected[i] for i in idx], f"rank {rank}, (DP,PP,TP,EP,backend)={case}"
             if 0 in idx:  # the replica that saw the shared 40-token prefix found its 2 full blocks
                 assert hits >= 3 * 32, f"rank {rank}, {case}: {hits} prefix-cache hits"

@@ -224,9 +224,11 @@ def test_prefix_cache_and_preemption_stay_consistent(checkpoint):
     assert spec.llm_engine.stats()["preemptions"] > 0
     longer = [p + o.outputs[0].token_ids[:m] for p, o, m in zip(prompts, first, [33, 20, 36, 17, 40, 25],
                                                                   strict=True)]  # fmt: skip
+    drafts = spec.llm_engine.stats()["spec_decode_num_drafts"]
     again = _generate(spec, longer, sp)
     _assert_same(again, _generate(ref, longer, sp), "cached")
     assert sum(o.num_cached_tokens for o in again) >= 16 * 6
+    assert spec.llm_engine.stats()["spec_decode_num_drafts"] > drafts  # sequences that hit the cache draft
     _assert_drafted(spec)
 
 

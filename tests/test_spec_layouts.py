@@ -1,17 +1,24 @@
 """Speculative decoding in every layout: DP replicas verify different numbers of draft tokens each
 step (lockstep agrees on the token counts, as for chunked prefill), TP ranks and PP stages take the
 accepted tokens from the sampling rank; greedy output on every rank equals one process without
-speculation, and every rank of a replica counts the same drafts."""
+speculation, and every rank of a replica counts the same drafts.
+
+MTP cells (DeepSeek-V3's MTP layer, k = 2): the layer runs on the last pipeline stage, its MoE block
+dispatches over the EP group, DP replicas run their MTP forwards in lockstep (a replica with fewer
+drafts runs dummies); every draft token of every request equals the one-process MTP draft."""
 
 import pytest
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
+from layout_cases import rank_main
+from real_checkpoints import Sizes
 from test_deepseek import MODELS
 
 from expertmesh import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": 64}  # fmt: skip
+MTP = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}
 COPY = [(r * 3)[: 2 * len(r) + 2] for r in prompts_of_lengths([5, 9, 4], seed=51)]  # drafts at once
 PLAIN = prompts_of_lengths([6, 13, 3], seed=52)  # drafts only once the output repeats
 P = COPY + PLAIN
@@ -20,6 +27,7 @@ ENGINE = dict(max_model_len=96, kv_cache_memory_bytes=1 << 21, warmup=False)
 CASES = [(2, 1, 2, False, "naive"), (2, 1, 2, True, "alltoall"), (1, 2, 2, True, "allgather_reducescatter")]
 SLOW_CASES = [(4, 1, 1, True, "alltoall"), (1, 4, 1, False, "allgather_reducescatter"),
               (1, 1, 4, False, "allgather_reducescatter"), (2, 2, 1, True, "naive")]  # fmt: skip
+V3 = Sizes(layers=5, experts=32, max_top_k=8)  # test_spec_mtp's DeepSeek-V3, MTP layer included
 
 
 def _by_dp_rank(dp_rank: int, dp_size: int) -> list[int]:
@@ -33,52 +41,80 @@ def _sp(i: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=LENS[i], ignore_eos=True)
 
 
-def _rank_main(rank, world, path, case_list):
-    results = []
-    for dp, pp, tp, ep, backend in case_list:
-        llm = LLM(
-            path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-            enable_expert_parallel=ep, all2all_backend=backend,
-            distributed_executor_backend="external_launcher", speculative_config=NGRAM,
-            debug_nan_recv_buffers=True, **ENGINE,
-        )  # fmt: skip
-        engine = llm.llm_engine
-        idx = _by_dp_rank(engine.vllm_config.parallel_config.data_parallel_rank, dp)
-        outs = llm.generate([{"prompt_token_ids": P[i]} for i in idx], [_sp(i) for i in idx], use_tqdm=False)
-        engine.check_invariants()
-        stats = {k: v for k, v in engine.stats().items() if k.startswith("spec_decode")}
-        results.append(((dp, pp, tp, ep, backend), idx, [o.outputs[0].token_ids for o in outs], stats))
-    return results
+def record_drafts(llm: LLM) -> dict[tuple, list[list[int]]]:
+    """{prompt: the MTP drafts its sequence got, step by step}, filled as `llm` generates."""
+    mtp, seen = llm.llm_engine.drafter.mtp, {}
+    run = mtp.run
+
+    def recording(planned):
+        drafts = run(planned)
+        for (seq, _), draft in zip(planned, drafts, strict=True):
+            seen.setdefault(tuple(seq.prompt_token_ids), []).append(list(draft))
+        return drafts
+
+    mtp.run = recording
+    return seen
 
 
-def _check(path: str, case_list: list) -> None:
+def _run(llm: LLM, idx: list[int]):
+    drafts = record_drafts(llm) if llm.llm_engine.drafter.mtp is not None else None
+    outs = llm.generate([{"prompt_token_ids": P[i]} for i in idx], [_sp(i) for i in idx], use_tqdm=False)
+    stats = {k: v for k, v in llm.llm_engine.stats().items() if k.startswith("spec_decode")}
+    return [o.outputs[0].token_ids for o in outs], stats, drafts
+
+
+def _check(path: str, case_list: list, spec: dict) -> None:
     ref = LLM(path, **ENGINE)
     outs = ref.generate([{"prompt_token_ids": p} for p in P], [_sp(i) for i in range(len(P))], use_tqdm=False)
     expected = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in expected] == LENS
-    per_rank = run_distributed(_rank_main, 4, path, case_list, timeout=240)
+    ref_drafts = None
+    if spec["method"] == "mtp":  # one process's MTP drafts, request by request
+        ref_drafts = _run(LLM(path, **ENGINE, speculative_config=spec), list(range(len(P))))[2]
+        assert all(ref_drafts[tuple(p)] for p in P), ref_drafts
+    engine = dict(ENGINE, speculative_config=spec, debug_nan_recv_buffers=True)
+    per_rank = run_distributed(rank_main, 4, path, case_list, engine, _by_dp_rank, _run, timeout=240)
     for c, case in enumerate(case_list):
         dp, pp, tp = case[:3]
         for rank, results in enumerate(per_rank):
-            got_case, idx, tokens, stats = results[c]
+            got_case, idx, (tokens, stats, drafts) = results[c]
             assert got_case == case
             assert len(tokens) == len(idx)
             assert tokens == [expected[i] for i in idx], f"rank {rank}, (DP,PP,TP,EP,backend)={case}"
-            if 0 in idx:  # the replica with the copy-heavy prompts drafted, and some drafts failed
+            if ref_drafts is not None:
+                for i in idx:
+                    assert drafts[tuple(P[i])] == ref_drafts[tuple(P[i])], f"rank {rank}, {case}, request {i}"
+            if 0 in idx and spec["method"] == "ngram":  # the copy-heavy replica drafted, some failed
                 assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+            if idx:
+                assert stats["spec_decode_num_drafts"] > 0, (rank, case, stats)
             replica = rank // (pp * tp)  # ranks of one replica are consecutive (dp outermost)
-            first = per_rank[replica * pp * tp][c][3]
+            first = per_rank[replica * pp * tp][c][2][1]
             assert stats == first, f"rank {rank} of replica {replica} counted other drafts: {case}"
 
 
 @pytest.mark.timeout(300)
 def test_greedy_speculation_equals_one_process_across_layouts(checkpoint):
-    _check(checkpoint("mixtral", num_hidden_layers=4), CASES)
+    _check(checkpoint("mixtral", num_hidden_layers=4), CASES, NGRAM)
+
+
+@pytest.mark.timeout(300)
+def test_mtp_drafts_and_tokens_equal_one_process_across_layouts(real_checkpoint):
+    """DP2 x TP2 (naive), DP2 x TP2 + EP (alltoall), PP2 x TP2 + EP (allgather_reducescatter)."""
+    _check(real_checkpoint("deepseek-v3", sizes=V3), CASES, MTP)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_more_layouts_and_mla(checkpoint, real_checkpoint):
-    _check(checkpoint("qwen2_moe", num_hidden_layers=4), SLOW_CASES)
+    _check(checkpoint("qwen2_moe", num_hidden_layers=4), SLOW_CASES, NGRAM)
     source, sizes = MODELS["v2-lite"]
-    _check(real_checkpoint(source, sizes=sizes), [(2, 1, 2, True, "alltoall")])
+    _check(real_checkpoint(source, sizes=sizes), [(2, 1, 2, True, "alltoall")], NGRAM)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_mtp_more_layouts(real_checkpoint):
+    """DP4 + EP, PP4, TP4, DP2 x PP2 + EP; GLM-4.5-Air's MTP layer at DP2 x TP2 + EP."""
+    _check(real_checkpoint("deepseek-v3", sizes=V3), SLOW_CASES, MTP)
+    _check(real_checkpoint("glm-4.5-air"), [(2, 1, 2, True, "alltoall")], MTP)

@@ -2,8 +2,8 @@
 built from the published configs with their MTP tensors (real_checkpoints.add_mtp_layers): the MTP
 layer loads strictly (only for method='mtp'); its incremental forward equals one pass; greedy
 speculative output is token-identical to decoding without speculation; an MTP layer made to
-predict what the target predicts is fully accepted; a model without MTP layers and a multi-process
-layout are refused with the names."""
+predict what the target predicts is fully accepted; a model without MTP layers is refused with the
+names. The layouts (DP, PP, EP) are tested in test_spec_layouts.py."""
 
 import json
 import os
@@ -20,12 +20,15 @@ from expertmesh import LLM, SamplingParams
 
 # The families whose MTP layer is built, each at the sizes of its other tests.
 FAMILIES = {"deepseek-v3": Sizes(layers=5, experts=32, max_top_k=8), "glm-4.5-air": None}
+# MLA with DeepSeek Sparse Attention's indexer (the MTP layer caches the index keys too).
+DSA_FAMILIES = {"2026/deepseek-v3.2": None, "2026/glm-5": None}
+ALL_FAMILIES = {**FAMILIES, **DSA_FAMILIES}
 ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
 MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 1, "disable_by_batch_size": 64}
 
 
 def _path(real_checkpoint, family: str) -> str:
-    return real_checkpoint(family, sizes=FAMILIES[family])
+    return real_checkpoint(family, sizes=ALL_FAMILIES[family])
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params) -> list:
@@ -45,7 +48,7 @@ def _assert_same(spec_outs, plain_outs, what: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_greedy_mtp_equals_plain_decoding(real_checkpoint, family):
     """Random MTP weights: few drafts are accepted, so both paths (accept, reject + roll back) run;
     an uneven batch, max_tokens 1 (nothing to verify) and k = 1 and 2 (chained)."""
@@ -135,7 +138,7 @@ def test_mtp_layer_that_predicts_the_target_is_accepted(real_checkpoint, tmp_pat
         assert s["steps"] < plain_steps, s
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_path, family):
     """Without method='mtp' the MTP tensors are skipped (no `mtp` module); with it, every MTP tensor
     fills a parameter, and a checkpoint missing one of them is refused naming the parameter."""
@@ -163,17 +166,18 @@ def test_mtp_layer_loads_only_for_method_mtp_and_strictly(real_checkpoint, tmp_p
         LLM(str(broken), **ENGINE, speculative_config=MTP)
 
 
-def test_mtp_refusals_name_the_model_and_the_layout(tmp_path):
-    """No MTP layers: names the method and the architecture; DP or PP: names the size."""
+def test_mtp_refusals_name_the_model(tmp_path):
+    """No MTP layers: names the method and the architecture; a family whose MTP layer is not built:
+    names it and the families that are."""
     with pytest.raises(ValueError, match="method='mtp'.*PhimoeForCausalLM model has none"):
         LLM(speculative_config=MTP, warmup=False)
-    (tmp_path / "config.json").write_text(json.dumps(published("deepseek-v3")))
-    for name in ("data_parallel_size", "pipeline_parallel_size"):
-        with pytest.raises(ValueError, match=f"method='mtp' is not supported with {name}=2"):
-            LLM(str(tmp_path), **{name: 2}, speculative_config=MTP)
+    config = {k: v for k, v in published("2026/minimax-m2.5").items() if k != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MiniMaxM2ForCausalLM model is not implemented yet"):
+        LLM(str(tmp_path), speculative_config=MTP)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint, family):
     """The drafter computes only the MTP positions added since its last step over the cached ones: in
     chunks of 5, 1, 3 and 3 positions, the outputs equal one pass over all 12 (and a later chunk's
@@ -198,7 +202,8 @@ def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint, family):
         )
         start = end
     torch.testing.assert_close(torch.cat(parts), whole, rtol=2e-2, atol=2e-2)
-    seq.mtp_kv.zero_()
+    for tensor in seq.mtp_kv:
+        tensor.zero_()
     later = mtp(inner.embed_tokens, inner.rotary, ids[9:], hidden[9:], 9, seq.mtp_kv, bs)
     assert not torch.allclose(later, whole[9:], rtol=2e-2, atol=2e-2)
 
@@ -208,11 +213,13 @@ def test_mtp_layer_incremental_chunks_equal_one_pass(real_checkpoint, family):
 def test_mtp_with_preemption_and_prefix_cache_hits(real_checkpoint, family):
     """A small KV cache: sequences are preempted mid-output and recomputed (their kept hidden states
     and MTP rows are rewritten); then prompts extending earlier prompts + outputs hit the prefix
-    cache, which leaves the MTP layer without the cached positions' hidden states: those sequences
-    do not draft. Output equals decoding without speculation throughout."""
+    cache (the cached blocks bring their hidden states). Output equals decoding without speculation
+    throughout."""
     path = _path(real_checkpoint, family)
     plain = LLM(path, **ENGINE, enable_prefix_caching=False)
-    per_block = plain.llm_engine.runner.block_bytes()
+    # A block of the MTP engine also holds its tokens' hidden states (the runner's HiddenStore).
+    per_block = LLM(path, **ENGINE, speculative_config=MTP).llm_engine.runner.block_bytes()
+    assert per_block > plain.llm_engine.runner.block_bytes()
     tight = dict(ENGINE, kv_cache_memory_bytes=12 * per_block, max_num_seqs=8)
     spec = LLM(path, **tight, speculative_config=MTP)
     prompts = prompts_of_lengths([6, 11, 4, 9, 7, 5], seed=30)
@@ -226,6 +233,48 @@ def test_mtp_with_preemption_and_prefix_cache_hits(real_checkpoint, family):
     again = _generate(spec, longer, sp)
     _assert_same(again, _generate(plain, longer, sp), "cached")
     assert sum(o.num_cached_tokens for o in again) >= 16, [o.num_cached_tokens for o in again]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_drafts_after_a_prefix_cache_hit(real_checkpoint, family):
+    """A prompt whose first blocks an earlier prompt left in the prefix cache drafts from its first
+    decode step on, reading the hidden states the cached blocks keep: the hidden states its first
+    draft reads and its drafts, step by step, equal those of an engine without prefix caching
+    (which computed every position), and its tokens equal decoding without speculation."""
+    from test_spec_layouts import record_drafts
+
+    def first_read(llm: LLM) -> list:
+        """The hidden rows of positions 0.. that the MTP layer reads first (its catch-up)."""
+        store, rows = llm.llm_engine.runner.hidden, []
+        read = store.read
+
+        def recording(seq, start, end):
+            out = read(seq, start, end)
+            if start == 0 and not rows:
+                rows.append(out)
+            return out
+
+        store.read = recording
+        return rows
+
+    path = _path(real_checkpoint, family)
+    base, tail = prompts_of_lengths([40, 7], seed=9)
+    prompt = base + tail
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cached = LLM(path, **ENGINE, speculative_config=MTP)
+    _generate(cached, [base], sp)
+    drafts, rows = record_drafts(cached), first_read(cached)
+    hit = _generate(cached, [prompt], sp)
+    assert hit[0].num_cached_tokens == 32, hit[0].num_cached_tokens
+    fresh = LLM(path, **ENGINE, speculative_config=MTP, enable_prefix_caching=False)
+    expected, expected_rows = record_drafts(fresh), first_read(fresh)
+    _assert_same(_generate(fresh, [prompt], sp), hit, "fresh")
+    assert rows[0].shape[0] == expected_rows[0].shape[0] == len(prompt)
+    torch.testing.assert_close(rows[0], expected_rows[0], rtol=1e-4, atol=1e-4)
+    assert drafts[tuple(prompt)] == expected[tuple(prompt)]
+    assert len(drafts[tuple(prompt)]) >= 2, drafts
+    _assert_same(hit, _generate(LLM(path, **ENGINE), [prompt], sp), "plain")
 
 
 @pytest.mark.timeout(240)

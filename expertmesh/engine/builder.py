@@ -63,8 +63,7 @@ def speculative_config(args: EngineArgs, model_config: ModelConfig, hf: Any) -> 
     spec = SpeculativeConfig.of(args.speculative_config)
     if spec is not None:
         mtp = max(model_config.num_nextn_predict_layers, int(getattr(hf, "mtp_num_hidden_layers", 0) or 0))
-        pc = args.parallel_config()
-        spec.check_model(model_config.architecture, mtp, pc.data_parallel_size, pc.pipeline_parallel_size)
+        spec.check_model(model_config.architecture, mtp)
     return spec
 
 

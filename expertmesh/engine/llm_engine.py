@@ -77,9 +77,7 @@ class LLMEngine(WarmUp):
         self.blocks = BlockManager(
             num_blocks, config.cache_config.block_size, prefix_caching, slots, runner.snapshots
         )
-        self.drafter = build_drafter(
-            config, self._model_has_state(), runner, self.blocks.block_size, self.groups.tp
-        )
+        self.drafter = build_drafter(config, self._model_has_state(), runner, self.blocks.block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.blocks, self.drafter)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them

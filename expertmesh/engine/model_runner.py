@@ -39,10 +39,10 @@ class ModelRunner:
         self.num_state_slots = 0
         self.local_state_slots = 0  # what this rank's budget affords, set by local_block_budget
         self.snapshots: state_cache.StateSnapshots | None = None  # hybrid prefix caching
-        # MTP speculative decoding: each step's hidden states are kept per sequence and position
-        # (spec_decode/mtp.py HiddenHistory); `_hidden_rows`: (sequence, first row, first position, rows).
-        self.keep_hidden = False
-        self._hidden_rows: list[tuple] = []
+        # MTP speculative decoding (the MTP layer sits on the last stage): each step's final hidden
+        # states are kept at their KV slots (spec_decode/mtp.py HiddenStore), budgeted per block.
+        self.keep_hidden = getattr(model, "mtp", None) is not None
+        self.hidden = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_specs(self) -> list[kv_cache.KVCacheSpec]:
@@ -53,7 +53,9 @@ class ModelRunner:
         return kv_cache.bytes_per_token(self.kv_specs(), self.config.model_config.dtype)
 
     def block_bytes(self) -> int:
-        return kv_cache.bytes_per_block(self.kv_specs(), self.block_size, self.config.model_config.dtype)
+        mc = self.config.model_config
+        kept = self.block_size * mc.hidden_size * mc.dtype.itemsize if self.keep_hidden else 0
+        return kv_cache.bytes_per_block(self.kv_specs(), self.block_size, mc.dtype) + kept
 
     def describe_kv(self) -> str:
         line = kv_cache.describe(self.kv_specs(), self.config.model_config.dtype)
@@ -108,6 +110,12 @@ class ModelRunner:
             layer.bind_kv_cache(tensor)
         for native in decoders(self.model):  # their descriptors hold the cache's address
             native.reset()
+        if self.keep_hidden:
+            from expertmesh.spec_decode.mtp import HiddenStore
+
+            self.hidden = HiddenStore(
+                num_blocks, self.block_size, mc.hidden_size, mc.dtype, self.config.device
+            )
 
     # ---- inputs ---------------------------------------------------------------------------
     def prepare(
@@ -118,14 +126,12 @@ class ModelRunner:
         `batch.sampled`'s order; a sequence verifying a draft has a row at each of its tokens)."""
         ids, pos, slots, lens, last = [], [], [], [], []
         rows = []  # (sequence, context length) of each decode row
-        self._hidden_rows = []
         # Shortest context first, so decode attention can group similar lengths (see _decode_groups);
         # batch.seqs follows, keeping sampled rows aligned. Deterministic: every rank sorts alike.
         batch.decodes.sort(key=lambda s: len(s.block_table))
         for seq in batch.decodes:
             p = seq.num_computed_tokens
             draft = batch.drafts.get(seq.seq_id, [])
-            self._hidden_rows.append((seq, len(ids), p, 1 + len(draft)))
             # A draft's tokens are decode rows of the same sequence, each seeing the positions up to
             # its own: every KV row is stored before attention reads any, so they are causal.
             ids.extend(seq.tokens(p, p + 1) + draft)
@@ -141,7 +147,6 @@ class ModelRunner:
             c, n = seq.num_computed_tokens, batch.num_new[seq.seq_id]
             table = torch.tensor(seq.block_table[: -(-(c + n) // self.block_size)]) if c else None
             prefills.append(PrefillChunk(len(ids), n, c, table))
-            self._hidden_rows.append((seq, len(ids), c, n))
             ids.extend(seq.tokens(c, c + n))
             pos.extend(range(c, c + n))
             slots.extend(blocks.slot(seq, p) for p in range(c, c + n))
@@ -226,7 +231,6 @@ class ModelRunner:
     def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """One token written to the scratch block: keeps a rank with no work in lockstep."""
         scratch = self.num_blocks * self.block_size
-        self._hidden_rows = []
         meta = AttentionMetadata(torch.tensor([scratch]), 0, [], [PrefillChunk(0, 1)])
         return self._on_device([0], [0], ForwardContext(meta, [1]), [0])
 
@@ -262,11 +266,8 @@ class ModelRunner:
                 pp.rank_in_group - 1,
             )
         hidden = self.model(ids, pos, ctx, hidden)
-        if self.keep_hidden and pp.world_size == 1:
-            from expertmesh.spec_decode.mtp import HiddenHistory
-
-            for seq, row, first, count in self._hidden_rows:
-                HiddenHistory.write(seq, first, hidden[row : row + count])
+        if self.keep_hidden:  # the last stage: what the MTP layer reads at these positions
+            self.hidden.write(ctx.attn.slot_mapping, hidden)
         if pp.rank_in_group < pp.world_size - 1:
             pp.send(hidden, pp.rank_in_group + 1)
             return None

@@ -91,6 +91,8 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         self._schedule_waiting(batch, budget)
+        if self.drafter is not None:
+            self.drafter.fill()  # MTP drafts: their lengths were planned above, their tokens now
         return batch
 
     def _chunk(self, remaining: int, budget: int) -> int:
@@ -102,14 +104,15 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         # Decodes first (stable sort), so a long prompt's chunks never delay them.
         self._num_decoding = sum(s.num_uncomputed == 1 for s in self.running)
+        # Whether any sequence may draft this step (the batch rule, checked once a step).
+        drafting = self.drafter is not None and self.drafter.drafts_at(self._num_decoding)
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one in this loop
             n = self.blocks.chunk_end(seq, seq.num_computed_tokens, self._chunk(seq.num_uncomputed, budget))
             if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
                 continue
-            decoding = seq.num_uncomputed == 1 and self.drafter is not None
-            draft = self._draft(seq, budget) if decoding else []
+            draft = self._draft(seq, budget) if drafting and seq.num_uncomputed == 1 else []
             self.blocks.grow(seq, seq.num_computed_tokens + n + len(draft))
             batch.add(seq, n + len(draft), draft)
             budget -= n + len(draft)
@@ -118,10 +121,10 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """A decoding sequence's draft, within the step's budget, its max_tokens (the token after
         the draft is always sampled) and the free blocks: a draft never preempts anyone."""
-        limit = min(budget - 1, seq.max_output_tokens() - len(seq.output_token_ids) - 1)
-        draft = self.drafter.draft(seq, limit, self._num_decoding)
         room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
-        return draft[: max(0, room - seq.num_computed_tokens - 1)]
+        left = seq.max_output_tokens() - len(seq.output_token_ids)
+        limit = min(budget - 1, left - 1, room - seq.num_computed_tokens - 1)
+        return self.drafter.draft(seq, limit)
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest running sequences not in the step until `seq` can hold `num_tokens`;

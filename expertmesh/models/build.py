@@ -48,7 +48,7 @@ def build_model(
     cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, env)
-        if mtp:
+        if mtp and env.is_last_stage:  # beside the final hidden states and the head
             from expertmesh.spec_decode.mtp import MTPLayer
 
             model.mtp = MTPLayer(cfg, model.family, env)

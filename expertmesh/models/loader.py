@@ -190,7 +190,8 @@ def skip_rule(key: str, model: Any) -> str | None:
             return "mtp layers (num_nextn_predict_layers / num_mtp_modules; loaded for method mtp only)"
         if layer > cfg.num_layers:
             return "mtp layers after the first (one MTP layer drafts, chained, as in vLLM)"
-        if names.canonical(key).startswith(f"model.layers.{layer}.{SHARED_EMBEDDING}"):
+        own = model.mtp.embed_tokens is not None  # a later pipeline stage: no target embedding
+        if names.canonical(key).startswith(f"model.layers.{layer}.{SHARED_EMBEDDING}") and not own:
             return "the MTP layer copy of embed_tokens (the target embedding is used)"
     return None
 
@@ -204,7 +205,7 @@ def mtp_key(key: str, model: Any) -> str:
     if not key.startswith(prefix):
         return key
     rest = key[len(prefix) :]
-    return "mtp." + rest if rest.startswith(HEAD_PIECES) else "mtp.layer." + rest
+    return "mtp." + rest if rest.startswith((*HEAD_PIECES, SHARED_EMBEDDING)) else "mtp.layer." + rest
 
 
 # ---- the one-rank twin: full shapes and dtypes, before any rank slices ------------------------------

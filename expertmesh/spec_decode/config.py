@@ -86,11 +86,9 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config needs {name!r} (got keys {sorted(value)})")
         return SpeculativeConfig(**value)
 
-    def check_model(
-        self, architecture: str, num_mtp_layers: int, data_parallel: int = 1, pipeline_parallel: int = 1
-    ) -> None:
+    def check_model(self, architecture: str, num_mtp_layers: int) -> None:
         """An MTP method needs a model that ships MTP layers, of a family whose MTP layer is built
-        (spec_decode/mtp.py), in one replica of one pipeline stage (tensor parallel allowed)."""
+        (spec_decode/mtp.py); every layout runs it."""
         if self.method != "mtp":
             return
         if num_mtp_layers < 1:
@@ -106,14 +104,3 @@ class SpeculativeConfig:
                 f"{architecture} model is not implemented yet (built for {list(MTP_ARCHITECTURES)}); "
                 "use method='ngram'"
             )
-        for name, size in (
-            ("data_parallel_size", data_parallel),
-            ("pipeline_parallel_size", pipeline_parallel),
-        ):
-            if size != 1:
-                # PP: the hidden states live on the last stage; DP: replicas draft different
-                # sequences, so the MTP layer's expert dispatch across them would leave lockstep.
-                raise ValueError(
-                    f"speculative_config method='mtp' is not supported with {name}={size} yet (tensor "
-                    "parallel is); use method='ngram' there"
-                )

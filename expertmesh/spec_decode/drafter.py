@@ -35,6 +35,9 @@ class Drafter:
         self.gate = AdaptiveGate() if adaptive else None
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.max_batch = config.max_batch
+        # MTP: the drafts planned in this step's scheduling, (sequence, its draft list) each: the
+        # lists hold placeholders until `fill` runs the MTP layer over all of them at once.
+        self.planned: list[tuple[Sequence, list[int]]] = []
 
     @staticmethod
     def _state(seq: Sequence) -> SpecState:
@@ -43,17 +46,35 @@ class Drafter:
             state = seq.spec_state = SpecState()
         return state
 
-    def draft(self, seq: Sequence, limit: int, num_decoding: int = 1) -> list[int]:
-        """Draft tokens for decoding sequence `seq`, at most `limit` (its token budget, max_tokens);
-        none while more than `max_batch` sequences decode (`num_decoding`)."""
-        if limit < 1 or num_decoding > self.max_batch or getattr(seq, "grammar", None) is not None:
+    def drafts_at(self, num_decoding: int) -> bool:
+        """Whether sequences draft in a step where `num_decoding` decode: none while more than
+        `max_batch` do (asked once a step, so a wide batch pays nothing per sequence)."""
+        return num_decoding <= self.max_batch
+
+    def draft(self, seq: Sequence, limit: int) -> list[int]:
+        """Draft tokens for decoding sequence `seq`, at most `limit` (its token budget, max_tokens,
+        the free KV slots), in a step where `drafts_at` said yes."""
+        if limit < 1 or getattr(seq, "grammar", None) is not None:
             return []  # structured outputs: the grammar's state cannot be rolled back
         state = self._state(seq)
         if self.gate is not None and not self.gate.may_draft(state):
             return []
         if self.mtp is not None:
-            return self.mtp.propose(seq, limit)
+            draft = [0] * self.mtp.plan(seq, limit)  # filled in by `fill`
+            if draft:
+                self.planned.append((seq, draft))
+            return draft
         return self.proposer.propose(state.tokens.sync(seq), limit)
+
+    def fill(self) -> None:
+        """After a step's scheduling: the MTP drafts planned in it computed (in place, so the batch's
+        lists hold them). Every rank calls it each step: the MTP layer's collectives run in it."""
+        if self.mtp is None:
+            return
+        planned, self.planned = self.planned, []
+        drafts = self.mtp.run([(seq, len(d)) for seq, d in planned])
+        for (_, draft), tokens in zip(planned, drafts, strict=True):
+            draft[:] = tokens
 
     def describe(self) -> str:
         """One line for people: the acceptance so far."""
@@ -71,7 +92,7 @@ class Drafter:
 
 
 def build_drafter(
-    config: EngineConfig, has_state: bool, runner: ModelRunner, block_size: int, tp_group: Any
+    config: EngineConfig, has_state: bool, runner: ModelRunner, block_size: int
 ) -> Drafter | None:
     """The engine's drafter for its `speculative_config` (None without one). `has_state`: the whole
     model has recurrent layers (decided over the model, so every pipeline stage agrees)."""
@@ -87,8 +108,8 @@ def build_drafter(
     log.info("speculative decoding: %s", spec)
     if spec.method != "mtp":
         return Drafter(spec)
-    model = runner.model
-    if getattr(model, "mtp", None) is None:  # the builder attaches it for method="mtp"
+    pp = runner.groups.pp
+    if pp.rank_in_group == pp.world_size - 1 and getattr(runner.model, "mtp", None) is None:
+        # the builder attaches it to the last stage for method="mtp"; the runner keeps the hidden states
         raise ValueError("speculative_config method='mtp': the model was built without its MTP layer")
-    runner.keep_hidden = True  # the MTP layer reads the target's hidden states
-    return Drafter(spec, mtp=MTPProposer(model, spec.num_speculative_tokens, block_size, tp_group))
+    return Drafter(spec, mtp=MTPProposer(runner, spec.num_speculative_tokens, block_size))

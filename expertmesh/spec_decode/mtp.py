@@ -7,18 +7,32 @@ decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and S
 
 h_target[i] is the target model's final-normed hidden state at position i (what its lm_head reads).
 The embedding is the target's (`model.embed_tokens`; the checkpoint's copy under the MTP layer is
-the same tensor and is not loaded). A draft of k > 1 chains the one layer: the layer's own output h
-at the last position and the drafted token extend its input, as vLLM does.
+the same tensor); on a last pipeline stage, which holds no embedding, the MTP layer loads that copy
+as its own. A draft of k > 1 chains the one layer: the layer's own output h at the last position and
+the drafted token extend its input, as vLLM does.
+
+Hidden states: the model runner writes every computed position's h_target row into a paged store
+beside the KV cache (`ModelRunner.hidden`, one row per KV slot, budgeted with the KV blocks), so a
+block found in the prefix cache brings the hidden states of its tokens: a sequence that hits the
+cache drafts like any other (its first draft computes the MTP rows of the cached positions).
 
 KV cache: each sequence keeps the MTP layer's K/V rows in a small cache of its own (`seq.mtp_kv`,
 grown by doubling, freed with the sequence) rather than a slot in the paged cache. MTP position i's
 row depends only on t[i+1] and h[i], both final once t[i+1] is accepted, so each draft step computes
 only the positions added since the last one (a prefill chunk over the cached context); rows of
 chained drafts are past `seq.mtp_done` and are overwritten later.
+
+Layouts: the layer lives on the last pipeline stage (with the final hidden states and the head),
+sliced per TP rank like the target's layers; its MoE block dispatches over the same EP group. Each
+step the scheduler first plans every draft's length (`plan`: known before the layer runs), then
+`run` computes them all: under DP the replicas' last-stage ranks agree on the number and token count
+of their MTP forwards (one all_gather_object a step), a replica with fewer runs one-token dummies;
+the drafts are taken from TP rank 0 and broadcast from the last stage to the other stages.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,10 +43,26 @@ from expertmesh.engine import kv_cache
 from expertmesh.engine.sequence import Sequence
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import AttentionMetadata, PrefillChunk
-from expertmesh.layers.embedding import ParallelLMHead
+from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.norm import NORMS
 from expertmesh.registries import lookup
+
+
+def _with_mtp_layer(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with the MTP layer's index num_layers in its per-layer lists: the last layer's kind
+    (DeepSeek-V3.2's indexed attention), full attention after a recurrent last layer."""
+    if not cfg.layer_types and not cfg.rope_layers:
+        return cfg
+    kind = cfg.layer_types[-1] if cfg.layer_types else None
+    if kind == "linear_attention":
+        kind = "full_attention"
+    return replace(
+        cfg,
+        num_layers=cfg.num_layers + 1,
+        layer_types=(*cfg.layer_types, kind) if kind else (),
+        rope_layers=(*cfg.rope_layers, cfg.rope_layers[-1]) if cfg.rope_layers else (),
+    )
 
 
 class SharedHead(nn.Module):
@@ -50,28 +80,30 @@ class MTPLayer(nn.Module):
         from expertmesh.models.decoder import DecoderLayer  # models import spec_decode's config
 
         norm = lookup(NORMS, family.norm, "norm")
-        h = cfg.hidden_size
+        h, tp = cfg.hidden_size, env.groups.tp
         self.enorm, self.hnorm = norm(h, cfg.norm_eps, cfg.dtype), norm(h, cfg.norm_eps, cfg.dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, cfg.dtype)
-        self.layer = DecoderLayer(cfg, cfg.num_layers, family, env)
-        self.shared_head = SharedHead(cfg, norm, env.groups.tp)
+        self.layer = DecoderLayer(_with_mtp_layer(cfg), cfg.num_layers, family, env)
+        self.shared_head = SharedHead(cfg, norm, tp)
+        # A later pipeline stage has no target embedding: it loads the MTP layer's copy.
+        self.embed_tokens = (
+            None if env.is_first_stage else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
+        )
         self.index = cfg.num_layers
+        self._scratch: list[torch.Tensor] | None = None  # the K/V rows of lockstep dummies
 
-    def kv_layer(self) -> Any:
-        (attn,) = self.layer.kv_layers()
-        return attn
-
-    def cache_for(self, seq: Sequence, tokens: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """`seq`'s MTP cache, grown (doubling, rows kept) to hold `tokens` positions."""
-        cache: torch.Tensor | None = getattr(seq, "mtp_kv", None)
-        have = 0 if cache is None else cache.shape[1] - 1  # allocate adds one scratch block
+    def cache_for(self, seq: Any, tokens: int, block_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """`seq`'s MTP cache, one tensor per cache slot of the layer (MLA's latent, DSA's index keys
+        too), grown (doubling, rows kept) to hold `tokens` positions."""
+        cache: list[torch.Tensor] | None = getattr(seq, "mtp_kv", None)
+        have = 0 if cache is None else cache[0].shape[1] - 1  # allocate adds one scratch block
         need = -(-tokens // block_size)
         if need > have:
             blocks = max(need, 2 * have)
-            spec, device = self.kv_layer().kv_spec, str(self.enorm.weight.device)
-            (grown,) = kv_cache.allocate([spec], blocks, block_size, dtype, device)
-            if cache is not None:
-                grown[:, :have] = cache[:, :have]
+            specs = [layer.kv_spec for layer in self.layer.kv_layers()]
+            grown = kv_cache.allocate(specs, blocks, block_size, dtype, str(self.enorm.weight.device))
+            for new, old in zip(grown, cache or [], strict=False):
+                new[:, :have] = old[:, :have]
             cache = seq.mtp_kv = grown
         return cache
 
@@ -83,85 +115,131 @@ class MTPLayer(nn.Module):
         ids: torch.Tensor,
         hidden: torch.Tensor,
         context: int,
-        cache: torch.Tensor,
+        cache: list[torch.Tensor],
         block_size: int,
+        counts: list[int] | None = None,
     ) -> torch.Tensor:
         """The layer's output h [m, H] at MTP positions context..context+m-1 (ids[j] = t[context+j+1],
         hidden[j] = h[context+j]), each attending to the cached positions before `context` and to the
-        new ones up to its own; their K/V rows are stored in `cache` (slot = position)."""
+        new ones up to its own; their K/V rows are stored in `cache` (slot = position). `counts`: the
+        tokens of this forward on every DP rank (their MoE dispatch sizes), [m] in one replica."""
         m = ids.shape[0]
-        self.kv_layer().bind_kv_cache(cache)
+        for layer, tensor in zip(self.layer.kv_layers(), cache, strict=True):
+            layer.bind_kv_cache(tensor)
         x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
         dev = x.device
         pos = torch.arange(context, context + m, device=dev)
         table = torch.arange(-(-(context + m) // block_size), device=dev) if context else None
         meta = AttentionMetadata(pos.clone(), 0, [], [PrefillChunk(0, m, context, table)])
         meta.seq_lens = torch.full((m,), context + m, device=dev)
-        ctx = ForwardContext(meta, [m], count_load=False)
+        ctx = ForwardContext(meta, list(counts) if counts is not None else [m], count_load=False)
         ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
         return self.layer(pos, x, ctx)
+
+    def dummy(self, embed: nn.Module, rotary: Any, block_size: int, counts: list[int]) -> None:
+        """A one-token forward that keeps a DP replica with no draft to compute in lockstep."""
+        dtype = self.enorm.weight.dtype
+        if self._scratch is None:
+            self._scratch = self.cache_for(nn.Module(), 1, block_size, dtype)
+        dev = self.enorm.weight.device
+        hidden = torch.zeros(1, self.enorm.weight.shape[0], dtype=dtype, device=dev)
+        token = torch.zeros(1, dtype=torch.long, device=dev)
+        self(embed, rotary, token, hidden, 0, self._scratch, block_size, counts)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(self.shared_head.norm(h)).float()
 
 
-class HiddenHistory:
-    """Per sequence, the target's hidden state at each computed position (what the MTP layer reads).
-    Rows are written by position as the model runner computes them; rows at or past a sequence's
-    computed tokens (rejected draft rows) are stale and rewritten when recomputed."""
+class HiddenStore:
+    """The target's final hidden state at every KV slot ([slots, H], one row per cache slot plus the
+    scratch block's): written by the model runner where the step's KV rows go, so rows follow the
+    blocks (rolled back with them, shared through the prefix cache); a slot's row is current for as
+    long as its KV row is."""
 
-    @staticmethod
-    def write(seq: Sequence, first_pos: int, rows: torch.Tensor) -> None:
-        buf: torch.Tensor | None = getattr(seq, "mtp_hidden", None)
-        end = first_pos + rows.shape[0]
-        if buf is None or buf.shape[0] < end:
-            grown = torch.empty(max(end, 2 * (0 if buf is None else buf.shape[0]), 16), rows.shape[1],
-                                dtype=rows.dtype, device=rows.device)  # fmt: skip
-            if buf is not None:
-                grown[: buf.shape[0]] = buf
-            buf = seq.mtp_hidden = grown
-        buf[first_pos:end] = rows
-        known = getattr(seq, "mtp_known", 0)
-        if first_pos <= known:  # contiguous from position 0 (a prefix-cache hit leaves a gap)
-            seq.mtp_known = max(known, end)
+    def __init__(self, num_blocks: int, block_size: int, hidden_size: int, dtype: torch.dtype,
+                 device: Any) -> None:  # fmt: skip
+        self.rows = torch.zeros((num_blocks + 1) * block_size, hidden_size, dtype=dtype, device=device)
+        self.block_size = block_size
 
-    @staticmethod
-    def read(seq: Sequence, upto: int) -> torch.Tensor | None:
-        """Rows 0..upto-1, or None where some were never computed for this sequence."""
-        if min(getattr(seq, "mtp_known", 0), seq.num_computed_tokens) < upto:
-            return None
-        return seq.mtp_hidden[:upto]
+    def write(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.rows[slots] = hidden
+
+    def read(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Rows of `seq`'s positions start..end-1 (all computed)."""
+        pos = torch.arange(start, end, device=self.rows.device)
+        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.rows.device)
+        return self.rows[table[pos // self.block_size] * self.block_size + pos % self.block_size]
 
 
 class MTPProposer:
-    """Drafts by the MTP layer of `model` (a CausalLM holding `.mtp`): greedy, k tokens chained."""
+    """Drafts by the MTP layer of `model` (a CausalLM holding `.mtp` on the last pipeline stage):
+    greedy, k tokens chained. `runner`: the model runner (its hidden store and groups)."""
 
-    def __init__(self, model: nn.Module, k: int, block_size: int, tp: Any = None) -> None:
-        self.model, self.k, self.block_size = model, k, block_size
-        # TP ranks hold the same sequences and call this in the same order (the layer's collectives
-        # run in lockstep); the draft is taken from rank 0, so ranks cannot disagree on it.
-        self.tp = tp if tp is not None and tp.world_size > 1 else None
+    def __init__(self, runner: Any, k: int, block_size: int) -> None:
+        self.runner, self.model, self.k, self.block_size = runner, runner.model, k, block_size
+        groups = runner.groups
+        self.tp, self.pp, self.dp = groups.tp, groups.pp, groups.dp
+        self.last_stage = self.pp.rank_in_group == self.pp.world_size - 1
 
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
+    def plan(self, seq: Sequence, limit: int) -> int:
+        """How many tokens `seq` drafts this step (known before the layer runs, alike on every rank
+        of the replica): min(k, limit) once its hidden states are computed up to its last token."""
         n = seq.num_tokens
         if seq.num_computed_tokens != n - 1 or n < 2:
-            return []
-        hidden = HiddenHistory.read(seq, n - 1)
-        if hidden is None:
-            return []
+            return 0
+        return max(0, min(self.k, limit))
+
+    def run(self, planned: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """The drafts of `planned` ((sequence, length) each), on every rank of the replica. Every
+        rank calls this each step (under DP even with nothing planned: the lockstep)."""
+        drafts: list[list[int]] | None = None
+        if self.last_stage:
+            drafts = self._compute(planned)
+            if self.tp.world_size > 1 and planned:
+                drafts = self.tp.broadcast_object(drafts, 0)  # rank 0's: ranks cannot disagree
+        if self.pp.world_size > 1 and planned:
+            drafts = self.pp.broadcast_object(drafts, self.pp.world_size - 1)
+        return drafts if drafts is not None else []
+
+    def _compute(self, planned: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """The drafts on a last-stage rank; under DP, in lockstep with the other replicas."""
         mtp, inner = self.model.mtp, self.model.model
-        k = min(self.k, limit)
-        cache = mtp.cache_for(seq, n - 1 + k, self.block_size, hidden.dtype)
+        embed = inner.embed_tokens if inner.embed_tokens is not None else mtp.embed_tokens
         # MTP positions done (their K/V cached) up to n - 2, the last one run again for its output.
-        done = min(getattr(seq, "mtp_done", 0), n - 2)
-        ids, h_in = torch.tensor(seq.tokens(done + 1, n), device=hidden.device), hidden[done : n - 1]
-        draft: list[int] = []
-        for j in range(k):
-            h = mtp(inner.embed_tokens, inner.rotary, ids, h_in, done if j == 0 else n - 2 + j, cache,
-                    self.block_size)  # fmt: skip
-            if j == 0:
-                seq.mtp_done = n - 1  # rows past it (chained drafts) are overwritten later
-            token = int(mtp.logits(h[-1:]).argmax(dim=-1))
-            draft.append(token)
-            ids, h_in = torch.tensor([token], device=h.device), h[-1:]
-        return draft if self.tp is None else self.tp.broadcast_object(draft, 0)
+        starts = [min(getattr(seq, "mtp_done", 0), seq.num_tokens - 2) for seq, _ in planned]
+        sizes = [  # catch-up positions, then one per chained token
+            s
+            for (seq, k), d in zip(planned, starts, strict=True)
+            for s in [seq.num_tokens - 1 - d] + [1] * (k - 1)
+        ]
+        table = None
+        if self.dp.world_size > 1:
+            table = self.dp.all_gather_object(sizes)  # every replica's forwards, in its order
+        call = 0
+
+        def counts() -> list[int] | None:
+            if table is None:
+                return None
+            return [row[call] if call < len(row) else 1 for row in table]  # 1: a dummy's token
+
+        drafts = []
+        for (seq, k), done in zip(planned, starts, strict=True):
+            n = seq.num_tokens
+            cache = mtp.cache_for(seq, n - 1 + k, self.block_size, self.model.cfg.dtype)
+            ids = torch.tensor(seq.tokens(done + 1, n), device=self.runner.hidden.rows.device)
+            h_in = self.runner.hidden.read(seq, done, n - 1)
+            draft: list[int] = []
+            for j in range(k):
+                context = done if j == 0 else n - 2 + j
+                h = mtp(embed, inner.rotary, ids, h_in, context, cache, self.block_size, counts())
+                call += 1
+                if j == 0:
+                    seq.mtp_done = n - 1  # rows past it (chained drafts) are overwritten later
+                token = int(mtp.logits(h[-1:]).argmax(dim=-1))
+                draft.append(token)
+                ids, h_in = torch.tensor([token], device=h.device), h[-1:]
+            drafts.append(draft)
+        while table is not None and call < max(len(row) for row in table):
+            mtp.dummy(embed, inner.rotary, self.block_size, counts())
+            call += 1
+        return drafts
