@@ -1,0 +1,339 @@
+"""DeepSeek-V4's attention: one shared K=V head over a sliding window, plus compressed entries.
+
+Every layer: queries through a q LoRA (wq_a -> q_norm -> wq_b, then each head RMS-normed without a
+weight), one K=V row a token (wkv -> norm) read as both key and value by every head, RoPE on the
+trailing qk_rope_head_dim dims of each head in pairs, a learned per-head sink in the softmax, the
+output's rotary dims turned back by the query's position, and a grouped low-rank output
+projection (wo_a: each of o_groups groups of heads to o_lora_rank values; wo_b mixes them).
+The layer kind (config layer_types, from the published compress_ratios) adds keys:
+- sliding_attention: the last sliding_window tokens only (RoPE theta rope_theta, unscaled);
+- heavily_compressed_attention (rate m): one compressed entry per m tokens, a softmax-gated sum
+  of the window's wkv rows (wkv, wgate, a per-slot bias `ape`, then norm), rotated at the
+  window's first position; a query sees every window it has completed;
+- compressed_sparse_attention (rate m, overlapping windows): each entry gates the previous
+  window's first-half projections with its own second-half ones (2m slots), and a lightning
+  indexer (its own compressor at index_head_dim, index_n_heads queries from the q LoRA output,
+  per-head weights from the hidden state; score sum_h w_h relu(q_h . k)) keeps each query's
+  top index_topk completed entries.
+Compressed layers rotate by compress_rope_theta with the config's YaRN block (cos/sin unscaled).
+
+The cache (KV-cache kinds "shared_kv" and "compressed_kv", one row per token): the K=V row, and on
+compressed layers the token's compressor projections ([kv | gate], twice as wide with overlap)
+and those of the indexer, plus the entry of the window the token completes (written in that
+token's row when it is computed). An entry depends only on the tokens of its windows, so it is
+the same whether the window was seen in one prefill, in chunks or across a prefix-cache hit; the
+projections are kept for every token (a compact ring of the last windows is future work).
+
+Tensor parallel: query heads, sinks and output groups split over TP (o_groups a multiple of
+the TP size); the K=V row, the compressors and the indexer are replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertmesh.config import ModelConfig
+from expertmesh.config.compressed_attention_config import CSA, SLIDING
+from expertmesh.forward_context import ForwardContext
+from expertmesh.layers.attention import AttentionMetadata
+from expertmesh.layers.cache_spec import KVCacheSpec
+from expertmesh.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from expertmesh.layers.norm import Float32RMSNorm
+from expertmesh.layers.rotary import RotaryEmbedding, RotaryTables
+from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
+
+
+def rotate_tail(x: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
+    """x [T, H, D] with its last rotary_dim dims rotated (in pairs), the rest passed through."""
+    r = rope.rotary_dim
+    return torch.cat((x[..., :-r], rope.rotate(x[..., -r:])), dim=-1)
+
+
+def inverse(rope: RotaryTables) -> RotaryTables:
+    return RotaryTables(rope.cos, -rope.sin, rope.interleaved)
+
+
+def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Compressor(nn.Module):
+    """wkv and wgate [c * dim, H] (c = 2 with overlapping windows), ape [rate, c * dim] float32,
+    norm: a token's projections [kv | gate] go to the cache; `compress` sums windows of them."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, dtype) -> None:
+        super().__init__()
+        c = 2 if overlap else 1
+        self.dim, self.rate, self.overlap, self.cd = dim, rate, overlap, c * dim
+        self.wkv = ReplicatedLinear(hidden, c * dim, False, dtype)
+        self.wgate = ReplicatedLinear(hidden, c * dim, False, dtype)
+        self.ape = nn.Parameter(torch.zeros(rate, c * dim, dtype=torch.float32), requires_grad=False)
+        set_loader(self.ape, default_loader)
+        self.norm = Float32RMSNorm(dim, eps, torch.float32)
+
+    @property
+    def width(self) -> int:
+        return 2 * self.cd
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.wkv(x), self.wgate(x)), dim=-1)
+
+    def compress(self, cur: torch.Tensor, prev: torch.Tensor | None, first: torch.Tensor) -> torch.Tensor:
+        """cur [n, rate, width]: each window's tokens' projections; prev: the previous window's
+        (overlap; ignored where `first` [n] marks window 0) -> entries [n, dim] (not rotated)."""
+        cd, d = self.cd, self.dim
+        kv, gate = cur[..., :cd], cur[..., cd:] + self.ape
+        if self.overlap:
+            pkv, pgate = prev[..., :d], prev[..., cd : cd + d] + self.ape[:, :d]
+            pkv = pkv.masked_fill(first[:, None, None], 0.0)
+            pgate = pgate.masked_fill(first[:, None, None], float("-inf"))
+            kv, gate = torch.cat((pkv, kv[..., d:]), dim=1), torch.cat((pgate, gate[..., d:]), dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return self.norm((kv * weights).sum(dim=1))
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a compressed sparse layer: its own overlapping compressor at
+    index_head_dim, queries wq_b(q LoRA output), per-head weights from the hidden state."""
+
+    def __init__(
+        self, hidden: int, q_lora: int, heads: int, dim: int, topk: int, rate: int, eps, dtype
+    ) -> None:
+        super().__init__()
+        if topk < 1 or heads < 1 or dim < 1:
+            raise ValueError(
+                f"indexer: index_n_heads={heads}, index_head_dim={dim}, index_topk={topk} must be >= 1"
+            )
+        self.heads, self.dim, self.topk = heads, dim, topk
+        self.compressor = Compressor(hidden, dim, rate, True, eps, dtype)
+        self.wq_b = ReplicatedLinear(q_lora, heads * dim, False, dtype)
+        self.weights_proj = ReplicatedLinear(hidden, heads, False, dtype)
+
+    def select(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """q [L, heads, dim], w [L, heads] float32, keys [S, dim], visible [L, S] -> kept [L, S]."""
+        scores = F.relu(torch.matmul(q.float(), keys.float().t())) * self.dim**-0.5  # [L, heads, S]
+        index = (scores * w.unsqueeze(-1)).sum(dim=1)  # [L, S]
+        index = index.masked_fill(~visible, float("-inf"))
+        top = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+
+
+class GroupedOutput(nn.Module):
+    """wo_a: o_groups blocks [o_lora_rank, heads * head_dim / o_groups], this rank's groups."""
+
+    def __init__(self, groups: int, rank: int, per_group: int, tp: Any, dtype) -> None:
+        super().__init__()
+        if groups % tp.world_size:
+            raise ValueError(f"o_groups={groups} is not divisible by tensor_parallel_size={tp.world_size}")
+        self.groups, self.rank, self.per_group = groups // tp.world_size, rank, per_group
+        self.start = tp.rank_in_group * self.groups * rank
+        self.weight = nn.Parameter(
+            torch.empty(self.groups * rank, per_group, dtype=dtype), requires_grad=False
+        )
+        set_loader(self.weight, self._load)
+
+    def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, read(src, 0, self.start, param.shape[0]), "grouped output projection")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups * per_group] -> [T, groups * rank]."""
+        t = x.shape[0]
+        w = self.weight.view(self.groups, self.rank, self.per_group).transpose(1, 2)
+        y = torch.bmm(x.view(t, self.groups, self.per_group).transpose(0, 1), w)  # [g, T, rank]
+        return y.transpose(0, 1).reshape(t, -1)
+
+
+@dataclass
+class _Segment:
+    """One sequence's tokens in a step: rows of the batch, positions [start, end), block table."""
+
+    rows: slice
+    start: int
+    end: int
+    table: torch.Tensor | None  # None: a prefill without context (its slots are the step's)
+
+
+class CompressedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, family: Any, tp: Any) -> None:
+        super().__init__()
+        c = cfg.compressed
+        if c is None:
+            raise ValueError(f"{cfg.architecture}: compressed attention needs hc_mult and compress_rates")
+        if cfg.num_heads % tp.world_size:
+            raise ValueError(
+                f"num_attention_heads={cfg.num_heads} is not divisible by tensor_parallel_size="
+                f"{tp.world_size}"
+            )
+        if (cfg.num_heads * cfg.head_dim) % c.o_groups:
+            raise ValueError(f"o_groups={c.o_groups} does not divide heads x head_dim")
+        hidden, d, dt, eps = cfg.hidden_size, cfg.head_dim, cfg.dtype, cfg.norm_eps
+        self.kind = cfg.layer_type(index)
+        self.heads, self.head_dim, self.eps, self.window = (
+            cfg.num_heads // tp.world_size,
+            d,
+            eps,
+            cfg.sliding_window,
+        )
+        if self.window is None:
+            raise ValueError(f"{cfg.architecture}: compressed attention needs sliding_window")
+        self.wq_a = ReplicatedLinear(hidden, c.q_lora_rank, False, dt)
+        self.q_norm = Float32RMSNorm(c.q_lora_rank, eps, torch.float32)
+        self.wq_b = ColumnParallelLinear(c.q_lora_rank, cfg.num_heads * d, False, tp, dt)
+        self.wkv = ReplicatedLinear(hidden, d, False, dt)
+        self.norm = Float32RMSNorm(d, eps, torch.float32)
+        self.wo_a = GroupedOutput(c.o_groups, c.o_lora_rank, cfg.num_heads * d // c.o_groups, tp, dt)
+        self.wo_b = RowParallelLinear(c.o_groups * c.o_lora_rank, hidden, False, tp, dtype=dt)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32), requires_grad=False)
+        self.head_start = tp.rank_in_group * self.heads
+        set_loader(self.attn_sink, self._load_sinks)
+        self.rate = c.rate(self.kind)
+        self.rotary = RotaryEmbedding(c.main_rope if self.kind == SLIDING else c.compress_rope)
+        self.compressor = self.indexer = None
+        if self.rate:
+            self.compressor = Compressor(hidden, d, self.rate, self.kind == CSA, eps, dt)
+        if self.kind == CSA:
+            self.indexer = Indexer(
+                hidden, c.q_lora_rank, c.index_heads, c.index_head_dim, c.index_topk, self.rate, eps, dt
+            )
+        # The cache row: [K=V | compressor projections | entry | indexer projections | index entry]
+        self.offsets, width = {}, d
+        for name, part in (("compressor", self.compressor), ("indexer", self.indexer)):
+            if part is not None:
+                dim = part.compressor.dim if name == "indexer" else part.dim
+                width_in = part.compressor.width if name == "indexer" else part.width
+                self.offsets[name] = (width, width + width_in, width + width_in + dim)
+                width += width_in + dim
+        self.width = width
+        self.scale = d**-0.5
+        self.cache = torch.empty(0)  # [num_blocks, block_size, 1, width], set by the runner
+
+    def _load_sinks(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, read(src, 0, self.head_start, self.heads), "attention sinks")
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        per_head = 2 * self.heads * self.head_dim
+        kind = "shared_kv" if self.compressor is None else "compressed_kv"
+        return KVCacheSpec(kind, 1, self.width, expanded=per_head)
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        """cache: [1, blocks, block_size, 1, width] (engine/kv_cache.py)."""
+        self.cache = cache[0]
+
+    def kv_layers(self) -> list[Any]:
+        return [self]
+
+    # ---- the step ------------------------------------------------------------------------------
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta, t, h, d = ctx.attn, x.shape[0], self.heads, self.head_dim
+        rope = self.rotary.lookup(positions, x.dtype)
+        q_resid = self.q_norm(self.wq_a(x))
+        q = rotate_tail(_unweighted_rms(self.wq_b(q_resid).view(t, h, d), self.eps), rope)
+        kv = rotate_tail(self.norm(self.wkv(x)).unsqueeze(1), rope).squeeze(1)
+        parts = [kv]
+        for part in (self.compressor, None if self.indexer is None else self.indexer.compressor):
+            if part is not None:
+                parts += [part.project(x), kv.new_zeros(t, part.dim)]
+        rows = torch.cat(parts, dim=-1) if len(parts) > 1 else kv
+        cached = bool(self.cache.numel())
+        flat = self.cache.view(-1, self.width) if cached else rows.clone()
+        if cached:
+            flat.index_copy_(0, meta.slot_mapping, rows)
+        index_q = index_w = None
+        if self.indexer is not None:
+            ix = self.indexer
+            index_q = rotate_tail(ix.wq_b(q_resid).view(t, ix.heads, ix.dim), rope)
+            index_w = ix.weights_proj(x).float() * ix.heads**-0.5
+        out = torch.empty_like(q)
+        for seg in self._segments(meta):
+            slots = self._slot_fn(seg, meta, cached)
+            if self.compressor is not None:
+                self._compress(seg, flat, slots, x.dtype)
+            out[seg.rows] = self._attend(q[seg.rows], seg, flat, slots, index_q, index_w)
+        out = rotate_tail(out, inverse(rope))
+        return self.wo_b(self.wo_a(out.reshape(t, h * d)))
+
+    def _segments(self, meta: AttentionMetadata) -> Iterator[_Segment]:
+        """Each decode, then each prefill chunk, in the step's row order."""
+        if meta.decode_block_tables is not None:
+            pairs = zip(meta.decode_block_tables.long(), meta.decode_context_lens.tolist(), strict=True)
+        else:
+            pairs = (
+                (tb, n)
+                for g in meta.decode_groups
+                for tb, n in zip(g.block_tables, g.context_lens.tolist(), strict=True)
+            )
+        for i, (table, n) in enumerate(pairs):
+            yield _Segment(slice(i, i + 1), n - 1, n, table)
+        for chunk in meta.prefills:
+            table = chunk.block_table if chunk.context else None
+            yield _Segment(chunk.rows, chunk.context, chunk.context + chunk.length, table)
+
+    def _slot_fn(self, seg: _Segment, meta: AttentionMetadata, cached: bool):
+        """positions of this sequence -> rows of `flat` (the cache's slots, or the step's rows)."""
+        if not cached:  # no cache bound: only a prefill without context can run
+            return lambda p: p - seg.start + seg.rows.start
+        if seg.table is None:
+            mapping = meta.slot_mapping[seg.rows]
+            return lambda p: mapping[p - seg.start]
+        bs, table = self.cache.shape[1], seg.table.long()
+        return lambda p: table[p // bs] * bs + p % bs
+
+    def _compress(self, seg: _Segment, flat: torch.Tensor, slots, dtype: torch.dtype) -> None:
+        """The entries of the windows this segment's tokens complete, into their last tokens' rows."""
+        m = self.rate
+        w = torch.arange(seg.start // m, seg.end // m, device=flat.device)
+        if not w.numel():
+            return
+        pos = w[:, None] * m + torch.arange(m, device=flat.device)  # [n, m]
+        cur_rows = flat.index_select(0, slots(pos.flatten())).view(w.numel(), m, -1)
+        prev_rows = None
+        if self.kind == CSA:
+            prev_rows = flat.index_select(0, slots((pos - m).clamp(min=0).flatten())).view(w.numel(), m, -1)
+        rope = self.rotary.lookup(w * m, dtype)
+        last = slots(w * m + m - 1)
+        parts = [("compressor", self.compressor)]
+        if self.indexer is not None:
+            parts.append(("indexer", self.indexer.compressor))
+        for name, comp in parts:
+            a, b, e = self.offsets[name]
+            prev = None if prev_rows is None else prev_rows[..., a:b]
+            entry = comp.compress(cur_rows[..., a:b], prev, w == 0)
+            flat[last, b:e] = rotate_tail(entry.unsqueeze(1), rope).squeeze(1).to(flat.dtype)
+
+    def _attend(
+        self, q: torch.Tensor, seg: _Segment, flat: torch.Tensor, slots, index_q, index_w
+    ) -> torch.Tensor:
+        """q [L, h, d] of positions [start, end) -> [L, h, d] over the window and the entries."""
+        dev, d = q.device, self.head_dim
+        q_pos = torch.arange(seg.start, seg.end, device=dev)
+        k_pos = torch.arange(max(0, seg.start - self.window + 1), seg.end, device=dev)
+        keys = flat.index_select(0, slots(k_pos))[:, :d]
+        mask = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < self.window)
+        if self.rate and seg.end // self.rate:
+            m = self.rate
+            w = torch.arange(seg.end // m, device=dev)
+            entry_rows = flat.index_select(0, slots(w * m + m - 1))
+            _, b, e = self.offsets["compressor"]
+            visible = w[None, :] < ((q_pos + 1) // m)[:, None]
+            if self.indexer is not None:
+                _, ib, ie = self.offsets["indexer"]
+                rows = seg.rows
+                visible = self.indexer.select(index_q[rows], index_w[rows], entry_rows[:, ib:ie], visible)
+            keys = torch.cat((keys, entry_rows[:, b:e]), dim=0)
+            mask = torch.cat((mask, visible), dim=1)
+        k32 = keys.float()
+        scores = torch.einsum("lhd,sd->lhs", q.float(), k32) * self.scale
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+        logits = torch.cat((scores, sink), dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        return torch.matmul(probs, k32).to(q.dtype)
