@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_utils import run_distributed
+from expect import kernels_disabled
 from safetensors.torch import load_file, save_file
 from test_chunked_prefill import assert_same, generate
 from test_real_families import hf_logprobs, logprob_errors
@@ -96,16 +97,23 @@ def test_deepseek_v4_equals_transformers(v4):
 
 
 @pytest.mark.timeout(120)
-def test_deepseek_v4_chunked_prefill_and_prefix_caching_equal_one_prefill(v4):
+def test_deepseek_v4_chunked_prefill_and_prefix_caching_equal_one_prefill(v4, monkeypatch):
     """Chunks of 21 tokens (not a multiple of any entry size), prefix caching on, and prompts that
     share a 64-token prefix (hits of whole 16-token blocks) give the tokens and logprobs (1e-4) of
     whole prefills without caching: compressed entries and index keys computed across chunk and
-    hit boundaries are the ones one prefill computes."""
+    hit boundaries are the ones one prefill computes. The uncached engine runs without our CPU
+    kernels (decodes laid out in groups rather than one block-table array)."""
+    from expertmesh.cpu import cpu_kernels
+
     shared = _prompts([64], seed=11)[0]
     tails = _prompts([1, 9, 30, 86], seed=12)
     prompts = _prompts([150, 5, 47]) + [shared + t for t in tails]
-    whole = LLM(v4, enable_chunked_prefill=False, enable_prefix_caching=False, **COMMON)
     cached = LLM(v4, max_num_batched_tokens=21, max_num_seqs=4, enable_prefix_caching=True, **COMMON)
+    assert cached.llm_engine.runner.kernels is not None or kernels_disabled()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "load", lambda: None)
+        whole = LLM(v4, enable_chunked_prefill=False, enable_prefix_caching=False, **COMMON)
+    assert whole.llm_engine.runner.kernels is None
     first = generate(cached, prompts[:4])  # the shared prefix enters the cache with the first of them
     rest = generate(cached, prompts[4:])
     assert_same(first + rest, generate(whole, prompts), "deepseek-v4 chunked + prefix cached")
