@@ -20,7 +20,7 @@ from distributed_utils import run_distributed
 from expect import kernels_disabled
 from safetensors.torch import load_file, save_file
 from test_chunked_prefill import assert_same, generate
-from test_real_families import hf_logprobs, logprob_errors
+from test_real_families import assert_bf16_bound, hf_logprobs, logprob_errors
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.layers.compressed_attention import Indexer
@@ -53,10 +53,10 @@ def _run(llm: LLM, prompts, new_tokens: int = 12, logprobs: int = 20):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
 
-def _reference(path: str):
+def _reference(path: str, dtype=torch.float32):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 @pytest.mark.timeout(120)
@@ -69,12 +69,14 @@ def test_deepseek_v4_equals_transformers(v4):
     prompts = _prompts()
     llm = LLM(v4, **COMMON)
     outs = _run(llm, prompts)
+    firsts = _run(llm, prompts, new_tokens=1, logprobs=512)  # the whole vocabulary at the first step
     model = _reference(v4)
     refs = []
-    for prompt, out in zip(prompts, outs, strict=True):
+    for prompt, out, first in zip(prompts, outs, firsts, strict=True):
         ref = hf_logprobs(model, prompt, out.outputs[0].token_ids)
         assert out.outputs[0].token_ids == ref.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens"
         assert logprob_errors(out, ref).max() < 2e-4, f"prompt of {len(prompt)} tokens"
+        assert len(first.outputs[0].logprobs[0]) == 512 and logprob_errors(first, ref[:1]).max() < 2e-4
         refs.append(ref)
     # transformers' own cached decoding (its compressor buffers and overlap state) agrees, up to
     # the end-of-sequence token where it stops
@@ -94,6 +96,17 @@ def test_deepseek_v4_equals_transformers(v4):
     if dense.outputs[0].token_ids == outs[-1].outputs[0].token_ids:
         assert logprob_errors(dense, ref).max() > 1e-3
     # (else the tokens differ already: the selection decides them)
+
+
+@pytest.mark.timeout(120)
+def test_deepseek_v4_bf16_close_to_transformers(v4):
+    """bfloat16 end to end, past the window and the top-k: test_real_families' bound (our bf16
+    logprobs no further from transformers' fp32 forward than its bf16 forward, plus 0.1)."""
+    prompts = _prompts([70, 150])
+    outs = _run(LLM(v4, dtype="bfloat16", **COMMON), prompts)
+    fp32, bf16 = _reference(v4), _reference(v4, torch.bfloat16)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_bf16_bound("deepseek-v4", prompt, out, fp32, bf16)
 
 
 @pytest.mark.timeout(120)
