@@ -134,6 +134,23 @@ def test_deepseek_v4_chunked_prefill_and_prefix_caching_equal_one_prefill(v4, mo
     assert cached.llm_engine.stats()["prefix_cache_hits"] >= 3 * 64
 
 
+@pytest.mark.timeout(120)
+def test_deepseek_v4_ngram_speculation_equals_plain_decoding(v4):
+    """n-gram drafts are decode rows of one sequence at consecutive positions: a draft token that
+    completes a window writes its entry, read by the drafts after it; a rejected one is rewritten
+    by the next step. The tokens equal plain greedy decoding, with drafts accepted and rejected."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(3, 512, (20,), generator=g).tolist()
+    prompts = [base * 4, base * 3 + [7, 8], torch.randint(3, 512, (70,), generator=g).tolist()]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    plain = _run(LLM(v4, **COMMON), prompts, new_tokens=24, logprobs=1)
+    spec_llm = LLM(v4, speculative_config=ngram, **COMMON)
+    spec = _run(spec_llm, prompts, new_tokens=24, logprobs=1)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    stats = spec_llm.llm_engine.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
 def test_deepseek_v4_declares_its_blocks_and_cache_per_token(v4, engine_log):
     """Each layer's attention kind, cache kind and row width (K=V row; compressor projections,
     twice as wide with overlap, and entry; the indexer's), hash routers on the first three layers,
@@ -170,8 +187,8 @@ def _fake_env(first: bool = True):
 
 
 def test_deepseek_v4_refuses_what_it_cannot_serve(v4, tmp_path):
-    """Pipeline parallelism and another scoring_func are refused by name; a hash table naming an
-    expert that does not exist fails the load naming the tensor."""
+    """Pipeline parallelism, another scoring_func and MTP drafting are refused by name; a hash table
+    naming an expert that does not exist fails the load naming the tensor."""
     from dataclasses import replace
 
     from expertmesh.config import ModelConfig
@@ -184,6 +201,11 @@ def test_deepseek_v4_refuses_what_it_cannot_serve(v4, tmp_path):
     softmax = replace(cfg, compressed=replace(cfg.compressed, scoring_func="softmax"))
     with pytest.raises(ValueError, match="scoring_func='softmax' is not supported"):
         DeepseekV4ForCausalLM(softmax, _fake_env())
+
+    with pytest.raises(
+        ValueError, match="DeepseekV4ForCausalLM model is not implemented yet.*method='ngram'"
+    ):
+        LLM(v4, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **COMMON)
 
     bad = tmp_path / "bad-table"
     shutil.copytree(v4, bad)
