@@ -115,8 +115,10 @@ def test_deepseek_v4_chunked_prefill_and_prefix_caching_equal_one_prefill(v4, mo
     share a 64-token prefix (hits of whole 16-token blocks) give the tokens and logprobs (1e-4) of
     whole prefills without caching: compressed entries and index keys computed across chunk and
     hit boundaries are the ones one prefill computes. The uncached engine runs without our CPU
-    kernels (decodes laid out in groups rather than one block-table array)."""
+    kernels (decodes laid out in groups rather than one block-table array) and attends 7 queries
+    at a time (blocks across the window and entry boundaries)."""
     from expertmesh.cpu import cpu_kernels
+    from expertmesh.layers import compressed_attention
 
     shared = _prompts([64], seed=11)[0]
     tails = _prompts([1, 9, 30, 86], seed=12)
@@ -129,6 +131,7 @@ def test_deepseek_v4_chunked_prefill_and_prefix_caching_equal_one_prefill(v4, mo
     assert whole.llm_engine.runner.kernels is None
     first = generate(cached, prompts[:4])  # the shared prefix enters the cache with the first of them
     rest = generate(cached, prompts[4:])
+    monkeypatch.setattr(compressed_attention, "QUERY_BLOCK", 7)
     assert_same(first + rest, generate(whole, prompts), "deepseek-v4 chunked + prefix cached")
     assert sum(o.num_cached_tokens for o in rest) >= 3 * 64
     assert cached.llm_engine.stats()["prefix_cache_hits"] >= 3 * 64

@@ -41,7 +41,7 @@ from torch import nn
 from expertmesh.config import ModelConfig
 from expertmesh.config.compressed_attention_config import CSA, SLIDING
 from expertmesh.forward_context import ForwardContext
-from expertmesh.layers.attention import AttentionMetadata
+from expertmesh.layers.attention import QUERY_BLOCK, AttentionMetadata
 from expertmesh.layers.cache_spec import KVCacheSpec
 from expertmesh.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from expertmesh.layers.norm import Float32RMSNorm
@@ -312,24 +312,38 @@ class CompressedAttention(nn.Module):
     def _attend(
         self, q: torch.Tensor, seg: _Segment, flat: torch.Tensor, slots, index_q, index_w
     ) -> torch.Tensor:
-        """q [L, h, d] of positions [start, end) -> [L, h, d] over the window and the entries."""
-        dev, d = q.device, self.head_dim
-        q_pos = torch.arange(seg.start, seg.end, device=dev)
-        k_pos = torch.arange(max(0, seg.start - self.window + 1), seg.end, device=dev)
-        keys = flat.index_select(0, slots(k_pos))[:, :d]
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < self.window)
-        if self.rate and seg.end // self.rate:
-            m = self.rate
+        """q [L, h, d] of positions [start, end) -> [L, h, d] over the window and the entries,
+        QUERY_BLOCK queries at a time (a long prefill's scores stay [block, h, window + entries])."""
+        dev, d, m = q.device, self.head_dim, self.rate
+        entries = index_keys = None
+        if m and seg.end // m:  # the entries (and index keys) of every window completed by the end
             w = torch.arange(seg.end // m, device=dev)
             entry_rows = flat.index_select(0, slots(w * m + m - 1))
-            _, b, e = self.offsets["compressor"]
-            visible = w[None, :] < ((q_pos + 1) // m)[:, None]
+            entries = entry_rows[:, self.offsets["compressor"][1] : self.offsets["compressor"][2]]
             if self.indexer is not None:
-                _, ib, ie = self.offsets["indexer"]
-                rows = seg.rows
-                visible = self.indexer.select(index_q[rows], index_w[rows], entry_rows[:, ib:ie], visible)
-            keys = torch.cat((keys, entry_rows[:, b:e]), dim=0)
-            mask = torch.cat((mask, visible), dim=1)
+                index_keys = entry_rows[:, self.offsets["indexer"][1] : self.offsets["indexer"][2]]
+        out = torch.empty_like(q)
+        for a in range(seg.start, seg.end, QUERY_BLOCK):
+            b = min(a + QUERY_BLOCK, seg.end)
+            q_pos = torch.arange(a, b, device=dev)
+            k_pos = torch.arange(max(0, a - self.window + 1), b, device=dev)
+            keys = flat.index_select(0, slots(k_pos))[:, :d]
+            mask = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < self.window)
+            n = 0 if entries is None else b // m  # the entries these queries may see
+            if n:
+                visible = torch.arange(n, device=dev)[None, :] < ((q_pos + 1) // m)[:, None]
+                if index_keys is not None:
+                    rows = slice(seg.rows.start + a - seg.start, seg.rows.start + b - seg.start)
+                    visible = self.indexer.select(index_q[rows], index_w[rows], index_keys[:n], visible)
+                keys = torch.cat((keys, entries[:n]), dim=0)
+                mask = torch.cat((mask, visible), dim=1)
+            out[a - seg.start : b - seg.start] = self._softmax_attend(
+                q[a - seg.start : b - seg.start], keys, mask
+            )
+        return out
+
+    def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [l, h, d], keys (= values) [S, d], mask [l, S]: float32 softmax with the sinks."""
         k32 = keys.float()
         scores = torch.einsum("lhd,sd->lhs", q.float(), k32) * self.scale
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
