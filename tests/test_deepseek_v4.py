@@ -138,6 +138,20 @@ def test_deepseek_v4_chunked_prefill_and_prefix_caching_equal_one_prefill(v4, mo
 
 
 @pytest.mark.timeout(120)
+def test_deepseek_v4_preempted_sequences_recompute_their_entries(v4):
+    """9 cache blocks of 16 tokens for prompts of 5 + 45 + 70 tokens, each growing by 12: someone is
+    preempted and recomputed (its rows, projections and entries written again); the tokens and
+    logprobs equal an engine with room for all."""
+    prompts = _prompts([5, 45, 70], seed=9)
+    roomy = LLM(v4, **COMMON)
+    block = roomy.llm_engine.runner.block_bytes()
+    tight = LLM(v4, max_model_len=128, kv_cache_memory_bytes=9 * block, max_num_seqs=3)
+    assert tight.llm_engine.blocks.num_blocks == 9
+    assert_same(generate(tight, prompts, 12), generate(roomy, prompts, 12), "deepseek-v4 preempted")
+    assert tight.llm_engine.stats()["preemptions"] > 0
+
+
+@pytest.mark.timeout(120)
 def test_deepseek_v4_ngram_speculation_equals_plain_decoding(v4):
     """n-gram drafts are decode rows of one sequence at consecutive positions: a draft token that
     completes a window writes its entry, read by the drafts after it; a rejected one is rewritten
