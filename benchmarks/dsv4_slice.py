@@ -106,8 +106,9 @@ def main() -> None:
     for name in p:
         print(f"{name:12s} prefill {args.prompt} tokens: {p[name]:.3f} s; decode {d[name]:.2f} tokens/s "
               f"(bf16, batch 1, median of {args.rounds}, {torch.get_num_threads()} threads)")  # fmt: skip
-    print(f"expertmesh / transformers: prefill time {p['expertmesh'] / p['transformers']:.2f}x, "
-          f"decode speed {d['expertmesh'] / d['transformers']:.2f}x; load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    ratios = p["expertmesh"] / p["transformers"], d["expertmesh"] / d["transformers"]
+    print(f"expertmesh / transformers: prefill time {ratios[0]:.2f}x, decode speed {ratios[1]:.2f}x; "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
