@@ -195,6 +195,52 @@ def test_deepseek_v4_declares_its_blocks_and_cache_per_token(v4, engine_log):
     assert "by rule 'mtp layers" in engine_log.text
 
 
+def published_names(path: str, out: Path) -> str:
+    """A copy of a checkpoint saved by transformers with the published tensor names: no `model.`
+    (embed.weight, layers.<i>.*, norm.weight, hc_head_fn / _base / _scale), the MTP layer as mtp.0.*
+    (transformers' own conversion table for deepseek_v4 reads these)."""
+    top = {
+        "model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+        "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+        "model.hc_head.hc_scale": "hc_head_scale",
+    }  # fmt: skip
+    mtp = f"model.layers.{json.loads(Path(path, 'config.json').read_text())['num_hidden_layers']}."
+
+    def name(key: str) -> str:
+        if key in top:
+            return top[key]
+        return "mtp.0." + key[len(mtp) :] if key.startswith(mtp) else key.removeprefix("model.")
+
+    shutil.copytree(path, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = load_file(out / file)
+        save_file({name(k): v for k, v in tensors.items()}, out / file, metadata={"format": "pt"})
+    index["weight_map"] = {name(k): v for k, v in index["weight_map"].items()}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(out)
+
+
+@pytest.mark.timeout(120)
+def test_deepseek_v4_reads_the_published_tensor_names(v4, tmp_path, engine_log):
+    """The published files' names (top level without `model.`, the MTP layer under mtp.*): the
+    tokens and logprobs of transformers' save, and transformers reads the copy to the same logits
+    (so the copy is what its conversion table expects)."""
+    published = published_names(v4, tmp_path / "published")
+    assert (
+        "embed.weight"
+        in json.loads(Path(published, "model.safetensors.index.json").read_text())["weight_map"]
+    )
+    ids = torch.tensor([_prompts([40])[0]])
+    with torch.no_grad():
+        assert torch.equal(_reference(published)(ids).logits, _reference(v4)(ids).logits)
+    prompts = _prompts([3, 40, 70])
+    assert_same(
+        _run(LLM(published, **COMMON), prompts, 8, 2), _run(LLM(v4, **COMMON), prompts, 8, 2), "names"
+    )
+    assert "by rule 'mtp layer (published as mtp.*" in engine_log.text
+
+
 def _fake_env(first: bool = True):
     class Env:
         is_first_stage = first

@@ -12,15 +12,17 @@
   (layers/hash_routing.py), the rest by sqrt(softplus) scores with a correction bias
   (layers/routing.py "sqrtsoftplus"); experts and the shared expert clamp gate and up by
   swiglu_limit.
-Checkpoint: DeepSeek's names as transformers saves them (attn.wq_a, attn.compressor.ape,
-ffn.experts.<e>.w1/w3/w2, hc_attn_fn, head.weight, ...); the MTP layer is skipped by the named
-rule until speculative decoding serves it. Pipeline parallelism is refused (a stage would send
-hc_mult x hidden values per token).
+Checkpoint: DeepSeek's names (attn.wq_a, attn.compressor.ape, ffn.experts.<e>.w1/w3/w2,
+hc_attn_fn, head.weight, ...), at the top level as published (embed.weight, layers.<i>.*,
+hc_head_fn) or as transformers saves them (model.embed_tokens, model.layers.<i>.*,
+model.hc_head.hc_fn); the MTP layer (mtp.* published, model.layers.<n> in transformers' save) is
+skipped by a named rule until speculative decoding serves it. Pipeline parallelism is refused (a
+stage would send hc_mult x hidden values per token).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,7 +39,28 @@ from expertmesh.models.checkpoint import GATE_UP, CheckpointNames
 from expertmesh.models.decoder import CausalLM, moe_spec
 from expertmesh.models.family import Family
 
-NAMES = CheckpointNames(
+# The published files name the top-level tensors without transformers' `model.` (embed.weight,
+# layers.<i>.*, norm.weight, hc_head_fn, ...); transformers' save keeps `model.`, embed_tokens and
+# hc_head.hc_fn. Both read.
+PUBLISHED_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+
+
+@dataclass(frozen=True)
+class DeepseekV4Names(CheckpointNames):
+    def canonical(self, key: str) -> str:
+        if key.startswith("layers."):
+            key = "model." + key
+        return super().canonical(PUBLISHED_TOP.get(key, key))
+
+
+NAMES = DeepseekV4Names(
     gate="w1",
     up="w3",
     down="w2",
@@ -49,8 +72,8 @@ NAMES = CheckpointNames(
         (".ffn.gate.bias", ".ffn.gate.e_score_correction_bias"),
         (".hc_attn_", ".hc_attn."),
         (".hc_ffn_", ".hc_ffn."),
-        ("head.weight", "lm_head.weight"),  # the output head (the MTP layer's shared_head is skipped)
     ),
+    skip=(("mtp layer (published as mtp.*; speculative decoding does not serve it yet)", r"^mtp\."),),
 )
 
 
