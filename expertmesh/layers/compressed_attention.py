@@ -24,13 +24,15 @@ token's row when it is computed). An entry depends only on the tokens of its win
 the same whether the window was seen in one prefill, in chunks or across a prefix-cache hit; the
 projections are kept for every token (a compact ring of the last windows is future work).
 
+A step's decodes attend together (each its window and its completed entries, padded to the
+most entries); each prefill chunk attends by itself, QUERY_BLOCK queries at a time.
+
 Tensor parallel: query heads, sinks and output groups split over TP (o_groups a multiple of
 the TP size); the K=V row, the compressors and the indexer are replicated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,11 +120,14 @@ class Indexer(nn.Module):
     def select(
         self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        """q [L, heads, dim], w [L, heads] float32, keys [S, dim], visible [L, S] -> kept [L, S]."""
-        scores = F.relu(torch.matmul(q.float(), keys.float().t())) * self.dim**-0.5  # [L, heads, S]
+        """q [L, heads, dim], w [L, heads] float32, keys [S, dim] (or each query's [L, S, dim]),
+        visible [L, S] -> kept [L, S]."""
+        scores = (
+            F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * self.dim**-0.5
+        )  # [L, heads, S]
         index = (scores * w.unsqueeze(-1)).sum(dim=1)  # [L, S]
         index = index.masked_fill(~visible, float("-inf"))
-        top = index.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        top = index.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
 
@@ -149,6 +154,16 @@ class GroupedOutput(nn.Module):
         w = self.weight.view(self.groups, self.rank, self.per_group).transpose(1, 2)
         y = torch.bmm(x.view(t, self.groups, self.per_group).transpose(0, 1), w)  # [g, T, rank]
         return y.transpose(0, 1).reshape(t, -1)
+
+
+def _table_slots(tables: torch.Tensor, block_size: int):
+    """(positions [B, X], rows of `tables` [B] or all) -> cache slots [B, X] of those positions."""
+
+    def slot(pos: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        t = tables if rows is None else tables[rows]
+        return t.gather(1, pos // block_size) * block_size + pos % block_size
+
+    return slot
 
 
 @dataclass
@@ -253,7 +268,18 @@ class CompressedAttention(nn.Module):
             index_q = rotate_tail(ix.wq_b(q_resid).view(t, ix.heads, ix.dim), rope)
             index_w = ix.weights_proj(x).float() * ix.heads**-0.5
         out = torch.empty_like(q)
-        for seg in self._segments(meta):
+        nd = meta.num_decodes
+        if nd:  # every decode at once: padded to the longest context's entries
+            tables, lens = self._decode_tables(meta)
+            slot = _table_slots(tables, self.cache.shape[1])
+            positions = lens.to(tables.device) - 1
+            if self.compressor is not None:
+                self._compress_decodes(positions, flat, slot, x.dtype)
+            iq, iw = (None, None) if index_q is None else (index_q[:nd], index_w[:nd])
+            out[:nd] = self._attend_decodes(q[:nd], positions, flat, slot, iq, iw)
+        for chunk in meta.prefills:
+            table = chunk.block_table if chunk.context else None  # without context: the step's slots
+            seg = _Segment(chunk.rows, chunk.context, chunk.context + chunk.length, table)
             slots = self._slot_fn(seg, meta, cached)
             if self.compressor is not None:
                 self._compress(seg, flat, slots, x.dtype)
@@ -261,21 +287,61 @@ class CompressedAttention(nn.Module):
         out = rotate_tail(out, inverse(rope))
         return self.wo_b(self.wo_a(out.reshape(t, h * d)))
 
-    def _segments(self, meta: AttentionMetadata) -> Iterator[_Segment]:
-        """Each decode, then each prefill chunk, in the step's row order."""
+    @staticmethod
+    def _decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables [B, width] (long, zero-padded) and context lengths [B]."""
         if meta.decode_block_tables is not None:
-            pairs = zip(meta.decode_block_tables.long(), meta.decode_context_lens.tolist(), strict=True)
-        else:
-            pairs = (
-                (tb, n)
-                for g in meta.decode_groups
-                for tb, n in zip(g.block_tables, g.context_lens.tolist(), strict=True)
+            return meta.decode_block_tables.long(), meta.decode_context_lens.long()
+        width = max(g.block_tables.shape[1] for g in meta.decode_groups)
+        tables = [
+            F.pad(g.block_tables.long(), (0, width - g.block_tables.shape[1])) for g in meta.decode_groups
+        ]
+        return torch.cat(tables), torch.cat([g.context_lens.long() for g in meta.decode_groups])
+
+    def _compress_decodes(
+        self, positions: torch.Tensor, flat: torch.Tensor, slot, dtype: torch.dtype
+    ) -> None:
+        """The entries of the windows the decodes complete (position + 1 a multiple of the rate)."""
+        m = self.rate
+        done = ((positions + 1) % m == 0).nonzero().squeeze(1)
+        if not done.numel():
+            return
+        w = (positions[done] + 1) // m - 1
+        tok = w[:, None] * m + torch.arange(m, device=flat.device)  # [b, m]
+        cur_rows = flat.index_select(0, slot(tok, done).flatten()).view(done.numel(), m, -1)
+        prev_rows = None
+        if self.kind == CSA:
+            prev_rows = flat.index_select(0, slot((tok - m).clamp(min=0), done).flatten()).view(
+                done.numel(), m, -1
             )
-        for i, (table, n) in enumerate(pairs):
-            yield _Segment(slice(i, i + 1), n - 1, n, table)
-        for chunk in meta.prefills:
-            table = chunk.block_table if chunk.context else None
-            yield _Segment(chunk.rows, chunk.context, chunk.context + chunk.length, table)
+        self._write_entries(w, cur_rows, prev_rows, slot(positions[done, None], done).squeeze(1), flat, dtype)
+
+    def _attend_decodes(self, q, positions, flat, slot, index_q, index_w) -> torch.Tensor:
+        """q [B, h, d] at `positions` [B] -> [B, h, d]: each over its window and completed entries."""
+        dev, d, m, b = q.device, self.head_dim, self.rate, q.shape[0]
+        k_pos = positions[:, None] - self.window + 1 + torch.arange(self.window, device=dev)  # [B, W]
+        mask = k_pos >= 0
+        keys = flat.index_select(0, slot(k_pos.clamp(min=0)).flatten())[:, :d].view(b, self.window, d)
+        count = (positions + 1) // m if m else None
+        n = int(count.max()) if m else 0
+        if n:
+            w = torch.arange(n, device=dev)[None, :]
+            visible = w < count[:, None]
+            last = torch.minimum(w * m + m - 1, positions[:, None])  # padding: a row of its own
+            entry_rows = flat.index_select(0, slot(last).flatten()).view(b, n, -1)
+            if self.indexer is not None:
+                _, ib, ie = self.offsets["indexer"]
+                visible = self.indexer.select(index_q, index_w, entry_rows[..., ib:ie], visible)
+            _, eb, ee = self.offsets["compressor"]
+            keys = torch.cat((keys, entry_rows[..., eb:ee]), dim=1)
+            mask = torch.cat((mask, visible), dim=1)
+        k32 = keys.float()
+        scores = torch.matmul(q.float(), k32.transpose(1, 2)) * self.scale  # [B, h, S]
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1).expand(b, -1, 1)
+        logits = torch.cat((scores, sink), dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        return torch.matmul(probs, k32).to(q.dtype)
 
     def _slot_fn(self, seg: _Segment, meta: AttentionMetadata, cached: bool):
         """positions of this sequence -> rows of `flat` (the cache's slots, or the step's rows)."""
@@ -298,8 +364,12 @@ class CompressedAttention(nn.Module):
         prev_rows = None
         if self.kind == CSA:
             prev_rows = flat.index_select(0, slots((pos - m).clamp(min=0).flatten())).view(w.numel(), m, -1)
-        rope = self.rotary.lookup(w * m, dtype)
-        last = slots(w * m + m - 1)
+        self._write_entries(w, cur_rows, prev_rows, slots(w * m + m - 1), flat, dtype)
+
+    def _write_entries(self, w, cur_rows, prev_rows, last, flat: torch.Tensor, dtype: torch.dtype) -> None:
+        """Windows `w` [n] from their tokens' rows [n, rate, width] (and the previous windows'):
+        the entries (and index keys), rotated at each window's first position, into rows `last`."""
+        rope = self.rotary.lookup(w * self.rate, dtype)
         parts = [("compressor", self.compressor)]
         if self.indexer is not None:
             parts.append(("indexer", self.indexer.compressor))
