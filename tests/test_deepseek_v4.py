@@ -27,8 +27,10 @@ from expertmesh.layers.compressed_attention import Indexer
 
 SOURCE = "2026/deepseek-v4-flash"
 # The published HCA rate (128) and output rank (1024) shrunk below the prompts / widths; the head
-# to 32 (shrink keeps the published q width : hidden, 8, which would make it 128).
+# to 32 (shrink keeps the published q width : hidden, 8, which would make it 128); the one shared
+# K=V head kept (shrink's GQA rule would make it 2; neither transformers nor we read it).
 OVERRIDES = dict(
+    num_key_value_heads=1,
     o_lora_rank=16,
     head_dim=32,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
@@ -278,6 +280,45 @@ def test_deepseek_v4_refuses_what_it_cannot_serve(v4, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"tid2eid.*expert ids must be integers in \[0, 8\)"):
         LLM(str(bad), **COMMON)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4-pro"])
+def test_published_configs_read_whole_and_shrink_with_every_flag_kept(name, tmp_path):
+    """Both published files read as published (43 / 61 layers: the first two sliding, then CSA and
+    HCA alternating as compress_ratios says, its MTP entry dropped; 3 hash layers; YaRN x16 on the
+    compressed layers only; 512-wide K=V rows), and shrink keeps every key and every flag."""
+    from real_checkpoints import published, shrink
+
+    from expertmesh.config import ModelConfig
+    from expertmesh.config.compressed_attention_config import CSA, HCA, SLIDING
+    from expertmesh.config.hf_config import load_hf_config
+
+    full = published(f"2026/{name}")
+    (tmp_path / "config.json").write_text(json.dumps(full))
+    cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
+    c, n = cfg.compressed, full["num_hidden_layers"]
+    kinds = {0: SLIDING, 4: CSA, 128: HCA}
+    assert cfg.layer_types == tuple(kinds[r] for r in full["compress_ratios"][:n])
+    assert dict(c.compress_rates) == {CSA: 4, HCA: 128} and c.mlp_layer_types == ("hash_moe",) * 3 + (
+        "moe",
+    ) * (n - 3)
+    assert (c.hc_mult, c.hc_sinkhorn_iters, c.o_groups, c.o_lora_rank) == (4, 20, full["o_groups"], 1024)
+    assert c.main_rope.rope_type == "default" and c.main_rope.theta == 10000.0
+    rope = c.compress_rope
+    assert (rope.rope_type, rope.theta, rope.factor, rope.attention_factor) == ("yarn", 160000.0, 16.0, 1.0)
+    assert rope.rotary_dim == c.rope_dim == 64 and cfg.head_dim == 512 and cfg.num_kv_heads == 1
+    assert cfg.num_nextn_predict_layers == 1 and cfg.sliding_window == 128
+
+    small = shrink(full, **OVERRIDES)
+    assert set(small) - {"compress_rates"} == set(full) - {"quantization_config"}  # compress_rates: added
+    sizes = {
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "moe_intermediate_size",
+        "n_routed_experts", "num_experts_per_tok", "vocab_size", "max_position_embeddings", "bos_token_id",
+        "eos_token_id", "rope_scaling", "initializer_range", "torch_dtype", "q_lora_rank", "qk_rope_head_dim",
+        "index_n_heads", "index_head_dim", "index_topk", "sliding_window", "o_lora_rank",
+        "quantization_config",
+    }  # fmt: skip
+    assert {k: v for k, v in full.items() if k not in sizes} == {k: small[k] for k in full if k not in sizes}
 
 
 def test_blocks_equal_transformers_modules():
