@@ -194,6 +194,11 @@ def test_deepseek_v4_declares_its_blocks_and_cache_per_token(v4, engine_log):
     ]
     assert runner.attn_layers == [layer.attn for layer in layers.values()]
     assert runner.bytes_per_token() == sum(widths[k] for k in kinds) * 4  # float32
+    line = runner.describe_kv()
+    assert (
+        "compressed_kv (2 layers, 272 / 128 values a layer)" in line
+        and "shared_kv (2 layers, 32 values" in line
+    )
     assert "by rule 'mtp layers" in engine_log.text
 
 
