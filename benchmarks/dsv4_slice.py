@@ -84,11 +84,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="--prompt 256 --new 6 --rounds 2")
+    ap.add_argument("--quick", action="store_true", help="--prompt 128 --new 4 --rounds 2")
     ap.add_argument("--cache", default="/tmp/expertmesh-bench")
     args = ap.parse_args()
     if args.quick:
-        args.prompt, args.new, args.rounds = 256, 6, 2
+        args.prompt, args.new, args.rounds = 128, 4, 2
     path = make_model(args.cache)
     prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     engines = [Ours(path, args.prompt + args.new + 8), Theirs(path, 0)]
