@@ -412,11 +412,13 @@ def _rank_main(rank, world, path, layouts):
             [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True) for i in idx],
             use_tqdm=False,
         )
-        results.append(((dp, tp, ep, backend), idx, [o.outputs[0].token_ids for o in outs]))
+        mode = llm.llm_engine.runner.model.model.layers["0"].ffn.plan.mode
+        results.append(((dp, tp, ep, backend), idx, [o.outputs[0].token_ids for o in outs], mode))
     return results
 
 
-def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> None:
+def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> set[str]:
+    """Every layout's tokens on every rank equal one process's; the MoE plan modes that ran."""
     prompts = _prompts(LAYOUT_LENGTHS, seed=5)
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     expected = [
@@ -427,23 +429,31 @@ def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> None
             use_tqdm=False,
         )
     ]
+    modes = set()
     for rank, results in enumerate(run_distributed(_rank_main, world, path, layouts, timeout=timeout)):
-        for layout, idx, tokens in results:
+        for layout, idx, tokens, mode in results:
             assert tokens == [expected[i] for i in idx], f"rank {rank}, (DP, TP, EP, backend) {layout}"
+            modes.add(mode)
+    return modes
 
 
 @pytest.mark.timeout(150)
 def test_deepseek_v4_tp2_and_dp2_ep_alltoall_equal_one_process(real_checkpoint):
     """TP2 (query heads, sinks and output groups split; K=V rows, compressors and indexer
-    replicated) and DP2 with EP over alltoall (7 experts over 2 ranks; hash-routed picks
-    dispatched like scored ones): every rank's tokens equal the one-process run."""
+    replicated), DP2 with EP over alltoall (7 experts over 2 ranks; hash-routed picks dispatched
+    like scored ones) and TP2 with EP (each rank its experts, every token): every rank's tokens
+    equal the one-process run."""
     from real_checkpoints import Sizes
 
     path = real_checkpoint(SOURCE, sizes=Sizes(experts=7), **OVERRIDES)
-    _check_layouts(path, 2, [(1, 2, False, "naive"), (2, 1, True, "alltoall")], timeout=130)
+    layouts = [(1, 2, False, "naive"), (2, 1, True, "alltoall"), (1, 2, True, "alltoall")]
+    assert _check_layouts(path, 2, layouts, timeout=130) == {"tp", "ep"}
 
 
 @pytest.mark.timeout(300)
-def test_deepseek_v4_dp2_tp2_naive_equals_one_process(v4):
-    """DP2 x TP2 with the naive backend (uneven loads, one DP rank idle): the one-process tokens."""
-    _check_layouts(v4, 4, [(2, 2, False, "naive")], timeout=280)
+def test_deepseek_v4_dp2_tp2_naive_and_ep_alltoall_equal_one_process(v4):
+    """DP2 x TP2 with the naive backend, and with EP over alltoall (each TP rank routes its slice
+    of the tokens: the hash router takes that slice's token ids), uneven loads (one DP rank idle):
+    the one-process tokens on every rank."""
+    modes = _check_layouts(v4, 4, [(2, 2, False, "naive"), (2, 2, True, "alltoall")], timeout=280)
+    assert modes == {"dp_tp", "ep_sp"}
