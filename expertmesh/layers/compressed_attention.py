@@ -191,12 +191,8 @@ class CompressedAttention(nn.Module):
             raise ValueError(f"o_groups={c.o_groups} does not divide heads x head_dim")
         hidden, d, dt, eps = cfg.hidden_size, cfg.head_dim, cfg.dtype, cfg.norm_eps
         self.kind = cfg.layer_type(index)
-        self.heads, self.head_dim, self.eps, self.window = (
-            cfg.num_heads // tp.world_size,
-            d,
-            eps,
-            cfg.sliding_window,
-        )
+        self.heads, self.head_dim, self.eps = cfg.num_heads // tp.world_size, d, eps
+        self.window = cfg.sliding_window
         if self.window is None:
             raise ValueError(f"{cfg.architecture}: compressed attention needs sliding_window")
         self.wq_a = ReplicatedLinear(hidden, c.q_lora_rank, False, dt)
