@@ -22,3 +22,5 @@ class ForwardContext:
     # Hybrid models: each sequence's recurrent-state slot (engine/state_cache.py), decodes then
     # prefill chunks in AttentionMetadata order; None (a dummy forward): zero state, not kept.
     state_slots: torch.Tensor | None = None
+    # This step's token ids [T] (set by a model whose MoE routes by them: DeepSeek-V4's hash layers)
+    input_ids: torch.Tensor | None = None

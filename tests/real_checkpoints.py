@@ -312,8 +312,16 @@ def randomize_small(model: torch.nn.Module, seed: int) -> None:
     ]
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *persistent]:
-            if t.is_floating_point() and (t.dim() == 1 or name.endswith("bias")):
+            # position_bias: DeepSeek-V4's per-slot compressor gate bias (initialised to zero)
+            if t.is_floating_point() and (t.dim() == 1 or name.endswith(("bias", "position_bias"))):
                 t.add_(torch.randn(t.shape, generator=g) * 0.1)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing table: distinct experts a token
+                experts = model.config.get_text_config().n_routed_experts
+                t.copy_(
+                    torch.stack(
+                        [torch.randperm(experts, generator=g)[: t.shape[1]] for _ in range(t.shape[0])]
+                    )
+                )
 
 
 def _non_persistent(model: torch.nn.Module, name: str) -> set[str]:

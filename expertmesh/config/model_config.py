@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from expertmesh.config.compressed_attention_config import COMPRESSED_KINDS, CompressedAttentionConfig
 from expertmesh.config.linear_attention_config import LinearAttentionConfig, Mamba2Config
 from expertmesh.config.mla_config import MLAConfig
 from expertmesh.config.rope_config import RopeConfig, opt_float
@@ -51,13 +52,16 @@ def _eos_ids(hf: Any) -> tuple[int, ...]:
 # linear_attention: a recurrent layer (hybrid families; ModelConfig.linear_attn / .mamba have its
 # sizes); moe and mlp: a layer that is only an MoE block or a dense MLP (Nemotron-H's one block a
 # layer, its hybrid_override_pattern's E and -); indexed_attention: full attention through DeepSeek
-# Sparse Attention's indexer (MLAConfig.index_topk)
+# Sparse Attention's indexer (MLAConfig.index_topk); compressed_sparse_attention and
+# heavily_compressed_attention: DeepSeek-V4's sliding window plus compressed entries
+# (CompressedAttentionConfig)
 LAYER_TYPES = (
     "full_attention",
     "sliding_attention",
     "chunked_attention",
     "linear_attention",
     "indexed_attention",
+    *COMPRESSED_KINDS,
     "moe",
     "mlp",
 )
@@ -124,6 +128,7 @@ class ModelConfig:
     mla: MLAConfig | None = None  # multi-head latent attention's sizes (DeepSeek); None: not MLA
     linear_attn: LinearAttentionConfig | None = None  # Gated DeltaNet sizes (Qwen3-Next, Qwen3.5)
     mamba: Mamba2Config | None = None  # Mamba2 sizes (Granite-4.0-H)
+    compressed: CompressedAttentionConfig | None = None  # DeepSeek-V4's attention and residual
     # ---- MLP and experts
     num_experts: int = 0
     # zero-compute experts scored after the real ones (LongCat-Flash's zero_expert_num, "identity")
@@ -194,6 +199,8 @@ class ModelConfig:
             raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
         if "indexed_attention" in self.layer_types and not (self.mla and self.mla.index_topk):
             raise ValueError("layer_types has indexed_attention layers but the config has no index_topk")
+        if set(COMPRESSED_KINDS) & set(self.layer_types) and self.compressed is None:
+            raise ValueError("layer_types has compressed attention layers but the config has no hc_mult")
         if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
             raise ValueError("layer_types has chunked_attention layers but no attention_chunk_size")
 
@@ -290,6 +297,9 @@ def _attention_fields(hf: Any) -> dict:
         mla=MLAConfig.from_hf(hf),
         linear_attn=LinearAttentionConfig.from_hf(hf),
         mamba=Mamba2Config.from_hf(hf),
+        compressed=CompressedAttentionConfig.from_hf(
+            hf, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        ),
     )
 
 

@@ -6,7 +6,9 @@ of KV_CACHE_KINDS):
 - "latent": one row of `width` values shared by every query head (multi-head latent attention:
   the latent kv_lora_rank values and the rotary key, qk_rope_head_dim; layers/latent_attention.py);
 - "index_key": one row of index_head_dim values, the lightning indexer's key (DeepSeek Sparse
-  Attention, layers/sparse_indexer.py), a slot of its own beside the layer's latent rows.
+  Attention, layers/sparse_indexer.py), a slot of its own beside the layer's latent rows;
+- "shared_kv" / "compressed_kv": DeepSeek-V4's one K=V row, and on its compressed layers the
+  compressor inputs and compressed entries beside it (layers/compressed_attention.py).
 The kind decides the bytes per token (and so the block budget) and the layout allocated:
 [planes, num_blocks + 1, block_size, heads, width] per layer, planes = K and V, or the latent.
 
@@ -57,7 +59,9 @@ def describe(specs: list[KVCacheSpec], dtype: torch.dtype) -> str:
     for kind in sorted({s.kind for s in specs}):
         mine = [s for s in specs if s.kind == kind]
         s0 = mine[0]
-        shape = f"{s0.planes} x {s0.heads} x {s0.width}" if s0.planes > 1 else f"{s0.width}"
+        # layers of one kind may differ in width (DeepSeek-V4's compressed layers): each width
+        widths = " / ".join(str(w) for w in dict.fromkeys(s.width for s in mine))
+        shape = f"{s0.planes} x {s0.heads} x {widths}" if s0.planes > 1 else widths
         part = f"{kind} ({len(mine)} layers, {shape} values a layer)"
         if kind != "per_head" and s0.expanded:
             per_head = sum(s.expanded for s in mine) * size

@@ -73,6 +73,24 @@ class ClampedSwiGLU:
 
 
 @dataclass(frozen=True)
+class ClampedGatedActivation:
+    """DeepSeek-V4: act(gate clamped above at `limit`) * (up clamped to [-limit, limit]) (its
+    swiglu_limit). The torch expert path (kernel_name None), not native decode."""
+
+    act: str
+    limit: float
+    kernel_name = None
+
+    def __post_init__(self) -> None:
+        get_act(self.act)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        gate = x[..., :half].clamp(max=self.limit)
+        return _ACTS[self.act](gate) * x[..., half:].clamp(min=-self.limit, max=self.limit)
+
+
+@dataclass(frozen=True)
 class UngatedActivation:
     """act(up) of experts without a gate (Nemotron-H: relu^2 over up_proj, then down_proj). The
     experts' first weight holds only the up rows (`parts`: the checkpoint's up half, shard 1); the
@@ -89,10 +107,17 @@ class UngatedActivation:
         return _ACTS[self.act](x)
 
 
-EXPERT_ACTIVATIONS = {"gated": GatedActivation, "swiglu_clamped": ClampedSwiGLU, "ungated": UngatedActivation}
+EXPERT_ACTIVATIONS = {
+    "gated": GatedActivation,
+    "swiglu_clamped": ClampedSwiGLU,
+    "ungated": UngatedActivation,
+    "gated_clamped": ClampedGatedActivation,
+}
 
 
 def expert_activation(name: str, hidden_act: str, limit: float, alpha: float):
     """The activation a family names, with the config's parameters."""
     kind = lookup(EXPERT_ACTIVATIONS, name, "expert activation")
+    if kind is ClampedGatedActivation:
+        return kind(hidden_act, limit)
     return kind(hidden_act) if kind in (GatedActivation, UngatedActivation) else kind(limit, alpha)

@@ -23,6 +23,11 @@ KV_CACHE_KINDS = {
     "per_head": CacheKind(2, "per-head K and V"),
     "latent": CacheKind(1, "one latent row shared by all heads (MLA)"),
     "index_key": CacheKind(1, "one indexer key per token (DeepSeek Sparse Attention)"),
+    # DeepSeek-V4 (layers/compressed_attention.py): one K=V row a token shared by all heads, and on
+    # compressed layers beside it the compressor's (and indexer's) projections of the token and the
+    # compressed entry of the window the token closes (its window's last token's row holds it)
+    "shared_kv": CacheKind(1, "one K=V row per token shared by all heads (DeepSeek-V4 sliding layers)"),
+    "compressed_kv": CacheKind(1, "K=V row, compressor inputs and compressed entries (DeepSeek-V4)"),
 }
 
 

@@ -14,15 +14,30 @@ from expertmesh.layers.linear import ColumnParallelLinear, MergedColumnParallelL
 
 class GatedMLP(nn.Module):
     def __init__(
-        self, hidden: int, intermediate: int, act: str, group: Any, reduce: bool = True, dtype=torch.float32
+        self,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        group: Any,
+        reduce: bool = True,
+        dtype=torch.float32,
+        limit: float | None = None,
     ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, group, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, group, reduce=reduce, dtype=dtype)
         self.act = get_act(act)
+        # DeepSeek-V4's shared expert: gate clamped above at `limit`, up to [-limit, limit]
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.gate_up_proj(x), self.act))
+        h = self.gate_up_proj(x)
+        if self.limit is not None:
+            half = h.shape[-1] // 2
+            h = torch.cat(
+                (h[..., :half].clamp(max=self.limit), h[..., half:].clamp(-self.limit, self.limit)), -1
+            )
+        return self.down_proj(gated(h, self.act))
 
 
 class UngatedMLP(nn.Module):

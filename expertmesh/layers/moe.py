@@ -29,14 +29,16 @@ from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.activation import expert_activation
 from expertmesh.layers.fused_moe import FusedExperts
+from expertmesh.layers.hash_routing import HASH_RULES, HashRouter
 from expertmesh.layers.identity_experts import NO_EXPERT, split_identity
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.mlp import GatedMLP, UngatedMLP
 from expertmesh.layers.routing import Router
 from expertmesh.registries import lookup
 
-# Qwen2-MoE's gated one; GLM / Llama 4 / Granite's; Nemotron-H's act(up) without a gate projection
-SHARED_EXPERTS = ("sigmoid_gated", "plain", "ungated")
+# Qwen2-MoE's gated one; GLM / Llama 4 / Granite's; Nemotron-H's act(up) without a gate projection;
+# DeepSeek-V4's plain one with its gate and up clamped by swiglu_limit
+SHARED_EXPERTS = ("sigmoid_gated", "plain", "ungated", "clamped")
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,18 @@ class MoE(nn.Module):
             topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
         )  # fmt: skip
         scored, bias = cfg.num_experts + cfg.identity_experts, spec.router_bias
-        self.gate = Router(cfg.hidden_size, scored, spec.router, cfg.top_k, params, bias, cfg.dtype)
+        if spec.router in HASH_RULES:  # experts by token id (layers/hash_routing.py)
+            self.gate = HashRouter(
+                cfg.hidden_size,
+                scored,
+                spec.router,
+                cfg.top_k,
+                cfg.vocab_size,
+                cfg.routed_scaling_factor,
+                cfg.dtype,
+            )
+        else:
+            self.gate = Router(cfg.hidden_size, scored, spec.router, cfg.top_k, params, bias, cfg.dtype)
         # Top-1 input weighting is a scaling of the token before its one expert: done here, so the
         # experts (and our fused kernel) see plain weights of 1.
         self.prescale = spec.weights_input and cfg.top_k == 1
@@ -121,8 +134,10 @@ class MoE(nn.Module):
             lookup(dict.fromkeys(SHARED_EXPERTS), spec.shared_expert, "shared expert")
             # A dense MLP under plain TP, on the full local batch (never on an SP slice).
             mlp = UngatedMLP if spec.shared_expert == "ungated" else GatedMLP
+            limit = cfg.swiglu_limit if spec.shared_expert == "clamped" else None
+            extra = {} if limit is None else {"limit": limit}
             self.shared_expert = mlp(
-                cfg.hidden_size, spec.shared_width, cfg.hidden_act, groups.tp, False, cfg.dtype
+                cfg.hidden_size, spec.shared_width, cfg.hidden_act, groups.tp, False, cfg.dtype, **extra
             )
             if spec.shared_expert == "sigmoid_gated":
                 self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False, dtype=cfg.dtype)
@@ -171,8 +186,11 @@ class MoE(nn.Module):
             return [size for n in ctx.dp_token_counts for size in self.plan.sp_sizes(n)]
         return list(ctx.dp_token_counts)
 
-    def routed(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        weights, ids = self.gate(x)  # [n, k] each
+    def routed(
+        self, x: torch.Tensor, ctx: ForwardContext, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`token_ids`: x's rows' token ids, for a router that routes by them (hash routing)."""
+        weights, ids = self.gate(x, token_ids) if getattr(self.gate, "by_token", False) else self.gate(x)
         identity = None
         if self.num_identity:  # identity picks leave the selection here: never sent, never computed
             identity, weights, ids = split_identity(weights, ids, self.num_real)
@@ -242,6 +260,11 @@ class MoE(nn.Module):
         """What may change after the descriptor was built: the load counters, EPLB's slots."""
         return self.load is self._native_load and self._modules["experts"].all_local  # not __getattr__
 
+    def _token_ids(self, ctx: ForwardContext, part: slice | None = None) -> torch.Tensor | None:
+        """The step's token ids (of the SP slice `part`) for a hash router; None otherwise."""
+        ids = ctx.input_ids if getattr(self.gate, "by_token", False) else None
+        return ids if ids is None or part is None else ids[part]
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [n, H] replicated over TP -> [n, H] replicated over TP, in x's dtype.
 
@@ -258,11 +281,12 @@ class MoE(nn.Module):
                 shared = F.sigmoid(self.shared_expert_gate(x).float()) * shared
         if self.plan.sequence_parallel:
             sizes = self.plan.sp_sizes(x.shape[0])
-            y = self.routed(x[self.plan.sp_slice(x.shape[0])], ctx)  # float32, summed over EP
+            part = self.plan.sp_slice(x.shape[0])
+            y = self.routed(x[part], ctx, self._token_ids(ctx, part))  # float32, summed over EP
             if shared is None:  # a gather sums nothing: round first, half the bytes
                 return self.tp.all_gather_v(y.to(x.dtype), sizes)
             return (self.tp.all_gather_v(y, sizes) + self.tp.all_reduce(shared)).to(x.dtype)
-        y = self.routed(x, ctx)  # float32
+        y = self.routed(x, ctx, self._token_ids(ctx))  # float32
         if shared is not None:
             y = y + shared
         return self.tp.all_reduce(y).to(x.dtype)
@@ -277,10 +301,11 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = F.sigmoid(self.shared_expert_gate(x).float()) * shared
         if self.plan.sequence_parallel:
-            y = self.routed(x[self.plan.sp_slice(x.shape[0])], ctx)  # float32, summed over EP
+            part = self.plan.sp_slice(x.shape[0])
+            y = self.routed(x[part], ctx, self._token_ids(ctx, part))  # float32, summed over EP
             y = self.tp.all_gather_v(y, self.plan.sp_sizes(x.shape[0]))
         else:
-            y = self.routed(x, ctx)
+            y = self.routed(x, ctx, self._token_ids(ctx))
             if self.plan.expert_parallel:
                 y = self.tp.all_reduce(y)
         return (y if shared is None else y + shared).to(x.dtype)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.layers.linear import ReplicatedLinear
@@ -114,6 +115,19 @@ def softmax_corrected(
     return scores.gather(1, ids) * scaling, ids
 
 
+def sqrtsoftplus(
+    logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor, scaling: float = 1.0, **_: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4: sqrt(softplus(logit)) scores; experts chosen by score + correction bias
+    (unsorted, as the reference), weighed by their scores renormalised to sum 1 (the reference
+    renormalises whatever norm_topk_prob says; the published configs say true), times
+    routed_scaling_factor."""
+    scores = F.softplus(logits.float()).sqrt()
+    ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling, ids
+
+
 def _deepseek_v2_weights(
     weights: torch.Tensor, top_k: int, renormalize: bool, scaling: float
 ) -> torch.Tensor:
@@ -164,12 +178,13 @@ ROUTERS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "softmax_greedy": softmax_greedy,
     "softmax_group_limited": softmax_group_limited,
     "softmax_corrected": softmax_corrected,
+    "sqrtsoftplus": sqrtsoftplus,
 }
 # Rules whose router linear runs in float32 whatever the model dtype, as the references do (their
 # weight, and correction bias, are kept in float32 in bf16 checkpoints too).
 FLOAT32_RULES = ("sigmoid_grouped", "softmax_greedy", "softmax_group_limited", "softmax_corrected")
 # Rules that take a selection-only correction bias (`e_score_correction_bias`).
-CORRECTED_RULES = ("sigmoid_grouped", "softmax_corrected")
+CORRECTED_RULES = ("sigmoid_grouped", "softmax_corrected", "sqrtsoftplus")
 
 
 class Router(ReplicatedLinear):

@@ -19,6 +19,7 @@ from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.cpu.native_decode import NativeDecoder
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import Attention
+from expertmesh.layers.compressed_attention import CompressedAttention
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from expertmesh.layers.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from expertmesh.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -156,8 +157,14 @@ def _kv_layers(attention: nn.Module) -> list[Any]:
 
 
 # Attention kinds a family picks by name; each owns its projections and its KV-cache kind
-# (`.attn.kv_spec`): per-head K/V for GQA/MHA, one latent row per token for MLA.
-ATTENTION_KINDS = {"gqa": DecoderAttention, "mla": MLAAttention, "gated_gqa": GatedDecoderAttention}
+# (`.attn.kv_spec`): per-head K/V for GQA/MHA, one latent row per token for MLA; "compressed":
+# DeepSeek-V4's shared K=V head over a window plus compressed entries (its own cache rows).
+ATTENTION_KINDS = {
+    "gqa": DecoderAttention,
+    "mla": MLAAttention,
+    "gated_gqa": GatedDecoderAttention,
+    "compressed": CompressedAttention,
+}
 
 
 def _gated_deltanet(cfg: ModelConfig, index: int, family: Family, tp: Any) -> nn.Module:
