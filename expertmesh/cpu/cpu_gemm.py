@@ -40,12 +40,24 @@ class OneDnnWeight:
         # The 32 is oneDNN's batch-size hint for choosing the layout.
         self.data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
 
-    def __call__(
+    def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         if out_dtype not in (None, x.dtype):  # pack() never hands out such a weight
             raise ValueError(f"oneDNN linear returns {x.dtype}, not {out_dtype}")
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+    __call__ = apply
+
+    def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> None:
+        return None  # oneDNN's opaque layout: no native decode GEMM reads it
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(self.data, "dense")]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """What EPLB moves of an expert's weight held in this form."""
+        return [self.data]
 
 
 PackedWeight = OneDnnWeight | PanelWeight

@@ -38,8 +38,8 @@ _threads = torch.get_num_threads  # every entry point follows torch's thread cou
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A weight laid out for `CpuKernels.linear` (see `CpuKernels.panel_shape`); calling it
-    multiplies by it, like cpu_gemm's other packed weights."""
+    """A weight laid out for `CpuKernels.linear` (see `CpuKernels.panel_shape`); `apply` (or calling
+    it) multiplies by it, like the other linear weight forms (layers/linear_weight.py)."""
 
     kernels: CpuKernels
     data: torch.Tensor
@@ -51,10 +51,25 @@ class PanelWeight:
     ptr: int = 0
     fn_f32: Any = None  # bf16 weights: the same product with a float32 (unrounded) output
 
-    def __call__(
+    def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         return self.kernels.linear(x, self, bias, out_dtype)
+
+    __call__ = apply
+
+    def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
+        """Its entry point and panels' address for a native decode layer's GEMM slot (the product
+        rounded to the activations' dtype, or left in float32 with `float32_out`)."""
+        fn = self.fn_f32 if float32_out else self.fn
+        return None if fn is None else {"fn": ctypes.cast(fn, ctypes.c_void_p).value, "w": self.ptr}
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(self.data, "dense")]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """What EPLB moves of an expert's weight held in this form."""
+        return [self.data]
 
 
 # gemm_q's code kinds, a kind's number its index: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and
