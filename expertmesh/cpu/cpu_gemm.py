@@ -5,8 +5,8 @@ products and blocks skinny ones poorly. Weights are therefore packed once, after
 one of two kernels, and the dense copy is dropped so every weight is held once:
 
 - expertmesh's own panel GEMM (csrc/cpu_kernels.c) when it builds on this machine: float32
-  (measured here 1.3-1.5x faster than oneDNN from 1 to 13 rows, i.e. decode, and even at
-  32-512), and bfloat16 where the CPU has AVX512-BF16 pair products;
+  (faster than oneDNN at decode's 1 to 13 rows, and even at 32-512), and bfloat16 where the CPU
+  has AVX512-BF16 pair products;
 - otherwise oneDNN's packed linear (bfloat16 without AVX512-BF16, where our widen-to-float32
   path loses to it from about 13 rows on, or no C compiler);
 - bfloat16 on a CPU where oneDNN has no bf16 path either (AVX2-only CPUs, e.g. AMD Zen 3, lack
@@ -20,7 +20,7 @@ A bf16 weight whose products are partial sums across ranks (``float32_out``: row
 layers, the experts' down projection) needs them unrounded, in float32; oneDNN's packed linear
 returns the input's dtype, so such weights take our kernel (or stay dense for F.linear).
 
-Measurements: docs/benchmarks.md.
+Measurements: docs/benchmarks.md, "Dispatch figures".
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Decode steps through whole decoder layers in one native call (csrc/cpu_kernels.c, decode_layers).
 
-At batch 1 a step's host cost (Python, torch's dispatcher, ~30 small torch ops and ~8 ctypes
-calls a layer) was a quarter of the step. For a decode-only step, a run of consecutive eligible
-layers goes through one C call that composes the same kernels the per-op path calls, in the same
-order and with the same roundings: norm, qkv, q/k norm, rotary + KV store, paged attention,
-o_proj, residual; norm, router, softmax/top-k, routed experts, residual.
+At batch 1 a step's host cost (Python, torch's dispatcher, ~30 small torch ops and ~8 ctypes calls a
+layer) was a large share of the step (docs/benchmarks.md, "Dispatch figures"). For a decode-only
+step, a run of consecutive eligible layers goes through one C call that composes the same kernels
+the per-op path calls, in the same order and with the same roundings: norm, qkv, q/k norm, rotary +
+KV store, paged attention, o_proj, residual; norm, router, softmax/top-k, routed experts, residual.
 
 Eligibility comes from the blocks: each block's `native_form()` returns its part of the
 descriptor, or None when it has no native form (LayerNorm, MLA, a projection or L2 q/k norm,
@@ -22,8 +22,8 @@ When every layer is native and the model is whole on this rank (one pipeline sta
 decode step is one call from token ids to float32 logits (decode_model_*, `NativeDecoder.logits`):
 the embedding rows, the layers, the final RMSNorm and the LM head (its float32-output product, as
 ParallelLMHead computes it), with the rotary rows read by position from the rotary table; the
-per-op ends (embedding, rotary lookup, norm, head: ~20 torch ops and module calls) were ~7% of a
-batch-1 bf16 step.
+per-op ends (embedding, rotary lookup, norm, head: ~20 torch ops and module calls) were a
+measurable share of a batch-1 bf16 step (same section).
 """
 
 from __future__ import annotations
