@@ -9,7 +9,9 @@ Variants: biases on gate/up and down (the down bias joins on shard 0 only, so th
 shards adds it once), any activation of layers/activation.py, and the routing weight applied to
 the expert's input instead of its output. Our fused CPU kernels serve gated experts, with biases
 and GPT-OSS's clamped SwiGLU too (moe_f32_ex / moe_bf16_ex / moe_q_ex); input-weighted experts
-(top-k > 1) take the per-expert torch path (correct first; docs/architectures.md).
+(top-k > 1) take the per-expert torch path (correct first; docs/architectures.md). The form the
+weights are held and run in (dense, per expert, stacked for one kernel call) is one object,
+`experts_form` (layers/expert_weights.py), chosen once after loading.
 """
 
 from __future__ import annotations
@@ -165,6 +167,9 @@ class FusedExperts(nn.Module):
         return self.experts_form.native_form(self, keep)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """The experts' form after loading, chosen once: our fused kernel's stacked panels where it
+        serves them (per fixed chunk in deterministic mode), else one packed pair a local expert
+        (cpu_gemm.pack), else the dense stacks through torch."""
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
         if self.fixed_chunks:
             served = kernels is not None and self.expert_ids and plain
