@@ -1,7 +1,8 @@
 """Every tensor reachable from a model (issue 41, point 5): parameters and buffers, and any
 attribute, at any depth, that holds a tensor, directly or in a list, tuple, dict or an object of
 ours (QuantizedWeight, a fused stack, a kernel's packed panels). The engine's own accounting looks
-at `.packed`, `.fused` and parameters only; a leftover float copy anywhere else shows here."""
+at the modules' weight forms (`weight_form`, `experts_form`) and parameters only; a leftover float
+copy anywhere else shows here."""
 
 from __future__ import annotations
 

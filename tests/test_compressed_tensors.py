@@ -111,14 +111,15 @@ def test_resident_bytes_of_compressed_tensors_held_as_stored(real_checkpoint, tm
 
 
 def _held_weights(model) -> int:
-    from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
+    from expertmesh.layers.expert_weights import PerExpertWeights, QuantizedStacks
+    from expertmesh.layers.quantization.packed import QuantizedWeight
 
     n = 0
     for m in model.modules():
-        packed, fused = getattr(m, "packed", None), getattr(m, "fused", None)
-        held = [packed] if isinstance(packed, QuantizedWeight) else []
-        held += [w for pair in packed for w in pair] if isinstance(packed, list) else []
-        held += [w for w in (fused or ())[1:3] if isinstance(w, QuantizedExperts)]
+        form, experts = getattr(m, "weight_form", None), getattr(m, "experts_form", None)
+        held = [form] if isinstance(form, QuantizedWeight) else []
+        held += [w for pair in experts.pairs for w in pair] if isinstance(experts, PerExpertWeights) else []
+        held += [experts.w13, experts.w2] if isinstance(experts, QuantizedStacks) else []
         n += sum(w.codes.numel() * (2 if w.kind == "int4" else 1) for w in held)
     return n
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from expertmesh import LLM, SamplingParams
 from expertmesh.config import RopeConfig
 from expertmesh.cpu import cpu_gemm, cpu_kernels
+from expertmesh.layers.expert_weights import PanelStacks
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.norm import RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding
@@ -222,7 +223,7 @@ def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids, monkeypat
     exact.w13.data.copy_(torch_path.w13.float())
     exact.w2.data.copy_(torch_path.w2.float())
     fused.use_cpu_kernels(kernels)
-    assert fused.fused is not None and fused.w13.numel() == 0  # dense copy dropped
+    assert isinstance(fused.experts_form, PanelStacks) and fused.w13.numel() == 0  # dense copy dropped
     g = torch.Generator().manual_seed(1)
     for n, k in [(0, 2), (1, 2), (2, 1), (9, 2), (37, 3)]:
         x = torch.randn(n, 41, generator=g).to(dtype)
@@ -253,8 +254,8 @@ def test_fused_moe_dtype_choice(kernels):
     fe.use_cpu_kernels(kernels)
     # bf16 experts: one fused call, on pair products (AVX512-BF16) or widening bf16 to float32
     # in registers (AVX2).
-    assert fe.fused is not None and fe.packed is None
-    assert fe.fused[1].shape == (4, *kernels.panel_shape(16, 16, torch.bfloat16))
+    assert isinstance(fe.experts_form, PanelStacks)
+    assert fe.experts_form.w13.shape == (4, *kernels.panel_shape(16, 16, torch.bfloat16))
 
 
 @pytest.mark.timeout(120)
@@ -358,7 +359,7 @@ def test_generic_path_without_avx512(generic_kernels):
     for dtype in (torch.float32, torch.bfloat16):
         ref, fused = _experts([1, 3, 4], "silu", dtype=dtype), _experts([1, 3, 4], "silu", dtype=dtype)
         fused.use_cpu_kernels(generic)
-        assert fused.fused is not None
+        assert isinstance(fused.experts_form, PanelStacks)
         for n in (0, 1, 21):
             x, ids, wt = (
                 torch.randn(n, 41, generator=g).to(dtype),

@@ -18,6 +18,7 @@ from test_expert_load import _experts_for
 from expertmesh import LLM, SamplingParams
 from expertmesh.distributed.eplb import balanced_placement
 from expertmesh.distributed.moe_plan import ExpertPlacement
+from expertmesh.layers.expert_weights import PerExpertWeights, QuantizedStacks
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.quantization.permuted import PermutedInputs
@@ -82,7 +83,8 @@ def _move_rank(rank, world, cases):
     out = {}
     for case, fast in cases:
         fe = _experts(case, fast, old, rank)
-        stacks = fe.fused[1:3] if fe.fused is not None else ()
+        form = fe.experts_form
+        stacks = (form.w13, form.w2) if isinstance(form, QuantizedStacks) else ()
         with_shared = [s for s in stacks if s.shared_offsets]
         shared = [s.offsets for s in with_shared]
         n = len(fe.slot_tensors(0))
@@ -98,7 +100,7 @@ def _move_rank(rank, world, cases):
         slots = torch.tensor([[s, (s + 1) % 8] for s in new.local_slots(rank)[:3]])
         w = torch.full((3, 2), 0.5)
         kept = all(o is s.offsets and not o.any() for o, s in zip(shared, with_shared, strict=True))
-        form = "fused" if fe.fused is not None else type(fe.packed[0][0]).__name__
+        form = "fused" if isinstance(form, QuantizedStacks) else type(form.pairs[0][0]).__name__
         out[(case, fast)] = (
             same,
             torch.equal(fe(x, slots, w), want(x, slots, w)),
@@ -154,7 +156,8 @@ def _compressed(llm: LLM) -> list[str]:
     out = []
     for m in llm.llm_engine.runner.model.modules():
         if isinstance(m, FusedExperts):
-            held = m.fused[1] if m.fused is not None else m.packed[0][0]
+            form = m.experts_form
+            held = form.w13 if isinstance(form, QuantizedStacks) else form.pairs[0][0]
             out.append(type(held).__name__)
     return out
 
@@ -241,6 +244,6 @@ def test_experts_eplb_cannot_move_are_an_error_naming_the_layer():
     with pytest.raises(ValueError, match=r"MoE layer 1: EP rank 1 holds them as \[\(\(3,\), 'torch"):
         check_movable([moe], _Group())
     fe = FusedExperts(E, [0, 1], H, INTER, 0, 1, "silu")
-    fe.packed = [(object(), object())] * 2  # a weight form slot_tensors does not know
+    fe.experts_form = PerExpertWeights([(object(), object())] * 2)  # a form slot_tensors does not know
     with pytest.raises(ValueError, match=r"EPLB cannot move the experts of MoE layer 0: 'object' object"):
         slot_form(fe, "MoE layer 0")

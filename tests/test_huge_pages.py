@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from expertmesh.cpu import huge_pages
+from expertmesh.layers.expert_weights import PanelStacks
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 thp_offered = pytest.mark.skipif(
@@ -107,8 +108,9 @@ def test_a_built_model_holds_its_experts_and_kv_cache_on_huge_pages(checkpoint):
     path = checkpoint("mixtral", hidden_size=128, intermediate_size=2048, num_hidden_layers=1)
     llm = LLM(path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
     runner = llm.llm_engine.runner
-    experts = next(m for m in runner.model.modules() if getattr(m, "fused", None) is not None)
-    assert mapping_kb(experts.fused[1].data_ptr())["AnonHugePages"] >= 8 << 10
+    forms = [getattr(m, "experts_form", None) for m in runner.model.modules()]
+    experts = next(f for f in forms if isinstance(f, PanelStacks))
+    assert mapping_kb(experts.w13.data_ptr())["AnonHugePages"] >= 8 << 10
     out = llm.generate(
         [{"prompt_token_ids": list(range(1, 40))}], SamplingParams(temperature=0, max_tokens=4)
     )

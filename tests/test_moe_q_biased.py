@@ -10,6 +10,7 @@ from real_checkpoints import Sizes
 from expertmesh import LLM, SamplingParams
 from expertmesh.cpu import cpu_kernels
 from expertmesh.layers.activation import ClampedSwiGLU, GatedActivation
+from expertmesh.layers.expert_weights import PanelStacks, PerExpertWeights, QuantizedStacks
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.packed import QuantizedMoE, QuantizedWeight
 
@@ -37,11 +38,11 @@ def _experts(kind, act, bias, shard_rank, kernels, e=8, local=(0, 2, 3, 5, 6, 7)
 
 def _both(fe: FusedExperts, pairs, x, ids, weights):
     fused = fe.forward(x, ids, weights)
-    saved, fe.fused, fe.packed = fe.fused, None, pairs  # the per-expert path on the same codes
+    saved, fe.experts_form = fe.experts_form, PerExpertWeights(pairs)  # per expert on the same codes
     try:
         return fused, fe.forward(x, ids, weights)
     finally:
-        fe.fused, fe.packed = saved, None
+        fe.experts_form = saved
 
 
 @pytest.mark.parametrize("kind", ["fp4", "int4", "int8", "w8a8"])
@@ -52,9 +53,10 @@ def test_biased_clamped_experts_in_one_call_equal_the_per_expert_path(kind, bias
         no_kernels()
     torch.manual_seed(3)
     fe, pairs = _experts(kind, ClampedSwiGLU(LIMIT, 1.702), bias, shard_rank, kernels)
-    assert fe.fused is not None and isinstance(fe.fused[0], QuantizedMoE) and fe.packed is None
-    assert fe.fused[3] == "swiglu_clamped" and fe.native_form([]) is None  # never native decode
-    assert (fe.fused[0].b2 is not None) == (bias and shard_rank == 0)  # the down bias once: shard 0
+    form = fe.experts_form
+    assert isinstance(form, QuantizedStacks) and isinstance(form.runner, QuantizedMoE)
+    assert form.act == "swiglu_clamped" and fe.native_form([]) is None  # never native decode
+    assert (form.runner.b2 is not None) == (bias and shard_rank == 0)  # the down bias once: shard 0
     # experts 1 and 4 (another rank's) and 6 get no rows; top-4 of 8
     for n in (0, 1, 2, 9):
         x = torch.randn(n, 72) * 2
@@ -77,13 +79,14 @@ def test_gated_biased_experts_take_moe_q_ex_and_weight_on_input_stays_per_expert
         no_kernels()
     torch.manual_seed(4)
     fe, pairs = _experts("int8", GatedActivation("silu"), True, 0, kernels)
-    assert fe.fused is not None and fe.fused[3] == "silu" and fe.native_form([]) is None
+    assert isinstance(fe.experts_form, QuantizedStacks) and fe.experts_form.act == "silu"
+    assert fe.native_form([]) is None
     x, ids, weights = torch.randn(5, 72), torch.tensor([[0, 2, 3, 5]] * 5), torch.rand(5, 4)
     fused, ref = _both(fe, pairs, x, ids, weights)
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     fe = FusedExperts(8, list(range(8)), 72, 80, 0, 1, ClampedSwiGLU(), bias=True, weight_on_input=True)
     fe.hold_quantized([(_codes(80, 72, "int8", kernels), _codes(72, 40, "int8", kernels))] * 8, kernels)
-    assert fe.fused is None and fe.packed is not None
+    assert isinstance(fe.experts_form, PerExpertWeights)
 
 
 def test_moe_q_ex_refuses_biases_it_cannot_read():
@@ -116,12 +119,14 @@ def test_float_biased_clamped_experts_in_one_call_equal_the_torch_path(dtype, ac
     fe, ref = _float_pair(dtype, act, bias, shard_rank)
     fe.use_cpu_kernels(kernels)
     if not bias and isinstance(act, GatedActivation):
-        assert fe.fused[0] is kernels  # plain: moe_f32 / moe_bf16 as before
+        form = fe.experts_form
+        assert isinstance(form, PanelStacks) and form.runner is kernels  # plain: moe_f32 / moe_bf16
     elif kernels.moe_ex[dtype] is None:  # bf16 on pairs (AVX512-BF16) has no moe_bf16_ex: per expert
-        assert fe.fused is None
+        assert isinstance(fe.experts_form, PerExpertWeights)
         return
     else:
-        assert fe.fused is not None and fe.fused[0] is not kernels and fe.native_form([]) is None
+        form = fe.experts_form
+        assert isinstance(form, PanelStacks) and form.runner is not kernels and fe.native_form([]) is None
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     for n in (0, 1, 2, 9):
         x = (torch.randn(n, 72) * 2).to(dtype)
@@ -144,7 +149,9 @@ def test_gpt_oss_float_experts_run_in_one_call_and_never_natively(real_checkpoin
         real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2)), max_model_len=64, kv_cache_memory_bytes=1 << 21
     )
     experts = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedExperts)]
-    assert len(experts) == 2 and all(m.fused is not None and m.fused[3] == "swiglu_clamped" for m in experts)
+    assert len(experts) == 2 and all(
+        isinstance(m.experts_form, PanelStacks) and m.experts_form.act == "swiglu_clamped" for m in experts
+    )
     assert all(m.native_form([]) is None for m in experts)
     out = llm.generate(
         [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False

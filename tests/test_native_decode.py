@@ -245,7 +245,7 @@ def test_routing_ties_follow_torch_topk(checkpoint, monkeypatch, tie, dtype):
     for native in (False, True):
         llm = _llm(path, dtype, native=native)
         for layer in llm.llm_engine.runner.model.model.layers.values():
-            panels = layer.block_sparse_moe.gate.packed.data  # [P, H, lanes]: expert e in lane e
+            panels = layer.block_sparse_moe.gate.weight_form.data  # [P, H, lanes]: expert e in lane e
             if tie == "all":
                 panels.zero_()
             else:

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.cpu import cpu_kernels
+from expertmesh.layers.expert_weights import PerExpertWeights, QuantizedStacks
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.fp8 import Fp8Tensor, quantize_blocks
 from expertmesh.layers.quantization.packed import (
@@ -226,8 +227,8 @@ def _held_fp4(model) -> list[QuantizedExperts]:
     """The routed experts' weights held as fp4, stacked for moe_q_ex (gpt-oss's biased experts and
     clamped SwiGLU in one call, not per-expert pairs on the torch path)."""
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    assert experts and all(m.fused is not None and m.packed is None for m in experts)
-    return [w for m in experts for w in m.fused[1:3]]
+    assert experts and all(isinstance(m.experts_form, QuantizedStacks) for m in experts)
+    return [w for m in experts for w in (m.experts_form.w13, m.experts_form.w2)]
 
 
 @pytest.mark.timeout(180)
@@ -293,10 +294,11 @@ def test_gptq_and_awq_match_the_same_weights_dequantized(
 
 def _held_weights(m) -> list:
     """A module's weights held compressed: a linear's, or its experts' per-expert pairs."""
-    packed = getattr(m, "packed", None)
-    if isinstance(packed, list):
-        return [w for pair in packed for w in pair]
-    return [packed] if isinstance(packed, (QuantizedWeight, PermutedInputs)) else []
+    experts = getattr(m, "experts_form", None)
+    if isinstance(experts, PerExpertWeights):
+        return [w for pair in experts.pairs for w in pair]
+    form = getattr(m, "weight_form", None)
+    return [form] if isinstance(form, (QuantizedWeight, PermutedInputs)) else []
 
 
 def _qwen3(real_checkpoint) -> str:
@@ -342,13 +344,13 @@ def test_resident_bytes_per_quantized_weight(real_checkpoint, scheme, per_weight
     dense = LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20)
     quant = LLM(path, quantization=scheme, max_model_len=64, kv_cache_memory_bytes=1 << 20)
     model = quant.llm_engine.runner.model
-    assert isinstance(model.lm_head.packed, QuantizedWeight) == scheme.endswith("+head")
+    assert isinstance(model.lm_head.weight_form, QuantizedWeight) == scheme.endswith("+head")
     quantized_params = 0  # weights held compressed (panel rows past out_features included)
     for m in model.modules():
-        packed, fused = getattr(m, "packed", None), getattr(m, "fused", None)
-        held = [packed] if isinstance(packed, QuantizedWeight) else []
-        held += [w for pair in packed for w in pair] if isinstance(packed, list) else []
-        held += [w for w in (fused or ())[1:3] if isinstance(w, QuantizedExperts)]
+        form, experts = getattr(m, "weight_form", None), getattr(m, "experts_form", None)
+        held = [form] if isinstance(form, QuantizedWeight) else []
+        held += [w for pair in experts.pairs for w in pair] if isinstance(experts, PerExpertWeights) else []
+        held += [experts.w13, experts.w2] if isinstance(experts, QuantizedStacks) else []
         quantized_params += sum(w.codes.numel() * (2 if w.kind == "int4" else 1) for w in held)
     assert quantized_params > 0
     counts = log_weight_bytes(model, model.cfg)

@@ -11,6 +11,7 @@ from real_checkpoints import Sizes
 from test_quantization import _greedy, _held_weights
 
 from expertmesh import LLM
+from expertmesh.layers.expert_weights import PanelStacks, QuantizedStacks
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.permuted import PermutedInputs
 
@@ -26,7 +27,10 @@ def _fused_count(llm: LLM) -> int:
     """Expert blocks in one kernel call (gpt-oss's biased, clamped experts: moe_q_ex held, else
     moe_f32_ex / moe_bf16_ex)."""
     modules = llm.llm_engine.runner.model.modules()
-    return sum(isinstance(m, FusedExperts) and m.fused is not None for m in modules)
+    return sum(
+        isinstance(m, FusedExperts) and isinstance(m.experts_form, (QuantizedStacks, PanelStacks))
+        for m in modules
+    )
 
 
 def _layouts_main(rank, world, paths, prompts, probe):

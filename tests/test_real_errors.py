@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from expertmesh import LLM
 from expertmesh.config import ModelConfig
-from expertmesh.models.decoder import DecoderAttention
+from expertmesh.models.decoder_attention import DecoderAttention
 from expertmesh.models.family import Family
 from expertmesh.models.loader import WeightLoadError
 

@@ -1,9 +1,9 @@
 """What this CPU can do, read at run time: its feature flags and whether AMX tiles may be used.
 
 AMX (Intel Sapphire Rapids and later: amx_tile, amx_bf16) multiplies bf16 tiles at several times
-the rate of AVX-512 (the issue measured oneDNN's AMX bf16 matmul at about 2,100 GFLOP/s against
-about 330 for float32 on a 2-core Intel machine). Linux (5.16+) hands the tile registers' state
-to a process only after it asks for it with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+the rate of AVX-512 (the issue's figures: docs/benchmarks.md, "Dispatch figures"). Linux (5.16+)
+hands the tile registers' state to a process only after it asks for it with
+arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 oneDNN asks by itself, and asking again is harmless, so a "yes" here means the kernel agreed.
 We do not write AMX code: where AMX is usable, large bf16 products go to oneDNN's matmul through
 torch (cpu_kernels.CpuKernels.linear / moe), which uses it.
@@ -62,9 +62,9 @@ def onednn_bf16() -> bool:
 
 
 # From this many rows on, a bf16 product goes to oneDNN where it uses AMX. Not measured on an AMX
-# machine by this project yet (ours is AVX2-only): taken from the issue's numbers (oneDNN AMX 440
-# GFLOP/s at 32 rows and ~2,100 at 2048, our AVX512-BF16 tiles about float32's 190-330), leaving
-# room for unpacking the weight per call (a copy of its bytes, small next to 128 rows of products).
+# machine by this project yet: taken from the issue's figures (docs/benchmarks.md, "Dispatch
+# figures"), leaving room for unpacking the weight per call (a copy of its bytes, small next to 128
+# rows of products).
 ONEDNN_BF16_MIN_ROWS = 128
 
 

@@ -5,8 +5,8 @@ products and blocks skinny ones poorly. Weights are therefore packed once, after
 one of two kernels, and the dense copy is dropped so every weight is held once:
 
 - expertmesh's own panel GEMM (csrc/cpu_kernels.c) when it builds on this machine: float32
-  (measured here 1.3-1.5x faster than oneDNN from 1 to 13 rows, i.e. decode, and even at
-  32-512), and bfloat16 where the CPU has AVX512-BF16 pair products;
+  (faster than oneDNN at decode's 1 to 13 rows, and even at 32-512), and bfloat16 where the CPU
+  has AVX512-BF16 pair products;
 - otherwise oneDNN's packed linear (bfloat16 without AVX512-BF16, where our widen-to-float32
   path loses to it from about 13 rows on, or no C compiler);
 - bfloat16 on a CPU where oneDNN has no bf16 path either (AVX2-only CPUs, e.g. AMD Zen 3, lack
@@ -20,7 +20,7 @@ A bf16 weight whose products are partial sums across ranks (``float32_out``: row
 layers, the experts' down projection) needs them unrounded, in float32; oneDNN's packed linear
 returns the input's dtype, so such weights take our kernel (or stay dense for F.linear).
 
-Measurements: docs/benchmarks.md.
+Measurements: docs/benchmarks.md, "Dispatch figures".
 """
 
 from __future__ import annotations
@@ -40,12 +40,24 @@ class OneDnnWeight:
         # The 32 is oneDNN's batch-size hint for choosing the layout.
         self.data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
 
-    def __call__(
+    def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         if out_dtype not in (None, x.dtype):  # pack() never hands out such a weight
             raise ValueError(f"oneDNN linear returns {x.dtype}, not {out_dtype}")
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+    __call__ = apply
+
+    def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> None:
+        return None  # oneDNN's opaque layout: no native decode GEMM reads it
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(self.data, "dense")]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """What EPLB moves of an expert's weight held in this form."""
+        return [self.data]
 
 
 PackedWeight = OneDnnWeight | PanelWeight

@@ -38,8 +38,8 @@ _threads = torch.get_num_threads  # every entry point follows torch's thread cou
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A weight laid out for `CpuKernels.linear` (see `CpuKernels.panel_shape`); calling it
-    multiplies by it, like cpu_gemm's other packed weights."""
+    """A weight laid out for `CpuKernels.linear` (see `CpuKernels.panel_shape`); `apply` (or calling
+    it) multiplies by it, like the other linear weight forms (layers/linear_weight.py)."""
 
     kernels: CpuKernels
     data: torch.Tensor
@@ -51,10 +51,25 @@ class PanelWeight:
     ptr: int = 0
     fn_f32: Any = None  # bf16 weights: the same product with a float32 (unrounded) output
 
-    def __call__(
+    def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         return self.kernels.linear(x, self, bias, out_dtype)
+
+    __call__ = apply
+
+    def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
+        """Its entry point and panels' address for a native decode layer's GEMM slot (the product
+        rounded to the activations' dtype, or left in float32 with `float32_out`)."""
+        fn = self.fn_f32 if float32_out else self.fn
+        return None if fn is None else {"fn": ctypes.cast(fn, ctypes.c_void_p).value, "w": self.ptr}
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(self.data, "dense")]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """What EPLB moves of an expert's weight held in this form."""
+        return [self.data]
 
 
 # gemm_q's code kinds, a kind's number its index: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and
@@ -86,9 +101,8 @@ class CpuKernels(AttentionKernels):
         # float32 in registers (gemm_bf16, and moe_bf16 built on it).
         self.bf16_pairs = bool(lib.bf16_pairs())
         # A fresh, unmasked prompt's attention: our prefill kernel where it is the faster one, the
-        # 16-lane (AVX-512) build: 2.2-2.7x torch's SDPA at 2,000 tokens in fp32, 4.3-5.4x in bf16
-        # on AVX512-BF16 (Zen 5, benchmarks/attention_bench.py); the 8-lane (AVX2) build is 0.75-0.8x
-        # SDPA on the same CPU and on Zen 3, so there torch's flash kernel keeps it.
+        # 16-lane (AVX-512) build; the 8-lane (AVX2) build loses to torch's flash kernel, which
+        # keeps it there (benchmarks/attention_bench.py; docs/benchmarks.md, "Dispatch figures").
         self.prefill_fresh = self.lanes == 16
         kinds = ("paged_decode", "paged_prefill", "head_matmul", "gemm", "rms_norm", "rope_cache", "moe")
         variants = {kind: ("f32", "bf16") for kind in kinds}
@@ -245,8 +259,8 @@ class CpuKernels(AttentionKernels):
         k, row_bytes = slot.shape[1], hidden * x.element_size()
         xp, sp, wp, op = x.data_ptr(), slot.data_ptr(), weights.data_ptr(), out.data_ptr()
         # Long prefills go MOE_CHUNK tokens a call, so the block's intermediates stay in cache
-        # (measured: 8192 tokens of the small MoE 400 -> 310 ms); weights are re-read per chunk,
-        # which costs little next to the products of 512 tokens.
+        # (faster on a long prefill: docs/benchmarks.md, "Dispatch figures"); weights are re-read
+        # per chunk, which costs little next to the products of 512 tokens.
         for i in range(0, n, self.MOE_CHUNK):
             rows = min(self.MOE_CHUNK, n - i)
             fn(

@@ -1,10 +1,10 @@
 """Decode steps through whole decoder layers in one native call (csrc/cpu_kernels.c, decode_layers).
 
-At batch 1 a step's host cost (Python, torch's dispatcher, ~30 small torch ops and ~8 ctypes
-calls a layer) was a quarter of the step. For a decode-only step, a run of consecutive eligible
-layers goes through one C call that composes the same kernels the per-op path calls, in the same
-order and with the same roundings: norm, qkv, q/k norm, rotary + KV store, paged attention,
-o_proj, residual; norm, router, softmax/top-k, routed experts, residual.
+At batch 1 a step's host cost (Python, torch's dispatcher, ~30 small torch ops and ~8 ctypes calls a
+layer) was a large share of the step (docs/benchmarks.md, "Dispatch figures"). For a decode-only
+step, a run of consecutive eligible layers goes through one C call that composes the same kernels
+the per-op path calls, in the same order and with the same roundings: norm, qkv, q/k norm, rotary +
+KV store, paged attention, o_proj, residual; norm, router, softmax/top-k, routed experts, residual.
 
 Eligibility comes from the blocks: each block's `native_form()` returns its part of the
 descriptor, or None when it has no native form (LayerNorm, MLA, a projection or L2 q/k norm,
@@ -22,8 +22,8 @@ When every layer is native and the model is whole on this rank (one pipeline sta
 decode step is one call from token ids to float32 logits (decode_model_*, `NativeDecoder.logits`):
 the embedding rows, the layers, the final RMSNorm and the LM head (its float32-output product, as
 ParallelLMHead computes it), with the rotary rows read by position from the rotary table; the
-per-op ends (embedding, rotary lookup, norm, head: ~20 torch ops and module calls) were ~7% of a
-batch-1 bf16 step.
+per-op ends (embedding, rotary lookup, norm, head: ~20 torch ops and module calls) were a
+measurable share of a batch-1 bf16 step (same section).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from expertmesh.cpu.cpu_kernels import CpuKernels, PanelWeight
+from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.cpu.native_desc import (  # noqa: F401 -- the descriptors, re-exported for callers
     _D,
     _I,
@@ -48,18 +48,13 @@ from expertmesh.cpu.native_desc import (  # noqa: F401 -- the descriptors, re-ex
     c_entry,
     held_struct,
 )
-from expertmesh.layers.quantization.packed import QuantizedWeight
 
 
-def gemm_form(packed: Any, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
-    """fn and weight pointers of a weight our panel GEMM or gemm_q serves (activations in `dtype`;
-    the product rounded to it, or left in float32 with `float32_out`), else None."""
-    if isinstance(packed, QuantizedWeight):
-        return packed.native_form(dtype, keep, float32_out)
-    fn = packed.fn_f32 if float32_out and isinstance(packed, PanelWeight) else getattr(packed, "fn", None)
-    if not isinstance(packed, PanelWeight) or fn is None:
-        return None
-    return {"fn": ctypes.cast(fn, ctypes.c_void_p).value, "w": packed.ptr}
+def gemm_form(weight: Any, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
+    """fn and weight pointers of a linear weight form our panel GEMM or gemm_q serves (activations
+    in `dtype`; the product rounded to it, or left in float32 with `float32_out`), else None: the
+    form's own `native_form` (layers/linear_weight.py)."""
+    return weight.native_form(dtype, keep, float32_out)
 
 
 def layer_descriptor(layer: Any, keep: list) -> LayerDesc | None:
@@ -185,7 +180,7 @@ class NativeDecoder:
             and embed.weight.dtype == self.dtype and embed.weight.is_contiguous()
         )  # fmt: skip
         norm = model.norm.native_form() if whole and hasattr(model.norm, "native_form") else None
-        form = gemm_form(head.packed, self.dtype, self.keep, float32_out=True) if norm is not None else None
+        form = None if norm is None else head.weight_form.native_form(self.dtype, self.keep, float32_out=True)
         if form is None:
             return False
         descs = plan[0][0]

@@ -92,8 +92,8 @@ def allocate(
         size = (len(layers), *shape)
         # On huge pages on the CPU: decode attention reads each sequence's blocks, scattered. Touched
         # now, as torch.zeros would: a huge page first written by a decode step is zeroed (2 MiB)
-        # inside that step; blocks handed out in scattered order faulted in 4.5 ms of a 28 ms
-        # float32 batch-32 step.
+        # inside that step, a visible share of a float32 batch-32 step when blocks are handed out in
+        # scattered order (docs/benchmarks.md, "Dispatch figures").
         if device == "cpu":
             whole = huge_pages.empty(size, dtype).zero_()  # zeroed once, huge pages or not
         else:

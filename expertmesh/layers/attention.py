@@ -216,9 +216,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One prefill chunk's attention: our kernel reads a cached context from the blocks in place
         (the torch path gathers it) and masks windows, chunks and sinks per row (torch: an [L, S]
-        mask, and sinks on the plain-matmul path: 4x slower at 2,000 tokens). A fresh prompt seen
-        whole and unmasked goes to whichever of ours and torch's flash kernel is faster on this
-        build (CpuKernels.prefill_fresh; docs/benchmarks.md)."""
+        mask, and sinks on the plain-matmul path: much slower at 2,000 tokens; docs/benchmarks.md,
+        "Dispatch figures"). A fresh prompt seen whole and unmasked goes to whichever of ours and
+        torch's flash kernel is faster on this build (CpuKernels.prefill_fresh;
+        docs/benchmarks.md)."""
         rows = chunk.rows
         n = chunk.context + chunk.length
         cut = (self.sliding_window is not None and n > self.sliding_window) or (

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.cpu import cpu_gemm, huge_pages
+from expertmesh.cpu import huge_pages
 from expertmesh.cpu.cpu_kernels import CpuKernels
-from expertmesh.layers.quantization.packed import QuantizedWeight
+from expertmesh.layers.linear_weight import DenseWeight, LinearWeight, packed_or_dense, quantized
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -57,29 +57,23 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.shard, dtype=dtype), requires_grad=False)
             set_loader(self.bias, self._load)
-
-    packed: cpu_gemm.PackedWeight | QuantizedWeight | None = None
+        # The one form its weight is held and multiplied in (layers/linear_weight.py).
+        self.weight_form: LinearWeight = DenseWeight(self.weight)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=True, in_place=True)
-        if self.packed is not None:
-            cpu_gemm.release(self.weight)
+        """Packed for our CPU kernels (or oneDNN) where one serves it, float32 products."""
+        self.weight_form = packed_or_dense(self.weight, kernels, float32_out=True)
 
     quantizable = True  # by online quantization only when the scheme asks ("+head")
 
     def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
         if not getattr(scheme, "lm_head", False):
             return self.use_cpu_kernels(kernels)
-        self.packed = QuantizedWeight.quantize(self.weight.data, scheme.kind, scheme.group_size, kernels)
-        cpu_gemm.release(self.weight)
+        self.weight_form = quantized(self.weight, scheme, kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, vocab] float32 logits on every TP rank."""
-        if self.packed is not None:
-            logits = self.packed(hidden, self.bias, out_dtype=torch.float32)
-        else:
-            bias = None if self.bias is None else self.bias.float()
-            logits = F.linear(hidden.float(), self.weight.float(), bias)
+        logits = self.weight_form.apply(hidden, self.bias, out_dtype=torch.float32)
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]

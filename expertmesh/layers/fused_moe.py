@@ -9,7 +9,9 @@ Variants: biases on gate/up and down (the down bias joins on shard 0 only, so th
 shards adds it once), any activation of layers/activation.py, and the routing weight applied to
 the expert's input instead of its output. Our fused CPU kernels serve gated experts, with biases
 and GPT-OSS's clamped SwiGLU too (moe_f32_ex / moe_bf16_ex / moe_q_ex); input-weighted experts
-(top-k > 1) take the per-expert torch path (correct first; docs/architectures.md).
+(top-k > 1) take the per-expert torch path (correct first; docs/architectures.md). The form the
+weights are held and run in (dense, per expert, stacked for one kernel call) is one object,
+`experts_form` (layers/expert_weights.py), chosen once after loading.
 """
 
 from __future__ import annotations
@@ -17,21 +19,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.cpu import cpu_gemm, huge_pages
 from expertmesh.cpu.cpu_kernels import CpuKernels
-from expertmesh.distributed.fixed_sum import tree_sum
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers.activation import GatedActivation
-from expertmesh.layers.identity_experts import lookup_picks
-from expertmesh.layers.quantization.packed import (
-    QuantizedExperts,
-    QuantizedMoE,
-    QuantizedWeight,
-    experts_native_form,
+from expertmesh.layers.expert_weights import (
+    ChunkedStacks,
+    DenseExperts,
+    ExpertsWeight,
+    MoeExtras,
+    PanelStacks,
+    PerExpertWeights,
+    QuantizedStacks,
 )
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 from expertmesh.layers.quantization.permuted import one_form
 from expertmesh.layers.weights import copy_into, read, set_loader
 
@@ -84,6 +87,9 @@ class FusedExperts(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
             set_loader(self.w13_bias, self._load_w13, {(x, s) for x in self.expert_ids for s in self.parts})
             set_loader(self.w2_bias, self._load_w2, {(x, None) for x in self.expert_ids})
+        # The one form the experts' weights are held and run in (layers/expert_weights.py): the
+        # dense stacks until use_cpu_kernels / use_quantized / hold_quantized choose another.
+        self.experts_form: ExpertsWeight = DenseExperts(self.w13, self.w2)
 
     def owns(self, expert: int) -> bool:
         return expert in self.expert_ids
@@ -99,22 +105,9 @@ class FusedExperts(nn.Module):
     def slot_tensors(self, slot: int) -> list[torch.Tensor]:
         """Views of local slot `slot`'s weights as stored now (dense, packed panels, quantized codes
         with their scales, offsets and desc_act order, biases): what EPLB copies between ranks in
-        place, whatever the format; same shapes and dtypes for every slot."""
-        if self.chunked is not None:  # deterministic mode: per fixed chunk, stacks [E, ...]
-            out = [w[slot] for _, w13, w2, _ in self.chunked for w in (w13, w2)]
-        elif self.fused is not None:  # stacks [E, ...]: float panels or QuantizedExperts
-            q = isinstance(self.fused[1], QuantizedExperts)
-            out = [t for w in self.fused[1:3] for t in (w.slot_tensors(slot) if q else [w[slot]])]
-        elif self.packed is not None:  # per expert: float panels, or quantized (slot_tensors)
-            out = [
-                t
-                for w in self.packed[slot]
-                for t in (w.slot_tensors() if hasattr(w, "slot_tensors") else [w.data])
-            ]
-        else:
-            out = [self.w13.data[slot], self.w2.data[slot]]
+        place, whatever the form; same shapes and dtypes for every slot."""
         biases = (self.w13_bias, self.w2_bias) if self.w13_bias is not None else ()
-        return out + [b.data[slot] for b in biases]
+        return self.experts_form.slot_tensors(slot) + [b.data[slot] for b in biases]
 
     def _load_w13(self, param: nn.Parameter, src: Any, shard_id: tuple[int, int]) -> None:
         """Weights [I, H] and biases [I]: this shard's rows of the gate (0) or up (1) part."""
@@ -134,81 +127,15 @@ class FusedExperts(nn.Module):
         copy_into(dst, read(src, 1, self.shard_rank * self.inter, self.inter), f"expert {expert} w2")
 
     # Deterministic mode (distributed/fixed_sum.py): this rank's fixed chunks of the intermediate
-    # dim (0: off), and per chunk the fused kernel's stacked panels (None: the torch path).
+    # dim (0: off); its form is then DenseExperts or ChunkedStacks.
     fixed_chunks = 0
-    chunked: list[tuple[CpuKernels, torch.Tensor, torch.Tensor, str]] | None = None
-
-    def _chunk_dense(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chunk j's [E, 2c, H] gate|up rows and [E, H, c] down columns of the dense weights."""
-        c = self.inter // self.fixed_chunks
-        cols = slice(j * c, (j + 1) * c)
-        w13 = torch.cat(
-            [self.w13.data[:, cols], self.w13.data[:, self.inter + j * c : self.inter + (j + 1) * c]], 1
-        )
-        return w13.contiguous(), self.w2.data[:, :, cols].contiguous()
-
-    def _pack_chunks(self, kernels: CpuKernels | None) -> None:
-        """The fused kernel's stacks [E, ...] per fixed chunk (one stack a chunk: one slot a chunk
-        and expert in a single stack measured 2-3x slower, many narrow experts for the kernel)."""
-        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
-        if kernels is None or not self.expert_ids or not plain:
-            return  # the torch path of pair_sums on the dense weights
-        if not kernels.moe_supports(self.w13.dtype, self.act_name):
-            return
-        chunked = []
-        for j in range(self.fixed_chunks):
-            stacks = []
-            for w in self._chunk_dense(j):
-                shape = (w.shape[0], *kernels.panel_shape(*w.shape[1:], w.dtype))
-                out = torch.empty(shape, dtype=w.dtype)
-                for e in range(w.shape[0]):
-                    out[e] = kernels.pack(w[e]).data
-                stacks.append(out)
-            chunked.append((kernels, stacks[0], stacks[1], self.act_name))
-        self.chunked = chunked
-        cpu_gemm.release(self.w13)
-        cpu_gemm.release(self.w2)
 
     def pair_sums(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Deterministic mode: x [n, H], topk [n, k] -> [n, k, H] float32, each (token, pick)'s
         unweighted expert output over this rank's fixed chunks, added by the fixed tree (zero
         for picks held elsewhere). Routing weights on the input (weight_on_input) are applied
         here; on the output, by `finish`."""
-        n, k = topk_ids.shape
-        out = torch.zeros((n, k, x.shape[1]), dtype=torch.float32, device=x.device)
-        if n == 0 or not self.expert_ids:
-            return out
-        slot = self.local_index.index_select(0, topk_ids.flatten()).view(n, k)  # [n, k], -1 elsewhere
-        if self.chunked is not None:
-            # One row per (token, pick), each with its one slot and weight 1 (1 * y + 0 is exact):
-            # a call of the fused kernel per chunk, whose row results do not depend on the rows.
-            rows = x.repeat_interleave(k, dim=0)  # [n * k, H], row t * k + p
-            s = slot.reshape(-1, 1).to(torch.int32).contiguous()
-            ones = torch.ones((n * k, 1), dtype=torch.float32)
-            c = self.inter // self.fixed_chunks
-            parts = [kern.moe(rows, s, ones, w13, w2, c, act) for kern, w13, w2, act in self.chunked]
-            return tree_sum(parts).view(n, k, x.shape[1])
-        c = self.inter // self.fixed_chunks
-        chunks = [self._chunk_dense(j) for j in range(self.fixed_chunks)]
-        for e in range(len(self.expert_ids)):
-            tok, pick = (slot == e).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            xs = x[tok]
-            if self.weight_on_input:
-                xs = xs * topk_weights[tok, pick].unsqueeze(1).to(xs.dtype)
-            parts = []
-            for j, (w13, w2) in enumerate(chunks):
-                b13 = None
-                if self.w13_bias is not None:
-                    b = self.w13_bias.data[e]
-                    b13 = torch.cat(
-                        [b[j * c : (j + 1) * c], b[self.inter + j * c : self.inter + (j + 1) * c]]
-                    )
-                h = self.act(F.linear(xs, w13[e], b13))
-                parts.append(F.linear(h.float(), w2[e].float()))
-            out[tok, pick] = tree_sum(parts)
-        return out
+        return self.experts_form.pair_sums(self, x, topk_ids, topk_weights)
 
     def finish(self, sums: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """[n, k, H] whole (or, under EP, local) expert outputs -> [n, H] float32: the down bias,
@@ -232,63 +159,23 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] float32 partial sum over local experts."""
-        if self.fused is not None:
-            kernels, w13, w2, act = self.fused
-            if self.all_local:  # every expert here: its slot is its id
-                slot = topk_ids.to(torch.int32)
-            else:
-                slot = lookup_picks(self.local_index, topk_ids).to(torch.int32)
-            return kernels.moe(x, slot, topk_weights, w13, w2, self.inter, act)
-        if x.shape[0] == 1:
-            return self._one_token(x, topk_ids, topk_weights)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if x.shape[0] == 0:
-            return out
-        k = topk_ids.shape[1]
-        slot = lookup_picks(self.local_index, topk_ids).flatten()  # [n*k], -1: another rank's, or none
-        order = torch.argsort(slot, stable=True)
-        counts = torch.bincount(slot + 1, minlength=len(self.expert_ids) + 1).tolist()
-        order = order[counts[0] :]  # drop (token, expert) pairs owned elsewhere
-        token = order // k  # [m] source token of each sorted pair
-        xs = x[token]  # [m, H]
-        pair_weights = topk_weights.flatten()[order].unsqueeze(1)  # [m, 1]
-        if self.weight_on_input:
-            xs = xs * pair_weights.to(xs.dtype)
-        ys = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, count in enumerate(counts[1:]):
-            if count:
-                ys[start : start + count] = self._expert(e, xs[start : start + count])
-                start += count
-        if not self.weight_on_input:
-            ys *= pair_weights.float()
-        return out.index_add_(0, token, ys)
+        return self.experts_form.apply(self, x, topk_ids, topk_weights)
 
     def native_form(self, keep: list) -> dict | None:
         """The experts of a native decode layer: every expert here in our fused kernel's panels, or
         quantized for moe_q (through its shim: experts_fn, experts_w)."""
-        # biases and the clamped SwiGLU are moe_q_ex's only: the native layer's shims take neither
-        if self.fused is None or not self.all_local or self.w13_bias is not None:
-            return None
-        kernels, w13, w2, act = self.fused
-        if act not in CpuKernels.MOE_ACTIVATIONS:
-            return None
-        if isinstance(kernels, QuantizedMoE):
-            form = experts_native_form(kernels.kernels, w13, w2, self.model_dtype, keep)
-            act_id = kernels.kernels.MOE_ACTIVATIONS[act]
-            return None if form is None else dict(form, w13=None, w2=None, inter=self.inter, act=act_id)
-        if not isinstance(kernels, CpuKernels):
-            return None
-        return dict(w13=w13.data_ptr(), w2=w2.data_ptr(), inter=self.inter, act=kernels.MOE_ACTIVATIONS[act])
-
-    packed: list[tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight]] | None = None  # per local expert
-    # (kernels, w13 panels, w2 panels, activation): the whole block in one call of our CPU kernel.
-    fused: tuple[CpuKernels, torch.Tensor, torch.Tensor, str] | None = None
+        return self.experts_form.native_form(self, keep)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        if self.fixed_chunks:
-            return self._pack_chunks(kernels)
+        """The experts' form after loading, chosen once: our fused kernel's stacked panels where it
+        serves them (per fixed chunk in deterministic mode), else one packed pair a local expert
+        (cpu_gemm.pack), else the dense stacks through torch."""
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
+        if self.fixed_chunks:
+            served = kernels is not None and self.expert_ids and plain
+            if served and kernels.moe_supports(self.w13.dtype, self.act_name):
+                self.experts_form = ChunkedStacks.pack(self, kernels)
+            return  # else the torch path of pair_sums on the dense weights
         form = getattr(self.act, "moe_q_form", None)  # biases / clamped SwiGLU: moe_*_ex
         extras = not plain and not self.weight_on_input and form is not None
         if (
@@ -297,29 +184,18 @@ class FusedExperts(nn.Module):
             and (plain or extras)
             and kernels.moe_supports(self.w13.dtype, form[0] if extras else self.act_name, extras)
         ):
-            # One expert at a time into the stacked panels, over the dense weights' own storage
-            # where the panels are the same size (cpu_gemm.pack_in_place): one expert's copy at a
-            # time while packing; otherwise into a new stack (the dense and packed coexist, 2x).
-            packed = []
-            for param in (self.w13, self.w2):
-                shape = (len(self.expert_ids), *kernels.panel_shape(*param.shape[1:], param.dtype))
-                same = torch.Size(shape).numel() == param.numel() and param.is_contiguous()
-                out = param.data.view(shape) if same else torch.empty(shape, dtype=param.dtype)
-                for e in range(len(self.expert_ids)):
-                    out[e] = kernels.pack(param.data[e]).data  # packs a copy, then overwrites slot e
-                cpu_gemm.release(param)
-                packed.append(out)
             if extras:
-                self.fused = (_MoeEx(kernels, *self._float_biases(), *form[1:]), *packed, form[0])
+                ex = MoeExtras(kernels, *self._float_biases(), *form[1:])
+                self.experts_form = PanelStacks.pack(self, kernels, form[0], ex)
             else:
-                self.fused = (kernels, packed[0], packed[1], self.act_name)
+                self.experts_form = PanelStacks.pack(self, kernels, self.act_name, None)
             return
         pairs = [
             (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels, float32_out=True))
             for e in range(len(self.expert_ids))
         ]
         if pairs and all(a is not None and b is not None for a, b in pairs):
-            self.packed = pairs
+            self.experts_form = PerExpertWeights(pairs)
             cpu_gemm.release(self.w13)
             cpu_gemm.release(self.w2)
 
@@ -357,15 +233,11 @@ class FusedExperts(nn.Module):
         if form is not None and all(isinstance(w, QuantizedWeight) for p in pairs for w in p):  # not desc_act
             stacks = [QuantizedExperts.stack([p[i] for p in pairs]) for i in (0, 1)]
             name, limit, alpha = form
-            self.fused = (
-                QuantizedMoE(kernels, *self._float_biases(), limit, alpha),
-                stacks[0],
-                stacks[1],
-                name,
-            )
+            runner = QuantizedMoE(kernels, *self._float_biases(), limit, alpha)
+            self.experts_form = QuantizedStacks(runner, stacks[0], stacks[1], name)
         else:
             w13s, w2s = (one_form([p[i] for p in pairs]) for i in (0, 1))  # desc_act: one form a slot
-            self.packed = list(zip(w13s, w2s, strict=True))
+            self.experts_form = PerExpertWeights(list(zip(w13s, w2s, strict=True)))
 
     def _float_biases(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
         """(b13, b2) for moe_*_ex, made float32 in place (slot_tensors' views stay the kernel's); the
@@ -386,40 +258,3 @@ class FusedExperts(nn.Module):
             plain = self.w13_bias is None and form[0] in kernels.MOE_ACTIVATIONS
             return form if plain else None
         return form if form[0] in kernels.MOE_Q_ACTIVATIONS else None
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """[m, H] -> [m, H] float32: the down projection's product is not rounded."""
-        b13 = None if self.w13_bias is None else self.w13_bias[e]
-        # The down bias joins once across the shards of the intermediate dim: on shard 0.
-        b2 = None if self.w2_bias is None or self.shard_rank else self.w2_bias[e]
-        if self.packed is not None:
-            w13, w2 = self.packed[e]
-            return w2(self.act(w13(x, b13)), b2, out_dtype=torch.float32)
-        h = F.linear(x, self.w13[e], b13)
-        return F.linear(self.act(h).float(), self.w2[e].float(), None if b2 is None else b2.float())
-
-    def _one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Decode at batch 1: no sort, gather or scatter, just the chosen local experts in expert order."""
-        local = lookup_picks(self.local_index, topk_ids[0]).tolist()
-        picks = sorted((slot, j) for j, slot in enumerate(local) if slot >= 0)
-        out = None
-        for slot, j in picks:
-            w = topk_weights[0, j]
-            if self.weight_on_input:
-                y = self._expert(slot, x * w.to(x.dtype))
-            else:
-                y = self._expert(slot, x) * w.float()
-            out = y if out is None else out + y
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device) if out is None else out
-
-
-class _MoeEx:
-    """The `kernels.moe(...)` of the fused path for float experts with biases or the clamped SwiGLU:
-    CpuKernels.moe with its extras (the biases read at each call, so copies into them are seen)."""
-
-    def __init__(self, kernels: CpuKernels, b13, b2, limit: float, alpha: float) -> None:
-        self.kernels, self.b13, self.b2, self.limit, self.alpha = kernels, b13, b2, limit, alpha
-
-    def moe(self, x, slot, weights, w13, w2, inter: int, act: str) -> torch.Tensor:
-        biases = tuple(None if b is None else b.data for b in (self.b13, self.b2))
-        return self.kernels.moe(x, slot, weights, w13, w2, inter, act, (*biases, self.limit, self.alpha))

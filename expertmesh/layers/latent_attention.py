@@ -214,8 +214,9 @@ class LatentAttention(nn.Module):
 
     def _per_head(self, x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         """x [B, H, K] times each head's w[h] ([K, N], or [N, K] transposed) -> [B, H, N]. torch's
-        CPU bmm takes ~15 ms for DeepSeek-V2-Lite's 16 heads at one token (measured here), 10x a
-        plain matmul of the same size: our kernel reads each weight row once instead."""
+        CPU bmm is many times slower here than a plain matmul of the same size (DeepSeek-V2-Lite's
+        16 heads at one token; docs/benchmarks.md, "Dispatch figures"): our kernel reads each
+        weight row once instead."""
         if self.kernels is not None:
             return self.kernels.head_matmul(x, w, transposed)
         return torch.matmul(x.transpose(0, 1), w.transpose(1, 2) if transposed else w).transpose(0, 1)

@@ -11,14 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.cpu import cpu_gemm, huge_pages
 from expertmesh.cpu.cpu_kernels import CpuKernels
-from expertmesh.cpu.native_decode import bias_ptr, gemm_form
-from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
-from expertmesh.layers.quantization.packed import QuantizedWeight
+from expertmesh.cpu.native_desc import bias_ptr
+from expertmesh.distributed.fixed_sum import chunk_count
+from expertmesh.layers.linear_weight import (
+    ChunkedWeight,
+    DenseWeight,
+    LinearWeight,
+    packed_or_dense,
+    quantized,
+)
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -32,20 +37,20 @@ class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.model_dtype = dtype  # its activations' (a held checkpoint's weight becomes its codes' dtype)
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(huge_pages.empty((out_features, in_features), dtype), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        # The one form its weight is held and multiplied in (layers/linear_weight.py): the dense
+        # parameter until use_cpu_kernels / use_quantized / hold_quantized choose another.
+        self.weight_form: LinearWeight = DenseWeight(self.weight)
 
-    packed: cpu_gemm.PackedWeight | QuantizedWeight | None = (
-        None  # set by use_cpu_kernels(); the dense weight is then dropped
-    )
     partial_output = False  # its products are partial sums over ranks: asked for in float32
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.packed = cpu_gemm.pack(self.weight, kernels, float32_out=self.partial_output, in_place=True)
-        if self.packed is not None:
-            cpu_gemm.release(self.weight)
+        """Packed for our CPU kernels (or oneDNN) where one serves it; the dense weight then dropped."""
+        self.weight_form = packed_or_dense(self.weight, kernels, float32_out=self.partial_output)
 
     quantizable = True  # online quantization compresses it (the router opts out)
 
@@ -55,13 +60,11 @@ class LinearBase(nn.Module):
             return self.use_cpu_kernels(kernels)
         scheme.check_split(f"{type(self).__name__} [{self.weight.shape[0]}, {self.weight.shape[1]}]",
                            self.weight.shape[1], self.input_shards)  # fmt: skip
-        self.hold_quantized(
-            QuantizedWeight.quantize(self.weight.data, scheme.kind, scheme.group_size, kernels)
-        )
+        self.hold_quantized(quantized(self.weight, scheme, kernels))
 
-    def hold_quantized(self, weight: QuantizedWeight) -> None:
+    def hold_quantized(self, weight: LinearWeight) -> None:
         """Serve matmuls from a compressed weight (online, or a checkpoint's codes as stored)."""
-        self.packed = weight
+        self.weight_form = weight
         cpu_gemm.release(self.weight)
 
     input_shards = 1  # ranks the input dim is split over (row-parallel: the TP size)
@@ -70,12 +73,7 @@ class LinearBase(nn.Module):
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """x @ W.T (+ bias), accumulated in float32, rounded to ``out_dtype`` (default x's) once."""
-        if self.packed is not None:
-            return self.packed(x, bias, out_dtype)
-        if out_dtype in (None, x.dtype):
-            return F.linear(x, self.weight, bias)
-        bias = None if bias is None else bias.to(out_dtype)
-        return F.linear(x.to(out_dtype), self.weight.to(out_dtype), bias)  # exact widening, slow path
+        return self.weight_form.apply(x, bias, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -83,7 +81,7 @@ class LinearBase(nn.Module):
     def native_form(self, keep: list) -> tuple[int, int, int | None] | None:
         """(GEMM entry, weight, float32 bias) pointers for a native decode layer, if our panel GEMM
         or gemm_q serves this weight and its product is the whole sum (no TP partial), else None."""
-        form = None if self.partial_output else gemm_form(self.packed, self.model_dtype, keep)
+        form = None if self.partial_output else self.weight_form.native_form(self.model_dtype, keep)
         return None if form is None else (form["fn"], form["w"], bias_ptr(self.bias, keep))
 
 
@@ -207,8 +205,9 @@ class RowParallelLinear(LinearBase):
         if getattr(group, "fixed_chunks", 0):
             self.fixed_chunks = chunk_count(in_features, self.tp_size, "a row-parallel input") // self.tp_size
             self.partial_output = True  # float32 chunk sums; never the native one-GEMM decode form
-        self.chunk_weights: list | None = None
         super().__init__(_divide(in_features, self.tp_size, "input size"), out_features, bias, dtype)
+        if self.fixed_chunks:  # never packed (e.g. not on the CPU): slices of the dense weight
+            self.weight_form = ChunkedWeight(self.weight, self.fixed_chunks)
         set_loader(self.weight, self._load)
         if self.bias is not None:
             set_loader(self.bias, default_loader)
@@ -217,7 +216,7 @@ class RowParallelLinear(LinearBase):
         cols = param.shape[1]
         copy_into(param.data, read(src, 1, self.tp_rank * cols, cols), "row-parallel weight")
 
-    def hold_quantized(self, weight: QuantizedWeight) -> None:
+    def hold_quantized(self, weight: LinearWeight) -> None:
         if self.fixed_chunks:
             raise ValueError("deterministic=True does not serve quantized weights yet (a row-parallel layer)")
         super().hold_quantized(weight)
@@ -225,29 +224,11 @@ class RowParallelLinear(LinearBase):
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         if not self.fixed_chunks:
             return super().use_cpu_kernels(kernels)
-        # One packed weight per fixed chunk (the same shapes in every layout); dense where no
-        # kernel serves it (F.linear on float32-widened operands).
-        width = self.weight.shape[1] // self.fixed_chunks
-        chunks = []
-        for j in range(self.fixed_chunks):
-            dense = self.weight.data[:, j * width : (j + 1) * width].contiguous()
-            chunks.append(cpu_gemm.pack(dense, kernels, float32_out=True) or dense)
-        self.chunk_weights = chunks
-        cpu_gemm.release(self.weight)
+        self.weight_form = ChunkedWeight.packed(self.weight, self.fixed_chunks, kernels)
 
     def _fixed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.chunk_weights is None:  # never packed (e.g. not on CPU): slices of the dense weight
-            w = self.weight.shape[1] // self.fixed_chunks
-            self.chunk_weights = [self.weight.data[:, j * w : (j + 1) * w] for j in range(self.fixed_chunks)]
-        width = x.shape[-1] // self.fixed_chunks
-        parts = []
-        for j, w in enumerate(self.chunk_weights):
-            xs = x[..., j * width : (j + 1) * width]
-            if isinstance(w, torch.Tensor):
-                parts.append(F.linear(xs.float(), w.float()))
-            else:
-                parts.append(w(xs.contiguous(), None, torch.float32))
-        y = self.group.ordered_sum(tree_sum(parts))  # the whole sum, the same bits on every rank
+        y = self.weight_form.apply(x)  # this rank's fixed chunks, added by the fixed tree (float32)
+        y = self.group.ordered_sum(y)  # the whole sum, the same bits on every rank
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype) if self.reduce else y

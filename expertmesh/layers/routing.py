@@ -220,7 +220,7 @@ class Router(ReplicatedLinear):
         if gemm is None:
             return None
         return dict(
-            router_fn=gemm[0], router_w=gemm[1], router_bias=gemm[2], experts=self.packed.out_features,
+            router_fn=gemm[0], router_w=gemm[1], router_bias=gemm[2], experts=self.out_features,
             top_k=self.top_k, renormalize=int(bool(self.params.get("renormalize"))),
         )  # fmt: skip
 

@@ -63,7 +63,8 @@ def a8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 @dataclass
 class QuantizedWeight:
-    """A compressed [out, in] weight; calling it multiplies by it (as cpu_gemm's packed weights)."""
+    """A compressed [out, in] weight; `apply` (or calling it) multiplies by it, like the other linear
+    weight forms (layers/linear_weight.py)."""
 
     kind: str
     codes: torch.Tensor  # [P, I, lanes] or [P, I, lanes / 2] uint8
@@ -119,7 +120,7 @@ class QuantizedWeight:
         ]
         return values * expand(self.scales) + expand(self.offsets)
 
-    def __call__(
+    def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         shape, out_dtype = x.shape, out_dtype or x.dtype
@@ -140,6 +141,11 @@ class QuantizedWeight:
                     self.in_features, None if b is None else b.data_ptr(), torch.get_num_threads(),
                 )  # fmt: skip
         return y.to(out_dtype).view(*shape[:-1], self.out_features)
+
+    __call__ = apply
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(t, "quantized") for t in (self.codes, self.scales, self.offsets)]
 
     def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
         """This weight in a native decode layer's GEMM slot (cpu/native_decode.py): the gemm_q
@@ -192,6 +198,9 @@ class QuantizedExperts:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(t, "quantized") for t in (self.codes, self.scales, self.offsets)]
 
     def slot_tensors(self, e: int) -> list[torch.Tensor]:
         """Views of expert slot e (what EPLB copies into in place, so the kernel's pointers and

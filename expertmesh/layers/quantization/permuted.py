@@ -54,10 +54,12 @@ class PermutedInputs:
         self.kind, self.group = weight.kind, weight.group
         self.out_features, self.in_features = weight.out_features, weight.in_features
 
-    def __call__(
+    def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        return self.weight(x.index_select(-1, self.perm.to(x.device)), bias, out_dtype)
+        return self.weight.apply(x.index_select(-1, self.perm.to(x.device)), bias, out_dtype)
+
+    __call__ = apply
 
     def dequantize(self) -> torch.Tensor:
         """The [out, in] float32 weight in the checkpoint's input order."""
@@ -74,8 +76,11 @@ class PermutedInputs:
         """What EPLB moves of this expert's weight: the codes' tensors and the input order."""
         return [*self.weight.slot_tensors(), self.perm]
 
-    def native_form(self, dtype: torch.dtype, keep: list) -> None:
+    def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> None:
         return None  # the native decode GEMM slot takes no gather: this layer stays in Python
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [*self.weight.resident(), (self.perm, "quantized")]
 
 
 def one_form(weights: list[Any]) -> list[Any]:

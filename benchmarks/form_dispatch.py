@@ -1,0 +1,67 @@
+"""Python cost of a layer's product on the per-op path, where a weight form's dispatch would show:
+at tiny shapes (a packed linear, 1 x 64 times 64 x 64; a fused-experts block, one token, 8 experts
+of 64 x 64, top-2) each layer's forward against the bare kernel call it makes, alternated in one
+process (so the machine's load hits both alike); best of `--rounds` means, in microseconds, one
+thread. The forward's excess over the kernel call is the layer's own Python.
+
+Quick (about 10 s). It runs on a tree from before the weight forms too (the `.packed` / `.fused`
+slots), so two trees compare by alternating PYTHONPATH:
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/form_dispatch.py
+    for i in 1 2 3; do for t in /path/before /path/after; do
+        PYTHONPATH=$t .venv/bin/python benchmarks/form_dispatch.py; done; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from expertmesh.cpu import cpu_kernels
+from expertmesh.layers.fused_moe import FusedExperts
+from expertmesh.layers.linear import ReplicatedLinear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=25)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    k = cpu_kernels.load()
+    if k is None:
+        raise SystemExit("the CPU kernels did not build (see the warning above)")
+    experts = FusedExperts(8, list(range(8)), 64, 64, 0, 1, "silu")
+    experts.w13.data.normal_()
+    experts.w2.data.normal_()
+    experts.use_cpu_kernels(k)
+    linear = ReplicatedLinear(64, 64)
+    linear.weight.data.normal_()
+    linear.use_cpu_kernels(k)
+    form = getattr(experts, "experts_form", None)  # None: a tree from before the weight forms
+    w13, w2, act = (form.w13, form.w2, form.act) if form is not None else experts.fused[1:4]
+    panels = getattr(linear, "weight_form", None) or linear.packed
+    x, ids, weights = torch.randn(1, 64), torch.tensor([[1, 5]]), torch.rand(1, 2)
+    cases = {
+        "experts forward": lambda: experts(x, ids, weights),
+        "experts kernel call": lambda: k.moe(x, ids.to(torch.int32), weights, w13, w2, experts.inter, act),
+        "linear forward": lambda: linear(x),
+        "linear kernel call": lambda: k.linear(x, panels, None, None),
+    }
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(args.rounds):
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t) / args.calls * 1e6)
+    for name, us in best.items():
+        print(f"{name:22s} {us:7.2f} us")
+    print(f"experts forward - kernel call {best['experts forward'] - best['experts kernel call']:.2f} us; "
+          f"linear {best['linear forward'] - best['linear kernel call']:.2f} us")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
