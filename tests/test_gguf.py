@@ -18,7 +18,7 @@ from real_checkpoints import Sizes
 from safetensors.torch import load_file
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.models.gguf_file import (
+from expertmesh.models.gguf import (
     HELD,
     GGUFError,
     GGUFTensor,
@@ -100,9 +100,9 @@ def test_k_quants_and_others_dequantize_like_gguf(qtype, monkeypatch):
     """Random blocks of each type (finite fp16 scales): rows cut from a stacked expert tensor give
     gguf.quants.dequantize's values for those rows, bit for bit (dequantized 4 rows a call here,
     as a large embedding is)."""
-    import expertmesh.models.gguf_file as gguf_file
+    from expertmesh.models.gguf import quants
 
-    monkeypatch.setattr(gguf_file, "DEQUANT_ROWS", 4)
+    monkeypatch.setattr(quants, "DEQUANT_ROWS", 4)
     t = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[t]
     rng = np.random.default_rng(0)

@@ -18,6 +18,7 @@ from typing import Any
 from expertmesh.layers.quantization.awq import AwqFormat
 from expertmesh.layers.quantization.compressed import CompressedTensorsFormat
 from expertmesh.layers.quantization.fp8 import Fp8Format
+from expertmesh.layers.quantization.gguf import GGUFFormat
 from expertmesh.layers.quantization.gptq import GptqFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
 from expertmesh.layers.quantization.online import OnlineScheme
@@ -29,6 +30,7 @@ CHECKPOINT_FORMATS: dict[str, Any] = {
     "fp8": Fp8Format,
     "gptq": GptqFormat,
     "mxfp4": Mxfp4Format,
+    "gguf": GGUFFormat,  # written by models/gguf for a GGUF file's held types, never by users
 }
 
 
@@ -115,11 +117,6 @@ def checkpoint_format(quant: Any) -> Any:
     """The format of a config.json `quantization_config` (dict or transformers object)."""
     cfg = _as_dict(quant)
     method = cfg.get("quant_method")
-    if method == "gguf":  # written by models/gguf_file.py for a GGUF file's held types, never by users
-        # models/ sits above layers/ (and brings numpy): only a GGUF checkpoint loads it
-        from expertmesh.models.gguf_file import GGUFFormat
-
-        return GGUFFormat.from_config(cfg)
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "
