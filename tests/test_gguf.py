@@ -628,3 +628,73 @@ def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model, k_quant_model
     results = run_distributed(_rank_main, 2, runs, timeout=190)
     for per_rank in results:  # TP: both ranks run every prompt; DP + EP: each rank ran them all
         assert per_rank == want
+
+
+def test_header_reader_equals_gguf_reader(gguf_model, k_quant_model, tmp_path):
+    """Our header reader (models/gguf/reader.py) against gguf's GGUFReader on the same files: every
+    metadata value (string arrays kept when asked, else their length), every tensor's name, type,
+    shape and bytes, whole, by outer rows and by expert; a truncated file fails naming the tensor."""
+    from expertmesh.models.gguf.reader import GGUFFile, open_file
+    from expertmesh.models.gguf.tokenizer import STRING_ARRAYS
+
+    (q8,) = gguf_model("Q8_0")
+    (f16,) = gguf_model("F16")
+    for path in (q8, f16, k_quant_model["Q4_K_M"][0]):
+        ref = gguf.GGUFReader(path)
+        ours = GGUFFile(path, STRING_ARRAYS)
+        for name, field in ref.fields.items():
+            if name.startswith("GGUF."):  # gguf's own header fields (version, counts)
+                continue
+            want, got = field.contents(), ours.metadata[name]
+            if isinstance(want, list) and want and isinstance(want[0], str) and name not in STRING_ARRAYS:
+                want = len(want)
+            got = got.tolist() if isinstance(got, np.ndarray) else got
+            assert got == want or np.allclose(got, want), name
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for t, r in zip(ours.tensors, ref.tensors, strict=True):
+            assert t.tensor_type == r.tensor_type and t.shape == tuple(reversed(r.shape.tolist())), t.name
+            want = np.asarray(r.data)
+            assert np.array_equal(np.asarray(t.data), want), t.name
+            if want.ndim >= 2:
+                assert np.array_equal(t.data[1:3], want[1:3]), t.name
+                assert np.array_equal(np.asarray(t.data[-1]), want[-1]), t.name  # one expert / row
+        ours.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(q8, "rb").read()[:-1000])
+    with pytest.raises(GGUFError, match="runs past the end of the file"):
+        open_file(str(cut))
+
+
+@pytest.mark.parametrize("published", ["olmoe-1b-7b-0924", "deepseek-v3"])
+def test_tokenizer_from_metadata_of_families_transformers_does_not_map(real_checkpoint, tmp_path, published):
+    """transformers maps no config for olmoe / deepseek2 GGUF files (its AutoTokenizer path failed on
+    them): the tokenizer built from the metadata alone encodes and decodes like the checkpoint's."""
+    from transformers import AutoTokenizer
+
+    hf = real_checkpoint(published)
+    (path,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    text = "The quick brown fox returns a value 12345 and </s> then"
+    want = AutoTokenizer.from_pretrained(hf)
+    got = AutoTokenizer.from_pretrained(gguf_model_dir(path))
+    assert got(text)["input_ids"] == want(text)["input_ids"]
+    ids = want(text)["input_ids"]
+    assert got.decode(ids) == want.decode(ids)
+
+
+def test_embedding_and_head_dequantized_into_the_model_dtype(k_quant_model):
+    """A K-quant embedding / head served for a bf16 model comes out in bf16, rounded once from
+    gguf's float32 values (what copying float32 into the parameter would give); a held matrix of
+    the same file is unaffected, and float32 stays float32."""
+    from expertmesh.models.gguf import gguf_info
+
+    path, _ = k_quant_model["Q4_K_M"]
+    info = gguf_info(gguf_model_dir(path))
+    ref = dequantized_state([path])
+    f32, bf16 = GGUFTensorFile(path, info), GGUFTensorFile(path, info, torch.bfloat16)
+    pairs = [("model.embed_tokens.weight", "token_embd.weight"), ("lm_head.weight", "output.weight")]
+    for key, name in [(k, n) for k, n in pairs if n in ref]:
+        got = bf16.get_slice(key)[:]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref[name].to(torch.bfloat16)), key
+        assert torch.equal(f32.get_slice(key)[3:9], ref[name][3:9]), key
+    q = bf16.get_slice("model.layers.0.self_attn.o_proj.weight")
+    assert q.held_kind is not None and q[:].dtype == torch.float32

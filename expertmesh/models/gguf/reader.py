@@ -4,9 +4,11 @@ gguf's own `GGUFReader` builds a numpy view for every part of every metadata fie
 150K-token vocabulary (tokens, scores, token types, merges: ~600K parts) takes tens of seconds
 and is the larger part of a GGUF load. Here the header is walked with `struct` once; string arrays
 are skipped (only their count kept) unless asked for by key, and number arrays are one
-`np.frombuffer` each. Tensor data stays in the map: `TensorInfo.data` is a view of the file's
-bytes (the layout gguf's reader gives: values for F32 / F16, bytes [..., rows, row bytes] for the
-block types and BF16), so only the pages a rank slices are ever read.
+`np.frombuffer` each; the map is closed after the header. Tensor data is read with positioned
+reads (`FileRows`: indexing an outer dim reads just those rows into fresh memory, in the layout
+gguf's reader gives: values for F32 / F16, bytes [..., rows, row bytes] for the block types and
+BF16), so a rank reads only the rows and experts it keeps, and nothing of the file stays resident
+(a memory map's touched pages count in the process's RSS until the map is dropped).
 """
 
 from __future__ import annotations
@@ -69,6 +71,49 @@ _VALUES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int
            "I32": np.int32, "I64": np.int64}  # fmt: skip
 
 
+class FileRows:
+    """A tensor's bytes in the file as an array-like [outer, ...] of `dtype`: `rows[i]` is the
+    sub-array of one outer index (an expert), `rows[a:b]` reads those outer rows with one positioned
+    read into a fresh writable array, `np.asarray(rows)` reads it all."""
+
+    def __init__(self, fd: int, offset: int, shape: tuple[int, ...], dtype: Any) -> None:
+        self.fd, self.offset, self.shape, self.dtype = fd, offset, tuple(shape), np.dtype(dtype)
+        inner = int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+        self.stride = inner * self.dtype.itemsize  # bytes per outer index
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _read(self, at: int, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty(shape, self.dtype)
+        view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+        while done < len(view):  # one call reads at most ~2 GiB
+            n = os.preadv(self.fd, [view[done:]], at + done)
+            if n <= 0:
+                raise GGUFError(f"short read at byte {at + done} (the file shrank?)")
+            done += n
+        return out
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, (int, np.integer)):
+            i = int(index) + (self.shape[0] if index < 0 else 0)
+            if not 0 <= i < self.shape[0]:
+                raise IndexError(index)
+            if self.ndim == 1:
+                return self._read(self.offset + i * self.stride, ())[()]
+            return FileRows(self.fd, self.offset + i * self.stride, self.shape[1:], self.dtype)
+        if isinstance(index, slice) and index.step in (None, 1):
+            a, b, _ = index.indices(self.shape[0])
+            b = max(a, b)
+            return self._read(self.offset + a * self.stride, (b - a, *self.shape[1:]))
+        raise TypeError(f"FileRows takes an index or a plain slice, not {index!r}")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self._read(self.offset, self.shape)
+        return out if dtype is None else out.astype(dtype)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of the file: its ggml type, its shape in numpy / HF order, its bytes in the map."""
@@ -76,20 +121,35 @@ class TensorInfo:
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # outermost first ([experts, out, in]): reversed from the file's order
-    data: np.ndarray  # a read-only view of the file (see the module doc for its layout)
+    data: FileRows  # the tensor's bytes in the file (see the module doc for its layout)
 
 
 class GGUFFile:
-    """One GGUF file: `metadata` {key: value} and `tensors` [TensorInfo], read off a memory map.
-    String arrays not named in `string_arrays` are read as their length only."""
+    """One GGUF file: `metadata` {key: value} and `tensors` [TensorInfo] (the header walked on a
+    memory map, closed after). String arrays not named in `string_arrays` are read as their length."""
 
     def __init__(self, path: str, string_arrays: tuple[str, ...] = ()) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self._parse(path, string_arrays)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _parse(self, path: str, string_arrays: tuple[str, ...]) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        self.path = path
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        buf = self._map
+        size = os.fstat(self.fd).st_size
+        if size < 24:
+            raise GGUFError(f"{path}: not a readable GGUF file ({size} bytes)")
+        with mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) as buf:
+            self._walk(path, buf, string_arrays, GGML_QUANT_SIZES, GGMLQuantizationType, size)
+        self._buf = None
+
+    def _walk(
+        self, path: str, buf: Any, string_arrays: tuple, sizes: Any, types: Any, file_size: int
+    ) -> None:
         if buf[:4] != b"GGUF":
             raise GGUFError(f"{path}: not a readable GGUF file (no GGUF magic at its start)")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -110,22 +170,22 @@ class GGUFFile:
             table.append((name, tuple(int(d) for d in reversed(dims)), qtype, offset))
         align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-self._pos // align) * align
-        whole = np.frombuffer(buf, dtype=np.uint8)  # a plain ndarray over the map: no copies
         self.tensors: list[TensorInfo] = []
         for name, shape, qtype, offset in table:
-            kind = GGMLQuantizationType(qtype)
-            block, size = GGML_QUANT_SIZES[kind]
+            kind = types(qtype)
+            block, size = sizes[kind]
             count = int(np.prod(shape)) if shape else 1
-            nbytes = count // block * size
             at = start + offset
-            if at + nbytes > len(whole):
+            if at + count // block * size > file_size:
                 raise GGUFError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
-            raw = whole[at : at + nbytes]
             if kind.name in _VALUES:
-                data = raw.view(_VALUES[kind.name]).reshape(shape)
+                data = FileRows(self.fd, at, shape, _VALUES[kind.name])
             else:  # blocks (and BF16, a block of one value): bytes [..., rows, bytes of a row]
-                data = raw.reshape(*shape[:-1], shape[-1] // block * size)
+                data = FileRows(self.fd, at, (*shape[:-1], shape[-1] // block * size), np.uint8)
             self.tensors.append(TensorInfo(name, kind, shape, data))
+
+    def close(self) -> None:
+        os.close(self.fd)
 
     # the walk: each read advances self._pos
     def _unpack(self, fmt: str) -> tuple:

@@ -94,10 +94,11 @@ class GGUFTensor(LogicalTensor):
         from gguf import GGMLQuantizationType as Q
 
         raw = np.asarray(self.data[r0:r1] if self.shape else self.data)
+        fresh = raw if raw.flags.writeable and raw.flags.owndata else raw.copy()  # read off the file: ours
         if self.qtype in (Q.F32, Q.F16):
-            return torch.from_numpy(raw.copy())
+            return torch.from_numpy(fresh)
         if self.qtype == Q.BF16:
-            return torch.from_numpy(raw.copy()).view(torch.int16).view(torch.bfloat16)
+            return torch.from_numpy(fresh).view(torch.int16).view(torch.bfloat16)
         name, dtype = self.qtype.name, self.out_dtype or torch.float32
         if raw.ndim < 2:
             return torch.from_numpy(quants.dequantize(raw, name)).to(dtype)
@@ -203,7 +204,7 @@ class GGUFTensorFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass  # the map is shared by the process's readers of this file (reader.open_file)
+        pass  # the descriptor is shared by the process's readers of this file (reader.open_file)
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -220,6 +221,6 @@ class GGUFTensorFile:
         if e is not None:
             shape, data = shape[1:], data[e]
         elif key.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp: a vector [H]
-            shape, data = (1, *shape), data[None]
+            shape, data = (1, *shape), np.asarray(data)[None]
         dtype = self.dtype if key.startswith(FLOAT_TARGETS) else None
         return GGUFTensor(data, t.tensor_type, shape, key, permute, kind, dtype)

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from expertmesh.models.gguf.reader import open_file
+from expertmesh.models.gguf.reader import GGUFFile
 
 log = logging.getLogger("expertmesh")
 STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
@@ -27,7 +27,9 @@ _SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token
 
 def tokenizer_parts(path: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(architecture, transformers' tokenizer_dict, tokenizer_config kwargs) from the metadata."""
-    meta = open_file(path, STRING_ARRAYS).metadata
+    f = GGUFFile(path, STRING_ARRAYS)  # not cached: the vocabulary is needed once
+    f.close()
+    meta = f.metadata
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("the file has no tokenizer.ggml.tokens")
     tok = {}
