@@ -13,7 +13,7 @@ import pytest
 import torch
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
-from gguf_checkpoints import dequantized_state, quantize_k, write_gguf
+from gguf_checkpoints import dequantized_state, phimoe_attn_factor, quantize_k, write_gguf
 from real_checkpoints import Sizes
 from safetensors.torch import load_file
 
@@ -698,3 +698,34 @@ def test_embedding_and_head_dequantized_into_the_model_dtype(k_quant_model):
         assert torch.equal(f32.get_slice(key)[3:9], ref[name][3:9]), key
     q = bf16.get_slice("model.layers.0.self_attn.o_proj.weight")
     assert q.held_kind is not None and q[:].dtype == torch.float32
+
+
+def test_phimoe_from_its_published_config(real_checkpoint, tmp_path):
+    """Phi-3.5-MoE as llama.cpp's converter writes it (LayerNorm weights and biases, q/k/v/o and head
+    biases, LongRoPE factors as rope_factors_long / _short tensors with one attention factor): the
+    config made from the file equals the checkpoint's, an F32 file runs like the checkpoint and a
+    Q8_0 file, held, like an F32 file of its values. The converter's attention factor is
+    sqrt(1 + ln s / ln original), not the published mscale, so the checkpoint takes that value."""
+    probe = json.load(open(os.path.join(real_checkpoint("phi-3.5-moe"), "config.json")))
+    rope = dict(probe["rope_scaling"])
+    f32 = lambda x: np.float32(x).item()  # the file holds float32: a checkpoint whose values it keeps
+    rope["long_mscale"] = rope["short_mscale"] = f32(phimoe_attn_factor(probe))
+    rope.update({k: [f32(v) for v in rope[k]] for k in ("long_factor", "short_factor")})
+    hf = real_checkpoint("phi-3.5-moe", rope_scaling=rope)
+    want = json.load(open(os.path.join(hf, "config.json")))
+    (f32,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    got = json.load(open(os.path.join(gguf_model_dir(f32), "config.json")))
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "num_local_experts", "num_experts_per_tok", "max_position_embeddings", "sliding_window",
+            "original_max_position_embeddings", "lm_head_bias")  # fmt: skip
+    for key in keys:
+        assert got[key] == want[key], key
+    assert got["rope_scaling"]["type"] == "longrope" and got["architectures"] == ["PhimoeForCausalLM"]
+    for key in ("long_factor", "short_factor", "long_mscale", "short_mscale"):
+        assert got["rope_scaling"][key] == rope[key], key
+    assert _greedy(f32) == _greedy(hf)
+    (q8,) = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got_tokens, text = _logged(_greedy, q8)
+    assert "weights held compressed as stored" in text
+    assert got_tokens == _greedy(ref)

@@ -125,6 +125,19 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
          "attention.indexer.top_k": "index_topk"},
         {},
     ),
+    # Phi-3.5-MoE / Phi-mini-MoE (convert_hf_to_gguf's PhiMoeModel, a Phi3MiniModel): LayerNorm with
+    # biases (its eps written as the rms eps), q/k/v/o biases; LongRoPE's factors are tensors
+    # (rope_factors_long / _short, read by model_dir: rope_config). The file has no router keys:
+    # sparsemixer's jitter_eps (router_jitter_noise) is 0.01 in both published configs
+    # (llama.cpp routes PhiMoE with a plain softmax top-2 instead)
+    "phimoe": (
+        "PhimoeForCausalLM", "phimoe",
+        {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+         "rope.scaling.original_context_length": "original_max_position_embeddings",
+         "attention.sliding_window": "sliding_window"},
+        {"attention_bias": True, "hidden_act": "silu", "router_jitter_noise": 0.01,
+         "input_jitter_noise": 0.0},
+    ),
     # GLM-4.5 / 4.6 / 4.5-Air. The converter keeps the MTP layer as the last block (block_count
     # counts it, nextn_predict_layers says how many): _glm4moe takes it off, the loader skips it
     "glm4moe": (
@@ -141,7 +154,31 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
 FAMILY_CONFIG["deepseek32"][2].update(FAMILY_CONFIG["deepseek2"][2])
 FAMILY_CONFIG["deepseek32"][3].update(FAMILY_CONFIG["deepseek2"][3])
 # config flags read off the tensors present (gguf_model_dir): config key -> a tensor's name
-TENSOR_FLAGS = {"glm4moe": {"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"}}
+TENSOR_FLAGS = {
+    "glm4moe": {"attention_bias": "blk.0.attn_q.bias", "use_qk_norm": "blk.0.attn_q_norm.weight"},
+    "phimoe": {"lm_head_bias": "output.bias"},
+}
+# tensors that are config, not weights: the loader skips them (LongRoPE's factors: rope_config)
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def rope_config(meta: dict[str, Any], factors: dict[str, list[float]]) -> dict[str, Any] | None:
+    """LongRoPE from the converter's rope_factors_long / _short tensors: one attention factor for
+    both lengths (`rope.scaling.attn_factor`; the converter computes sqrt(1 + ln s / ln original),
+    which is not every published config's mscale: Phi-3.5-MoE's says 1.243 where this gives 1.190;
+    llama.cpp runs the file with the factor it holds, and so do we)."""
+    if "rope_factors_long.weight" not in factors:
+        return None
+    arch = meta["general.architecture"]
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)
+    return {
+        "type": "longrope",
+        "long_factor": factors["rope_factors_long.weight"],
+        "short_factor": factors["rope_factors_short.weight"],
+        "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length"),
+        "long_mscale": attn,
+        "short_mscale": attn,
+    }
 
 
 def _glm4moe(cfg: dict[str, Any], get: Any) -> None:

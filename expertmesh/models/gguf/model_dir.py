@@ -10,7 +10,9 @@ import logging
 import os
 from typing import Any
 
-from expertmesh.models.gguf.families import TENSOR_FLAGS, hf_config
+import numpy as np
+
+from expertmesh.models.gguf.families import CONFIG_TENSORS, TENSOR_FLAGS, hf_config, rope_config
 from expertmesh.models.gguf.names import mtp_block
 from expertmesh.models.gguf.quants import HELD, held_kinds
 from expertmesh.models.gguf.reader import gguf_files, open_file
@@ -51,6 +53,12 @@ def gguf_model_dir(model: str) -> str:
         cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
     for key, tensor in TENSOR_FLAGS.get(meta["general.architecture"], {}).items():
         cfg[key] = tensor in names
+    factors = {
+        t.name: np.asarray(t.data, np.float64).tolist() for t in first.tensors if t.name in CONFIG_TENSORS
+    }
+    if (rope := rope_config(meta, factors)) is not None:
+        cfg.pop("rope_parameters", None)
+        cfg["rope_scaling"] = rope
     cfg["torch_dtype"] = "float32"
     held = sorted(set(types.values()) & set(HELD))
     if held:  # the loader holds these codes as stored (GGUFFormat); quantization="dequantize" does not

@@ -16,6 +16,7 @@ import torch
 
 import expertmesh.models.gguf.quants as quants
 from expertmesh.layers.quantization.view import LogicalTensor
+from expertmesh.models.gguf.families import CONFIG_TENSORS
 from expertmesh.models.gguf.names import BLOCK, KV_B, PIECES, TOP, mtp_block, piece_of, pieces_of
 from expertmesh.models.gguf.quants import FLOAT_TYPES, HELD, decode_blocks
 from expertmesh.models.gguf.reader import GGUFError, TensorInfo, open_file
@@ -170,8 +171,8 @@ class GGUFTensorFile:
             top = name.rsplit(".", 1)
             if top[0] in TOP:
                 hf = f"{TOP[top[0]]}.{top[1]}"
-            if mtp_block(name, info.get("num_hidden_layers")):
-                continue  # an MTP block after the main layers (glm4moe): not loaded
+            if mtp_block(name, info.get("num_hidden_layers")) or name in CONFIG_TENSORS:
+                continue  # an MTP block after the main layers (glm4moe), config in a tensor: not loaded
             m = BLOCK.match(name)
             if m:
                 layer, piece, kind = m.groups()
