@@ -30,8 +30,10 @@ CHECKPOINT_FORMATS: dict[str, Any] = {
     "fp8": Fp8Format,
     "gptq": GptqFormat,
     "mxfp4": Mxfp4Format,
-    "gguf": GGUFFormat,  # written by models/gguf for a GGUF file's held types, never by users
 }
+# written by models/gguf into a GGUF model's config for the block types it holds, never by users
+# (so not listed as supported)
+INTERNAL_FORMATS: dict[str, Any] = {"gguf": GGUFFormat}
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ def checkpoint_format(quant: Any) -> Any:
     """The format of a config.json `quantization_config` (dict or transformers object)."""
     cfg = _as_dict(quant)
     method = cfg.get("quant_method")
+    if method in INTERNAL_FORMATS:
+        return INTERNAL_FORMATS[method].from_config(cfg)
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "
