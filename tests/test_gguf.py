@@ -89,6 +89,7 @@ def test_every_tensor_and_slice_dequantizes_like_gguf(gguf_model, qtype):
             assert tuple(src.get_shape()) == tuple(want.shape), key
             got = src[:]
             assert torch.equal(got.float(), want), key
+            assert torch.equal(got.float().view(torch.int32), want.view(torch.int32)), key  # bits
             if want.dim() == 2:  # a TP rank's rows and columns: just that region, the same values
                 r0, r1, c0, c1 = 1, want.shape[0] - 3, 32, want.shape[1]
                 assert torch.equal(src[r0:r1, c0:c1].float(), want[r0:r1, c0:c1]), key
@@ -122,6 +123,8 @@ def test_k_quants_and_others_dequantize_like_gguf(qtype, monkeypatch):
     for e in range(experts):
         src = GGUFTensor(raw[e], t, (rows, cols), f"w{e}")
         assert torch.equal(src[:].float(), want[e])
+        if qtype in HELD:  # our block decoding: gguf's float32 bits, zeros' signs included
+            assert torch.equal(src[:].view(torch.int32), want[e].view(torch.int32))
         assert torch.equal(src[2:5, 256:].float(), want[e, 2:5, 256:])
         if qtype in HELD:  # held as stored: our kind's code * scale + offset, any whole-group region
             kind, group = HELD[qtype]

@@ -123,8 +123,12 @@ def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
     codes, scales, offsets = decode_blocks(qtype, raw.reshape(*raw.shape[:-1], -1, size))
     group = codes.shape[-1] // scales.shape[-1]
     signed = HELD[qtype][0] == "int8"
-    q = (codes.view(np.int8) if signed else codes).reshape(*scales.shape, group).astype(np.float32)
-    w = q * scales[..., None]
+    q = (codes.view(np.int8) if signed else codes).reshape(*scales.shape, group)
+    if qtype == "Q4_0":  # d * (q - 8) as gguf computes it: the same values, zeros' signs too
+        q, offsets = q.view(np.int8) - np.int8(8), None
+    w = np.empty(codes.shape, np.float32)  # one output, no float32 temporaries of the codes
+    grouped = w.reshape(*scales.shape, group)
+    np.multiply(q, scales[..., None], out=grouped)  # the code cast to float32 exactly, then d * q
     if offsets is not None:
-        w += offsets[..., None]
-    return w.reshape(codes.shape)
+        np.add(grouped, offsets[..., None], out=grouped)
+    return w
