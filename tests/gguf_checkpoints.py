@@ -5,6 +5,7 @@ Q/K rows permuted), matrices quantized with `gguf.quants.quantize`."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import gguf
@@ -25,6 +26,7 @@ EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
         "granitemoe": "granitemoe"}  # fmt: skip
 ATTN["block_sparse_moe.router.layer"] = "ffn_gate_inp"  # Granite's router
+ARCH["phimoe"] = "phimoe"
 ARCH.update(deepseek_v2="deepseek2", deepseek_v3="deepseek2", deepseek_v32="deepseek32", glm4_moe="glm4moe")
 DEEPSEEK = ("deepseek2", "deepseek32")
 # GLM-4.5's MTP block, which its converter keeps as the last block (blk.<n>.nextn.*)
@@ -107,6 +109,13 @@ def write_gguf(
     tensors.append(("output_norm.weight", sd.pop("model.norm.weight")))
     if "lm_head.weight" in sd:
         tensors.append(("output.weight", sd.pop("lm_head.weight")))
+    for hf, name in (("model.norm.bias", "output_norm.bias"), ("lm_head.bias", "output.bias")):  # PhiMoE
+        if hf in sd:
+            tensors.append((name, sd.pop(hf)))
+    longrope = cfg.get("rope_scaling") or {}
+    if arch == "phimoe" and longrope.get("long_factor"):  # the converter's LongRoPE factors (Phi3MiniModel)
+        tensors.append(("rope_factors_long.weight", np.array(longrope["long_factor"], np.float32)))
+        tensors.append(("rope_factors_short.weight", np.array(longrope["short_factor"], np.float32)))
     n_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     mtp = cfg.get("num_nextn_predict_layers", 0) if arch in ("glm4moe", "deepseek32") else 0  # kept last
     for layer in range(cfg["num_hidden_layers"] + mtp):
@@ -130,7 +139,7 @@ def write_gguf(
                 else ATTN[piece]
             )
             tensors.append((f"blk.{layer}.{name}.{kind}", w))
-        block = "block_sparse_moe" if arch in ("llama", "granitemoe") else "mlp"
+        block = "block_sparse_moe" if arch in ("llama", "granitemoe", "phimoe") else "mlp"
         for proj, name in EXPERT.items():
             keys = [f"{p}{block}.experts.{e}.{proj}.weight" for e in range(n_experts)]
             if keys[0] in sd:
@@ -168,6 +177,14 @@ def write_gguf(
             w.add_indexer_top_k(cfg["index_topk"])
         if arch == "glm4moe":
             _glm4moe_meta(w, cfg, mtp)
+        if arch == "phimoe":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+            head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+            w.add_rope_dimension_count(head_dim)
+            w.add_sliding_window(cfg.get("sliding_window") or 0)
+            orig = longrope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+            w.add_rope_scaling_orig_ctx_len(orig)
+            if longrope.get("long_factor"):
+                w.add_rope_scaling_attn_factors(phimoe_attn_factor(cfg))
         if arch == "granitemoe":
             for key, hf in (
                 ("attention.scale", "attention_multiplier"),
@@ -283,6 +300,14 @@ def _glm4moe_meta(w: gguf.GGUFWriter, cfg: dict, mtp: int) -> None:
     w.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
     w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
     w.add_nextn_predict_layers(mtp)
+
+
+def phimoe_attn_factor(cfg: dict) -> float:
+    """The attention factor llama.cpp's converter writes for LongRoPE (Phi3MiniModel)."""
+    rope = cfg["rope_scaling"]
+    orig = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    scale = cfg["max_position_embeddings"] / orig
+    return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: str) -> None:

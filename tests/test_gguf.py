@@ -13,12 +13,12 @@ import pytest
 import torch
 from checkpoints import prompts_of_lengths
 from distributed_utils import run_distributed
-from gguf_checkpoints import dequantized_state, quantize_k, write_gguf
+from gguf_checkpoints import dequantized_state, phimoe_attn_factor, quantize_k, write_gguf
 from real_checkpoints import Sizes
 from safetensors.torch import load_file
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.models.gguf_file import (
+from expertmesh.models.gguf import (
     HELD,
     GGUFError,
     GGUFTensor,
@@ -89,6 +89,7 @@ def test_every_tensor_and_slice_dequantizes_like_gguf(gguf_model, qtype):
             assert tuple(src.get_shape()) == tuple(want.shape), key
             got = src[:]
             assert torch.equal(got.float(), want), key
+            assert torch.equal(got.float().view(torch.int32), want.view(torch.int32)), key  # bits
             if want.dim() == 2:  # a TP rank's rows and columns: just that region, the same values
                 r0, r1, c0, c1 = 1, want.shape[0] - 3, 32, want.shape[1]
                 assert torch.equal(src[r0:r1, c0:c1].float(), want[r0:r1, c0:c1]), key
@@ -100,9 +101,9 @@ def test_k_quants_and_others_dequantize_like_gguf(qtype, monkeypatch):
     """Random blocks of each type (finite fp16 scales): rows cut from a stacked expert tensor give
     gguf.quants.dequantize's values for those rows, bit for bit (dequantized 4 rows a call here,
     as a large embedding is)."""
-    import expertmesh.models.gguf_file as gguf_file
+    from expertmesh.models.gguf import quants
 
-    monkeypatch.setattr(gguf_file, "DEQUANT_ROWS", 4)
+    monkeypatch.setattr(quants, "DEQUANT_ROWS", 4)
     t = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[t]
     rng = np.random.default_rng(0)
@@ -122,6 +123,8 @@ def test_k_quants_and_others_dequantize_like_gguf(qtype, monkeypatch):
     for e in range(experts):
         src = GGUFTensor(raw[e], t, (rows, cols), f"w{e}")
         assert torch.equal(src[:].float(), want[e])
+        if qtype in HELD:  # our block decoding: gguf's float32 bits, zeros' signs included
+            assert torch.equal(src[:].view(torch.int32), want[e].view(torch.int32))
         assert torch.equal(src[2:5, 256:].float(), want[e, 2:5, 256:])
         if qtype in HELD:  # held as stored: our kind's code * scale + offset, any whole-group region
             kind, group = HELD[qtype]
@@ -628,3 +631,104 @@ def test_tp2_and_ep2_equal_one_process_on_gguf_weights(gguf_model, k_quant_model
     results = run_distributed(_rank_main, 2, runs, timeout=190)
     for per_rank in results:  # TP: both ranks run every prompt; DP + EP: each rank ran them all
         assert per_rank == want
+
+
+def test_header_reader_equals_gguf_reader(gguf_model, k_quant_model, tmp_path):
+    """Our header reader (models/gguf/reader.py) against gguf's GGUFReader on the same files: every
+    metadata value (string arrays kept when asked, else their length), every tensor's name, type,
+    shape and bytes, whole, by outer rows and by expert; a truncated file fails naming the tensor."""
+    from expertmesh.models.gguf.reader import GGUFFile, open_file
+    from expertmesh.models.gguf.tokenizer import STRING_ARRAYS
+
+    (q8,) = gguf_model("Q8_0")
+    (f16,) = gguf_model("F16")
+    for path in (q8, f16, k_quant_model["Q4_K_M"][0]):
+        ref = gguf.GGUFReader(path)
+        ours = GGUFFile(path, STRING_ARRAYS)
+        for name, field in ref.fields.items():
+            if name.startswith("GGUF."):  # gguf's own header fields (version, counts)
+                continue
+            want, got = field.contents(), ours.metadata[name]
+            if isinstance(want, list) and want and isinstance(want[0], str) and name not in STRING_ARRAYS:
+                want = len(want)
+            got = got.tolist() if isinstance(got, np.ndarray) else got
+            assert got == want or np.allclose(got, want), name
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for t, r in zip(ours.tensors, ref.tensors, strict=True):
+            assert t.tensor_type == r.tensor_type and t.shape == tuple(reversed(r.shape.tolist())), t.name
+            want = np.asarray(r.data)
+            assert np.array_equal(np.asarray(t.data), want), t.name
+            if want.ndim >= 2:
+                assert np.array_equal(t.data[1:3], want[1:3]), t.name
+                assert np.array_equal(np.asarray(t.data[-1]), want[-1]), t.name  # one expert / row
+        ours.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(q8, "rb").read()[:-1000])
+    with pytest.raises(GGUFError, match="runs past the end of the file"):
+        open_file(str(cut))
+
+
+@pytest.mark.parametrize("published", ["olmoe-1b-7b-0924", "deepseek-v3"])
+def test_tokenizer_from_metadata_of_families_transformers_does_not_map(real_checkpoint, tmp_path, published):
+    """transformers maps no config for olmoe / deepseek2 GGUF files (its AutoTokenizer path failed on
+    them): the tokenizer built from the metadata alone encodes and decodes like the checkpoint's."""
+    from transformers import AutoTokenizer
+
+    hf = real_checkpoint(published)
+    (path,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    text = "The quick brown fox returns a value 12345 and </s> then"
+    want = AutoTokenizer.from_pretrained(hf)
+    got = AutoTokenizer.from_pretrained(gguf_model_dir(path))
+    assert got(text)["input_ids"] == want(text)["input_ids"]
+    ids = want(text)["input_ids"]
+    assert got.decode(ids) == want.decode(ids)
+
+
+def test_embedding_and_head_dequantized_into_the_model_dtype(k_quant_model):
+    """A K-quant embedding / head served for a bf16 model comes out in bf16, rounded once from
+    gguf's float32 values (what copying float32 into the parameter would give); a held matrix of
+    the same file is unaffected, and float32 stays float32."""
+    from expertmesh.models.gguf import gguf_info
+
+    path, _ = k_quant_model["Q4_K_M"]
+    info = gguf_info(gguf_model_dir(path))
+    ref = dequantized_state([path])
+    f32, bf16 = GGUFTensorFile(path, info), GGUFTensorFile(path, info, torch.bfloat16)
+    pairs = [("model.embed_tokens.weight", "token_embd.weight"), ("lm_head.weight", "output.weight")]
+    for key, name in [(k, n) for k, n in pairs if n in ref]:
+        got = bf16.get_slice(key)[:]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref[name].to(torch.bfloat16)), key
+        assert torch.equal(f32.get_slice(key)[3:9], ref[name][3:9]), key
+    q = bf16.get_slice("model.layers.0.self_attn.o_proj.weight")
+    assert q.held_kind is not None and q[:].dtype == torch.float32
+
+
+def test_phimoe_from_its_published_config(real_checkpoint, tmp_path):
+    """Phi-3.5-MoE as llama.cpp's converter writes it (LayerNorm weights and biases, q/k/v/o and head
+    biases, LongRoPE factors as rope_factors_long / _short tensors with one attention factor): the
+    config made from the file equals the checkpoint's, an F32 file runs like the checkpoint and a
+    Q8_0 file, held, like an F32 file of its values. The converter's attention factor is
+    sqrt(1 + ln s / ln original), not the published mscale, so the checkpoint takes that value."""
+    probe = json.load(open(os.path.join(real_checkpoint("phi-3.5-moe"), "config.json")))
+    rope = dict(probe["rope_scaling"])
+    f32 = lambda x: np.float32(x).item()  # the file holds float32: a checkpoint whose values it keeps
+    rope["long_mscale"] = rope["short_mscale"] = f32(phimoe_attn_factor(probe))
+    rope.update({k: [f32(v) for v in rope[k]] for k in ("long_factor", "short_factor")})
+    hf = real_checkpoint("phi-3.5-moe", rope_scaling=rope)
+    want = json.load(open(os.path.join(hf, "config.json")))
+    (f32,) = write_gguf(hf, str(tmp_path / "f32.gguf"), "F32")
+    got = json.load(open(os.path.join(gguf_model_dir(f32), "config.json")))
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "num_local_experts", "num_experts_per_tok", "max_position_embeddings", "sliding_window",
+            "original_max_position_embeddings", "lm_head_bias")  # fmt: skip
+    for key in keys:
+        assert got[key] == want[key], key
+    assert got["rope_scaling"]["type"] == "longrope" and got["architectures"] == ["PhimoeForCausalLM"]
+    for key in ("long_factor", "short_factor", "long_mscale", "short_mscale"):
+        assert got["rope_scaling"][key] == rope[key], key
+    assert _greedy(f32) == _greedy(hf)
+    (q8,) = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
+    (ref,) = write_gguf(hf, str(tmp_path / "q8-as-f32.gguf"), "F32", values=dequantized_state([q8]))
+    got_tokens, text = _logged(_greedy, q8)
+    assert "weights held compressed as stored" in text
+    assert got_tokens == _greedy(ref)

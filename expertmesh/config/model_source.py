@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "default_model")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+# Other file formats that resolve to a checkpoint directory: name -> (claims(model), model_dir(model)).
+# A format registers itself from above (models/gguf registers GGUF files when it is imported, which
+# the engine builder does), so this module imports nothing above config/.
+SOURCES: dict[str, tuple[Callable[[str], bool], Callable[[str], str]]] = {}
+
+
+def register_source(name: str, claims: Callable[[str], bool], model_dir: Callable[[str], str]) -> None:
+    """A model format: `claims(model)` says whether a path is one, `model_dir(model)` turns it into a
+    directory holding config.json (and whatever its loader reads)."""
+    SOURCES[name] = (claims, model_dir)
 
 
 def resolve_model(model: str | None, revision: str | None = None) -> str:
@@ -13,11 +24,9 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
     (for a GGUF file or a directory of one: the directory made from its metadata)."""
     if model is None:
         model = DEFAULT_MODEL_DIR
-    # models/ sits above config/ (and brings torch and numpy): loaded when a model is resolved
-    from expertmesh.models.gguf_file import gguf_model_dir, is_gguf
-
-    if is_gguf(model):  # llama.cpp's format: config and tokenizer from its metadata (models/gguf_file.py)
-        return gguf_model_dir(model)
+    for claims, model_dir in SOURCES.values():  # GGUF (models/gguf): config and tokenizer from its metadata
+        if claims(model):
+            return model_dir(model)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
             raise FileNotFoundError(f"model directory {model!r} has no config.json")

@@ -32,7 +32,7 @@ from expertmesh.layers.quantization.streaming import Streaming
 from expertmesh.layers.quantization.view import CheckpointView, opened
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
-from expertmesh.models.gguf_file import GGUFError, GGUFTensorFile, gguf_info
+from expertmesh.models.gguf import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
 
 # The MTP layer's own pieces (spec_decode/mtp.py MTPLayer); the rest of `model.layers.{n}.*` is its
@@ -75,10 +75,10 @@ def _open(path: str):
         raise WeightLoadError(f"cannot read the weights file {path}: {exc}") from exc
 
 
-def _gguf_opener(info: dict):
+def _gguf_opener(info: dict, dtype: Any = None):
     def open_one(path: str) -> GGUFTensorFile:
         try:
-            return GGUFTensorFile(path, info)
+            return GGUFTensorFile(path, info, dtype)
         except (GGUFError, OSError) as exc:
             raise WeightLoadError(str(exc)) from exc
 
@@ -94,8 +94,12 @@ def load_weights(
 ) -> set[int]:
     """Fill every parameter; returns the ids of the modules that took their weights compressed while
     loading (one pass: layers/quantization/streaming.py), which the build then leaves alone."""
-    gguf = gguf_info(model_dir)  # a GGUF model (models/gguf_file.py): its files, tensors under HF names
-    files, opener = (gguf["files"], _gguf_opener(gguf)) if gguf else (safetensors_files(model_dir), _open)
+    gguf = gguf_info(model_dir)  # a GGUF model (models/gguf): its files, tensors under HF names
+    # (its embedding and head dequantized straight into the model dtype)
+    if gguf:
+        files, opener = gguf["files"], _gguf_opener(gguf, model.cfg.dtype)
+    else:
+        files, opener = safetensors_files(model_dir), _open
     with opened(files, opener) as handles:
         view = _view(model, handles)
         check_against_twin(model, view)

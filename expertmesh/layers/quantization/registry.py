@@ -18,6 +18,7 @@ from typing import Any
 from expertmesh.layers.quantization.awq import AwqFormat
 from expertmesh.layers.quantization.compressed import CompressedTensorsFormat
 from expertmesh.layers.quantization.fp8 import Fp8Format
+from expertmesh.layers.quantization.gguf import GGUFFormat
 from expertmesh.layers.quantization.gptq import GptqFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
 from expertmesh.layers.quantization.online import OnlineScheme
@@ -30,6 +31,9 @@ CHECKPOINT_FORMATS: dict[str, Any] = {
     "gptq": GptqFormat,
     "mxfp4": Mxfp4Format,
 }
+# written by models/gguf into a GGUF model's config for the block types it holds, never by users
+# (so not listed as supported)
+INTERNAL_FORMATS: dict[str, Any] = {"gguf": GGUFFormat}
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,8 @@ def checkpoint_format(quant: Any) -> Any:
     """The format of a config.json `quantization_config` (dict or transformers object)."""
     cfg = _as_dict(quant)
     method = cfg.get("quant_method")
-    if method == "gguf":  # written by models/gguf_file.py for a GGUF file's held types, never by users
-        # models/ sits above layers/ (and brings numpy): only a GGUF checkpoint loads it
-        from expertmesh.models.gguf_file import GGUFFormat
-
-        return GGUFFormat.from_config(cfg)
+    if method in INTERNAL_FORMATS:
+        return INTERNAL_FORMATS[method].from_config(cfg)
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"config.json has a quantization_config with quant_method={method!r}, which expertmesh does "

@@ -1,0 +1,134 @@
+"""GGUF's block types: which are held as stored, their blocks decoded to codes + scales, and
+dequantization of any type to float32 values.
+
+Types held as stored in our int8 / int4 group kinds (layers/quantization/held.py): W = code * s + o
+per group, bit for bit gguf's dequantization. Each product code * s is exact in float32 (an fp16
+scale, times a K-quant's 6-bit sub-block scale, times a code of at most 8 bits needs at most 24
+bits), so the one rounding left is the offset's add, the same one gguf makes:
+  Q8_0 = d * q (q int8): int8 codes q, scale d, offset 0, groups of 32
+  Q4_0 = d * (q - 8) (q 0..15): int4 codes q, scale d, offset -8 d (exact: d * (q - 8) is)
+  Q4_1 = d * q + m: int4 codes q, scale d, offset m
+  Q4_K = (d * sc_j) * q - dmin * m_j, 8 sub-blocks of 32 in a super-block of 256: int4 codes q,
+         scale d * sc_j, offset -(dmin * m_j) per 32
+  Q5_K = the same with 5-bit codes: held in the int8 kind (codes 0..31; no 5-bit kernel)
+  Q6_K = (d * sc_j) * (q - 32), 16 sub-blocks of 16 (sc_j int8): int8 codes q - 32, scale
+         d * sc_j, offset 0, groups of 16
+Every block of a region is decoded at once (numpy over all blocks, no loop per block); the same
+decoding dequantizes these types for float parameters (embedding, head), a few thousand rows a
+call. Other types go through gguf.quants.dequantize (the format's own dequantizer).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from expertmesh.models.gguf.names import BLOCK
+
+HELD = {
+    "Q8_0": ("int8", 32), "Q4_0": ("int4", 32), "Q4_1": ("int4", 32),
+    "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16),
+}  # fmt: skip
+FLOAT_TYPES = ("F32", "F16", "BF16")
+DEQUANT_ROWS = 4096  # rows dequantized per call: bounds the float32 temporaries of a large tensor
+# parameters the model fuses (qkv, gate+up, an expert's gate/up and down pair): their parts must be
+# held in one kind and group, so a mix (Q4_K_M's Q4_K gate/up with a Q6_K down) is held as int8
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"),
+         ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))  # fmt: skip
+
+
+def held_kinds(tensors: dict[str, str]) -> dict[str, tuple[str, int]]:
+    """{tensor name: (kind, group)} for the held tensors of a fused parameter whose parts' types map
+    onto different kinds or groups: all in int8 with the smallest group (codes and scales exact)."""
+    out: dict[str, tuple[str, int]] = {}
+    layers: dict[str, dict[str, str]] = {}
+    for name, qtype in tensors.items():
+        m = BLOCK.match(name)
+        if m and m.group(3) == "weight":
+            layers.setdefault(m.group(1), {})[m.group(2)] = qtype
+    for layer, pieces in layers.items():
+        for fused in FUSED:
+            types = {p: pieces[p] for p in fused if p in pieces}
+            kinds = {HELD.get(t) for t in types.values()}
+            if len(kinds) > 1 and None not in kinds:
+                widened = ("int8", min(g for _, g in kinds))
+                out.update({f"blk.{layer}.{p}.weight": widened for p in types})
+    return out
+
+
+def _half(raw: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte `at` of every block, as float32."""
+    return np.ascontiguousarray(raw[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n] codes: each run of `width` bytes gives its low nibbles, then its high."""
+    lead = qs.shape[:-1]
+    q = qs.reshape(*lead, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    return (q & 0x0F).reshape(*lead, -1)
+
+
+def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes [..., 12] -> 8 six-bit scales and mins [..., 8] (gguf's get_scale_min)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def decode_blocks(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Blocks [..., n, bytes] of a held type -> codes [..., n * QK] uint8 (int8 kinds: the bytes of
+    int8 values) and float32 scales, offsets [..., n * QK / group] with W = code * scale + offset
+    exactly gguf.quants.dequantize's W (the field layouts are gguf's own, gguf/quants.py). The
+    offset is None where it is zero (Q8_0, Q6_K): W = code * scale, as gguf computes it."""
+    lead = raw.shape[:-1]
+    flat = (*lead[:-1], -1)
+    if qtype == "Q8_0":
+        return raw[..., 2:].reshape(flat), _half(raw, 0).reshape(flat), None
+    if qtype in ("Q4_0", "Q4_1"):
+        d = _half(raw, 0)
+        codes = _nibbles(raw[..., 4 if qtype == "Q4_1" else 2 :], 16)
+        offset = _half(raw, 2) if qtype == "Q4_1" else -8 * d
+        return codes.reshape(flat), d.reshape(flat), offset.reshape(flat)
+    if qtype in ("Q4_K", "Q5_K"):
+        d, dmin = _half(raw, 0)[..., None], _half(raw, 2)[..., None]
+        sc, m = _k_scale_min(raw[..., 4:16])
+        scales = d * sc.astype(np.float32)
+        offsets = -(dmin * m.astype(np.float32))
+        if qtype == "Q4_K":
+            codes = _nibbles(raw[..., 16:144], 32)
+        else:  # the fifth bit of sub-block j is bit j of qh's byte k (k = position in the sub-block)
+            qh = raw[..., 16:48].reshape(*lead, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            codes = _nibbles(raw[..., 48:176], 32) | ((qh & 1) << 4).reshape(*lead, 256)
+        return codes.reshape(flat), scales.reshape(flat), offsets.reshape(flat)
+    if qtype == "Q6_K":
+        ql = _nibbles(raw[..., :128], 64)
+        qh = raw[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = ((ql | ((qh & 3).reshape(*lead, 256) << 4)) - np.uint8(32)).view(np.int8)  # wraps to q - 32
+        scales = _half(raw, 208)[..., None] * raw[..., 192:208].view(np.int8).astype(np.float32)
+        return q.view(np.uint8).reshape(flat), scales.reshape(flat), None
+    raise ValueError(f"GGUF {qtype} is not a held type")
+
+
+def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows of blocks [..., bytes of a row] -> float32 values [..., cols], bit for bit
+    gguf.quants.dequantize: the held types through decode_blocks, the others through gguf."""
+    if qtype not in HELD:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        return gguf_dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32, copy=False)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+    codes, scales, offsets = decode_blocks(qtype, raw.reshape(*raw.shape[:-1], -1, size))
+    group = codes.shape[-1] // scales.shape[-1]
+    signed = HELD[qtype][0] == "int8"
+    q = (codes.view(np.int8) if signed else codes).reshape(*scales.shape, group)
+    if qtype == "Q4_0":  # d * (q - 8) as gguf computes it: the same values, zeros' signs too
+        q, offsets = q.view(np.int8) - np.int8(8), None
+    w = np.empty(codes.shape, np.float32)  # one output, no float32 temporaries of the codes
+    grouped = w.reshape(*scales.shape, group)
+    np.multiply(q, scales[..., None], out=grouped)  # the code cast to float32 exactly, then d * q
+    if offsets is not None:
+        np.add(grouped, offsets[..., None], out=grouped)
+    return w
