@@ -168,3 +168,22 @@ def test_start_up_reads_config_json_once(checkpoint, monkeypatch):
     llm = LLM(checkpoint("mixtral"), max_model_len=32, kv_cache_memory_bytes=1 << 22)
     assert len(reads) == 1, reads
     assert llm.get_tokenizer() is not None
+
+
+def test_experts_already_stacked_in_one_buffer_are_not_copied():
+    """Held experts written one after the other into one buffer (shaped, or flat as on huge pages)
+    are used in place; parts that are not consecutive slices of one buffer are stacked (copied)."""
+    import torch
+
+    from expertmesh.layers.quantization.packed import _stacked
+
+    for base in (torch.arange(24, dtype=torch.int8).view(3, 2, 4), torch.arange(24, dtype=torch.int8)):
+        flat = base.view(-1)
+        parts = [flat[e * 8 : (e + 1) * 8].view(2, 4) if base.dim() == 1 else base[e] for e in range(3)]
+        out = _stacked(parts)
+        assert out.data_ptr() == base.data_ptr() and out.shape == (3, 2, 4)
+        assert torch.equal(out, torch.stack(parts))
+    buf = torch.arange(24, dtype=torch.int8)
+    swapped = [buf[8:16].view(2, 4), buf[0:8].view(2, 4), buf[16:24].view(2, 4)]
+    out = _stacked(swapped)
+    assert out.data_ptr() != buf.data_ptr() and torch.equal(out, torch.stack(swapped))

@@ -209,17 +209,23 @@ class QuantizedExperts:
 
 
 def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.stack(parts), or without a copy the stack they are already index e of (one-pass
-    loading writes each expert into its slot: quantization/streaming.py)."""
-    base = parts[0]._base
+    """torch.stack(parts), or without a copy the stack they already lie in, one after the other
+    (one-pass loading writes each expert into its slot of one buffer, a flat one when it is on huge
+    pages: quantization/streaming.py); a copy there would hold the experts twice."""
+    first, base = parts[0], parts[0]._base
+    step = first.numel() * first.element_size()
     if (
         base is not None
         and base.is_contiguous()
-        and tuple(base.shape) == (len(parts), *parts[0].shape)
-        and all(p._base is base and p.data_ptr() == base[e].data_ptr() for e, p in enumerate(parts))
+        and base.dtype == first.dtype
+        and base.numel() == len(parts) * first.numel()
+        and all(
+            p._base is base and p.is_contiguous() and p.data_ptr() == base.data_ptr() + e * step
+            for e, p in enumerate(parts)
+        )
     ):
-        return base
-    return torch.stack(parts, out=huge_pages.empty((len(parts), *parts[0].shape), parts[0].dtype))
+        return base.view(len(parts), *first.shape)
+    return torch.stack(parts, out=huge_pages.empty((len(parts), *first.shape), first.dtype))
 
 
 # Offsets all zero (MXFP4's, one tensor for every expert): one stack of zeros a shape serves every
