@@ -1,0 +1,116 @@
+"""deterministic=True on the families whose blocks test_bitwise_layouts does not reach: every rank's
+greedy tokens and logprobs (==, at every generated position) equal one process's, bf16.
+
+- MLA (DeepSeek-V3): latent attention, its o_proj over TP; top-4 routing under EP.
+- Gated DeltaNet (Qwen3.5-MoE) and Mamba2 (Nemotron-H): linear-attention heads and their out
+  projections over TP; Mamba2's gated norm whose group spans the TP ranks (its squares summed).
+- Identity experts (LongCat-Flash): places naming no expert, under EP.
+- EP with top-k > 2 (Qwen3-MoE at top-4, DeepSeek-V3): each pick's output comes back to its
+  token and the picks are added in the order of their expert ids, whatever rank computed them.
+- EPLB: redundant experts (replicas on both ranks) moved between steps; replicas give the same bits.
+- Quantized weights: refused, the error naming the option and the format.
+
+The checkpoints are the published configs shrunk (tests/real_configs) but widened (hidden 512)
+so that bf16 roundings do tip under float32 reordering (shown for top-4 under EP: the default
+path is not bit-equal there, so the check can fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed_utils import run_distributed
+from real_checkpoints import Sizes
+from test_bitwise_layouts import logprobs, mismatches, prompts
+
+from expertmesh import LLM
+
+WIDE = Sizes(hidden=512, expert_inter=256, dense_inter=512, shared_inter=256)
+TOP4 = dict(
+    hidden_size=1024,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    moe_intermediate_size=512,
+    num_experts_per_tok=4,
+)
+
+
+def engine(path: str, dp=1, pp=1, tp=1, ep=False, backend="allgather_reducescatter", det=True, **kw) -> LLM:
+    """An engine in the given layout, bf16 unless `kw` says otherwise."""
+    kw = {"dtype": "bfloat16", "max_model_len": 64, "kv_cache_memory_bytes": 1 << 24, "warmup": False, **kw}
+    return LLM(
+        path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+        enable_expert_parallel=ep, all2all_backend=backend, deterministic=det,
+        distributed_executor_backend="external_launcher" if dp * pp * tp > 1 else None, **kw,
+    )  # fmt: skip
+
+
+BF16, FP32 = "bfloat16", "float32"
+
+
+def _rank_main(rank, world, path, batch, layouts, extra):
+    results = []
+    for dp, pp, tp, ep, backend, det, dtype in layouts:
+        llm = engine(path, dp, pp, tp, ep, backend, det, dtype=dtype, **extra)
+        dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
+        mine = list(range(len(batch)))[dp_rank::dp]
+        got = logprobs(llm, [batch[i] for i in mine])
+        results.append(((dp, pp, tp, ep, backend, det, dtype), dict(zip(mine, got, strict=True))))
+        del llm
+    return results
+
+
+def run_layouts(path: str, layouts: list[tuple], world: int = 2, n: int = 4, timeout: float = 200, **extra):
+    """Layouts (DP, PP, TP, EP, backend, deterministic, dtype): one process's logprobs per
+    (deterministic, dtype), and every layout's on every rank, asserted bit-equal to one process
+    where deterministic. float32 shows any reordered float32 sum in the logprobs' last bits; bf16
+    is the dtype users run. Returns {layout: [got per rank]} and the references."""
+    batch = prompts(n)
+    refs = {
+        key: logprobs(engine(path, det=key[0], dtype=key[1], **extra), batch)
+        for key in {la[5:] for la in layouts}
+    }
+    results = run_distributed(
+        _rank_main, world, path, batch, layouts, extra, timeout=timeout, gloo_timeout=120
+    )
+    out: dict[tuple, list] = {}
+    for rank, per_rank in enumerate(results):
+        for layout, got in per_rank:
+            if layout[5]:
+                bad = mismatches(refs[layout[5:]], got)
+                assert not bad, f"rank {rank} (DP, PP, TP, EP, backend, det, dtype)={layout}: {bad[:4]}"
+            out.setdefault(layout, []).append(got)
+    return out, refs
+
+
+def both(*layout) -> list[tuple]:
+    """A deterministic layout in float32 and in bf16."""
+    return [(*layout, True, FP32), (*layout, True, BF16)]
+
+
+@pytest.mark.timeout(300)
+def test_mla_deepseek_v3_bitwise(real_checkpoint):
+    """DeepSeek-V3 (MLA, 16 routed experts in groups, a shared expert, top-4): TP2 and DP2 + EP."""
+    path = real_checkpoint("deepseek-v3", sizes=WIDE)
+    run_layouts(path, both(1, 1, 2, False, "allgather_reducescatter") + both(2, 1, 1, True, "alltoall"))
+
+
+@pytest.mark.timeout(300)
+def test_ep_top4_bitwise(checkpoint):
+    """Qwen3-MoE at top-4 (8 experts, 4 a rank): DP2 + EP over alltoall (and, float32, over
+    allgather_reducescatter), TP2 with whole experts a rank (EP at DP 1: the TP all-reduce);
+    without the option DP2 + EP is not bit-equal in float32 (so the check can fail)."""
+    path = checkpoint("qwen3_moe", **TOP4)
+    plain = (2, 1, 1, True, "alltoall", False, FP32)
+    out, refs = run_layouts(
+        path,
+        both(2, 1, 1, True, "alltoall")
+        + [
+            (2, 1, 1, True, "allgather_reducescatter", True, FP32),
+            (1, 1, 2, True, "naive", True, FP32),
+            plain,
+        ],
+    )
+    assert any(mismatches(refs[plain[5:]], got) for got in out[plain]), (
+        "top-4 EP without the option was bit-equal"
+    )
