@@ -114,3 +114,17 @@ def test_ep_top4_bitwise(checkpoint):
     assert any(mismatches(refs[plain[5:]], got) for got in out[plain]), (
         "top-4 EP without the option was bit-equal"
     )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3.5-moe", "nemotron-h", "granite-4.0-h"])
+def test_hybrid_bitwise(family, real_checkpoint):
+    """Gated DeltaNet (Qwen3.5-MoE) and Mamba2 (Nemotron-H: its groups split over TP; Granite-4.0-H:
+    one group spanning the TP ranks, its gated norm's squares summed over TP): TP2 and DP2 + EP."""
+    from test_hybrid_families import _source
+
+    source = _source(family)
+    if family == "granite-4.0-h":  # transformers checks heads x head_dim = 2 x hidden
+        source.update(mamba_n_heads=16, mamba_d_head=64)
+    path = real_checkpoint(source, sizes=WIDE)
+    run_layouts(path, both(1, 1, 2, False, "allgather_reducescatter") + both(2, 1, 1, True, "alltoall"))

@@ -23,7 +23,7 @@ from torch import nn
 from expertmesh.config import ModelConfig
 from expertmesh.distributed.all2all import All2AllBackend
 from expertmesh.distributed.eplb import move_expert_weights
-from expertmesh.distributed.fixed_sum import chunk_count
+from expertmesh.distributed.fixed_sum import chunk_count, pointwise
 from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan
 from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.forward_context import ForwardContext
@@ -108,6 +108,7 @@ class MoE(nn.Module):
         self.fixed = bool(getattr(groups.ep, "fixed_chunks", 0))
         self.shard_group = None
         if self.fixed:
+            self.gate.pw = pointwise  # sigmoid scores: bits independent of the batch size
             shards = 1 if plan.expert_parallel else plan.weight_shard_size
             chunks = chunk_count(cfg.moe_intermediate_size, shards, "an expert's intermediate size")
             self.experts.fixed_chunks = chunks // shards
@@ -287,7 +288,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # [n, H] float32, whole
             if self.shared_expert_gate is not None:
-                shared = F.sigmoid(self.shared_expert_gate(x).float()) * shared
+                shared = pointwise(F.sigmoid, self.shared_expert_gate(x).float()) * shared
         if self.plan.sequence_parallel:
             y = self.routed(x[self.plan.sp_slice(x.shape[0])], ctx)  # float32, summed over EP
             y = self.tp.all_gather_v(y, self.plan.sp_sizes(x.shape[0]))
