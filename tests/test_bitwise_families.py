@@ -128,3 +128,40 @@ def test_hybrid_bitwise(family, real_checkpoint):
         source.update(mamba_n_heads=16, mamba_d_head=64)
     path = real_checkpoint(source, sizes=WIDE)
     run_layouts(path, both(1, 1, 2, False, "allgather_reducescatter") + both(2, 1, 1, True, "alltoall"))
+
+
+@pytest.mark.timeout(300)
+def test_identity_experts_longcat_bitwise(real_checkpoint):
+    """LongCat-Flash (8 real + 4 identity experts, top-4; two MLA blocks a layer): identity
+    places are never sent and add x itself; TP2 and DP2 + EP (alltoall)."""
+    path = real_checkpoint("2026/longcat-flash-chat", sizes=WIDE, head_dim=WIDE.qk_rope_head_dim)
+    run_layouts(path, both(1, 1, 2, False, "allgather_reducescatter") + both(2, 1, 1, True, "alltoall"))
+
+
+EPLB = dict(enable_eplb=True, eplb_config={"num_redundant_experts": 2, "step_interval": 2})
+
+
+def _eplb_rank(rank, world, path, batch, dtype):
+    llm = engine(path, 2, 1, 1, True, "alltoall", True, dtype=dtype, **EPLB)
+    before = llm.expert_load()["placement"]
+    mine = list(range(len(batch)))[rank::2]
+    got = logprobs(llm, [batch[i] for i in mine])
+    load = llm.expert_load()
+    return dict(zip(mine, got, strict=True)), before, load["placement"], load["rebalances"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_eplb_bitwise(checkpoint, dtype):
+    """EPLB, DP2 + EP (alltoall) at top-4 with 2 redundant experts, rebalanced every 2 steps while
+    generating: replicas on both ranks and experts moved between them give one process's bits
+    (each pick's term is the same whichever replica computed it; picks added by logical id)."""
+    path = checkpoint("qwen3_moe", **TOP4)
+    batch = prompts(4)
+    ref = logprobs(engine(path, dtype=dtype), batch)
+    for rank, (got, before, after, rebalances) in enumerate(
+        run_distributed(_eplb_rank, 2, path, batch, dtype, timeout=200, gloo_timeout=120)
+    ):
+        assert rebalances >= 1 and after != before, f"rank {rank}: no expert moved ({rebalances} rebalances)"
+        bad = mismatches(ref, got)
+        assert not bad, f"rank {rank}, EPLB: {bad[:4]}"

@@ -178,7 +178,7 @@ class FusedExperts(nn.Module):
         out = torch.zeros((n, k, x.shape[1]), dtype=torch.float32, device=x.device)
         if n == 0 or not self.expert_ids:
             return out
-        slot = self.local_index.index_select(0, topk_ids.flatten()).view(n, k)  # [n, k], -1 elsewhere
+        slot = lookup_picks(self.local_index, topk_ids)  # [n, k], -1 elsewhere (or no expert)
         if self.chunked is not None:
             # One row per (token, pick), each with its one slot and weight 1 (1 * y + 0 is exact):
             # a call of the fused kernel per chunk, whose row results do not depend on the rows.
@@ -217,8 +217,7 @@ class FusedExperts(nn.Module):
         float32 terms of the routed sum: the down bias and the routing weight added per pick."""
         terms = sums
         if self.w2_bias is not None:
-            n, k = topk_ids.shape
-            slot = self.local_index.index_select(0, topk_ids.flatten()).view(n, k)
+            slot = lookup_picks(self.local_index, topk_ids)
             bias = self.w2_bias.data.float()[slot.clamp(min=0)]  # [n, k, H]
             terms = torch.where((slot >= 0).unsqueeze(2), terms + bias, terms)
         if not self.weight_on_input:

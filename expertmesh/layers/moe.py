@@ -109,6 +109,7 @@ class MoE(nn.Module):
         self.shard_group = None
         if self.fixed:
             self.gate.pw = pointwise  # sigmoid scores: bits independent of the batch size
+            self.adds_identity = True  # the routed sum is whole on every rank: nothing sums over TP
             shards = 1 if plan.expert_parallel else plan.weight_shard_size
             chunks = chunk_count(cfg.moe_intermediate_size, shards, "an expert's intermediate size")
             self.experts.fixed_chunks = chunks // shards
