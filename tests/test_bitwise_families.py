@@ -117,7 +117,14 @@ def test_ep_top4_bitwise(checkpoint):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["qwen3.5-moe", "nemotron-h", "granite-4.0-h"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3.5-moe",
+        pytest.param("nemotron-h", marks=pytest.mark.slow),
+        pytest.param("granite-4.0-h", marks=pytest.mark.slow),
+    ],
+)
 def test_hybrid_bitwise(family, real_checkpoint):
     """Gated DeltaNet (Qwen3.5-MoE) and Mamba2 (Nemotron-H: its groups split over TP; Granite-4.0-H:
     one group spanning the TP ranks, its gated norm's squares summed over TP): TP2 and DP2 + EP."""
@@ -151,7 +158,7 @@ def _eplb_rank(rank, world, path, batch, dtype):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype", [FP32, BF16])
+@pytest.mark.parametrize("dtype", [FP32, pytest.param(BF16, marks=pytest.mark.slow)])
 def test_eplb_bitwise(checkpoint, dtype):
     """EPLB, DP2 + EP (alltoall) at top-4 with 2 redundant experts, rebalanced every 2 steps while
     generating: replicas on both ranks and experts moved between them give one process's bits
@@ -165,3 +172,34 @@ def test_eplb_bitwise(checkpoint, dtype):
         assert rebalances >= 1 and after != before, f"rank {rank}: no expert moved ({rebalances} rebalances)"
         bad = mismatches(ref, got)
         assert not bad, f"rank {rank}, EPLB: {bad[:4]}"
+
+
+def _family_path(real_checkpoint, family: str) -> str:
+    from test_hybrid_families import _source
+
+    if family == "deepseek-v3":
+        return real_checkpoint("deepseek-v3", sizes=WIDE)
+    if family == "longcat-flash":
+        return real_checkpoint("2026/longcat-flash-chat", sizes=WIDE, head_dim=WIDE.qk_rope_head_dim)
+    return real_checkpoint(_source(family), sizes=WIDE)
+
+
+RECURRENT = ("qwen3.5-moe", "nemotron-h")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", ["qwen3.5-moe", "nemotron-h", "deepseek-v3", "longcat-flash"])
+def test_batch_invariant_families(real_checkpoint, family):
+    """One process, float32 (any reordered sum shows): a request's logprobs alone, and inside a
+    batch of 7 mixed-length requests, are bit-equal (linear-attention gates and recurrent steps,
+    MLA, sigmoid routers, identity experts). Attention families prefill in chunks of a 24-token
+    budget that fall differently in the batch; recurrent ones prefill whole prompts (a chunked
+    scan's rounding follows where its chunks start: docs/layouts.md)."""
+    path = _family_path(real_checkpoint, family)
+    chunked = {} if family in RECURRENT else dict(max_num_batched_tokens=24, enable_chunked_prefill=True)
+    llm = engine(path, dtype=FP32, max_num_seqs=8, **chunked)
+    target = prompts(1, seed=5)[0]
+    alone = logprobs(llm, [target])[0]
+    others = prompts(6, seed=11)
+    got = logprobs(llm, others[:3] + [target] + others[3:])[3]
+    assert got == alone, f"{family}: a batch of 7 changed the request's logprobs"

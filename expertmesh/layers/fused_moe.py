@@ -102,6 +102,8 @@ class FusedExperts(nn.Module):
         place, whatever the format; same shapes and dtypes for every slot."""
         if self.chunked is not None:  # deterministic mode: per fixed chunk, stacks [E, ...]
             out = [w[slot] for _, w13, w2, _ in self.chunked for w in (w13, w2)]
+        elif self.chunk_panels is not None:  # deterministic mode: per (expert, chunk) panels
+            out = [w.data for pair in self.chunk_panels[slot] for w in pair]
         elif self.fused is not None:  # stacks [E, ...]: float panels or QuantizedExperts
             q = isinstance(self.fused[1], QuantizedExperts)
             out = [t for w in self.fused[1:3] for t in (w.slot_tensors(slot) if q else [w[slot]])]
@@ -137,6 +139,9 @@ class FusedExperts(nn.Module):
     # dim (0: off), and per chunk the fused kernel's stacked panels (None: the torch path).
     fixed_chunks = 0
     chunked: list[tuple[CpuKernels, torch.Tensor, torch.Tensor, str]] | None = None
+    # Experts the fused kernel does not run (ungated, biased, weighted on the input): per local
+    # expert, per chunk, (w13, w2) panels of our GEMM, whose row results do not depend on the rows.
+    chunk_panels: list[list[tuple[Any, Any]]] | None = None
 
     def _chunk_dense(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk j's [E, 2c, H] gate|up rows and [E, H, c] down columns of the dense weights."""
@@ -151,9 +156,16 @@ class FusedExperts(nn.Module):
         """The fused kernel's stacks [E, ...] per fixed chunk (one stack a chunk: one slot a chunk
         and expert in a single stack measured 2-3x slower, many narrow experts for the kernel)."""
         plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
-        if kernels is None or not self.expert_ids or not plain:
+        if kernels is None or not self.expert_ids:
             return  # the torch path of pair_sums on the dense weights
-        if not kernels.moe_supports(self.w13.dtype, self.act_name):
+        if not plain or not kernels.moe_supports(self.w13.dtype, self.act_name):
+            chunks = [self._chunk_dense(j) for j in range(self.fixed_chunks)]
+            self.chunk_panels = [
+                [(kernels.pack(w13[e]), kernels.pack(w2[e])) for w13, w2 in chunks]
+                for e in range(len(self.expert_ids))
+            ]
+            cpu_gemm.release(self.w13)
+            cpu_gemm.release(self.w2)
             return
         chunked = []
         for j in range(self.fixed_chunks):
@@ -189,7 +201,10 @@ class FusedExperts(nn.Module):
             parts = [kern.moe(rows, s, ones, w13, w2, c, act) for kern, w13, w2, act in self.chunked]
             return tree_sum(parts).view(n, k, x.shape[1])
         c = self.inter // self.fixed_chunks
-        chunks = [self._chunk_dense(j) for j in range(self.fixed_chunks)]
+        chunks = self.chunk_panels
+        if chunks is None:  # never packed: the dense weights' chunks, [E, ...] per chunk
+            dense = [self._chunk_dense(j) for j in range(self.fixed_chunks)]
+            chunks = [[(w13[e], w2[e]) for w13, w2 in dense] for e in range(len(self.expert_ids))]
         for e in range(len(self.expert_ids)):
             tok, pick = (slot == e).nonzero(as_tuple=True)
             if tok.numel() == 0:
@@ -198,15 +213,19 @@ class FusedExperts(nn.Module):
             if self.weight_on_input:
                 xs = xs * topk_weights[tok, pick].unsqueeze(1).to(xs.dtype)
             parts = []
-            for j, (w13, w2) in enumerate(chunks):
+            for j, (w13, w2) in enumerate(chunks[e]):
                 b13 = None
                 if self.w13_bias is not None:
                     b = self.w13_bias.data[e]
                     b13 = torch.cat(
                         [b[j * c : (j + 1) * c], b[self.inter + j * c : self.inter + (j + 1) * c]]
                     )
-                h = self.act(F.linear(xs, w13[e], b13))
-                parts.append(F.linear(h.float(), w2[e].float()))
+                if isinstance(w13, torch.Tensor):
+                    h = self.act(F.linear(xs, w13, b13))
+                    parts.append(F.linear(h.float(), w2.float()))
+                else:  # our kernel's panels: a row's product whatever the rows
+                    h = self.act(w13(xs.contiguous(), b13))
+                    parts.append(w2(h.contiguous(), None, torch.float32))
             out[tok, pick] = tree_sum(parts)
         return out
 
