@@ -203,3 +203,13 @@ def test_batch_invariant_families(real_checkpoint, family):
     others = prompts(6, seed=11)
     got = logprobs(llm, others[:3] + [target] + others[3:])[3]
     assert got == alone, f"{family}: a batch of 7 changed the request's logprobs"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["deepseek-v3", "qwen3.5-moe", "nemotron-h", "longcat-flash"])
+def test_world4_bitwise(real_checkpoint, family):
+    """World 4, float32: PP2 x TP2 and DP2 x TP2 with `naive` and with EP over `alltoall`."""
+    path = _family_path(real_checkpoint, family)
+    layouts = [(1, 2, 2, False, "naive"), (2, 1, 2, False, "naive"), (2, 1, 2, True, "alltoall")]
+    run_layouts(path, [(*layout, True, FP32) for layout in layouts], world=4, timeout=500)
