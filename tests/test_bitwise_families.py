@@ -18,6 +18,7 @@ path is not bit-equal there, so the check can fail).
 from __future__ import annotations
 
 import pytest
+import torch
 from distributed_utils import run_distributed
 from real_checkpoints import Sizes
 from test_bitwise_layouts import logprobs, mismatches, prompts
@@ -213,3 +214,23 @@ def test_world4_bitwise(real_checkpoint, family):
     path = _family_path(real_checkpoint, family)
     layouts = [(1, 2, 2, False, "naive"), (2, 1, 2, False, "naive"), (2, 1, 2, True, "alltoall")]
     run_layouts(path, [(*layout, True, FP32) for layout in layouts], world=4, timeout=500)
+
+
+def test_pointwise_bits_do_not_follow_the_size():
+    """fixed_sum.pointwise: an element's sigmoid / softplus / SiLU / exp is the same bits alone, in
+    a batch, in a rank's half of the heads, and inside a tensor big enough for torch to split over
+    threads; torch's own sigmoid differs row by row here (its vector body and scalar tail)."""
+    import torch.nn.functional as F
+
+    from expertmesh.distributed.fixed_sum import pointwise
+
+    x = torch.randn(69, 4, generator=torch.Generator().manual_seed(0))
+    big = torch.randn(70001, generator=torch.Generator().manual_seed(1))
+    for fn in (torch.sigmoid, F.softplus, F.silu, torch.exp):
+        whole = pointwise(fn, x)
+        assert torch.equal(whole, torch.cat([pointwise(fn, x[i : i + 1]) for i in range(69)])), fn
+        assert torch.equal(whole, torch.cat([pointwise(fn, x[:, :2]), pointwise(fn, x[:, 2:])], 1)), fn
+        assert torch.equal(pointwise(fn, big)[-5:], pointwise(fn, big[-5:])), fn
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        rows = torch.cat([torch.sigmoid(x[i : i + 1]) for i in range(69)])
+        assert not torch.equal(torch.sigmoid(x), rows), "torch's sigmoid no longer follows the size"
