@@ -220,10 +220,14 @@ def test_fixed_tree_and_chunks():
         chunk_count(4096, 16, "k")
 
 
-def test_deterministic_refuses_quantized_weights(checkpoint):
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_deterministic_refuses_quantized_weights(checkpoint, scheme):
+    """Online schemes (int8, int4, fp8 held through our kernels) are refused before any weight
+    loads, the error naming the option and the format; the next engine builds and runs."""
     path = checkpoint("mixtral", num_hidden_layers=2)
-    with pytest.raises(ValueError, match="deterministic=True does not serve quantized"):
-        LLM(path, quantization="int8", deterministic=True, max_model_len=64, kv_cache_memory_bytes=1 << 22)
+    with pytest.raises(ValueError, match=f"deterministic=True does not serve quantized.*{scheme}") as err:
+        LLM(path, quantization=scheme, deterministic=True, max_model_len=64, kv_cache_memory_bytes=1 << 22)
+    assert "unquantized" in str(err.value)
     llm = LLM(path, deterministic=True, max_model_len=64, kv_cache_memory_bytes=1 << 22, warmup=False)
     assert logprobs(llm, [[5, 6, 7]])[0]  # the next engine builds and runs
 

@@ -40,3 +40,31 @@ def chunk_count(total: int, ranks: int, what: str, even: bool = True) -> int:
                 )
             return c
     raise AssertionError("unreachable: 1 always divides")
+
+
+# torch runs an elementwise function's vectorized body over blocks of twice the vector width and a
+# scalar loop over the rest, whose results (sigmoid, softplus, SiLU: another formula) may differ
+# in the last bit; and it splits tensors of 32,768 elements or more over threads at boundaries
+# that follow the size. So an element's bits could depend on the tensor's size: the batch, or this
+# rank's share of the heads. pointwise() pads to whole blocks and runs under the split size.
+POINTWISE_PAD = 64  # a multiple of twice any vector width (AVX-512: 32 floats)
+POINTWISE_BLOCK = 1 << 14  # elements a call: below torch's per-thread grain (32,768)
+
+
+def plain(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x): the default path where deterministic mode passes ``pointwise``."""
+    return fn(x)
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise `fn` (exp, sigmoid, softplus, silu), each element computed by the
+    same code path whatever x's shape: flattened, padded to a multiple of POINTWISE_PAD, in
+    calls of POINTWISE_BLOCK elements (each one thread's, every element in the vector body)."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pad = (-n) % POINTWISE_PAD
+    flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat.contiguous()
+    if flat.numel() <= POINTWISE_BLOCK:
+        return fn(flat)[:n].view(x.shape)
+    out = torch.cat([fn(flat[i : i + POINTWISE_BLOCK]) for i in range(0, flat.numel(), POINTWISE_BLOCK)])
+    return out[:n].view(x.shape)

@@ -47,12 +47,24 @@ class BuiltEngine(NamedTuple):
     model_env: ModelEnv
 
 
+def check_deterministic(args: EngineArgs, model_config: ModelConfig) -> None:
+    """deterministic=True (distributed/fixed_sum.py) serves dense weights only: refused by name."""
+    q = model_config.quantization
+    if args.deterministic and q is not None:
+        raise ValueError(
+            f"deterministic=True does not serve quantized weights: this model's are {q.describe()} "
+            f"(quantization {q.method!r}); its fixed-order sums are written for dense bf16 / float32 "
+            "weights. Load the unquantized checkpoint, or drop deterministic=True"
+        )
+
+
 def check_request(args: EngineArgs, model_dir: str) -> Any:
     """The checks that need no process group: sizes, names, heads against TP (before any spawn).
     Returns the transformers config it read (the tokenizer can take it)."""
     parallel = args.parallel_config()
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
+    check_deterministic(args, model_config)
     check_model_fits(model_config, parallel)
     speculative_config(args, model_config, hf)
     return hf
@@ -73,6 +85,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     model_dir = resolve_model(args.model, args.revision)
     hf = load_hf_config(model_dir, args.trust_remote_code)
     model_config = ModelConfig.from_hf(hf, args.dtype, args.quantization)
+    check_deterministic(args, model_config)
     check_model_fits(model_config, parallel)  # before any process group or weight
     spec = speculative_config(args, model_config, hf)
     placement = place_process(parallel, args.device, args.distributed_timeout_seconds)

@@ -144,36 +144,89 @@ class DenseExperts(_ExpertByExpert):
         self, block: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """Per expert and fixed chunk through torch, the chunks added by the fixed tree."""
-        n, k = topk_ids.shape
-        out = torch.zeros((n, k, x.shape[1]), dtype=torch.float32, device=x.device)
-        if n == 0 or not block.expert_ids:
-            return out
-        slot = block.local_index.index_select(0, topk_ids.flatten()).view(n, k)  # [n, k], -1 elsewhere
-        c, inter = block.inter // block.fixed_chunks, block.inter
         chunks = [self._chunk(block, j) for j in range(block.fixed_chunks)]
-        for e in range(len(block.expert_ids)):
-            tok, pick = (slot == e).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            xs = x[tok]
-            if block.weight_on_input:
-                xs = xs * topk_weights[tok, pick].unsqueeze(1).to(xs.dtype)
-            parts = []
-            for j, (w13, w2) in enumerate(chunks):
-                b13 = None
-                if block.w13_bias is not None:
-                    b = block.w13_bias.data[e]
-                    b13 = torch.cat([b[j * c : (j + 1) * c], b[inter + j * c : inter + (j + 1) * c]])
-                h = block.act(F.linear(xs, w13[e], b13))
-                parts.append(F.linear(h.float(), w2[e].float()))
-            out[tok, pick] = tree_sum(parts)
-        return out
+        return chunk_sums(block, x, topk_ids, topk_weights, lambda e: [(a[e], b[e]) for a, b in chunks])
 
     def slot_tensors(self, slot: int) -> list[torch.Tensor]:
         return [self.w13.data[slot], self.w2.data[slot]]
 
     def resident(self) -> list[tuple[torch.Tensor, str]]:
         return [(self.w13.data, "dense"), (self.w2.data, "dense")]
+
+
+def chunk_sums(
+    block: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, chunks_of: Any
+) -> torch.Tensor:
+    """Deterministic mode, expert by expert: [n, k, H] float32, each (token, pick)'s unweighted output
+    over this rank's fixed chunks (`chunks_of(e)`: local expert e's (w13, w2) per chunk, dense
+    tensors or our GEMM's panels) added by the fixed tree; zero for picks held elsewhere."""
+    n, k = topk_ids.shape
+    out = torch.zeros((n, k, x.shape[1]), dtype=torch.float32, device=x.device)
+    if n == 0 or not block.expert_ids:
+        return out
+    slot = lookup_picks(block.local_index, topk_ids)  # [n, k], -1 elsewhere (or an identity expert)
+    c, inter = block.inter // block.fixed_chunks, block.inter
+    for e in range(len(block.expert_ids)):
+        tok, pick = (slot == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xs = x[tok]
+        if block.weight_on_input:
+            xs = xs * topk_weights[tok, pick].unsqueeze(1).to(xs.dtype)
+        parts = []
+        for j, (w13, w2) in enumerate(chunks_of(e)):
+            b13 = None
+            if block.w13_bias is not None:
+                b = block.w13_bias.data[e]
+                b13 = torch.cat([b[j * c : (j + 1) * c], b[inter + j * c : inter + (j + 1) * c]])
+            if isinstance(w13, torch.Tensor):
+                h = block.act(F.linear(xs, w13, b13))
+                parts.append(F.linear(h.float(), w2.float()))
+            else:  # our GEMM's panels: a row's product whatever the rows
+                h = block.act(w13(xs.contiguous(), b13))
+                parts.append(w2(h.contiguous(), None, torch.float32))
+        out[tok, pick] = tree_sum(parts)
+    return out
+
+
+class ChunkPanels:
+    """Deterministic mode, experts the fused kernel does not run (ungated, biased, weighted on the
+    input): per local expert and fixed chunk, (w13, w2) panels of our GEMM, whose row results do not
+    depend on the rows (F.linear's do)."""
+
+    def __init__(self, panels: list[list[tuple[Any, Any]]]) -> None:
+        self.panels = panels
+
+    @classmethod
+    def pack(cls, block: Any, kernels: CpuKernels) -> ChunkPanels:
+        chunks = [
+            chunk_dense(block.w13.data, block.w2.data, block.inter, block.fixed_chunks, j)
+            for j in range(block.fixed_chunks)
+        ]
+        panels = [
+            [(kernels.pack(w13[e]), kernels.pack(w2[e])) for w13, w2 in chunks]
+            for e in range(len(block.expert_ids))
+        ]
+        for param in (block.w13, block.w2):
+            cpu_gemm.release(param)
+        return cls(panels)
+
+    def apply(self, block: Any, x, topk_ids, topk_weights) -> torch.Tensor:
+        raise ValueError("deterministic mode's experts are summed per pick (pair_sums), not in one call")
+
+    def pair_sums(
+        self, block: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return chunk_sums(block, x, topk_ids, topk_weights, lambda e: self.panels[e])
+
+    def native_form(self, block: Any, keep: list) -> None:
+        return None
+
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        return [w.data for pair in self.panels[slot] for w in pair]
+
+    def resident(self) -> list[tuple[torch.Tensor, str]]:
+        return [(w.data, "dense") for expert in self.panels for pair in expert for w in pair]
 
 
 def chunk_dense(
@@ -329,7 +382,7 @@ class ChunkedStacks:
         n, k = topk_ids.shape
         if n == 0 or not block.expert_ids:
             return torch.zeros((n, k, x.shape[1]), dtype=torch.float32, device=x.device)
-        slot = block.local_index.index_select(0, topk_ids.flatten()).view(n, k)  # [n, k], -1 elsewhere
+        slot = lookup_picks(block.local_index, topk_ids)  # [n, k], -1 elsewhere (or an identity expert)
         rows = x.repeat_interleave(k, dim=0)  # [n * k, H], row t * k + p
         s = slot.reshape(-1, 1).to(torch.int32).contiguous()
         ones = torch.ones((n * k, 1), dtype=torch.float32)

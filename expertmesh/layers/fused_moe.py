@@ -27,6 +27,7 @@ from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.expert_weights import (
     ChunkedStacks,
+    ChunkPanels,
     DenseExperts,
     ExpertsWeight,
     MoeExtras,
@@ -34,6 +35,7 @@ from expertmesh.layers.expert_weights import (
     PerExpertWeights,
     QuantizedStacks,
 )
+from expertmesh.layers.identity_experts import lookup_picks
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
 from expertmesh.layers.quantization.permuted import one_form
 from expertmesh.layers.weights import copy_into, read, set_loader
@@ -137,25 +139,38 @@ class FusedExperts(nn.Module):
         here; on the output, by `finish`."""
         return self.experts_form.pair_sums(self, x, topk_ids, topk_weights)
 
-    def finish(self, sums: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """[n, k, H] whole (or, under EP, local) expert outputs -> [n, H] float32: the down bias,
-        the routing weight, and the sum over the picks in the order of their expert ids, whatever
-        rank computed them."""
-        n, k = topk_ids.shape
-        y = torch.zeros((n, sums.shape[2]), dtype=torch.float32, device=sums.device)
-        if n == 0:
-            return y
-        order = torch.argsort(topk_ids, dim=1, stable=True)  # [n, k]
-        terms = sums.gather(1, order.unsqueeze(2).expand(-1, -1, sums.shape[2]))  # picks by expert id
+    def pick_terms(
+        self, sums: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """[n, k, H] expert outputs (whole, or under EP this rank's picks, zero elsewhere) -> [n, k, H]
+        float32 terms of the routed sum: the down bias and the routing weight added per pick."""
+        terms = sums
         if self.w2_bias is not None:
-            slot = self.local_index.index_select(0, topk_ids.gather(1, order).flatten()).view(n, k)
+            slot = lookup_picks(self.local_index, topk_ids)
             bias = self.w2_bias.data.float()[slot.clamp(min=0)]  # [n, k, H]
             terms = torch.where((slot >= 0).unsqueeze(2), terms + bias, terms)
         if not self.weight_on_input:
-            terms = terms * topk_weights.gather(1, order).float().unsqueeze(2)
+            terms = terms * topk_weights.float().unsqueeze(2)
+        return terms
+
+    @staticmethod
+    def add_picks(terms: torch.Tensor, order_ids: torch.Tensor) -> torch.Tensor:
+        """[n, k, H] terms -> [n, H] float32: added from zero in the order of the picks' (logical)
+        expert ids, whatever rank computed each."""
+        n, k = order_ids.shape
+        y = torch.zeros((n, terms.shape[2]), dtype=torch.float32, device=terms.device)
+        if n == 0:
+            return y
+        order = torch.argsort(order_ids, dim=1, stable=True)  # [n, k]
+        terms = terms.gather(1, order.unsqueeze(2).expand(-1, -1, terms.shape[2]))
         for p in range(k):
             y = y + terms[:, p]
         return y
+
+    def finish(self, sums: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """[n, k, H] whole (or, under EP, local) expert outputs -> [n, H] float32: the down bias,
+        the routing weight, and the sum over the picks in the order of their expert ids."""
+        return self.add_picks(self.pick_terms(sums, topk_ids, topk_weights), topk_ids)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [n, H], topk_ids/topk_weights: [n, k] -> [n, H] float32 partial sum over local experts."""
@@ -175,6 +190,8 @@ class FusedExperts(nn.Module):
             served = kernels is not None and self.expert_ids and plain
             if served and kernels.moe_supports(self.w13.dtype, self.act_name):
                 self.experts_form = ChunkedStacks.pack(self, kernels)
+            elif kernels is not None and self.expert_ids:
+                self.experts_form = ChunkPanels.pack(self, kernels)
             return  # else the torch path of pair_sums on the dense weights
         form = getattr(self.act, "moe_q_form", None)  # biases / clamped SwiGLU: moe_*_ex
         extras = not plain and not self.weight_on_input and form is not None

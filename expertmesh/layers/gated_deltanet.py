@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config.linear_attention_config import LinearAttentionConfig
+from expertmesh.distributed.fixed_sum import plain, pointwise
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
@@ -42,10 +43,11 @@ def delta_rule_step(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    pw: Callable = plain,
 ) -> torch.Tensor:
     """One token of the gated delta rule for B sequences, in place on `state` [B, H, dk, dv]:
     q, k [B, H, dk] (normalised, q scaled), v [B, H, dv], g and beta [B, H]; returns [B, H, dv]."""
-    state.mul_(g.exp()[..., None, None])
+    state.mul_(pw(torch.exp, g)[..., None, None])
     kv_mem = (state * k[..., None]).sum(-2)
     delta = (v - kv_mem) * beta[..., None]
     state.add_(k[..., None] * delta[..., None, :])
@@ -60,6 +62,7 @@ def delta_rule_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     chunk: int = 64,
+    pw: Callable = plain,
 ) -> torch.Tensor:
     """The gated delta rule over one sequence's L tokens in chunks (the WY / UT form): within a
     chunk the writes are solved as one unit-lower-triangular system, across chunks the state is
@@ -74,17 +77,17 @@ def delta_rule_chunked(
     beta = beta.reshape(h, -1, chunk)
     cum = g.reshape(h, -1, chunk).cumsum(-1)  # log decay from the chunk's start to each token
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    decay = pw(torch.exp, (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower part; unit diagonal
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     k_cum = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+        system, k_beta * pw(torch.exp, cum)[..., None], upper=False, unitriangular=True
     )
     intra = (q @ k.transpose(-1, -2)) * decay
-    q_dec = q * cum.exp()[..., None]
-    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    q_dec = q * pw(torch.exp, cum)[..., None]
+    k_dec = k * pw(torch.exp, cum[..., -1:] - cum)[..., None]
+    chunk_decay = pw(torch.exp, cum[..., -1])[..., None, None]  # [H, N, 1, 1]
     s = state[0]
     out = torch.empty_like(new_v)
     for i in range(q.shape[1]):
@@ -103,12 +106,14 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         set_loader(self.weight, default_loader)
 
+    pw: Callable = staticmethod(plain)  # deterministic mode: fixed_sum.pointwise
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         y = self.weight * x32.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        return (y * self.pw(F.silu, gate.float())).to(dtype)
 
 
 class RecurrentMixer(nn.Module):
@@ -124,6 +129,13 @@ class RecurrentMixer(nn.Module):
     state_spec: StateSpec
     conv_state: torch.Tensor | None = None  # [slots + 1, conv_dim, K - 1], bind_state
     rec_state: torch.Tensor | None = None  # [slots + 1, *state_spec.shapes[1]]
+    # Deterministic mode (the TP group's fixed_chunks): elementwise exp / sigmoid / softplus / SiLU
+    # through fixed_sum.pointwise, so an element's bits do not follow the batch or this rank's heads.
+    pw: Callable = staticmethod(plain)
+
+    def use_fixed_order(self, group: Any) -> None:
+        if getattr(group, "fixed_chunks", 0):
+            self.pw = self.norm.pw = pointwise
 
     def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self.conv_state, self.rec_state = tensors
@@ -176,14 +188,14 @@ class RecurrentMixer(nn.Module):
         out = (window.float() * w.float()).sum(-1)  # accumulated in float32, rounded once as conv1d is
         if self.conv_bias is not None:
             out = out + self.conv_bias.float()
-        return F.silu(out.to(w.dtype)), window[:, :, 1:].float()
+        return self.pw(F.silu, out.to(w.dtype)), window[:, :, 1:].float()
 
     def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk x [L, C] after the state [C, K-1]: SiLU(conv) [L, C] and the last K-1 inputs."""
         w = self.conv_weight
         full = torch.cat((state.to(w.dtype), x.to(w.dtype).t()), dim=-1)  # [C, K-1+L]
         out = F.conv1d(full[None], w[:, None, :], self.conv_bias, groups=self.conv_dim)[0]  # [C, L]
-        return F.silu(out).t(), full[:, -(self.kernel - 1) :].float()
+        return self.pw(F.silu, out).t(), full[:, -(self.kernel - 1) :].float()
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -214,6 +226,7 @@ class GatedDeltaNet(RecurrentMixer):
         set_loader(self.dt_bias, self._load_heads)
         self.norm = GatedRMSNorm(self.dv, eps, dtype)
         self.out_proj = RowParallelLinear(lin.value_dim, hidden, False, tp, dtype=dtype)
+        self.use_fixed_order(tp)
         self.state_spec = StateSpec(
             "gated_deltanet", ((self.conv_dim, self.kernel - 1), (self.nv, self.dk, self.dv))
         )
@@ -248,8 +261,8 @@ class GatedDeltaNet(RecurrentMixer):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, b, a = self._split(x)
-        beta = b.sigmoid().float()  # in the model dtype, as the reference rounds it
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = self.pw(torch.sigmoid, b).float()  # in the model dtype, as the reference rounds it
+        g = -self.pw(torch.exp, self.A_log.float()) * self.pw(F.softplus, a.float() + self.dt_bias.float())
         core = self.scan(mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec))
         y = self.norm(core.to(x.dtype), z)
         return self.out_proj(y.reshape(x.shape[0], -1))
@@ -260,13 +273,16 @@ class GatedDeltaNet(RecurrentMixer):
         """The delta rule over tokens [L, conv_dim] of one sequence (state [1, ...]) or one token of
         each of B sequences (state [B, ...]): outputs [L or B, nv, dv] float32; state updated."""
         t = mixed.shape[0]
-        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        mixed = mixed.float()
+        if self.pw is not plain:  # the prefill conv's output is transposed: a strided sum over dk in
+            mixed = mixed.contiguous()  # l2norm takes an order that follows the heads' count
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(t, self.nk, self.dk)).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
         k = l2norm(k.reshape(t, self.nk, self.dk)).repeat_interleave(self.ratio, dim=1)
         v = v.reshape(t, self.nv, self.dv)
         if state.shape[0] == t:  # one token per sequence
-            return delta_rule_step(state, q, k, v, g, beta)
-        return delta_rule_chunked(state, q, k, v, g, beta)  # one sequence's tokens
+            return delta_rule_step(state, q, k, v, g, beta, pw=self.pw)
+        return delta_rule_chunked(state, q, k, v, g, beta, pw=self.pw)  # one sequence's tokens
 
 
 class SplitGatedDeltaNet(GatedDeltaNet):

@@ -15,6 +15,7 @@ squares over TP only where a group spans ranks, out_proj is row parallel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config.linear_attention_config import Mamba2Config
+from expertmesh.distributed.fixed_sum import chunk_count, plain, tree_sum
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.gated_deltanet import RecurrentMixer
@@ -37,6 +39,7 @@ def ssd_chunked(
     b: torch.Tensor,
     c: torch.Tensor,
     chunk: int = 64,
+    pw: Callable = plain,
 ) -> torch.Tensor:
     """The selective scan S_t = exp(dt_t a) S_{t-1} + dt_t x_t b_t^T, y_t = S_t c_t over one
     sequence's L tokens in chunks (state space duality: within a chunk one masked matmul, across
@@ -51,11 +54,13 @@ def ssd_chunked(
         m = end - start
         xs, dts, bs, cs = (t[start:end].transpose(0, 1) for t in (x, dt, b, c))  # heads first
         cum = (dts * a[:, None]).cumsum(-1)  # [H, m] log decay from the chunk's start
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~mask[:m, :m], float("-inf")).exp()
+        decay = pw(torch.exp, (cum[:, :, None] - cum[:, None, :]).masked_fill(~mask[:m, :m], float("-inf")))
         w = decay * (cs @ bs.transpose(-1, -2)) * dts[:, None, :]  # [H, m, m]
-        y = w @ xs + cum.exp()[..., None] * (cs @ state.transpose(-1, -2))  # [H, m, P]
-        to_end = (cum[:, -1:] - cum).exp() * dts  # [H, m]
-        state.mul_(cum[:, -1].exp()[:, None, None]).add_((xs * to_end[..., None]).transpose(-1, -2) @ bs)
+        y = w @ xs + pw(torch.exp, cum)[..., None] * (cs @ state.transpose(-1, -2))  # [H, m, P]
+        to_end = pw(torch.exp, cum[:, -1:] - cum) * dts  # [H, m]
+        state.mul_(pw(torch.exp, cum[:, -1])[:, None, None]).add_(
+            (xs * to_end[..., None]).transpose(-1, -2) @ bs
+        )
         out[start:end] = y.transpose(0, 1)
     return out
 
@@ -87,9 +92,13 @@ class GroupGatedRMSNorm(nn.Module):
     def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
         copy_into(param.data, read(src).narrow(0, self.first, param.shape[0]), "gated norm weight")
 
+    pw: Callable = staticmethod(plain)  # deterministic mode: fixed_sum.pointwise, and _fixed_forward
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float() * F.silu(gate.float())
+        h = x.float() * self.pw(F.silu, gate.float())
+        if self.pw is not plain:
+            return self._fixed_forward(h, dtype)
         if self.spans_ranks:
             partial = h.new_zeros(h.shape[0], self.groups)
             column = self.first // self.group
@@ -99,6 +108,26 @@ class GroupGatedRMSNorm(nn.Module):
             return self.weight * g.to(dtype)
         g = h.view(*h.shape[:-1], -1, self.group)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(h.shape).to(dtype)
+
+    def _fixed_forward(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Deterministic mode: each group's sum of squares over fixed chunks of its channels added
+        by the fixed tree (fixed_sum.py), whether its channels lie on one rank or span several;
+        spanning ranks' subtree sums meet by the TP group's ordered_sum (every other rank adds
+        zeros to the column: exact)."""
+        share = self.group // h.shape[-1] if self.spans_ranks else 1  # ranks holding one group
+        chunks = chunk_count(self.group, share, "a Mamba2 norm group", even=False)
+        local = chunks // share  # this rank's chunks of each group it touches
+        width = self.group // chunks
+        parts = h.view(h.shape[0], -1, local, width).pow(2).sum(-1)  # [T, groups here, chunks]
+        squares = tree_sum(list(parts.unbind(-1)))  # [T, groups here]
+        if self.spans_ranks:
+            partial = h.new_zeros(h.shape[0], self.groups)
+            column = self.first // self.group
+            partial[:, column] = squares[:, 0]
+            squares = self.tp.ordered_sum(partial)[:, column : column + 1]
+        scale = torch.rsqrt(squares / self.group + self.eps)  # [T, groups here]
+        g = h.view(h.shape[0], -1, h.shape[-1] if self.spans_ranks else self.group) * scale[..., None]
         return self.weight * g.view(h.shape).to(dtype)
 
 
@@ -161,6 +190,7 @@ class Mamba2Mixer(RecurrentMixer):
             self.inter, full_inter // m.n_groups, eps, dtype, tp, self.head0 * m.head_dim, m.n_groups
         )
         self.out_proj = RowParallelLinear(full_inter, hidden, m.proj_bias, tp, dtype=dtype)
+        self.use_fixed_order(tp)
         self.state_spec = StateSpec(
             "mamba2", ((self.conv_dim, self.kernel - 1), (self.heads, m.head_dim, m.state_size))
         )
@@ -183,7 +213,7 @@ class Mamba2Mixer(RecurrentMixer):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         m = self.m
         z, xbc, dt = self.in_proj(x).split([self.inter, self.conv_dim, self.heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
+        dt = self.pw(F.softplus, dt.float() + self.dt_bias.float())
         lo, hi = m.time_step_limit
         if lo > 0.0 or hi != float("inf"):
             dt = dt.clamp(lo, hi)
@@ -201,12 +231,12 @@ class Mamba2Mixer(RecurrentMixer):
         rep = heads // self.groups
         b = b.view(t, self.groups, m.state_size).repeat_interleave(rep, dim=1)  # [t, heads, N]
         c = c.view(t, self.groups, m.state_size).repeat_interleave(rep, dim=1)
-        a = -self.A_log.float().exp()
-        decay = (dt * a).exp()  # [t, heads]: the decode step's
+        a = -self.pw(torch.exp, self.A_log.float())
+        decay = self.pw(torch.exp, dt * a)  # [t, heads]: the decode step's
         d = self.D.float()[:, None]
         if state.shape[0] == t:  # one token per sequence
             state.mul_(decay[:, :, None, None]).add_(dt[:, :, None, None] * xs[..., None] * b[:, :, None, :])
             y = (state * c[:, :, None, :]).sum(-1) + d * xs
             return y.reshape(t, -1)
-        y = ssd_chunked(state[0], xs, dt, a, b, c)  # one sequence's tokens
+        y = ssd_chunked(state[0], xs, dt, a, b, c, pw=self.pw)  # one sequence's tokens
         return (y + d * xs).reshape(t, -1)

@@ -23,7 +23,7 @@ from torch import nn
 from expertmesh.config import ModelConfig
 from expertmesh.distributed.all2all import All2AllBackend
 from expertmesh.distributed.eplb import move_expert_weights
-from expertmesh.distributed.fixed_sum import chunk_count
+from expertmesh.distributed.fixed_sum import chunk_count, pointwise
 from expertmesh.distributed.moe_plan import ExpertPlacement, MoEPlan
 from expertmesh.distributed.parallel_groups import ParallelGroups
 from expertmesh.forward_context import ForwardContext
@@ -121,6 +121,8 @@ class MoE(nn.Module):
         self.fixed = bool(getattr(groups.ep, "fixed_chunks", 0))
         self.shard_group = None
         if self.fixed:
+            self.gate.pw = pointwise  # sigmoid scores: bits independent of the batch size
+            self.adds_identity = True  # the routed sum is whole on every rank: nothing sums over TP
             shards = 1 if plan.expert_parallel else plan.weight_shard_size
             chunks = chunk_count(cfg.moe_intermediate_size, shards, "an expert's intermediate size")
             self.experts.fixed_chunks = chunks // shards
@@ -198,7 +200,7 @@ class MoE(nn.Module):
             x, weights = x * weights.to(x.dtype), torch.ones_like(weights)
         sizes = None if self.dispatcher is None else self.dispatch_sizes(ctx)
         first = 0 if sizes is None else sum(sizes[: self.dispatcher.group.rank_in_group])
-        ids = self.to_slots(ids, first)
+        logical, ids = ids, self.to_slots(ids, first)
         if self.load is not None and ctx.count_load:
             flat = ids.flatten()
             if self.num_identity:
@@ -209,7 +211,7 @@ class MoE(nn.Module):
         else:
             x_all, ids_all, w_all = self.dispatcher.dispatch(x, ids, weights, sizes)
         if self.fixed:
-            y = self._fixed_experts(x_all, ids_all, w_all, sizes)
+            y = self._fixed_experts(x_all, ids_all, w_all, sizes, logical)
         elif self.dispatcher is None:
             y = self.experts(x_all, ids_all, w_all)
         else:
@@ -218,19 +220,32 @@ class MoE(nn.Module):
             y = y + x.float() * identity
         return y
 
-    def _fixed_experts(self, x_all, ids_all, w_all, sizes) -> torch.Tensor:
-        """Deterministic mode: [n, H] float32, the whole routed sum for this rank's tokens when the
-        experts are sharded (tp, dp_tp), else this rank's local picks for the combine to add (whole
-        experts: with top-2 at most two non-zero terms meet, and a + b = b + a)."""
+    def _fixed_experts(self, x_all, ids_all, w_all, sizes, logical) -> torch.Tensor:
+        """Deterministic mode: [n, H] float32, the whole routed sum for this rank's tokens, its picks
+        added in the order of their logical expert ids (`logical` [n, k]) as one process adds them.
+        Sharded experts (tp, dp_tp): every (token, pick)'s whole output by the fixed tree over the
+        shards. Whole experts (EP): each pick is computed on one rank only, so its term travels
+        back alone (the exchange adds zeros to it: exact) and the source adds the picks; with
+        top-k <= 2 the ranks' local sums are sent instead (at most two non-zero terms meet, and
+        a + b = b + a), k times fewer bytes."""
         sums = self.experts.pair_sums(x_all, ids_all, w_all)  # [m, k, H]
         if self.shard_group is not None:
             sums = self.shard_group.ordered_sum(sums)  # every expert's whole output, same bits
             if self.dispatcher is not None:  # the gathered tokens of the DP group: keep ours
                 own = self.dispatcher._own_rows(sizes)
                 sums, ids_all, w_all = sums[own], ids_all[own], w_all[own]
-            return self.experts.finish(sums, ids_all, w_all)
-        y = self.experts.finish(sums, ids_all, w_all)
-        return y if self.dispatcher is None else self.dispatcher.combine(y, sizes)
+            return self.experts.add_picks(self.experts.pick_terms(sums, ids_all, w_all), logical)
+        # EP: whole experts; without a dispatcher (mode "ep", DP 1) the TP ranks hold them
+        over_tp = self.dispatcher is None and self.tp.world_size > 1
+        if self.dispatcher is None and not over_tp:
+            return self.experts.add_picks(self.experts.pick_terms(sums, ids_all, w_all), logical)
+        m, k, hidden = sums.shape
+        if k <= 2:
+            y = self.experts.finish(sums, ids_all, w_all)
+            return self.tp.all_reduce(y) if over_tp else self.dispatcher.combine(y, sizes)
+        terms = self.experts.pick_terms(sums, ids_all, w_all).reshape(m, k * hidden)
+        terms = self.tp.all_reduce(terms) if over_tp else self.dispatcher.combine(terms, sizes)
+        return self.experts.add_picks(terms.view(-1, k, hidden), logical)
 
     def native_form(self, keep: list) -> dict | None:
         """Router and experts of a native decode layer (cpu/native_decode.py), when this block
@@ -292,20 +307,18 @@ class MoE(nn.Module):
         return self.tp.all_reduce(y).to(x.dtype)
 
     def _fixed_forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """forward() in deterministic mode: the shared expert's down projection and the sharded
-        experts' sums are whole on every rank already (fixed trees); only whole experts spread over
-        TP (ep mode, DP=1) still meet in the TP all-reduce (at most top-k non-zero terms)."""
+        """forward() in deterministic mode: the shared expert's down projection and the routed sum
+        are whole on every rank already (fixed trees; picks added in expert-id order)."""
         shared = None
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # [n, H] float32, whole
             if self.shared_expert_gate is not None:
-                shared = F.sigmoid(self.shared_expert_gate(x).float()) * shared
+                shared = pointwise(F.sigmoid, self.shared_expert_gate(x).float()) * shared
         if self.plan.sequence_parallel:
             part = self.plan.sp_slice(x.shape[0])
             y = self.routed(x[part], ctx, self._token_ids(ctx, part))  # float32, summed over EP
             y = self.tp.all_gather_v(y, self.plan.sp_sizes(x.shape[0]))
         else:
+            # whole: the EP exchange (or the TP all-reduce) is routed()'s
             y = self.routed(x, ctx, self._token_ids(ctx))
-            if self.plan.expert_parallel:
-                y = self.tp.all_reduce(y)
         return (y if shared is None else y + shared).to(x.dtype)

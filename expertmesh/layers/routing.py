@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import plain
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.weights import default_loader, set_loader
 from expertmesh.registries import lookup
@@ -60,10 +61,13 @@ def topk_softmax(logits: torch.Tensor, top_k: int, **_: Any) -> tuple[torch.Tens
     return torch.softmax(values, dim=-1), ids
 
 
-def topk_sigmoid(logits: torch.Tensor, top_k: int, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid of each selected logit (Llama 4, top-1; its weight scales the expert's input)."""
+def topk_sigmoid(
+    logits: torch.Tensor, top_k: int, pw: Callable = plain, **_: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid of each selected logit (Llama 4, top-1; its weight scales the expert's input).
+    `pw`: fixed_sum.pointwise in deterministic mode (bits independent of the batch size)."""
     values, ids = torch.topk(logits.float(), top_k, dim=-1)
-    return torch.sigmoid(values), ids
+    return pw(torch.sigmoid, values), ids
 
 
 def _keep_groups(
@@ -84,13 +88,14 @@ def sigmoid_grouped(
     topk_group: int = 1,
     renormalize: bool = True,
     scaling: float = 1.0,
+    pw: Callable = plain,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid scores; experts chosen by score + correction bias (the bias picks, never weighs),
     within the `topk_group` best of `n_group` groups (a group scores its two best); weights are
     the chosen sigmoid scores, renormalised when asked, times routed_scaling_factor.
     GLM-4.5 (one group) and DeepSeek-V3 (8 groups, 4 kept)."""
-    scores = torch.sigmoid(logits.float())  # [n, E]
+    scores = pw(torch.sigmoid, logits.float())  # [n, E]
     choice = scores + correction_bias.float()
     if n_group > 1:
         n, e = choice.shape
@@ -213,6 +218,7 @@ class Router(ReplicatedLinear):
             )
             set_loader(self.e_score_correction_bias, default_loader)
 
+    pw: Callable = staticmethod(plain)  # deterministic mode: fixed_sum.pointwise (for sigmoids)
     NATIVE_RULES = ("softmax_topk",)  # rules decode_layers computes (cpu/csrc/cpu_kernels.c)
 
     def native_form(self, keep: list) -> dict | None:
@@ -229,4 +235,6 @@ class Router(ReplicatedLinear):
         extra = (
             {} if self.e_score_correction_bias is None else {"correction_bias": self.e_score_correction_bias}
         )
+        if self.pw is not plain:
+            extra["pw"] = self.pw
         return self.fn(logits, top_k=self.top_k, **self.params, **extra)
