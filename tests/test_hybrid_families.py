@@ -18,6 +18,7 @@ from test_real_families import assert_bf16_bound, hf_logprobs, logprob_errors
 from expertmesh import LLM, SamplingParams
 from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sequence import Sequence
+from expertmesh.layers.gated_deltanet import RecurrentMixer
 
 NEW_TOKENS = 12
 TOP = 20
@@ -132,6 +133,10 @@ def test_hybrid_matches_transformers(family, real_checkpoint, engine_log):
     if family == "qwen3.5-moe":
         assert "vision tower" in engine_log.text
     assert llm.llm_engine.blocks.enable_prefix_caching and llm.llm_engine.runner.snapshots is not None
+    ours = llm.llm_engine.runner.model
+    mixers = [m for m in ours.modules() if isinstance(m, RecurrentMixer)]
+    # decodes on the compiled recurrent kernels wherever the library is (tests/test_hybrid_kernels.py)
+    assert mixers and all((m.recurrent_kernels is not None) == (ours.cpu_kernels is not None) for m in mixers)
     _assert_matches(model, prompts, outs, family)
     del llm
     llm, chunked = _run(path, prompts, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)

@@ -8,7 +8,9 @@ the recurrent state S [d_k, d_v] decays by exp(g), g = -exp(A_log) * softplus(a 
 the delta-rule write S += k (beta (v - S^T k))^T with beta = sigmoid(b), and the output is S^T q,
 RMS-normalised and gated by SiLU(z). Decodes run the recurrent form, prefill chunks the chunked
 form (delta_rule_chunked), both in float32 (a chunk at position 0 starts from a zero state); the
-conv and recurrent states are read from and written back to the sequence's slot.
+conv and recurrent states are read from and written back to the sequence's slot. On the CPU with our
+compiled kernels (layers/recurrent_kernels.py) a step's decodes update their slots in place in one
+call each for the convolution and the delta rule.
 
 Tensor parallelism splits the key heads (with the value heads each serves) like attention heads:
 the fused projections are grouped per key head, so a contiguous row shard is a head group; the
@@ -28,6 +30,7 @@ from expertmesh.config.linear_attention_config import LinearAttentionConfig
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
+from expertmesh.layers.recurrent_kernels import RecurrentKernels
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -124,24 +127,49 @@ class RecurrentMixer(nn.Module):
     state_spec: StateSpec
     conv_state: torch.Tensor | None = None  # [slots + 1, conv_dim, K - 1], bind_state
     rec_state: torch.Tensor | None = None  # [slots + 1, *state_spec.shapes[1]]
+    recurrent_kernels: RecurrentKernels | None = None  # set by use_cpu_kernels (None: torch path)
+    _conv_w32: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the kernel's float32 weights
 
     def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self.conv_state, self.rec_state = tensors
 
-    def scan(self, mixed: torch.Tensor, ctx: ForwardContext, rule: Callable) -> torch.Tensor:
+    def use_cpu_kernels(self, kernels: Any) -> None:
+        """Decode steps on the compiled recurrent kernels (after loading: the conv weights are
+        widened to float32 once here)."""
+        self.recurrent_kernels = RecurrentKernels.bind(kernels)
+        if self.recurrent_kernels is not None:
+            bias = None if self.conv_bias is None else self.conv_bias.detach().float().contiguous()
+            self._conv_w32 = (self.conv_weight.detach().float().contiguous(), bias)
+
+    def _in_place(self, slots: torch.Tensor | None) -> bool:
+        """Whether decodes run on the kernels, on the states in their slots."""
+        return (
+            self.recurrent_kernels is not None
+            and slots is not None
+            and self.conv_state is not None
+            and self.conv_state.dtype == self.rec_state.dtype == torch.float32
+        )
+
+    def scan(
+        self, mixed: torch.Tensor, ctx: ForwardContext, rule: Callable, step: Callable | None = None
+    ) -> torch.Tensor:
         """Conv then `rule(rows, conv output, state) -> output rows` over every sequence of the
-        step: [T, ...] float32 outputs, the states kept in their slots."""
+        step: [T, ...] float32 outputs, the states kept in their slots. With the kernels, the
+        decodes take `step(rows, conv output, slots)` instead, on the states in their slots."""
         meta, slots = ctx.attn, ctx.state_slots
         outs: list[torch.Tensor] = []
         nd = meta.num_decodes
         if nd:
             rows = slice(0, nd)
             sl = slots[:nd] if slots is not None else None
-            conv = self._conv_state(sl, nd, fresh=False)
-            out, conv = self._conv_decode(mixed[rows], conv)
-            rec = self._rec_state(sl, nd, fresh=False)
-            outs.append(rule(rows, out, rec))
-            self._keep(sl, conv, rec)
+            if step is not None and self._in_place(sl):
+                outs.append(step(rows, self._conv_decode_in_place(mixed[rows], sl), sl))
+            else:
+                conv = self._conv_state(sl, nd, fresh=False)
+                out, conv = self._conv_decode(mixed[rows], conv)
+                rec = self._rec_state(sl, nd, fresh=False)
+                outs.append(rule(rows, out, rec))
+                self._keep(sl, conv, rec)
         for i, chunk in enumerate(meta.prefills):
             rows = chunk.rows
             sl = slots[nd + i : nd + i + 1] if slots is not None else None
@@ -171,11 +199,23 @@ class RecurrentMixer(nn.Module):
     def _conv_decode(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One new input per sequence: x [B, C], state [B, C, K-1] -> SiLU(conv) [B, C], new state."""
         w = self.conv_weight
-        window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1)  # [B, C, K]
-        out = (window.float() * w.float()).sum(-1)  # accumulated in float32, rounded once as conv1d is
+        window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1).float()  # [B, C, K]
+        w32 = w.float()
+        # accumulated in float32 from the oldest input on, rounded once as conv1d is; the kernel
+        # (conv_step_f32) sums in this order, so both give the same bits
+        out = window[:, :, 0] * w32[:, 0]
+        for j in range(1, self.kernel):
+            out = out + window[:, :, j] * w32[:, j]
         if self.conv_bias is not None:
             out = out + self.conv_bias.float()
-        return F.silu(out.to(w.dtype)), window[:, :, 1:].float()
+        return F.silu(out.to(w.dtype)), window[:, :, 1:]
+
+    def _conv_decode_in_place(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """_conv_decode on the kernel, the conv states shifted in their slots: SiLU(conv) [B, C]."""
+        w32, b32 = self._conv_w32
+        dtype = self.conv_weight.dtype
+        out = self.recurrent_kernels.conv_step(x.to(dtype), w32, b32, self.conv_state, slots)
+        return F.silu(out.to(dtype))
 
     def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk x [L, C] after the state [C, K-1]: SiLU(conv) [L, C] and the last K-1 inputs."""
@@ -249,7 +289,14 @@ class GatedDeltaNet(RecurrentMixer):
         mixed, z, b, a = self._split(x)
         beta = b.sigmoid().float()  # in the model dtype, as the reference rounds it
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = self.scan(mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec))
+        core = self.scan(
+            mixed,
+            ctx,
+            lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec),
+            lambda rows, out, slots: self.recurrent_kernels.gdn_step(
+                out, g[rows].exp(), beta[rows], self.rec_state, slots, self.nk
+            ),
+        )
         y = self.norm(core.to(x.dtype), z)
         return self.out_proj(y.reshape(x.shape[0], -1))
 

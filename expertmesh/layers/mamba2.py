@@ -6,7 +6,8 @@ go through the causal depthwise convolution (with bias, SiLU); per head h with i
 C [state size]: dt = softplus(dt + dt_bias), the state [head_dim, state size] decays by
 exp(dt * A), A = -exp(A_log), and takes dt * x_h B^T; the output is state C + D x_h, then
 RMSNorm per group of (output * SiLU(z)) times w, and out_proj. Decodes run this recurrent form,
-prefill chunks the chunked scan (ssd_chunked), both in float32.
+prefill chunks the chunked scan (ssd_chunked), both in float32; on the CPU with our compiled
+kernels (layers/recurrent_kernels.py) the decodes update their states in place in their slots.
 
 Tensor parallelism splits the heads like attention heads (Mamba2Mixer's docstring): in_proj's
 rows and the conv's channels are gathered per part for this rank, the gated norm sums its
@@ -187,7 +188,12 @@ class Mamba2Mixer(RecurrentMixer):
         lo, hi = m.time_step_limit
         if lo > 0.0 or hi != float("inf"):
             dt = dt.clamp(lo, hi)
-        y = self.scan(xbc, ctx, lambda rows, out, state: self._ssm(out, dt[rows], state))
+        y = self.scan(
+            xbc,
+            ctx,
+            lambda rows, out, state: self._ssm(out, dt[rows], state),
+            lambda rows, out, slots: self._ssm_in_place(out, dt[rows], slots),
+        )
         y = self.norm(y.to(x.dtype), z)
         return self.out_proj(y)
 
@@ -207,6 +213,11 @@ class Mamba2Mixer(RecurrentMixer):
         if state.shape[0] == t:  # one token per sequence
             state.mul_(decay[:, :, None, None]).add_(dt[:, :, None, None] * xs[..., None] * b[:, :, None, :])
             y = (state * c[:, :, None, :]).sum(-1) + d * xs
-            return y.reshape(t, -1)
+            return y.reshape(t, self.inter)
         y = ssd_chunked(state[0], xs, dt, a, b, c)  # one sequence's tokens
-        return (y + d * xs).reshape(t, -1)
+        return (y + d * xs).reshape(t, self.inter)
+
+    def _ssm_in_place(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """_ssm's one token per sequence on the kernel, the states updated in their slots."""
+        decay = (dt * -self.A_log.float().exp()).exp()  # as _ssm computes it
+        return self.recurrent_kernels.ssm_step(xbc, dt, decay, self.D, self.rec_state, slots, self.groups)
