@@ -23,6 +23,11 @@ ratio is what to read (the machine's load moves both alike).
     .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --prompt 512 --new 32
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 512 --new 16 --prefix-rounds 4
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --quick   # < 5 min
+
+With `--recurrence-steps N`: batches of `--batches` sequences decode on one engine whose recurrent
+mixers alternate step by step between the compiled decode kernels (layers/recurrent_kernels.py)
+and the torch path (the same weights, states and load): median step time of each, their ratio,
+and the median time the mixers' recurrence (conv, state update; `RecurrentMixer.scan`) takes.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch  # noqa: E402
 from checkpoint_cache import cached_checkpoint  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
+from expertmesh.layers.gated_deltanet import RecurrentMixer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,18 +148,80 @@ def theirs(path: str, prompt: list[int], new: int) -> tuple[float, float]:
     return prefill, new / (gen(new + 1) - prefill)
 
 
+def recurrence(path: str, batch: int, steps: int, prompt_len: int = 64) -> None:
+    """Decode steps alternating kernels / torch path on one engine (see the module's docstring)."""
+    llm = LLM(path, dtype="bfloat16", max_model_len=prompt_len + 2 * steps + 8, max_num_seqs=batch,
+              max_num_batched_tokens=batch * prompt_len, enable_prefix_caching=False)  # fmt: skip
+    engine = llm.llm_engine
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), torch.randint(3, 512, (prompt_len,), generator=g).tolist(), params)
+    engine.step()  # the prefills
+    mixers = [m for m in engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
+    compiled = [m.recurrent_kernels for m in mixers]
+    if any(k is None for k in compiled):
+        raise SystemExit("the recurrent kernels are not loaded (no compiler, or disabled)")
+    scan_time = [0.0]
+    original = RecurrentMixer.scan
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            scan_time[0] += time.perf_counter() - t0
+
+    RecurrentMixer.scan = timed
+    step_t: dict[str, list[float]] = {"kernels": [], "torch": []}
+    scan_t: dict[str, list[float]] = {"kernels": [], "torch": []}
+    try:
+        for step in range(2 * steps + 2):
+            mode = "kernels" if step % 2 == 0 else "torch"
+            for m, k in zip(mixers, compiled, strict=True):
+                m.recurrent_kernels = k if mode == "kernels" else None
+            scan_time[0] = 0.0
+            t0 = time.perf_counter()
+            engine.step()
+            if step >= 2:  # one warm-up step of each
+                step_t[mode].append(time.perf_counter() - t0)
+                scan_t[mode].append(scan_time[0])
+    finally:
+        RecurrentMixer.scan = original
+        for m, k in zip(mixers, compiled, strict=True):
+            m.recurrent_kernels = k
+    st = {m: statistics.median(v) * 1e3 for m, v in step_t.items()}
+    sc = {m: statistics.median(v) * 1e3 for m, v in scan_t.items()}
+    print(f"batch {batch}: decode step kernels {st['kernels']:.1f} ms, torch {st['torch']:.1f} ms, "
+          f"speedup {st['torch'] / st['kernels']:.2f}x; recurrence ({len(mixers)} mixers) kernels "
+          f"{sc['kernels']:.2f} ms, torch {sc['torch']:.2f} ms ({sc['torch'] / sc['kernels']:.1f}x); "
+          f"median of {steps} steps each, interleaved; load {os.getloadavg()[0]:.2f}",
+          flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=sorted(SLICES), default="qwen3.5")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (the shared prefix's too)")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--prefix-rounds", type=int, default=0, help="time a cached prefix over N rounds")
-    ap.add_argument("--quick", action="store_true", help="--prompt 256 --new 8 --prefix-rounds 2")
+    ap.add_argument("--recurrence-steps", type=int, default=0,
+                    help="time N decode steps of the kernels and of the torch path, interleaved")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="for --recurrence-steps")
+    ap.add_argument("--only-recurrence", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--quick", action="store_true",
+                    help="--prompt 256 --new 8 --prefix-rounds 2 --recurrence-steps 6")
     ap.add_argument("--cache", default="/tmp/expertmesh-bench")
     args = ap.parse_args()
     if args.quick:
         args.prompt, args.new, args.prefix_rounds = 256, 8, 2
+        args.recurrence_steps = args.recurrence_steps or 6
     path = make_model(SLICES[args.family], args.cache)
+    print(f"{args.family} slice, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+    for batch in args.batches if args.recurrence_steps else ():
+        recurrence(path, batch, args.recurrence_steps)
+    if args.only_recurrence:
+        return
     if args.prefix_rounds:
         prefix_cache(path, args.prompt, args.prefix_rounds)
     prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
