@@ -205,12 +205,17 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (the shared prefix's too)")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--prefix-rounds", type=int, default=0, help="time a cached prefix over N rounds")
-    ap.add_argument("--recurrence-steps", type=int, default=0,
-                    help="time N decode steps of the kernels and of the torch path, interleaved")
+    ap.add_argument(
+        "--recurrence-steps",
+        type=int,
+        default=0,
+        help="time N decode steps of the kernels and of the torch path, interleaved",
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="for --recurrence-steps")
     ap.add_argument("--only-recurrence", action="store_true", help="skip the transformers comparison")
-    ap.add_argument("--quick", action="store_true",
-                    help="--prompt 256 --new 8 --prefix-rounds 2 --recurrence-steps 6")
+    ap.add_argument(
+        "--quick", action="store_true", help="--prompt 256 --new 8 --prefix-rounds 2 --recurrence-steps 6"
+    )
     ap.add_argument("--cache", default="/tmp/expertmesh-bench")
     args = ap.parse_args()
     if args.quick:
