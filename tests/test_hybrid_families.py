@@ -212,8 +212,9 @@ LAYOUTS = {
     "qwen3.5-moe": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
     "qwen3-next": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
     "granite-4.0-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
-    # DP2 x PP2: the pattern ME*- leaves the second stage without a recurrent layer
-    "nemotron-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall")],
+    # under PP2 the pattern ME*- leaves the second stage without a recurrent layer (its state-slot
+    # agreement and prefix-caching decision are made over the whole model)
+    "nemotron-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
 }
 
 
@@ -241,8 +242,8 @@ def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
     """DP2 x TP2 (`naive`, one DP rank idle: its lockstep dummies touch no state) and PP2 x TP2:
     the linear-attention heads, their projections, convolution channels and states split over
     TP like attention heads (Qwen3.5's split projections by default, Qwen3-Next's fused ones with
-    -m slow); Mamba2 heads and groups likewise (Nemotron-H by default, also DP2 x PP2 with EP
-    `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2, with -m slow). On
+    -m slow); Mamba2 heads and groups likewise (Nemotron-H by default, in DP2 x TP2, PP2 x TP2 and
+    DP2 x PP2 with EP `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2, with -m slow). On
     every rank the tokens equal the one-process run."""
     from distributed_utils import run_distributed
 
