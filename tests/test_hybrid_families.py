@@ -19,6 +19,7 @@ from expertmesh import LLM, SamplingParams
 from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sequence import Sequence
 from expertmesh.layers.gated_deltanet import RecurrentMixer
+from expertmesh.layers.quantization.packed import QuantizedWeight
 
 NEW_TOKENS = 12
 TOP = 20
@@ -243,8 +244,8 @@ def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
     the linear-attention heads, their projections, convolution channels and states split over
     TP like attention heads (Qwen3.5's split projections by default, Qwen3-Next's fused ones with
     -m slow); Mamba2 heads and groups likewise (Nemotron-H by default, in DP2 x TP2, PP2 x TP2 and
-    DP2 x PP2 with EP `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2, with -m slow). On
-    every rank the tokens equal the one-process run."""
+    DP2 x PP2 with EP `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2,
+    with -m slow). On every rank the tokens equal the one-process run."""
     from distributed_utils import run_distributed
 
     path = real_checkpoint(_source(family))
@@ -553,3 +554,42 @@ def test_hybrid_prefix_caching_in_layouts(family, real_checkpoint):
             if mine:
                 assert tokens == expected, f"{family}: rank {rank}, (DP,PP,TP,backend)={layout}"
                 assert cached == [64, 64], f"{family}: rank {rank}, {layout}: cached {cached}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scheme, kind, group", [("int8-g32", "int8", 32), ("int4-g16", "int4", 16)])
+def test_nemotron_h_held_int8_int4_match_the_same_weights_dequantized(
+    real_checkpoint, tmp_path, scheme, kind, group
+):
+    """Nemotron-H with its projections held as int8 / int4 codes (Mamba2 in/out, attention, the
+    ungated routed and shared experts, the dense MLP; not the router, conv or norms) against
+    transformers on the same weights quantized and dequantized in the checkpoint: the bound of
+    test_quantization's family tests (greedy tokens equal, one divergence allowed per prompt where
+    the reference's top-2 logit margin is below its MARGIN: equal weights, other summation orders)."""
+    from checkpoints import prompts_of_lengths
+    from quantized_checkpoints import fake_quantized
+    from test_quantization import LENGTHS as Q_LENGTHS
+    from test_quantization import _greedy, assert_greedy_matches
+
+    path = real_checkpoint(_source("nemotron-h"))
+
+    def quantized(key: str, t: torch.Tensor) -> bool:
+        return key.endswith("_proj.weight") and t.dim() == 2
+
+    ref_path = fake_quantized(path, str(tmp_path / "ref"), kind, group, quantized)
+    llm = LLM(path, quantization=scheme, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    held = llm.llm_engine.runner.model
+    projections = {n.rsplit(".", 1)[-1]: m.packed for n, m in held.named_modules() if n.endswith("_proj")}
+    assert sorted(projections) == ["down_proj", "in_proj", "o_proj", "out_proj", "qkv_proj", "up_proj"]
+    (experts,) = [m.packed for n, m in held.named_modules() if n.endswith("mixer.experts")]
+    # every projection and routed expert (up, down) held as codes; float32 parameters only for what
+    # stays unquantized (the router's weight is packed as float)
+    assert all(isinstance(p, QuantizedWeight) for p in projections.values())
+    assert len(experts) == 8 and all(isinstance(w, QuantizedWeight) for pair in experts for w in pair)
+    assert all(w.kind == kind for pair in experts for w in pair)
+    assert [n for n, p in held.named_parameters() if p.dim() == 2 and p.numel()] == [
+        "model.embed_tokens.weight", "model.layers.0.mixer.conv_weight"
+    ]  # fmt: skip
+    ref = _reference(ref_path)
+    prompts = prompts_of_lengths(Q_LENGTHS, seed=5)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
