@@ -127,6 +127,28 @@ def test_gated_deltanet_step_within_its_float32_bound(rk, nk, nv, dk, dv):
             assert not ((out - swapped).abs() <= o_bound).all()
 
 
+@pytest.mark.parametrize("length", [1, 5, 70])
+def test_gated_deltanet_prefill_scan_equals_its_tokens_stepped(rk, length):
+    """A prefill chunk of one sequence (one slot, `length` tokens, the scan) equals its tokens fed
+    one at a time to the decode step, bit for bit (the same per-head body), so the step's bound
+    against the torch path holds token by token; other slots untouched."""
+    nk, nv, dk, dv = 2, 4, 32, 16
+    g = torch.Generator().manual_seed(length)
+    state = torch.randn(SLOTS, nv, dk, dv, generator=g) * 0.5
+    stepped = state.clone()
+    mixed = torch.randn(length, 2 * nk * dk + nv * dv, generator=g)
+    decay, beta = torch.rand(length, nv, generator=g), torch.rand(length, nv, generator=g)
+    slot = torch.tensor([3])
+    out = rk.gdn_step(mixed, decay, beta, state, slot, nk)
+    ref = torch.cat([rk.gdn_step(mixed[i : i + 1], decay[i : i + 1], beta[i : i + 1], stepped, slot, nk)
+                     for i in range(length)])  # fmt: skip
+    assert out.shape == (length, nv, dv) and torch.equal(out, ref)
+    assert torch.equal(state, stepped) and not torch.equal(state[3], torch.zeros_like(state[3]))
+    five = (torch.randn(5, mixed.shape[1]), torch.rand(5, nv), torch.rand(5, nv))
+    with pytest.raises(ValueError, match="2 state slots for 5 tokens"):
+        rk.gdn_step(*five, state, torch.tensor([1, 2]), nk)
+
+
 def _mamba(heads: int, head_dim: int, n: int, groups: int, g: torch.Generator) -> SimpleNamespace:
     """What Mamba2Mixer._ssm and _ssm_in_place read of their module."""
     return SimpleNamespace(

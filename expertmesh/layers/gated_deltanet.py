@@ -151,11 +151,17 @@ class RecurrentMixer(nn.Module):
         )
 
     def scan(
-        self, mixed: torch.Tensor, ctx: ForwardContext, rule: Callable, step: Callable | None = None
+        self,
+        mixed: torch.Tensor,
+        ctx: ForwardContext,
+        rule: Callable,
+        step: Callable | None = None,
+        chunk_step: Callable | None = None,
     ) -> torch.Tensor:
         """Conv then `rule(rows, conv output, state) -> output rows` over every sequence of the
         step: [T, ...] float32 outputs, the states kept in their slots. With the kernels, the
-        decodes take `step(rows, conv output, slots)` instead, on the states in their slots."""
+        decodes take `step(rows, conv output, slots)` instead, and each prefill chunk
+        `chunk_step(rows, conv output, its one slot)` where given, on the states in their slots."""
         meta, slots = ctx.attn, ctx.state_slots
         outs: list[torch.Tensor] = []
         nd = meta.num_decodes
@@ -176,6 +182,12 @@ class RecurrentMixer(nn.Module):
             fresh = chunk.context == 0
             conv = self._conv_state(sl, 1, fresh)[0]
             out, conv = self._conv_prefill(mixed[rows], conv)
+            if chunk_step is not None and self._in_place(sl):
+                if fresh:
+                    self.rec_state[sl] = 0.0
+                outs.append(chunk_step(rows, out, sl))
+                self.conv_state[sl] = conv[None]
+                continue
             rec = self._rec_state(sl, 1, fresh)
             outs.append(rule(rows, out, rec))
             self._keep(sl, conv[None], rec)
@@ -289,13 +301,13 @@ class GatedDeltaNet(RecurrentMixer):
         mixed, z, b, a = self._split(x)
         beta = b.sigmoid().float()  # in the model dtype, as the reference rounds it
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+        def in_place(rows: slice, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            kernels, state = self.recurrent_kernels, self.rec_state
+            return kernels.gdn_step(out, g[rows].exp(), beta[rows], state, slots, self.nk)
+
         core = self.scan(
-            mixed,
-            ctx,
-            lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec),
-            lambda rows, out, slots: self.recurrent_kernels.gdn_step(
-                out, g[rows].exp(), beta[rows], self.rec_state, slots, self.nk
-            ),
+            mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec), in_place, in_place
         )
         y = self.norm(core.to(x.dtype), z)
         return self.out_proj(y.reshape(x.shape[0], -1))

@@ -18,6 +18,8 @@ SIGNATURES = {
     "conv_step_f32": [_c, _i64, _c, _c, _c, _c, _c, _i64, _i64, _i64, _INT],
     # mixed, its row stride, decay, beta, state base, slots, out, B, nk, nv, dk, dv, threads
     "gdn_step_f32": [_c, _i64, _c, _c, _c, _c, _c] + [_i64] * 5 + [_INT],
+    # mixed, its row stride, decay, beta, state base, slot, out, L, nk, nv, dk, dv, threads
+    "gdn_scan_f32": [_c, _i64, _c, _c, _c, _i64, _c] + [_i64] * 5 + [_INT],
     # xbc, its row stride, dt, decay, D, state base, slots, out, B, H, P, N, groups, threads
     "ssm_step_f32": [_c, _i64, _c, _c, _c, _c, _c, _c] + [_i64] * 5 + [_INT],
 }
@@ -89,20 +91,26 @@ class RecurrentKernels:
         slots: torch.Tensor,
         nk: int,
     ) -> torch.Tensor:
-        """mixed [B, 2 nk dk + nv dv] (the activated conv output: q | k | v), decay = exp(g) and
-        beta [B, nv] float32, state base [*, nv, dk, dv] updated in place in `slots`: [B, nv, dv]."""
+        """mixed [T, 2 nk dk + nv dv] (the activated conv output: q | k | v), decay = exp(g) and
+        beta [T, nv] float32, state base [*, nv, dk, dv] updated in place in `slots`: [T, nv, dv].
+        One token for each of T sequences (T slots), or T tokens of one sequence (one slot: a
+        prefill chunk, scanned token by token)."""
         _check_state(state, slots)
         nv, dk, dv = state.shape[1:]
-        b = mixed.shape[0]
+        t = mixed.shape[0]
         if mixed.shape[1] != 2 * nk * dk + nv * dv or nv % nk:
             raise ValueError(f"mixed width {mixed.shape[1]} does not match {nk} key / {nv} value heads")
-        out = torch.empty(b, nv, dv, dtype=torch.float32)
-        if b:
+        if slots.numel() not in (t, 1):
+            raise ValueError(f"{slots.numel()} state slots for {t} tokens: one a token, or one in all")
+        out = torch.empty(t, nv, dv, dtype=torch.float32)
+        if t:
             mixed, decay, beta = _rows(mixed), decay.float().contiguous(), beta.float().contiguous()
-            self.fns["gdn_step_f32"](
-                mixed.data_ptr(), mixed.stride(0), decay.data_ptr(), beta.data_ptr(), state.data_ptr(),
-                slots.data_ptr(), out.data_ptr(), b, nk, nv, dk, dv, torch.get_num_threads(),
-            )  # fmt: skip
+            args = (mixed.data_ptr(), mixed.stride(0), decay.data_ptr(), beta.data_ptr(), state.data_ptr())
+            dims = (t, nk, nv, dk, dv, torch.get_num_threads())
+            if slots.numel() == t:
+                self.fns["gdn_step_f32"](*args, slots.data_ptr(), out.data_ptr(), *dims)
+            else:
+                self.fns["gdn_scan_f32"](*args, int(slots[0]), out.data_ptr(), *dims)
         return out
 
     def ssm_step(

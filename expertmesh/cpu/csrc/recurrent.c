@@ -8,6 +8,7 @@
  *   conv_step_f32  the causal depthwise convolution's new output (before its SiLU) and the shift
  *                  of the conv state, summed left to right as the torch path does (bit-equal)
  *   gdn_step_f32   Gated DeltaNet: L2-normalised q and k, the decayed delta-rule write, S^T q
+ *   gdn_scan_f32   the same over a prefill chunk of one sequence, token by token per head
  *   ssm_step_f32   Mamba2: the decayed state plus dt x B^T (bit-equal), y = S C + D x
  */
 
@@ -48,49 +49,71 @@ static inline float rec_sum_squares(const float* x, int64_t n) {
   return total;
 }
 
-/* One token of the gated delta rule for each of B sequences, per value head h (key head
- * h / (nv / nk)): q and k L2-normalised (x / sqrt(sum x^2 + 1e-6)), q times dk^-1/2; the state
- * S [dk, dv] decays by decay = exp(g), kv = S^T k, S += k (beta (v - kv))^T, out = S^T q.
- * mixed rows [q (nk dk) | k (nk dk) | v (nv dv)] at m_stride; decay, beta [B, nv]; state base
- * [*, nv, dk, dv] indexed by slots; out [B, nv, dv]. */
+/* One token of the gated delta rule for one value head: q0 and k0 (its key head's, dk each) are
+ * L2-normalised (x / sqrt(sum x^2 + 1e-6)), q times dk^-1/2; the state S [dk, dv] decays by
+ * e = exp(g), kv = S^T k, S += k (beta (v - kv))^T, o = S^T q. The decode step and the prefill scan
+ * share it, so a scan equals its tokens stepped one at a time, bit for bit. */
+static inline void gdn_head(const float* q0, const float* k0, const float* v, float e, float bt, float* S,
+                            float* o, int64_t dk, int64_t dv) {
+  const float scale = 1.f / sqrtf((float)dk);
+  float q[dk], k[dk], kv[dv], delta[dv];
+  const float rq = 1.f / sqrtf(rec_sum_squares(q0, dk) + 1e-6f);
+  const float rk = 1.f / sqrtf(rec_sum_squares(k0, dk) + 1e-6f);
+  for (int64_t i = 0; i < dk; i++) {
+    q[i] = q0[i] * rq * scale;
+    k[i] = k0[i] * rk;
+  }
+  for (int64_t j = 0; j < dv; j++) kv[j] = 0.f;
+  for (int64_t i = 0; i < dk; i++) {
+    const float* Si = S + i * dv;
+    const float ki = k[i];
+    for (int64_t j = 0; j < dv; j++) kv[j] += Si[j] * e * ki;
+  }
+  for (int64_t j = 0; j < dv; j++) delta[j] = (v[j] - kv[j]) * bt;
+  for (int64_t j = 0; j < dv; j++) o[j] = 0.f;
+  for (int64_t i = 0; i < dk; i++) {
+    float* Si = S + i * dv;
+    const float ki = k[i], qi = q[i];
+    for (int64_t j = 0; j < dv; j++) {
+      const float s = Si[j] * e + ki * delta[j];
+      Si[j] = s;
+      o[j] += s * qi;
+    }
+  }
+}
+
+/* The decode step: one token for each of B sequences, per value head h (key head h / (nv / nk)).
+ * mixed rows [q (nk dk) | k (nk dk) | v (nv dv)] at m_stride; decay = exp(g), beta [B, nv]; state
+ * base [*, nv, dk, dv] indexed by slots; out [B, nv, dv]. */
 void gdn_step_f32(const float* mixed, int64_t m_stride, const float* decay, const float* beta, float* state,
                   const int64_t* slots, float* out, int64_t B, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
                   int threads) {
   const int64_t ratio = nv / nk;
-  const float scale = 1.f / sqrtf((float)dk);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t bh = 0; bh < B * nv; bh++) {
     const int64_t b = bh / nv, h = bh % nv, kh = h / ratio;
     const float* row = mixed + b * m_stride;
-    const float* q0 = row + kh * dk;
-    const float* k0 = row + nk * dk + kh * dk;
-    const float* v = row + 2 * nk * dk + h * dv;
-    float q[dk], k[dk], kv[dv], delta[dv];
-    const float rq = 1.f / sqrtf(rec_sum_squares(q0, dk) + 1e-6f);
-    const float rk = 1.f / sqrtf(rec_sum_squares(k0, dk) + 1e-6f);
-    for (int64_t i = 0; i < dk; i++) {
-      q[i] = q0[i] * rq * scale;
-      k[i] = k0[i] * rk;
-    }
-    float* S = state + (slots[b] * nv + h) * dk * dv;
-    const float e = decay[bh], bt = beta[bh];
-    for (int64_t j = 0; j < dv; j++) kv[j] = 0.f;
-    for (int64_t i = 0; i < dk; i++) {
-      const float* Si = S + i * dv;
-      const float ki = k[i];
-      for (int64_t j = 0; j < dv; j++) kv[j] += Si[j] * e * ki;
-    }
-    for (int64_t j = 0; j < dv; j++) delta[j] = (v[j] - kv[j]) * bt;
-    float* o = out + bh * dv;
-    for (int64_t j = 0; j < dv; j++) o[j] = 0.f;
-    for (int64_t i = 0; i < dk; i++) {
-      float* Si = S + i * dv;
-      const float ki = k[i], qi = q[i];
-      for (int64_t j = 0; j < dv; j++) {
-        const float s = Si[j] * e + ki * delta[j];
-        Si[j] = s;
-        o[j] += s * qi;
-      }
+    gdn_head(row + kh * dk, row + nk * dk + kh * dk, row + 2 * nk * dk + h * dv, decay[bh], beta[bh],
+             state + (slots[b] * nv + h) * dk * dv, out + bh * dv, dk, dv);
+  }
+}
+
+/* The prefill scan: L tokens of one sequence (state row `slot`), token after token per head (the
+ * recurrent form: each head's state stays in cache over the whole chunk), heads in parallel. Rows
+ * and decay / beta [L, nv] as gdn_step_f32's; out [L, nv, dv]. */
+void gdn_scan_f32(const float* mixed, int64_t m_stride, const float* decay, const float* beta, float* state,
+                  int64_t slot, float* out, int64_t L, int64_t nk, int64_t nv, int64_t dk, int64_t dv,
+                  int threads) {
+  const int64_t ratio = nv / nk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t h = 0; h < nv; h++) {
+    const int64_t kh = h / ratio;
+    float* S = state + (slot * nv + h) * dk * dv;
+    for (int64_t t = 0; t < L; t++) {
+      const float* row = mixed + t * m_stride;
+      const int64_t th = t * nv + h;
+      gdn_head(row + kh * dk, row + nk * dk + kh * dk, row + 2 * nk * dk + h * dv, decay[th], beta[th], S,
+               out + th * dv, dk, dv);
     }
   }
 }
