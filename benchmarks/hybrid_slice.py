@@ -27,7 +27,9 @@ ratio is what to read (the machine's load moves both alike).
 With `--recurrence-steps N`: batches of `--batches` sequences decode on one engine whose recurrent
 mixers alternate step by step between the compiled decode kernels (layers/recurrent_kernels.py)
 and the torch path (the same weights, states and load): median step time of each, their ratio,
-and the median time the mixers' recurrence (conv, state update; `RecurrentMixer.scan`) takes.
+and the median time the mixers' recurrence (conv, state update; `RecurrentMixer.scan`) takes; then
+`--prompt`-token prefills alike (the kernels scan a chunk token by token; the torch path runs the
+chunked forms, delta_rule_chunked and ssd_chunked).
 """
 
 from __future__ import annotations
@@ -199,6 +201,31 @@ def recurrence(path: str, batch: int, steps: int, prompt_len: int = 64) -> None:
           flush=True)  # fmt: skip
 
 
+def recurrence_prefill(path: str, prompt_len: int, rounds: int) -> None:
+    """Prefills of `prompt_len` tokens alternating kernels / torch path on one engine."""
+    llm = LLM(path, dtype="bfloat16", max_model_len=prompt_len + 8, max_num_seqs=1,
+              max_num_batched_tokens=prompt_len, enable_prefix_caching=False)  # fmt: skip
+    mixers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
+    compiled = [m.recurrent_kernels for m in mixers]
+    prompt = torch.randint(3, 512, (prompt_len,), generator=torch.Generator().manual_seed(4)).tolist()
+    times: dict[str, list[float]] = {"kernels": [], "torch": []}
+    try:
+        for r in range(2 * rounds + 2):
+            mode = "kernels" if r % 2 == 0 else "torch"
+            for m, k in zip(mixers, compiled, strict=True):
+                m.recurrent_kernels = k if mode == "kernels" else None
+            t = ttft(llm, prompt)
+            if r >= 2:
+                times[mode].append(t)
+    finally:
+        for m, k in zip(mixers, compiled, strict=True):
+            m.recurrent_kernels = k
+    med = {m: statistics.median(v) for m, v in times.items()}
+    print(f"prefill {prompt_len} tokens: kernels {med['kernels']:.3f} s, torch {med['torch']:.3f} s, "
+          f"speedup {med['torch'] / med['kernels']:.2f}x (median of {rounds}, interleaved; "
+          f"load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=sorted(SLICES), default="qwen3.5")
@@ -225,6 +252,8 @@ def main() -> None:
     print(f"{args.family} slice, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     for batch in args.batches if args.recurrence_steps else ():
         recurrence(path, batch, args.recurrence_steps)
+    if args.recurrence_steps:
+        recurrence_prefill(path, args.prompt, max(2, args.recurrence_steps // 2))
     if args.only_recurrence:
         return
     if args.prefix_rounds:

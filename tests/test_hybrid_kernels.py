@@ -188,6 +188,31 @@ def test_mamba2_step_equals_the_torch_path(rk, heads, head_dim, n, groups):
         assert torch.equal(state[others], before[others])
 
 
+@pytest.mark.parametrize("length", [1, 5, 70])
+def test_mamba2_prefill_scan_equals_its_tokens_stepped(rk, length):
+    """Mamba2's prefill chunk on one slot (the scan) equals its tokens fed one at a time to the
+    decode step, bit for bit, states and outputs; other slots untouched."""
+    heads, head_dim, n, groups = 8, 16, 24, 2
+    g = torch.Generator().manual_seed(length)
+    state = torch.randn(SLOTS, heads, head_dim, n, generator=g)
+    stepped = state.clone()
+    xbc = torch.randn(length, heads * head_dim + 2 * groups * n, generator=g)
+    dt, decay, d = (
+        torch.rand(length, heads, generator=g),
+        torch.rand(length, heads, generator=g),
+        torch.randn(heads),
+    )
+    slot = torch.tensor([5])
+    out = rk.ssm_step(xbc, dt, decay, d, state, slot, groups)
+    ref = torch.cat([rk.ssm_step(xbc[i : i + 1], dt[i : i + 1], decay[i : i + 1], d, stepped, slot, groups)
+                     for i in range(length)])  # fmt: skip
+    assert out.shape == (length, heads * head_dim) and torch.equal(out, ref)
+    assert torch.equal(state, stepped)
+    with pytest.raises(ValueError, match="3 state slots for 2 tokens"):
+        rk.ssm_step(xbc[:1].expand(2, -1), dt[:1].expand(2, -1), decay[:1].expand(2, -1), d, state,
+                    torch.tensor([1, 2, 3]), groups)  # fmt: skip
+
+
 def test_bad_states_and_slots_are_refused_by_name(kernels):
     """A state the kernels cannot address, or a slot outside it, is refused before any C runs;
     the next call works."""

@@ -7,7 +7,8 @@ C [state size]: dt = softplus(dt + dt_bias), the state [head_dim, state size] de
 exp(dt * A), A = -exp(A_log), and takes dt * x_h B^T; the output is state C + D x_h, then
 RMSNorm per group of (output * SiLU(z)) times w, and out_proj. Decodes run this recurrent form,
 prefill chunks the chunked scan (ssd_chunked), both in float32; on the CPU with our compiled
-kernels (layers/recurrent_kernels.py) the decodes update their states in place in their slots.
+kernels (layers/recurrent_kernels.py) decodes and prefill chunks update their states in place in their
+slots (a chunk scanned token by token).
 
 Tensor parallelism splits the heads like attention heads (Mamba2Mixer's docstring): in_proj's
 rows and the conv's channels are gathered per part for this rank, the gated norm sums its
@@ -193,6 +194,7 @@ class Mamba2Mixer(RecurrentMixer):
             ctx,
             lambda rows, out, state: self._ssm(out, dt[rows], state),
             lambda rows, out, slots: self._ssm_in_place(out, dt[rows], slots),
+            lambda rows, out, slots: self._ssm_in_place(out, dt[rows], slots),
         )
         y = self.norm(y.to(x.dtype), z)
         return self.out_proj(y)
@@ -218,6 +220,7 @@ class Mamba2Mixer(RecurrentMixer):
         return (y + d * xs).reshape(t, self.inter)
 
     def _ssm_in_place(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """_ssm's one token per sequence on the kernel, the states updated in their slots."""
+        """_ssm on the kernel (one token per slot, or a prefill chunk's tokens on its one slot,
+        scanned token by token), the states updated in their slots."""
         decay = (dt * -self.A_log.float().exp()).exp()  # as _ssm computes it
         return self.recurrent_kernels.ssm_step(xbc, dt, decay, self.D, self.rec_state, slots, self.groups)

@@ -22,6 +22,8 @@ SIGNATURES = {
     "gdn_scan_f32": [_c, _i64, _c, _c, _c, _i64, _c] + [_i64] * 5 + [_INT],
     # xbc, its row stride, dt, decay, D, state base, slots, out, B, H, P, N, groups, threads
     "ssm_step_f32": [_c, _i64, _c, _c, _c, _c, _c, _c] + [_i64] * 5 + [_INT],
+    # xbc, its row stride, dt, decay, D, state base, slot, out, L, H, P, N, groups, threads
+    "ssm_scan_f32": [_c, _i64, _c, _c, _c, _c, _i64, _c] + [_i64] * 5 + [_INT],
 }
 
 
@@ -123,21 +125,26 @@ class RecurrentKernels:
         slots: torch.Tensor,
         groups: int,
     ) -> torch.Tensor:
-        """xbc [B, H P + 2 groups N] (the activated conv output: x | B | C), dt and decay = exp(dt A)
-        [B, H] float32, D [H] float32, state base [*, H, P, N] updated in place in `slots`:
-        y = S C + D x, [B, H P]."""
+        """xbc [T, H P + 2 groups N] (the activated conv output: x | B | C), dt and decay = exp(dt A)
+        [T, H] float32, D [H] float32, state base [*, H, P, N] updated in place in `slots`:
+        y = S C + D x, [T, H P]. One token for each of T sequences (T slots), or T tokens of one
+        sequence (one slot: a prefill chunk, scanned token by token)."""
         _check_state(state, slots)
         h, p, n = state.shape[1:]
-        b = xbc.shape[0]
+        t = xbc.shape[0]
         if xbc.shape[1] != h * p + 2 * groups * n or h % groups:
             raise ValueError(f"xbc width {xbc.shape[1]} does not match {h} heads in {groups} groups")
-        out = torch.empty(b, h * p, dtype=torch.float32)
-        if b:
+        if slots.numel() not in (t, 1):
+            raise ValueError(f"{slots.numel()} state slots for {t} tokens: one a token, or one in all")
+        out = torch.empty(t, h * p, dtype=torch.float32)
+        if t:
             xbc, dt, decay = _rows(xbc), dt.float().contiguous(), decay.float().contiguous()
             d = d.float().contiguous()
-            self.fns["ssm_step_f32"](
-                xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), decay.data_ptr(), d.data_ptr(),
-                state.data_ptr(), slots.data_ptr(), out.data_ptr(), b, h, p, n, groups,
-                torch.get_num_threads(),
-            )  # fmt: skip
+            args = (xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), decay.data_ptr(), d.data_ptr())
+            args += (state.data_ptr(),)
+            dims = (t, h, p, n, groups, torch.get_num_threads())
+            if slots.numel() == t:
+                self.fns["ssm_step_f32"](*args, slots.data_ptr(), out.data_ptr(), *dims)
+            else:
+                self.fns["ssm_scan_f32"](*args, int(slots[0]), out.data_ptr(), *dims)
         return out

@@ -10,6 +10,7 @@
  *   gdn_step_f32   Gated DeltaNet: L2-normalised q and k, the decayed delta-rule write, S^T q
  *   gdn_scan_f32   the same over a prefill chunk of one sequence, token by token per head
  *   ssm_step_f32   Mamba2: the decayed state plus dt x B^T (bit-equal), y = S C + D x
+ *   ssm_scan_f32   the same over a prefill chunk of one sequence, token by token per head
  */
 
 /* out[b, c] = sum_j window[b, c, j] w[c, j] (+ bias[c]), window = [state | x], accumulated from
@@ -118,10 +119,39 @@ void gdn_scan_f32(const float* mixed, int64_t m_stride, const float* decay, cons
   }
 }
 
-/* One token of Mamba2's selective state update for each of B sequences, per head h (group
- * h / (H / groups)): S [P, N] = S decay + (dt x) B^T, rounded as the torch path rounds (bit-equal
- * states), y = S C + D x. xbc rows [x (H P) | B (groups N) | C (groups N)] at x_stride; dt, decay
- * [B, H]; D [H]; state base [*, H, P, N] indexed by slots; out [B, H, P]. */
+/* One token of Mamba2's selective state update for one head: S [P, N] = S e + (dt x) B^T, rounded
+ * as the torch path rounds (bit-equal states: no fused multiply-add here), y = S C + D x (skip = D).
+ * The decode step and the prefill scan share it. */
+__attribute__((optimize("fp-contract=off"))) static inline void ssm_head(
+    const float* x, const float* Bv, const float* Cv, float e, float d, float skip, float* S, float* y,
+    int64_t P, int64_t N) {
+  for (int64_t p = 0; p < P; p++) {
+    float* Sp = S + p * N;
+    const float dx = d * x[p];
+    float part[REC_LANES] = {0};
+    int64_t n = 0;
+    for (; n + REC_LANES <= N; n += REC_LANES)
+      for (int l = 0; l < REC_LANES; l++) {
+        const float kept = Sp[n + l] * e;
+        const float s = kept + dx * Bv[n + l];
+        Sp[n + l] = s;
+        part[l] += s * Cv[n + l];
+      }
+    for (; n < N; n++) {
+      const float kept = Sp[n] * e;
+      const float s = kept + dx * Bv[n];
+      Sp[n] = s;
+      part[0] += s * Cv[n];
+    }
+    float acc = 0.f;
+    for (int l = 0; l < REC_LANES; l++) acc += part[l];
+    y[p] = acc + skip * x[p];
+  }
+}
+
+/* The decode step: one token for each of B sequences, per head h (group h / (H / groups)). xbc
+ * rows [x (H P) | B (groups N) | C (groups N)] at x_stride; dt, decay = exp(dt A) [B, H]; D [H];
+ * state base [*, H, P, N] indexed by slots; out [B, H, P]. */
 __attribute__((optimize("fp-contract=off"))) void ssm_step_f32(
     const float* xbc, int64_t x_stride, const float* dt, const float* decay, const float* D, float* state,
     const int64_t* slots, float* out, int64_t B, int64_t H, int64_t P, int64_t N, int64_t groups,
@@ -131,32 +161,26 @@ __attribute__((optimize("fp-contract=off"))) void ssm_step_f32(
   for (int64_t bh = 0; bh < B * H; bh++) {
     const int64_t b = bh / H, h = bh % H, g = h / per_group;
     const float* row = xbc + b * x_stride;
-    const float* x = row + h * P;
-    const float* Bv = row + H * P + g * N;
-    const float* Cv = row + H * P + groups * N + g * N;
-    float* S = state + (slots[b] * H + h) * P * N;
-    const float e = decay[bh], d = dt[bh], skip = D[h];
-    for (int64_t p = 0; p < P; p++) {
-      float* Sp = S + p * N;
-      const float dx = d * x[p];
-      float part[REC_LANES] = {0};
-      int64_t n = 0;
-      for (; n + REC_LANES <= N; n += REC_LANES)
-        for (int l = 0; l < REC_LANES; l++) {
-          const float kept = Sp[n + l] * e;
-          const float s = kept + dx * Bv[n + l];
-          Sp[n + l] = s;
-          part[l] += s * Cv[n + l];
-        }
-      for (; n < N; n++) {
-        const float kept = Sp[n] * e;
-        const float s = kept + dx * Bv[n];
-        Sp[n] = s;
-        part[0] += s * Cv[n];
-      }
-      float y = 0.f;
-      for (int l = 0; l < REC_LANES; l++) y += part[l];
-      out[bh * P + p] = y + skip * x[p];
+    ssm_head(row + h * P, row + H * P + g * N, row + H * P + groups * N + g * N, decay[bh], dt[bh], D[h],
+             state + (slots[b] * H + h) * P * N, out + bh * P, P, N);
+  }
+}
+
+/* The prefill scan: L tokens of one sequence (state row `slot`), token after token per head, heads
+ * in parallel; rows, dt / decay [L, H] and out [L, H, P] as ssm_step_f32's. */
+__attribute__((optimize("fp-contract=off"))) void ssm_scan_f32(
+    const float* xbc, int64_t x_stride, const float* dt, const float* decay, const float* D, float* state,
+    int64_t slot, float* out, int64_t L, int64_t H, int64_t P, int64_t N, int64_t groups, int threads) {
+  const int64_t per_group = H / groups;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t h = 0; h < H; h++) {
+    const int64_t g = h / per_group;
+    float* S = state + (slot * H + h) * P * N;
+    for (int64_t t = 0; t < L; t++) {
+      const float* row = xbc + t * x_stride;
+      const int64_t th = t * H + h;
+      ssm_head(row + h * P, row + H * P + g * N, row + H * P + groups * N + g * N, decay[th], dt[th], D[h],
+               S, out + th * P, P, N);
     }
   }
 }
