@@ -226,6 +226,69 @@ def recurrence_prefill(path: str, prompt_len: int, rounds: int) -> None:
           f"load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
 
 
+# Runs under llama-cpp-python's own venv: loads the GGUF once, then per line of stdin (a JSON prompt
+# and a count of new tokens) times the prefill and greedy decode of batch 1 and prints them as JSON.
+LLAMA_WORKER = """
+import json, sys, time
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_batch=512, n_threads=int(sys.argv[3]),
+            verbose=False)
+for line in sys.stdin:
+    ask = json.loads(line)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ask["prompt"])
+    t1 = time.perf_counter()
+    for _ in range(ask["new"]):
+        llm.eval([llm.sample(temp=0.0)])
+    t2 = time.perf_counter()
+    print(json.dumps({"prefill": t1 - t0, "decode": ask["new"] / (t2 - t1)}), flush=True)
+"""
+
+
+def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, rounds: int) -> None:
+    """Batch-1 prefill and decode of our engine and llama.cpp (a worker process on the GGUF of the
+    same checkpoint), round after round, interleaved; medians and ratios."""
+    import subprocess
+
+    threads = torch.get_num_threads()
+    worker = subprocess.Popen(
+        [python, "-c", LLAMA_WORKER, gguf, str(len(prompt) + new + 16), str(threads)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    llm = LLM(path, dtype="bfloat16", max_model_len=len(prompt) + new + 8, max_num_seqs=1,
+              enable_prefix_caching=False)  # fmt: skip
+    many = SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True)
+    res: dict[str, dict[str, list[float]]] = {
+        "expertmesh": {"p": [], "d": []},
+        "llama.cpp": {"p": [], "d": []},
+    }
+    try:
+        for r in range(rounds + 1):  # round 0 warms both up
+            prefill = ttft(llm, prompt)
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], many, use_tqdm=False)
+            ours_d = new / (time.perf_counter() - t0 - prefill)
+            worker.stdin.write(json.dumps({"prompt": prompt, "new": new}) + "\n")
+            worker.stdin.flush()
+            theirs = json.loads(worker.stdout.readline())
+            if r:
+                res["expertmesh"]["p"].append(prefill)
+                res["expertmesh"]["d"].append(ours_d)
+                res["llama.cpp"]["p"].append(theirs["prefill"])
+                res["llama.cpp"]["d"].append(theirs["decode"])
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=60)
+    med = {e: {k: statistics.median(v) for k, v in d.items()} for e, d in res.items()}
+    for e, m in med.items():
+        print(f"{e:12s} prefill {len(prompt)} tokens: {m['p']:.3f} s; decode: {m['d']:.2f} tokens/s "
+              f"(bf16, batch 1, {threads} threads, median of {rounds} interleaved rounds)")  # fmt: skip
+    ours_m, theirs_m = med["expertmesh"], med["llama.cpp"]
+    print(f"expertmesh / llama.cpp: prefill time {ours_m['p'] / theirs_m['p']:.2f}x, decode speed "
+          f"{ours_m['d'] / theirs_m['d']:.2f}x; load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=sorted(SLICES), default="qwen3.5")
@@ -244,6 +307,10 @@ def main() -> None:
         "--quick", action="store_true", help="--prompt 256 --new 8 --prefix-rounds 2 --recurrence-steps 6"
     )
     ap.add_argument("--cache", default="/tmp/expertmesh-bench")
+    ap.add_argument("--llamacpp-gguf", help="also compare with llama.cpp on this GGUF of the slice "
+                    "(benchmarks/gguf_convert.py), interleaved, batch 1")  # fmt: skip
+    ap.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds for --llamacpp-gguf")
     args = ap.parse_args()
     if args.quick:
         args.prompt, args.new, args.prefix_rounds = 256, 8, 2
@@ -255,6 +322,10 @@ def main() -> None:
     if args.recurrence_steps:
         recurrence_prefill(path, args.prompt, max(2, args.recurrence_steps // 2))
     if args.only_recurrence:
+        return
+    if args.llamacpp_gguf:
+        prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
+        vs_llamacpp(path, args.llamacpp_gguf, args.llamacpp_python, prompt, args.new, args.rounds)
         return
     if args.prefix_rounds:
         prefix_cache(path, args.prompt, args.prefix_rounds)
