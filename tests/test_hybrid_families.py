@@ -593,3 +593,67 @@ def test_nemotron_h_held_int8_int4_match_the_same_weights_dequantized(
     ref = _reference(ref_path)
     prompts = prompts_of_lengths(Q_LENGTHS, seed=5)
     assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+def _qwen35_fp8(src: str, dst: str, block: tuple[int, int]) -> str:
+    """Qwen3.5-MoE as its FP8 release stores it: block e4m3 codes with `weight_scale_inv` for every
+    projection (the DeltaNet's in_proj_qkv, in_proj_z and out_proj, attention, routed and shared
+    experts), the DeltaNet's small in_proj_b / in_proj_a, the routers, conv, norms, embeddings and
+    head left as they were (the release's `modules_to_not_convert`)."""
+    from quantized_checkpoints import _rewrite
+
+    from expertmesh.layers.quantization.fp8 import quantize_blocks
+
+    names = ("_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight")
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith(names) and t.dim() == 2 and "visual" not in key:
+            q, scale = quantize_blocks(t, block)
+            return {key: q, key + "_scale_inv": scale}
+        return {key: t}
+
+    config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": list(block)}  # fmt: skip
+    _rewrite(src, dst, convert, config)
+    return dst
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_qwen35_fp8_block_checkpoint_matches_its_dequantized_weights(
+    real_checkpoint, tmp_path, engine_log, tp
+):
+    """Qwen3.5-MoE saved as block FP8 (_qwen35_fp8; 8 x 16 blocks, partial last blocks where a
+    dimension does not divide) held as stored, in one process and under TP2 (the DeltaNet's
+    in_proj_qkv rows taken per part [q | k | v] with their block scales), against transformers on
+    the same checkpoint dequantized by the format's definition, under test_quantization's bound."""
+    from checkpoints import prompts_of_lengths
+    from quantized_checkpoints import from_fp8
+    from test_quantization import LENGTHS as Q_LENGTHS
+    from test_quantization import _greedy, assert_greedy_matches
+
+    block = (8, 16)
+    path = _qwen35_fp8(real_checkpoint(_source("qwen3.5-moe")), str(tmp_path / "fp8"), block)
+    ref = _reference(from_fp8(path, str(tmp_path / "ref"), block))
+    prompts = prompts_of_lengths(Q_LENGTHS, seed=3)
+    if tp == 2:
+        from distributed_utils import run_distributed
+
+        for tokens in run_distributed(_fp8_rank, 2, path, prompts, timeout=200):
+            assert assert_greedy_matches(tokens, ref, prompts) <= 1
+        return
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "weights: fp8 e4m3 (8x16 blocks)" in engine_log.text
+    # 3 DeltaNet layers x (in_proj_qkv, in_proj_z, out_proj), 1 attention x (qkv, o), 4 MoE layers
+    # x (experts' w13 and w2, shared expert's gate_up and down); in_proj_qkv's rows read per part
+    assert "weights held compressed as stored: 27 parameters" in engine_log.text
+    assert "not held compressed" not in engine_log.text
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+def _fp8_rank(rank, world, path, prompts):
+    from test_quantization import _greedy
+
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
+              max_model_len=128, kv_cache_memory_bytes=1 << 22)  # fmt: skip
+    return _greedy(llm, prompts)

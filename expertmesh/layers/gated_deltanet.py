@@ -34,6 +34,23 @@ from expertmesh.layers.recurrent_kernels import RecurrentKernels
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
+def copy_row_parts(param: nn.Parameter, src: Any, parts: tuple[tuple[int, int], ...], what: str) -> None:
+    """Rows [offset, offset + width) of src, part after part, into param's rows. Each part is read on
+    its own, so a source held as codes (block FP8: quantization/held.py) places its scales beside
+    its rows; where read() gives the whole tensor (the one-rank twin's shape check) the parts are
+    cut from it."""
+    pieces = [read(src, 0, offset, width) for offset, width in parts]
+    if any(piece.shape[0] != width for piece, (_, width) in zip(pieces, parts, strict=True)):
+        whole = read(src)
+        value = torch.cat([whole.narrow(0, offset, width) for offset, width in parts])
+        copy_into(param.data, value, what)
+        return
+    row = 0
+    for piece, (_, width) in zip(pieces, parts, strict=True):
+        copy_into(param.data.narrow(0, row, width), piece, what)
+        row += width
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -342,7 +359,10 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         self.in_proj_a = ColumnParallelLinear(hidden, lin.num_value_heads, False, tp, dtype)
 
     def _load_qkv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        copy_into(param.data, self._qkv_rows(read(src)), "in_proj_qkv weight")
+        kd = self.full.key_dim
+        widths = (self.key_dim, self.key_dim, self.value_dim)
+        parts = tuple((off + self.tp_rank * w, w) for off, w in zip((0, kd, 2 * kd), widths, strict=True))
+        copy_row_parts(param, src, parts, "in_proj_qkv weight")
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]

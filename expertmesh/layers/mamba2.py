@@ -26,7 +26,7 @@ from torch import nn
 from expertmesh.config.linear_attention_config import Mamba2Config
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
-from expertmesh.layers.gated_deltanet import RecurrentMixer
+from expertmesh.layers.gated_deltanet import RecurrentMixer, copy_row_parts
 from expertmesh.layers.linear import ReplicatedLinear, RowParallelLinear
 from expertmesh.layers.weights import copy_into, read, set_loader
 
@@ -170,9 +170,7 @@ class Mamba2Mixer(RecurrentMixer):
     # Each loader reads its source whole, then takes this rank's rows (as the DeltaNet's do), so a
     # one-rank twin's shape check (weights.whole_tensors) sees the same code path.
     def _load_rows(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        whole = read(src)
-        rows = torch.cat([whole.narrow(0, off, width) for off, width in self._in_rows])
-        copy_into(param.data, rows, "in_proj rows of this rank's heads and groups")
+        copy_row_parts(param, src, self._in_rows, "in_proj rows of this rank's heads and groups")
 
     def _load_conv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
         whole = read(src)
