@@ -23,6 +23,12 @@ ratio is what to read (the machine's load moves both alike).
     .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --prompt 512 --new 32
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 512 --new 16 --prefix-rounds 4
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --quick   # < 5 min
+    .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --recurrence-steps 6 --only-recurrence
+    /work/peers/vllm/bin/python benchmarks/gguf_convert.py \
+        --converter /work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp \
+        /tmp/expertmesh-bench/nemotron-3-nano-slice --outtype bf16 --outfile /tmp/nemotron-slice.bf16.gguf
+    .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 256 --new 8 \
+        --llamacpp-gguf /tmp/nemotron-slice.bf16.gguf --rounds 3
 
 With `--recurrence-steps N`: batches of `--batches` sequences decode on one engine whose recurrent
 mixers alternate step by step between the compiled decode kernels (layers/recurrent_kernels.py)
@@ -304,7 +310,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="for --recurrence-steps")
     ap.add_argument("--only-recurrence", action="store_true", help="skip the transformers comparison")
     ap.add_argument(
-        "--quick", action="store_true", help="--prompt 256 --new 8 --prefix-rounds 2 --recurrence-steps 6"
+        "--quick", action="store_true", help="--prompt 256 --new 8 --prefix-rounds 2 --recurrence-steps 4"
     )
     ap.add_argument("--cache", default="/tmp/expertmesh-bench")
     ap.add_argument("--llamacpp-gguf", help="also compare with llama.cpp on this GGUF of the slice "
@@ -314,7 +320,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.prompt, args.new, args.prefix_rounds = 256, 8, 2
-        args.recurrence_steps = args.recurrence_steps or 6
+        args.recurrence_steps = args.recurrence_steps or 4
     path = make_model(SLICES[args.family], args.cache)
     print(f"{args.family} slice, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     for batch in args.batches if args.recurrence_steps else ():
