@@ -18,6 +18,8 @@ from test_real_families import assert_bf16_bound, hf_logprobs, logprob_errors
 from expertmesh import LLM, SamplingParams
 from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sequence import Sequence
+from expertmesh.layers.gated_deltanet import RecurrentMixer
+from expertmesh.layers.quantization.packed import QuantizedWeight
 
 NEW_TOKENS = 12
 TOP = 20
@@ -132,6 +134,10 @@ def test_hybrid_matches_transformers(family, real_checkpoint, engine_log):
     if family == "qwen3.5-moe":
         assert "vision tower" in engine_log.text
     assert llm.llm_engine.blocks.enable_prefix_caching and llm.llm_engine.runner.snapshots is not None
+    ours = llm.llm_engine.runner.model
+    mixers = [m for m in ours.modules() if isinstance(m, RecurrentMixer)]
+    # decodes on the compiled recurrent kernels wherever the library is (tests/test_hybrid_kernels.py)
+    assert mixers and all((m.recurrent_kernels is not None) == (ours.cpu_kernels is not None) for m in mixers)
     _assert_matches(model, prompts, outs, family)
     del llm
     llm, chunked = _run(path, prompts, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)
@@ -207,8 +213,9 @@ LAYOUTS = {
     "qwen3.5-moe": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
     "qwen3-next": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
     "granite-4.0-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
-    # DP2 x PP2: the pattern ME*- leaves the second stage without a recurrent layer
-    "nemotron-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall")],
+    # under PP2 the pattern ME*- leaves the second stage without a recurrent layer (its state-slot
+    # agreement and prefix-caching decision are made over the whole model)
+    "nemotron-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
 }
 
 
@@ -236,9 +243,9 @@ def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
     """DP2 x TP2 (`naive`, one DP rank idle: its lockstep dummies touch no state) and PP2 x TP2:
     the linear-attention heads, their projections, convolution channels and states split over
     TP like attention heads (Qwen3.5's split projections by default, Qwen3-Next's fused ones with
-    -m slow); Mamba2 heads and groups likewise (Nemotron-H by default, also DP2 x PP2 with EP
-    `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2, with -m slow). On
-    every rank the tokens equal the one-process run."""
+    -m slow); Mamba2 heads and groups likewise (Nemotron-H by default, in DP2 x TP2, PP2 x TP2 and
+    DP2 x PP2 with EP `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2,
+    with -m slow). On every rank the tokens equal the one-process run."""
     from distributed_utils import run_distributed
 
     path = real_checkpoint(_source(family))
@@ -547,3 +554,106 @@ def test_hybrid_prefix_caching_in_layouts(family, real_checkpoint):
             if mine:
                 assert tokens == expected, f"{family}: rank {rank}, (DP,PP,TP,backend)={layout}"
                 assert cached == [64, 64], f"{family}: rank {rank}, {layout}: cached {cached}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scheme, kind, group", [("int8-g32", "int8", 32), ("int4-g16", "int4", 16)])
+def test_nemotron_h_held_int8_int4_match_the_same_weights_dequantized(
+    real_checkpoint, tmp_path, scheme, kind, group
+):
+    """Nemotron-H with its projections held as int8 / int4 codes (Mamba2 in/out, attention, the
+    ungated routed and shared experts, the dense MLP; not the router, conv or norms) against
+    transformers on the same weights quantized and dequantized in the checkpoint: the bound of
+    test_quantization's family tests (greedy tokens equal, one divergence allowed per prompt where
+    the reference's top-2 logit margin is below its MARGIN: equal weights, other summation orders)."""
+    from checkpoints import prompts_of_lengths
+    from quantized_checkpoints import fake_quantized
+    from test_quantization import LENGTHS as Q_LENGTHS
+    from test_quantization import _greedy, assert_greedy_matches
+
+    path = real_checkpoint(_source("nemotron-h"))
+
+    def quantized(key: str, t: torch.Tensor) -> bool:
+        return key.endswith("_proj.weight") and t.dim() == 2
+
+    ref_path = fake_quantized(path, str(tmp_path / "ref"), kind, group, quantized)
+    llm = LLM(path, quantization=scheme, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    held = llm.llm_engine.runner.model
+    projections = {n.rsplit(".", 1)[-1]: m.packed for n, m in held.named_modules() if n.endswith("_proj")}
+    assert sorted(projections) == ["down_proj", "in_proj", "o_proj", "out_proj", "qkv_proj", "up_proj"]
+    (experts,) = [m.packed for n, m in held.named_modules() if n.endswith("mixer.experts")]
+    # every projection and routed expert (up, down) held as codes; float32 parameters only for what
+    # stays unquantized (the router's weight is packed as float)
+    assert all(isinstance(p, QuantizedWeight) for p in projections.values())
+    assert len(experts) == 8 and all(isinstance(w, QuantizedWeight) for pair in experts for w in pair)
+    assert all(w.kind == kind for pair in experts for w in pair)
+    assert [n for n, p in held.named_parameters() if p.dim() == 2 and p.numel()] == [
+        "model.embed_tokens.weight", "model.layers.0.mixer.conv_weight"
+    ]  # fmt: skip
+    ref = _reference(ref_path)
+    prompts = prompts_of_lengths(Q_LENGTHS, seed=5)
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+def _qwen35_fp8(src: str, dst: str, block: tuple[int, int]) -> str:
+    """Qwen3.5-MoE as its FP8 release stores it: block e4m3 codes with `weight_scale_inv` for every
+    projection (the DeltaNet's in_proj_qkv, in_proj_z and out_proj, attention, routed and shared
+    experts), the DeltaNet's small in_proj_b / in_proj_a, the routers, conv, norms, embeddings and
+    head left as they were (the release's `modules_to_not_convert`)."""
+    from quantized_checkpoints import _rewrite
+
+    from expertmesh.layers.quantization.fp8 import quantize_blocks
+
+    names = ("_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight")
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if key.endswith(names) and t.dim() == 2 and "visual" not in key:
+            q, scale = quantize_blocks(t, block)
+            return {key: q, key + "_scale_inv": scale}
+        return {key: t}
+
+    config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": list(block)}  # fmt: skip
+    _rewrite(src, dst, convert, config)
+    return dst
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_qwen35_fp8_block_checkpoint_matches_its_dequantized_weights(
+    real_checkpoint, tmp_path, engine_log, tp
+):
+    """Qwen3.5-MoE saved as block FP8 (_qwen35_fp8; 8 x 16 blocks, partial last blocks where a
+    dimension does not divide) held as stored, in one process and under TP2 (the DeltaNet's
+    in_proj_qkv rows taken per part [q | k | v] with their block scales), against transformers on
+    the same checkpoint dequantized by the format's definition, under test_quantization's bound."""
+    from checkpoints import prompts_of_lengths
+    from quantized_checkpoints import from_fp8
+    from test_quantization import LENGTHS as Q_LENGTHS
+    from test_quantization import _greedy, assert_greedy_matches
+
+    block = (8, 16)
+    path = _qwen35_fp8(real_checkpoint(_source("qwen3.5-moe")), str(tmp_path / "fp8"), block)
+    ref = _reference(from_fp8(path, str(tmp_path / "ref"), block))
+    prompts = prompts_of_lengths(Q_LENGTHS, seed=3)
+    if tp == 2:
+        from distributed_utils import run_distributed
+
+        for tokens in run_distributed(_fp8_rank, 2, path, prompts, timeout=200):
+            assert assert_greedy_matches(tokens, ref, prompts) <= 1
+        return
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    assert "weights: fp8 e4m3 (8x16 blocks)" in engine_log.text
+    # 3 DeltaNet layers x (in_proj_qkv, in_proj_z, out_proj), 1 attention x (qkv, o), 4 MoE layers
+    # x (experts' w13 and w2, shared expert's gate_up and down); in_proj_qkv's rows read per part
+    assert "weights held compressed as stored: 27 parameters" in engine_log.text
+    assert "not held compressed" not in engine_log.text
+    assert assert_greedy_matches(_greedy(llm, prompts), ref, prompts) <= 1
+
+
+def _fp8_rank(rank, world, path, prompts):
+    from test_quantization import _greedy
+
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
+              max_model_len=128, kv_cache_memory_bytes=1 << 22)  # fmt: skip
+    return _greedy(llm, prompts)

@@ -8,7 +8,9 @@ the recurrent state S [d_k, d_v] decays by exp(g), g = -exp(A_log) * softplus(a 
 the delta-rule write S += k (beta (v - S^T k))^T with beta = sigmoid(b), and the output is S^T q,
 RMS-normalised and gated by SiLU(z). Decodes run the recurrent form, prefill chunks the chunked
 form (delta_rule_chunked), both in float32 (a chunk at position 0 starts from a zero state); the
-conv and recurrent states are read from and written back to the sequence's slot.
+conv and recurrent states are read from and written back to the sequence's slot. On the CPU with our
+compiled kernels (layers/recurrent_kernels.py) a step's decodes update their slots in place in one
+call each for the convolution and the delta rule.
 
 Tensor parallelism splits the key heads (with the value heads each serves) like attention heads:
 the fused projections are grouped per key head, so a contiguous row shard is a head group; the
@@ -29,7 +31,25 @@ from expertmesh.distributed.fixed_sum import plain, pointwise
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
+from expertmesh.layers.recurrent_kernels import RecurrentKernels
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
+
+
+def copy_row_parts(param: nn.Parameter, src: Any, parts: tuple[tuple[int, int], ...], what: str) -> None:
+    """Rows [offset, offset + width) of src, part after part, into param's rows. Each part is read on
+    its own, so a source held as codes (block FP8: quantization/held.py) places its scales beside
+    its rows; where read() gives the whole tensor (the one-rank twin's shape check) the parts are
+    cut from it."""
+    pieces = [read(src, 0, offset, width) for offset, width in parts]
+    if any(piece.shape[0] != width for piece, (_, width) in zip(pieces, parts, strict=True)):
+        whole = read(src)
+        value = torch.cat([whole.narrow(0, offset, width) for offset, width in parts])
+        copy_into(param.data, value, what)
+        return
+    row = 0
+    for piece, (_, width) in zip(pieces, parts, strict=True):
+        copy_into(param.data.narrow(0, row, width), piece, what)
+        row += width
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -133,6 +153,9 @@ class RecurrentMixer(nn.Module):
     # through fixed_sum.pointwise, so an element's bits do not follow the batch or this rank's heads.
     pw: Callable = staticmethod(plain)
 
+    recurrent_kernels: RecurrentKernels | None = None  # set by use_cpu_kernels (None: torch path)
+    _conv_w32: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the kernel's float32 weights
+
     def use_fixed_order(self, group: Any) -> None:
         if getattr(group, "fixed_chunks", 0):
             self.pw = self.norm.pw = pointwise
@@ -140,26 +163,61 @@ class RecurrentMixer(nn.Module):
     def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self.conv_state, self.rec_state = tensors
 
-    def scan(self, mixed: torch.Tensor, ctx: ForwardContext, rule: Callable) -> torch.Tensor:
+    def use_cpu_kernels(self, kernels: Any) -> None:
+        """Decode steps on the compiled recurrent kernels (after loading: the conv weights are
+        widened to float32 once here)."""
+        self.recurrent_kernels = RecurrentKernels.bind(kernels)
+        if self.recurrent_kernels is not None:
+            bias = None if self.conv_bias is None else self.conv_bias.detach().float().contiguous()
+            self._conv_w32 = (self.conv_weight.detach().float().contiguous(), bias)
+
+    def _in_place(self, slots: torch.Tensor | None) -> bool:
+        """Whether decodes run on the kernels, on the states in their slots."""
+        return (
+            self.recurrent_kernels is not None
+            and slots is not None
+            and self.conv_state is not None
+            and self.conv_state.dtype == self.rec_state.dtype == torch.float32
+        )
+
+    def scan(
+        self,
+        mixed: torch.Tensor,
+        ctx: ForwardContext,
+        rule: Callable,
+        step: Callable | None = None,
+        chunk_step: Callable | None = None,
+    ) -> torch.Tensor:
         """Conv then `rule(rows, conv output, state) -> output rows` over every sequence of the
-        step: [T, ...] float32 outputs, the states kept in their slots."""
+        step: [T, ...] float32 outputs, the states kept in their slots. With the kernels, the
+        decodes take `step(rows, conv output, slots)` instead, and each prefill chunk
+        `chunk_step(rows, conv output, its one slot)` where given, on the states in their slots."""
         meta, slots = ctx.attn, ctx.state_slots
         outs: list[torch.Tensor] = []
         nd = meta.num_decodes
         if nd:
             rows = slice(0, nd)
             sl = slots[:nd] if slots is not None else None
-            conv = self._conv_state(sl, nd, fresh=False)
-            out, conv = self._conv_decode(mixed[rows], conv)
-            rec = self._rec_state(sl, nd, fresh=False)
-            outs.append(rule(rows, out, rec))
-            self._keep(sl, conv, rec)
+            if step is not None and self._in_place(sl):
+                outs.append(step(rows, self._conv_decode_in_place(mixed[rows], sl), sl))
+            else:
+                conv = self._conv_state(sl, nd, fresh=False)
+                out, conv = self._conv_decode(mixed[rows], conv)
+                rec = self._rec_state(sl, nd, fresh=False)
+                outs.append(rule(rows, out, rec))
+                self._keep(sl, conv, rec)
         for i, chunk in enumerate(meta.prefills):
             rows = chunk.rows
             sl = slots[nd + i : nd + i + 1] if slots is not None else None
             fresh = chunk.context == 0
             conv = self._conv_state(sl, 1, fresh)[0]
             out, conv = self._conv_prefill(mixed[rows], conv)
+            if chunk_step is not None and self._in_place(sl):
+                if fresh:
+                    self.rec_state[sl] = 0.0
+                outs.append(chunk_step(rows, out, sl))
+                self.conv_state[sl] = conv[None]
+                continue
             rec = self._rec_state(sl, 1, fresh)
             outs.append(rule(rows, out, rec))
             self._keep(sl, conv[None], rec)
@@ -184,11 +242,23 @@ class RecurrentMixer(nn.Module):
     def _conv_decode(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One new input per sequence: x [B, C], state [B, C, K-1] -> SiLU(conv) [B, C], new state."""
         w = self.conv_weight
-        window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1)  # [B, C, K]
-        out = (window.float() * w.float()).sum(-1)  # accumulated in float32, rounded once as conv1d is
+        window = torch.cat((state.to(w.dtype), x.to(w.dtype)[:, :, None]), dim=-1).float()  # [B, C, K]
+        w32 = w.float()
+        # accumulated in float32 from the oldest input on, rounded once as conv1d is; the kernel
+        # (conv_step_f32) sums in this order, so both give the same bits
+        out = window[:, :, 0] * w32[:, 0]
+        for j in range(1, self.kernel):
+            out = out + window[:, :, j] * w32[:, j]
         if self.conv_bias is not None:
             out = out + self.conv_bias.float()
-        return self.pw(F.silu, out.to(w.dtype)), window[:, :, 1:].float()
+        return self.pw(F.silu, out.to(w.dtype)), window[:, :, 1:]
+
+    def _conv_decode_in_place(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """_conv_decode on the kernel, the conv states shifted in their slots: SiLU(conv) [B, C]."""
+        w32, b32 = self._conv_w32
+        dtype = self.conv_weight.dtype
+        out = self.recurrent_kernels.conv_step(x.to(dtype), w32, b32, self.conv_state, slots)
+        return self.pw(F.silu, out.to(dtype))
 
     def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk x [L, C] after the state [C, K-1]: SiLU(conv) [L, C] and the last K-1 inputs."""
@@ -263,7 +333,14 @@ class GatedDeltaNet(RecurrentMixer):
         mixed, z, b, a = self._split(x)
         beta = self.pw(torch.sigmoid, b).float()  # in the model dtype, as the reference rounds it
         g = -self.pw(torch.exp, self.A_log.float()) * self.pw(F.softplus, a.float() + self.dt_bias.float())
-        core = self.scan(mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec))
+
+        def in_place(rows: slice, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            kernels, state = self.recurrent_kernels, self.rec_state
+            return kernels.gdn_step(out, self.pw(torch.exp, g[rows]), beta[rows], state, slots, self.nk)
+
+        core = self.scan(
+            mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec), in_place, in_place
+        )
         y = self.norm(core.to(x.dtype), z)
         return self.out_proj(y.reshape(x.shape[0], -1))
 
@@ -300,7 +377,10 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         self.in_proj_a = ColumnParallelLinear(hidden, lin.num_value_heads, False, tp, dtype)
 
     def _load_qkv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        copy_into(param.data, self._qkv_rows(read(src)), "in_proj_qkv weight")
+        kd = self.full.key_dim
+        widths = (self.key_dim, self.key_dim, self.value_dim)
+        parts = tuple((off + self.tp_rank * w, w) for off, w in zip((0, kd, 2 * kd), widths, strict=True))
+        copy_row_parts(param, src, parts, "in_proj_qkv weight")
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]

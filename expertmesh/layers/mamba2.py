@@ -6,7 +6,9 @@ go through the causal depthwise convolution (with bias, SiLU); per head h with i
 C [state size]: dt = softplus(dt + dt_bias), the state [head_dim, state size] decays by
 exp(dt * A), A = -exp(A_log), and takes dt * x_h B^T; the output is state C + D x_h, then
 RMSNorm per group of (output * SiLU(z)) times w, and out_proj. Decodes run this recurrent form,
-prefill chunks the chunked scan (ssd_chunked), both in float32.
+prefill chunks the chunked scan (ssd_chunked), both in float32; on the CPU with our compiled
+kernels (layers/recurrent_kernels.py) decodes and prefill chunks update their states in place in their
+slots (a chunk scanned token by token).
 
 Tensor parallelism splits the heads like attention heads (Mamba2Mixer's docstring): in_proj's
 rows and the conv's channels are gathered per part for this rank, the gated norm sums its
@@ -26,7 +28,7 @@ from expertmesh.config.linear_attention_config import Mamba2Config
 from expertmesh.distributed.fixed_sum import chunk_count, plain, tree_sum
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
-from expertmesh.layers.gated_deltanet import RecurrentMixer
+from expertmesh.layers.gated_deltanet import RecurrentMixer, copy_row_parts
 from expertmesh.layers.linear import ReplicatedLinear, RowParallelLinear
 from expertmesh.layers.weights import copy_into, read, set_loader
 
@@ -198,9 +200,7 @@ class Mamba2Mixer(RecurrentMixer):
     # Each loader reads its source whole, then takes this rank's rows (as the DeltaNet's do), so a
     # one-rank twin's shape check (weights.whole_tensors) sees the same code path.
     def _load_rows(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        whole = read(src)
-        rows = torch.cat([whole.narrow(0, off, width) for off, width in self._in_rows])
-        copy_into(param.data, rows, "in_proj rows of this rank's heads and groups")
+        copy_row_parts(param, src, self._in_rows, "in_proj rows of this rank's heads and groups")
 
     def _load_conv(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
         whole = read(src)
@@ -217,7 +217,13 @@ class Mamba2Mixer(RecurrentMixer):
         lo, hi = m.time_step_limit
         if lo > 0.0 or hi != float("inf"):
             dt = dt.clamp(lo, hi)
-        y = self.scan(xbc, ctx, lambda rows, out, state: self._ssm(out, dt[rows], state))
+        y = self.scan(
+            xbc,
+            ctx,
+            lambda rows, out, state: self._ssm(out, dt[rows], state),
+            lambda rows, out, slots: self._ssm_in_place(out, dt[rows], slots),
+            lambda rows, out, slots: self._ssm_in_place(out, dt[rows], slots),
+        )
         y = self.norm(y.to(x.dtype), z)
         return self.out_proj(y)
 
@@ -240,3 +246,9 @@ class Mamba2Mixer(RecurrentMixer):
             return y.reshape(t, -1)
         y = ssd_chunked(state[0], xs, dt, a, b, c, pw=self.pw)  # one sequence's tokens
         return (y + d * xs).reshape(t, -1)
+
+    def _ssm_in_place(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """_ssm on the kernel (one token per slot, or a prefill chunk's tokens on its one slot,
+        scanned token by token), the states updated in their slots."""
+        decay = self.pw(torch.exp, dt * -self.pw(torch.exp, self.A_log.float()))  # as _ssm computes it
+        return self.recurrent_kernels.ssm_step(xbc, dt, decay, self.D, self.rec_state, slots, self.groups)

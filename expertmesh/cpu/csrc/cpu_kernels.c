@@ -18,6 +18,7 @@
  *   quant_bf16.c       uint4 weights with activations rounded to bf16, on bf16 pairs (kind 6)
  *   quant_dispatch.c   gemm_q / moe_q: the quantized entry points over the tiles above
  *   decode_layers.c    decode steps: whole decoder layers in one call
+ *   recurrent.c        decode steps of the recurrent mixers (Gated DeltaNet, Mamba2) on their states
  */
 #include "common.h"
 
@@ -32,3 +33,4 @@
 #include "quant_bf16.c"
 #include "quant_dispatch.c"
 #include "decode_layers.c"
+#include "recurrent.c"
