@@ -579,9 +579,10 @@ def test_nemotron_h_held_int8_int4_match_the_same_weights_dequantized(
     ref_path = fake_quantized(path, str(tmp_path / "ref"), kind, group, quantized)
     llm = LLM(path, quantization=scheme, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     held = llm.llm_engine.runner.model
-    projections = {n.rsplit(".", 1)[-1]: m.packed for n, m in held.named_modules() if n.endswith("_proj")}
+    modules = held.named_modules()
+    projections = {n.rsplit(".", 1)[-1]: m.weight_form for n, m in modules if n.endswith("_proj")}
     assert sorted(projections) == ["down_proj", "in_proj", "o_proj", "out_proj", "qkv_proj", "up_proj"]
-    (experts,) = [m.packed for n, m in held.named_modules() if n.endswith("mixer.experts")]
+    (experts,) = [m.experts_form.pairs for n, m in held.named_modules() if n.endswith("mixer.experts")]
     # every projection and routed expert (up, down) held as codes; float32 parameters only for what
     # stays unquantized (the router's weight is packed as float)
     assert all(isinstance(p, QuantizedWeight) for p in projections.values())

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import plain
 from expertmesh.layers.gated_deltanet import GatedDeltaNet, RecurrentMixer
 from expertmesh.layers.mamba2 import Mamba2Mixer
 from expertmesh.layers.recurrent_kernels import RecurrentKernels
@@ -71,7 +72,9 @@ def test_conv_step_equals_the_torch_path_bit_for_bit(built, dtype, kernel, bias)
 
 def _gdn(nk: int, nv: int, dk: int, dv: int) -> SimpleNamespace:
     """What GatedDeltaNet._delta reads of its module."""
-    return SimpleNamespace(nk=nk, nv=nv, dk=dk, dv=dv, ratio=nv // nk, key_dim=nk * dk, value_dim=nv * dv)
+    return SimpleNamespace(
+        nk=nk, nv=nv, dk=dk, dv=dv, ratio=nv // nk, key_dim=nk * dk, value_dim=nv * dv, pw=plain
+    )
 
 
 def _gdn_bounds(mixed, decay, beta, state, nk, dk, dv):
@@ -154,6 +157,7 @@ def _mamba(heads: int, head_dim: int, n: int, groups: int, g: torch.Generator) -
     return SimpleNamespace(
         m=SimpleNamespace(head_dim=head_dim, state_size=n), groups=groups, heads=heads,
         inter=heads * head_dim, A_log=torch.rand(heads, generator=g), D=torch.randn(heads, generator=g),
+        pw=plain,
     )  # fmt: skip
 
 

@@ -243,9 +243,9 @@ class Mamba2Mixer(RecurrentMixer):
         if state.shape[0] == t:  # one token per sequence
             state.mul_(decay[:, :, None, None]).add_(dt[:, :, None, None] * xs[..., None] * b[:, :, None, :])
             y = (state * c[:, :, None, :]).sum(-1) + d * xs
-            return y.reshape(t, -1)
+            return y.reshape(t, self.inter)
         y = ssd_chunked(state[0], xs, dt, a, b, c, pw=self.pw)  # one sequence's tokens
-        return (y + d * xs).reshape(t, -1)
+        return (y + d * xs).reshape(t, self.inter)
 
     def _ssm_in_place(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """_ssm on the kernel (one token per slot, or a prefill chunk's tokens on its one slot,
