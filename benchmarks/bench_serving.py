@@ -144,7 +144,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
             res.output_tokens = int(resp.json()["usage"]["completion_tokens"])
             res.ok, res.error = held_to_length(res.output_tokens, body["max_tokens"], "")
             return res
-        chunks, finish = 0, None
+        chunks, texts, finish = 0, 0, None
         async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -156,6 +156,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
                 now = time.perf_counter()
                 if data.get("choices") and (data["choices"][0].get("text") or not data.get("usage")):
                     chunks += 1
+                    texts += bool(data["choices"][0].get("text"))
                     if chunks == 1:
                         res.ttft_s = now - sent
                     else:
@@ -168,8 +169,9 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
         res.latency_s = time.perf_counter() - sent
         if not res.output_tokens:
             # No usage in the stream (llama-cpp-python): a length stop means max_tokens tokens (it
-            # may send several tokens in one chunk, or none for a partial character); else chunks.
-            res.output_tokens = body["max_tokens"] if finish == "length" else chunks
+            # may send several tokens in one chunk, or none for a partial character); else the
+            # chunks that carried text.
+            res.output_tokens = body["max_tokens"] if finish == "length" else texts
         res.ok, res.error = held_to_length(res.output_tokens, body["max_tokens"], finish)
         if not chunks:
             res.ok, res.error = False, "no chunk streamed"
