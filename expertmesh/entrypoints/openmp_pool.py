@@ -2,27 +2,24 @@
 
 GNU OpenMP (libgomp, what torch's Linux wheels and our compiled kernels use) keeps one pool of
 worker threads per thread that opened a parallel region. While it manages more threads than
-there are CPUs, it "throttles": a waiting worker spins about 100 times instead of about 300,000
-before it sleeps in the kernel, so every parallel region of a step starts with a futex wake-up of
-each worker. `expertmesh serve` loads and warms the model on the main thread (one pool), then
-steps it on the engine thread (a second pool): on a 2-core machine that doubles the managed
-threads, and every step ran throttled, about 1.5x slower than the same step of offline
-`generate` (measured: 1.05 s against 0.71 s for a prefill and 16 decode steps at batch 24). Freeing
-the loading thread's pool before the engine thread starts (`omp_pause_resource_all`, OpenMP 5.0)
-leaves one pool, as offline has.
+there are CPUs, it "throttles": a waiting worker spins 100 times instead of 300,000 before it
+sleeps in the kernel, so every parallel region of a step starts with a futex wake-up of each
+worker. `expertmesh serve` loads and warms the model on the main thread (one pool), then steps
+it on the engine thread (a second pool): on a 2-core machine that is more managed threads than
+CPUs, and every served step ran throttled, slower than the same step offline (docs/server.md
+has the measurement). Freeing the loading thread's pool before the engine thread starts
+(`omp_pause_resource_all`, OpenMP 5.0) leaves one pool, as offline has.
 
-Either way a shared, oversubscribed machine is better served by `OMP_WAIT_POLICY=PASSIVE` (no
-spinning at all, offline or served): a worker spinning for a partner that is not scheduled burns
-the time the partner needs.
+On a shared, oversubscribed machine `GOMP_SPINCOUNT` (a few thousand) or `OMP_WAIT_POLICY=PASSIVE`
+protects served and offline runs alike: a worker spinning for a partner that is not scheduled
+burns the time the partner needs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
-log = logging.getLogger("expertmesh")
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the calling thread's pool (libgomp: its threads exit)
 
 
