@@ -142,9 +142,9 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
                 res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 return res
             res.output_tokens = int(resp.json()["usage"]["completion_tokens"])
-            res.ok = True
+            res.ok, res.error = held_to_length(res.output_tokens, body["max_tokens"], "")
             return res
-        chunks, finish = 0, None
+        chunks, texts, finish = 0, 0, None
         async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -156,6 +156,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
                 now = time.perf_counter()
                 if data.get("choices") and (data["choices"][0].get("text") or not data.get("usage")):
                     chunks += 1
+                    texts += bool(data["choices"][0].get("text"))
                     if chunks == 1:
                         res.ttft_s = now - sent
                     else:
@@ -168,19 +169,32 @@ async def one_request(client: httpx.AsyncClient, body: dict, at: float, start: f
         res.latency_s = time.perf_counter() - sent
         if not res.output_tokens:
             # No usage in the stream (llama-cpp-python): a length stop means max_tokens tokens (it
-            # may send several tokens in one chunk, or none for a partial character); else chunks.
-            res.output_tokens = body["max_tokens"] if finish == "length" else chunks
-        res.ok = chunks > 0
-        res.error = "" if res.ok else "no chunk streamed"
+            # may send several tokens in one chunk, or none for a partial character); else the
+            # chunks that carried text.
+            res.output_tokens = body["max_tokens"] if finish == "length" else texts
+        res.ok, res.error = held_to_length(res.output_tokens, body["max_tokens"], finish)
+        if not chunks:
+            res.ok, res.error = False, "no chunk streamed"
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     return res
 
 
+def held_to_length(got: int, asked: int, finish: str | None) -> tuple[bool, str]:
+    """(ok, error): every request asks to be held to its length (ignore_eos or min_tokens), so a
+    shorter answer is a failure, not a fast request (a server that ends requests early, e.g.
+    one that interrupts a stream for the next request, must not look faster)."""
+    if got >= asked:
+        return True, ""
+    return False, f"stopped after {got} of {asked} tokens (finish_reason {finish!r})"
+
+
 def request_body(server: str, job: Job) -> dict:
     body = {"model": "bench", "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0}
     if server == "llama.cpp":
-        body["min_tokens"] = job.max_tokens  # llama-cpp-python has no ignore_eos: EOS is masked until then
+        # llama-cpp-python has no ignore_eos: min_tokens masks EOS (the benchmark GGUFs' only
+        # end-of-generation id) until max_tokens.
+        body["min_tokens"] = job.max_tokens
     else:
         body["ignore_eos"] = True
         body["stream_options"] = {"include_usage": True}
@@ -327,7 +341,10 @@ def server_cmd(args, server: str, port: int) -> tuple[list[str], dict]:
     gguf = gguf_for(args)
     cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", gguf or "", "--port", p]
     cmd += ["--n_ctx", str(args.max_model_len), "--n_threads", str(args.threads), "--model_alias", "bench"]
-    return cmd + ["--n_threads_batch", str(args.threads), "--n_batch", "512"], env
+    cmd += ["--n_threads_batch", str(args.threads), "--n_batch", "512"]
+    # It serves one request at a time, and by default a new request cuts the running one short
+    # (finish "length" after a few tokens): queue them instead, as the other servers do.
+    return cmd + ["--interrupt_requests", "False"], env
 
 
 def available(args, server: str) -> bool:

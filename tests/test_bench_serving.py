@@ -88,3 +88,37 @@ def test_bad_flags_name_themselves(capsys) -> None:
         bs.parse_args(["--workload", "nope"])
     assert "--workload" in capsys.readouterr().err
     assert bs.parse_args(["--quick"]).num_prompts == 24
+
+
+def _sse_server(tokens: int, finish: str, usage: bool):
+    """A mock /v1/completions that streams `tokens` one-token chunks, then `finish`."""
+    import json
+
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        chunks = [{"choices": [{"text": f"t{i}", "finish_reason": None}]} for i in range(tokens)]
+        chunks.append({"choices": [{"text": "", "finish_reason": finish}]})
+        if usage:
+            chunks.append({"choices": [], "usage": {"completion_tokens": tokens}})
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    return httpx.AsyncClient(base_url="http://bench", transport=httpx.MockTransport(handler))
+
+
+@pytest.mark.parametrize("usage", [True, False])  # with usage (vLLM, expertmesh) or without (llama.cpp)
+def test_a_request_stopped_short_is_a_failure(usage: bool) -> None:
+    import asyncio
+
+    async def ask(tokens: int, finish: str) -> bs.Result:
+        async with _sse_server(tokens, finish, usage) as client:
+            body = {"prompt": "x", "max_tokens": 8}
+            return await bs.one_request(client, body, 0.0, 0.0, stream=True)
+
+    full = asyncio.run(ask(8, "length"))
+    assert full.ok and full.output_tokens == 8, full
+    short = asyncio.run(ask(3, "stop"))
+    assert not short.ok and short.output_tokens == 3 and "stopped after 3 of 8" in short.error, short
+    s = bs.summarize([full, short], duration=1.0)
+    assert s["failed"] == 1 and s["output_tok_s"] == 8 and "stopped after 3 of 8" in s["first_error"]

@@ -31,6 +31,7 @@ from expertmesh.engine.client import EngineClient, SeqProgress, StepResult
 from expertmesh.engine.incremental_text import IncrementalText
 from expertmesh.engine.request_checks import as_token_ids
 from expertmesh.entrypoints.metrics import RequestMetrics
+from expertmesh.entrypoints.openmp_pool import release_thread_pool
 from expertmesh.outputs import Logprob, RequestOutput
 from expertmesh.sampling_params import SamplingParams
 
@@ -141,6 +142,10 @@ class AsyncEngine:
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="expertmesh-tokenizer")
         self._local = threading.local()  # each pool thread's own tokenizer
         self._snapshot()
+        # The model was loaded (and warmed) on this thread: free its OpenMP pool, so the engine
+        # thread's is the only one and steps as fast as offline (see openmp_pool.py).
+        if release_thread_pool():
+            log.debug("released the loading thread's OpenMP pool: the engine thread steps with the only one")
         self._thread = threading.Thread(target=self._run, name="expertmesh-engine", daemon=True)
         self._thread.start()
 
