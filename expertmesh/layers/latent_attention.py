@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.cpu import cpu_gemm
 from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.layers.attention import AttentionMetadata, PrefillChunk, prefill_mask
 from expertmesh.layers.cache_spec import KVCacheSpec
@@ -42,6 +43,12 @@ class LatentAttention(nn.Module):
         self.cache = torch.empty(0)  # [num_blocks, block_size, 1, width], set by the runner
         self.kernels: CpuKernels | None = None
         self.absorbed = True
+        # Deterministic mode (MLAAttention sets it from the TP group's fixed_chunks): the expansion's
+        # products go through our packed panels (expand_forms, set by use_cpu_kernels), whose bits
+        # per output do not follow the thread count or this rank's share of the heads, as torch's
+        # BLAS product's do (its blocking of the reduction follows both).
+        self.fixed_order = False
+        self.expand_forms: tuple | None = None
         # kv_b_proj split per head (set_projections): W_UK [H, nope, r] and W_UV [H, v, r].
         self.register_buffer("w_uk", torch.empty(0), persistent=False)
         self.register_buffer("w_uv", torch.empty(0), persistent=False)
@@ -57,6 +64,10 @@ class LatentAttention(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
+        self.expand_forms = None
+        if self.fixed_order and kernels is not None and self.w_uk.numel():
+            forms = tuple(cpu_gemm.pack(w.view(-1, self.rank), kernels) for w in (self.w_uk, self.w_uv))
+            self.expand_forms = forms if None not in forms else None
 
     def set_projections(self, kv_b: torch.Tensor) -> None:
         """kv_b: this rank's kv_b_proj weight [H * (nope + v), r], head by head [k_nope rows; v rows]."""
@@ -153,8 +164,13 @@ class LatentAttention(nn.Module):
     def expand(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [S, r], k_pe [S, rope] -> k [S, H, nope + rope], v [S, H, v]."""
         s, h = c.shape[0], self.num_heads
-        k_nope = F.linear(c, self.w_uk.view(-1, self.rank)).view(s, h, self.nope_dim)
-        v = F.linear(c, self.w_uv.view(-1, self.rank)).view(s, h, self.v_dim)
+        if self.expand_forms is not None:  # deterministic mode: our panels (use_cpu_kernels)
+            uk, uv = self.expand_forms
+            c = c.contiguous()
+            k_nope, v = uk.apply(c).view(s, h, self.nope_dim), uv.apply(c).view(s, h, self.v_dim)
+        else:
+            k_nope = F.linear(c, self.w_uk.view(-1, self.rank)).view(s, h, self.nope_dim)
+            v = F.linear(c, self.w_uv.view(-1, self.rank)).view(s, h, self.v_dim)
         return torch.cat((k_nope, k_pe[:, None, :].expand(s, h, self.rope_dim)), dim=-1), v
 
     def _attend(

@@ -85,6 +85,7 @@ class MLAAttention(nn.Module):
         self.attn = LatentAttention(
             self.heads, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, scale
         )
+        self.attn.fixed_order = bool(getattr(tp, "fixed_chunks", 0))
 
     relaid_after_loading = ("kv_b_proj",)  # the children it takes (quantization/held.py keeps them float)
 
