@@ -18,6 +18,7 @@ import pytest
 import torch
 from distributed_utils import run_distributed
 from expect import kernels_disabled
+from layout_cases import rank_main
 from safetensors.torch import load_file, save_file
 from test_chunked_prefill import assert_same, generate
 from test_real_families import assert_bf16_bound, hf_logprobs, logprob_errors
@@ -398,23 +399,19 @@ def _mine(dp_rank: int, dp_size: int) -> list[int]:
     return [] if dp_rank == dp_size - 1 else list(range(len(LAYOUT_LENGTHS)))[::2]
 
 
-def _rank_main(rank, world, path, layouts):
-    prompts, results = _prompts(LAYOUT_LENGTHS, seed=5), []
-    for dp, tp, ep, backend in layouts:
-        llm = LLM(
-            path, data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep,
-            all2all_backend=backend, distributed_executor_backend="external_launcher", max_model_len=128,
-            kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True,
-        )  # fmt: skip
-        idx = _mine(llm.llm_engine.vllm_config.parallel_config.data_parallel_rank, dp)
-        outs = llm.generate(
-            [{"prompt_token_ids": prompts[i]} for i in idx],
-            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True) for i in idx],
-            use_tqdm=False,
-        )
-        mode = llm.llm_engine.runner.model.model.layers["0"].ffn.plan.mode
-        results.append(((dp, tp, ep, backend), idx, [o.outputs[0].token_ids for o in outs], mode))
-    return results
+ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True)
+
+
+def _run(llm, idx):
+    """This replica's share of the layout prompts: its tokens, and the MoE plan mode that ran."""
+    prompts = _prompts(LAYOUT_LENGTHS, seed=5)
+    outs = llm.generate(
+        [{"prompt_token_ids": prompts[i]} for i in idx],
+        [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True) for i in idx],
+        use_tqdm=False,
+    )
+    mode = llm.llm_engine.runner.model.model.layers["0"].ffn.plan.mode
+    return [o.outputs[0].token_ids for o in outs], mode
 
 
 def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> set[str]:
@@ -429,10 +426,12 @@ def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> set[
             use_tqdm=False,
         )
     ]
+    cases = [(dp, 1, tp, ep, backend) for dp, tp, ep, backend in layouts]
     modes = set()
-    for rank, results in enumerate(run_distributed(_rank_main, world, path, layouts, timeout=timeout)):
-        for layout, idx, tokens, mode in results:
-            assert tokens == [expected[i] for i in idx], f"rank {rank}, (DP, TP, EP, backend) {layout}"
+    per_ranks = run_distributed(rank_main, world, path, cases, ENGINE, _mine, _run, timeout=timeout)
+    for rank, results in enumerate(per_ranks):
+        for case, idx, (tokens, mode) in results:
+            assert tokens == [expected[i] for i in idx], f"rank {rank}, (DP, PP, TP, EP, backend) {case}"
             modes.add(mode)
     return modes
 
