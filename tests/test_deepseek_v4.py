@@ -402,7 +402,7 @@ def _mine(dp_rank: int, dp_size: int) -> list[int]:
 ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True)
 
 
-def _run(llm, idx):
+def _layout_share(llm, idx):
     """This replica's share of the layout prompts: its tokens, and the MoE plan mode that ran."""
     prompts = _prompts(LAYOUT_LENGTHS, seed=5)
     outs = llm.generate(
@@ -428,7 +428,7 @@ def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> set[
     ]
     cases = [(dp, 1, tp, ep, backend) for dp, tp, ep, backend in layouts]
     modes = set()
-    per_ranks = run_distributed(rank_main, world, path, cases, ENGINE, _mine, _run, timeout=timeout)
+    per_ranks = run_distributed(rank_main, world, path, cases, ENGINE, _mine, _layout_share, timeout=timeout)
     for rank, results in enumerate(per_ranks):
         for case, idx, (tokens, mode) in results:
             assert tokens == [expected[i] for i in idx], f"rank {rank}, (DP, PP, TP, EP, backend) {case}"
