@@ -317,3 +317,48 @@ def to_compressed_tensors(src: str, dst: str, ref_dst: str, groups: dict, fmt: s
     _rewrite(src, dst, convert, config)
     _rewrite(src, ref_dst, lambda k, t: {k: dequantized.get(k, t)}, None)
     return dst
+
+
+def to_block_fp8(
+    src: str,
+    dst: str,
+    ref_dst: str,
+    quantization_config: dict,
+    quantized,
+    scale_dtype: torch.dtype = torch.float32,
+    scale_suffix: str = "_scale_inv",
+) -> str:
+    """A publisher's block FP8 written here in plain torch: each tensor for which quantized(key, t)
+    holds as e4m3 with one scale per block of quantization_config's `weight_block_size` (amax / 448;
+    with `scale_fmt: ue8m0` rounded up to a power of two, as DeepSeek-V3.2 / V4 publish), stored as
+    `scale_dtype` (float32; torch.float8_e8m0fnu: the exponent byte) under key + `scale_suffix`
+    (DeepSeek-V4's files say `.scale` for `.weight`); `quantization_config` copied verbatim into the
+    config (a text tower's own: into text_config). `ref_dst` gets the same weights dequantized in
+    fp32 (codes x scale: the reference)."""
+    bo, bi = quantization_config["weight_block_size"]
+    pow2 = quantization_config.get("scale_fmt") == "ue8m0"
+    dequantized = {}
+
+    def convert(key: str, t: torch.Tensor) -> dict:
+        if not quantized(key, t):
+            return {key: t}
+        (o, i), w = t.shape, t.float()
+        go, gi = -(-o // bo), -(-i // bi)
+        padded = torch.zeros(go * bo, gi * bi)
+        padded[:o, :i] = w
+        scale = (padded.view(go, bo, gi, bi).abs().amax((1, 3)) / E4M3_MAX).clamp(min=2.0**-126)
+        if pow2:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+        q = (w / full).to(torch.float8_e4m3fn)
+        dequantized[key] = q.float() * full
+        scale_key = key.removesuffix(".weight") + ".scale" if scale_suffix == ".scale" else key + scale_suffix
+        return {key: q, scale_key: scale.to(scale_dtype)}
+
+    _rewrite(src, dst, convert, None)
+    config_path = os.path.join(dst, "config.json")
+    config = json.load(open(config_path))
+    (config.get("text_config") or config)["quantization_config"] = quantization_config
+    json.dump(config, open(config_path, "w"), indent=1)
+    _rewrite(src, ref_dst, lambda k, t: {k: dequantized.get(k, t)}, None)
+    return dst

@@ -79,13 +79,15 @@ class WeightFormat(Protocol):
     def describe(self) -> str: ...
 
 
-def _quantization(hf: Any, online: str | None) -> WeightFormat | None:
-    """The checkpoint's weight format (its quantization_config) or the online scheme asked for."""
+def _quantization(hf: Any, text: Any, online: str | None) -> WeightFormat | None:
+    """The checkpoint's weight format (its quantization_config, at the top level or in the text
+    tower's config, where Kimi-K2.5 publishes its int4 experts' block) or the online scheme asked for."""
     # The weight formats live with the layers, above config/: imported when a config is built, so
     # importing config/ (engine arguments, --help) does not load them and they may import config/.
     from expertmesh.layers.quantization import resolve
 
-    return resolve(getattr(hf, "quantization_config", None), online)
+    quant = getattr(hf, "quantization_config", None) or getattr(text, "quantization_config", None)
+    return resolve(quant, online)
 
 
 def _first(hf: Any, *names: str, default: Any = None) -> Any:
@@ -236,7 +238,7 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # Llama 4's text tower
-        quant = _quantization(hf, quantization)
+        quant = _quantization(hf, text, quantization)
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         checkpoint_dtype = _first(hf, "dtype", "torch_dtype")

@@ -34,6 +34,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 E4M3_MAX = 448.0
+E4M3_NAMES = ("e4m3", "float8_e4m3fn")
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +61,16 @@ class Fp8Format:
     @classmethod
     def from_config(cls, cfg: dict) -> Fp8Format:
         fmt = cfg.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise ValueError(f"fp8 quantization_config fmt={fmt!r} is not supported; supported: ['e4m3']")
+        if fmt not in E4M3_NAMES:  # MiniMax-M2 spells it as torch does
+            raise ValueError(
+                f"fp8 quantization_config fmt={fmt!r} is not supported; supported: {list(E4M3_NAMES)}"
+            )
+        scale_fmt = cfg.get("scale_fmt")
+        if scale_fmt not in (None, "ue8m0"):
+            raise ValueError(
+                f"fp8 quantization_config scale_fmt={scale_fmt!r} is not supported; supported: ['ue8m0'] "
+                "(or none: float32 scales)"
+            )
         scheme = cfg.get("activation_scheme", "dynamic")
         if scheme != "dynamic":
             raise ValueError(

@@ -1,0 +1,138 @@
+"""The 2026 families' published weight formats (issue 39), written in the publishers' layout from the
+tiny checkpoints of their published configs (every flag kept) and the quantization_config each
+publishes, copied verbatim:
+
+- DeepSeek-V3.2: block FP8 e4m3, 128 x 128, `scale_fmt: ue8m0` (power-of-two scales, stored as
+  float32 `weight_scale_inv`); the lightning indexer's wq_b / wk in FP8, its weights_proj, the
+  routers, embeddings and head in the float dtype, as its inference code declares them;
+- GLM-5: its published config is unquantized; zai-org/GLM-5-FP8's quantization_config is not among
+  the stored configs, so the DeepSeek-V3 block FP8 (float32 scales) it is read as by third-party
+  readers of that checkpoint (attention, indexer wq_b / wk and experts in FP8);
+- MiniMax-M2.5: block FP8 with `fmt: float8_e4m3fn` and `modules_to_not_convert` (router gate, its
+  correction bias, lm_head);
+- Kimi-K2.5: compressed-tensors int4 W4A16 pack-quantized, group 32, its ignore list (attention,
+  shared experts, dense MLPs, lm_head): the routed experts alone are int4.
+
+The hidden width (192) and expert width (160) are not multiples of 128, so FP8 blocks are cut at
+the tensors' edges. Each runs held compressed (codes as stored, checked) and gives transformers'
+greedy tokens and fp32 logprobs (within 2e-4, top 20 every step) on the same weights dequantized
+by the format's definition written here (quantized_checkpoints.to_block_fp8, and the
+compressed-tensors package's own decompressor for Kimi)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from quantized_checkpoints import to_block_fp8, to_compressed_tensors
+from real_checkpoints import Sizes, published
+from test_real_families import FAMILIES, hf_logprobs, hf_model, logprob_errors, prompts_for
+
+from expertmesh import LLM, SamplingParams
+
+WIDE = Sizes(hidden=192, expert_inter=160, dense_inter=320, shared_inter=160)
+FLOAT_IN_DEEPSEEK = ("embed_tokens", "lm_head", "shared_head.head", ".mlp.gate.", "weights_proj")
+
+
+def _deepseek_fp8(key: str, t: torch.Tensor) -> bool:
+    """DeepSeek-V3.2's FP8 tensors: every linear weight but the embeddings, the head, the routers and
+    the indexer's weights_proj (created in the default float dtype by its inference code)."""
+    return key.endswith(".weight") and t.dim() == 2 and not any(f in key for f in FLOAT_IN_DEEPSEEK)
+
+
+def _minimax_fp8(key: str, t: torch.Tensor, not_convert: list[str]) -> bool:
+    """Every linear weight except the modules `modules_to_not_convert` names (a name matches a whole
+    component of the module's path: block_sparse_moe.gate, not gate_proj) and the embeddings."""
+    module = key.removesuffix(".weight")
+    parts = module.split(".")
+    skipped = any(n in parts for n in not_convert) or "embed_tokens" in parts
+    return key.endswith(".weight") and t.dim() == 2 and not skipped
+
+
+GLM5_FP8 = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def _fp8_case(family: str):
+    """(published quantization_config, which tensors are FP8) of an FP8 family."""
+    if family == "glm-5":
+        return GLM5_FP8, _deepseek_fp8
+    config = published(FAMILIES[family][0])["quantization_config"]
+    if family.startswith("minimax"):
+        return config, lambda k, t: _minimax_fp8(k, t, config["modules_to_not_convert"])
+    return config, _deepseek_fp8
+
+
+def _held(llm: LLM) -> int:
+    held = llm.llm_engine.runner.model.held_weights
+    return 0 if held is None else len(held.params)
+
+
+def _assert_reference_tokens(path: str, ref_path: str, prompts: list[list[int]], what: str) -> LLM:
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 23)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    model = hf_model(ref_path)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = hf_logprobs(model, prompt, out.outputs[0].token_ids)
+        where = f"{what}, prompt of {len(prompt)} tokens"
+        assert out.outputs[0].token_ids == ref.argmax(-1).tolist(), where
+        assert logprob_errors(out, ref).max() < 2e-4, where
+    return llm
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("family", ["deepseek-v3.2", "glm-5", "minimax-m2.5"])
+def test_published_fp8_gives_the_dequantized_reference(family, real_checkpoint, tmp_path, engine_log):
+    source, overrides = FAMILIES[family]
+    src = real_checkpoint(source, sizes=WIDE, **overrides)
+    config, quantized = _fp8_case(family)
+    path = to_block_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"), config, quantized)
+    if config.get("scale_fmt") == "ue8m0":  # the scales written are powers of two
+        from safetensors.torch import load_file
+
+        scales = [t for k, t in load_file(next(Path(path).glob("*.safetensors"))).items() if "scale_inv" in k]
+        assert scales and all(torch.equal(s, torch.exp2(torch.log2(s).round())) for s in scales)
+    stored = json.loads(Path(path, "config.json").read_text())["quantization_config"]
+    assert stored == config
+    llm = _assert_reference_tokens(path, str(tmp_path / "ref"), prompts_for(512)[1:5], family)
+    assert _held(llm) > 0
+    assert "held as fp8: e4m3 codes and block scales as stored" in engine_log.text
+
+
+@pytest.mark.timeout(150)
+def test_kimi_k25_int4_experts_give_the_dequantized_reference(real_checkpoint, tmp_path, engine_log):
+    """Kimi-K2.5's published compressed-tensors block (in its text_config) verbatim: the routed
+    experts int4 symmetric in groups of 32, packed 8 a word; everything its ignore list names stays
+    float (checked); the experts held as int4 codes."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    block = published("2026/kimi-k2.5")["text_config"]["quantization_config"]
+    parsed = QuantizationConfig.model_validate(block)
+    groups = {n: (g.targets, g.weights) for n, g in parsed.config_groups.items()}
+    src = real_checkpoint("2026/kimi-k2.5", sizes=WIDE)
+    # The router is a parameter of its own module, not a torch Linear: the "Linear" target misses it.
+    # The published "lm_head" names the text tower's head (language_model.lm_head, published in
+    # bf16); the package's writer matches names whole, so it is said here with its prefix.
+    ignore = [*block["ignore"], "re:.*mlp\\.gate$", "re:.*lm_head$"]
+    path = to_compressed_tensors(
+        src, str(tmp_path / "int4"), str(tmp_path / "ref"), groups, block["format"], ignore
+    )
+    config_path = Path(path, "config.json")
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config")  # the package writes it at the top; Kimi publishes it in text_config
+    config["text_config"]["quantization_config"] = block
+    config_path.write_text(json.dumps(config, indent=1))
+    with safe_open(next(Path(path).glob("*.safetensors")), "pt") as f:
+        packed = {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
+    text = [k for k in packed if k.startswith("language_model.")]
+    others = [k for k in text if not re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$", k)]
+    assert text and not others, others
+    llm = _assert_reference_tokens(path, str(tmp_path / "ref"), prompts_for(512)[1:5], "kimi-k2.5")
+    assert _held(llm) > 0
