@@ -327,19 +327,32 @@ def to_block_fp8(
     quantized,
     scale_dtype: torch.dtype = torch.float32,
     scale_suffix: str = "_scale_inv",
+    fp4=None,
 ) -> str:
     """A publisher's block FP8 written here in plain torch: each tensor for which quantized(key, t)
     holds as e4m3 with one scale per block of quantization_config's `weight_block_size` (amax / 448;
     with `scale_fmt: ue8m0` rounded up to a power of two, as DeepSeek-V3.2 / V4 publish), stored as
     `scale_dtype` (float32; torch.float8_e8m0fnu: the exponent byte) under key + `scale_suffix`
     (DeepSeek-V4's files say `.scale` for `.weight`); `quantization_config` copied verbatim into the
-    config (a text tower's own: into text_config). `ref_dst` gets the same weights dequantized in
+    config (a text tower's own: into text_config). fp4(key, t): DeepSeek-V4's FP4 experts, as
+    transformers' FP8 integration reads them (expert_dtype "fp4"): [O, I / 2] int8, two e2m1 values
+    a byte, the low nibble first, and an e8m0 scale per 32 inputs of a row [O, I / 32] (amax / 6
+    rounded up to a power of two, as mxfp4_blocks). `ref_dst` gets the same weights dequantized in
     fp32 (codes x scale: the reference)."""
     bo, bi = quantization_config["weight_block_size"]
     pow2 = quantization_config.get("scale_fmt") == "ue8m0"
     dequantized = {}
 
+    def scale_key(key: str) -> str:
+        return key.removesuffix(".weight") + ".scale" if scale_suffix == ".scale" else key + scale_suffix
+
     def convert(key: str, t: torch.Tensor) -> dict:
+        if fp4 is not None and fp4(key, t):
+            blocks, exps = mxfp4_blocks(t)  # [O, I / 32, 16], [O, I / 32]
+            lut = E2M1[torch.stack((blocks & 15, blocks >> 4), -1).long()].flatten(-3)  # [O, I]
+            dequantized[key] = lut * torch.exp2(exps.float() - 127).repeat_interleave(32, -1)
+            packed = blocks.flatten(-2).view(torch.int8)
+            return {key: packed, scale_key(key): exps.view(torch.float8_e8m0fnu)}
         if not quantized(key, t):
             return {key: t}
         (o, i), w = t.shape, t.float()
@@ -352,8 +365,7 @@ def to_block_fp8(
         full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
         q = (w / full).to(torch.float8_e4m3fn)
         dequantized[key] = q.float() * full
-        scale_key = key.removesuffix(".weight") + ".scale" if scale_suffix == ".scale" else key + scale_suffix
-        return {key: q, scale_key: scale.to(scale_dtype)}
+        return {key: q, scale_key(key): scale.to(scale_dtype)}
 
     _rewrite(src, dst, convert, None)
     config_path = os.path.join(dst, "config.json")

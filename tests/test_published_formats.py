@@ -136,3 +136,40 @@ def test_kimi_k25_int4_experts_give_the_dequantized_reference(real_checkpoint, t
     assert text and not others, others
     llm = _assert_reference_tokens(path, str(tmp_path / "ref"), prompts_for(512)[1:5], "kimi-k2.5")
     assert _held(llm) > 0
+
+
+V4_FP8 = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
+)
+V4_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+@pytest.mark.timeout(150)
+def test_deepseek_v4_fp8_and_fp4_experts_give_the_dequantized_reference(
+    real_checkpoint, tmp_path, engine_log
+):
+    """DeepSeek-V4-Flash's published names and formats as transformers' FP8 integration reads them
+    (the stored configs say `expert_dtype: fp4` and ue8m0 block FP8, not the tensors' layout):
+    attention (wq_a, wq_b, wkv, wo_a, wo_b), the indexer's wq_b and the shared expert in block FP8
+    with e8m0 scales named `X.scale`; the compressors' wkv / wgate, the indexer's weights_proj, the
+    router, embeddings and head in the float dtype (transformers keeps the first three out of FP8 by
+    name); the routed experts FP4: [O, I / 2] int8 of e2m1 pairs, an e8m0 scale per 32 inputs. The
+    experts are held as fp4 codes, and the tokens and logprobs are transformers' on the dequantized
+    weights, past the window and the indexer's top-k (prompts of 40 and 70 tokens)."""
+    from test_deepseek_v4 import OVERRIDES, SOURCE, published_names
+
+    config = published(SOURCE)["quantization_config"]
+    src = published_names(real_checkpoint(SOURCE, sizes=WIDE, **OVERRIDES), tmp_path / "published")
+    assert json.loads(Path(src, "config.json").read_text())["expert_dtype"] == "fp4"
+    path = to_block_fp8(
+        src, str(tmp_path / "fp8"), str(tmp_path / "ref"), config,
+        lambda k, t: V4_FP8.search(k) is not None, torch.float8_e8m0fnu, ".scale",
+        fp4=lambda k, t: V4_FP4.search(k) is not None,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 40, 70)]
+    llm = _assert_reference_tokens(path, str(tmp_path / "ref"), prompts, "deepseek-v4")
+    held = llm.llm_engine.runner.model.held_weights
+    kinds = {p.kind for p in held.params.values()} if held is not None else set()
+    assert "fp4" in kinds, kinds
+    assert "weights in fp4 (e2m1 two a byte" in engine_log.text

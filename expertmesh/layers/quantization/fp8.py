@@ -12,6 +12,15 @@ their part (nothing is padded). The e4m3 bytes are held as stored, as codes with
 scale per `bi` inputs (layers/quantization/held.py; one scale per row for per-tensor FP8), where the
 kernels take them; a weight a module lays out anew (MLA's kv_b_proj) is dequantized to the model
 dtype at load, and `LLM(quantization="dequantize")` dequantizes every one (logged).
+
+`scale_fmt: ue8m0` (DeepSeek-V3.2, V4): every scale a power of two, stored as float32 (V3.2), as
+e8m0 (`F8_E8M0`) or as its exponent byte (`U8`, 2^(b - 127)); all are read exactly. DeepSeek-V4's
+files name a weight's scale `X.scale` beside `X.weight` (transformers' FP8 integration renames it
+to `weight_scale_inv`) and hold its routed experts in FP4 (`expert_dtype: fp4`, as transformers'
+FP8 integration reads them; the stored configs do not describe the layout): an `I8` / `U8` weight
+[O, I / 2] of two e2m1 values a byte, the low nibble first, with an e8m0 scale per 32 inputs of a
+row [O, I / 32]. Those are held as our fp4 kind with groups of 32 (the codes as stored, the scale
+2^(e - 127) exact in float32), as gpt-oss's MXFP4 experts are.
 """
 
 from __future__ import annotations
@@ -22,11 +31,22 @@ from typing import Any
 
 import torch
 
+from expertmesh.layers.quantization.mxfp4 import E2M1
 from expertmesh.layers.quantization.view import CheckpointView, LogicalTensor
 
 log = logging.getLogger("expertmesh")
 SCALE_SUFFIX = "_scale_inv"
+V4_SCALE = ".scale"  # DeepSeek-V4's name for X.weight's scale: X.scale
 FP8_DTYPES = ("F8_E4M3",)
+FP4_DTYPES = ("I8", "U8")  # two e2m1 values a byte (DeepSeek-V4's experts)
+FP4_GROUP = 32  # inputs per e8m0 scale of an FP4 weight
+
+
+def scale_values(t: torch.Tensor) -> torch.Tensor:
+    """Stored scales as float32: float32 / e8m0 as they are, exponent bytes (uint8) as 2^(b - 127)."""
+    if t.dtype == torch.uint8:
+        return torch.exp2(t.to(torch.float32) - 127)
+    return t.to(torch.float32)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -122,10 +142,10 @@ class Fp8Tensor(LogicalTensor):
         codes = self.weight[o0:o1, i0:i1].view(torch.uint8)
         n, g = o1 - o0, _cdiv(i1 - i0, group)
         if self.block is None:
-            s = self.scale[:].to(torch.float32).reshape(1, 1).expand(n, g)
+            s = scale_values(self.scale[:]).reshape(1, 1).expand(n, g)
         else:
             bo, bi = self.block
-            s = self.scale[o0 // bo : _cdiv(o1, bo), i0 // bi : i0 // bi + g].to(torch.float32)
+            s = scale_values(self.scale[o0 // bo : _cdiv(o1, bo), i0 // bi : i0 // bi + g])
             s = s[torch.arange(o0, o1) // bo - o0 // bo]
         return codes, s, torch.zeros_like(s)
 
@@ -133,12 +153,48 @@ class Fp8Tensor(LogicalTensor):
         (r0, r1), (c0, c1) = bounds
         w = self.weight[r0:r1, c0:c1].to(torch.float32)
         if self.block is None:
-            return w * self.scale[:].to(torch.float32).reshape(())
+            return w * scale_values(self.scale[:]).reshape(())
         bo, bi = self.block
-        s = self.scale[r0 // bo : _cdiv(r1, bo), c0 // bi : _cdiv(c1, bi)].to(torch.float32)
+        s = scale_values(self.scale[r0 // bo : _cdiv(r1, bo), c0 // bi : _cdiv(c1, bi)])
         rows = torch.arange(r0, r1) // bo - r0 // bo
         cols = torch.arange(c0, c1) // bi - c0 // bi
         return w * s[rows][:, cols]
+
+
+class Fp4Tensor(LogicalTensor):
+    """DeepSeek-V4's FP4 weight [O, I]: stored [O, I / 2] bytes of two e2m1 codes (the low nibble
+    first) and an e8m0 scale per 32 inputs of a row [O, I / 32]; held as the fp4 kind as stored."""
+
+    held_kind = ("fp4", FP4_GROUP)
+
+    def __init__(self, key: str, weight: Any, scale: Any) -> None:
+        self.key, self.weight, self.scale, self.base = key, weight, scale, key
+        stored, scale_shape = tuple(weight.get_shape()), tuple(scale.get_shape())
+        self.shape = (stored[0], 2 * stored[1]) if len(stored) == 2 else stored
+        want = (self.shape[0], _cdiv(self.shape[1], FP4_GROUP)) if len(stored) == 2 else None
+        if want is None or self.shape[1] % FP4_GROUP or scale_shape != want:
+            raise ValueError(
+                f"fp4 weight {key!r} {list(stored)} with scale {list(scale_shape)}: want [O, I / 2] "
+                f"bytes (two e2m1 values each) and [O, I / {FP4_GROUP}] e8m0 scales"
+            )
+
+    def codes(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """The e2m1 codes (0-15) of a region, uint8 one a weight."""
+        (o0, o1), (i0, i1) = rows, cols
+        b = self.weight[o0:o1, i0 // 2 : _cdiv(i1, 2)].view(torch.uint8)
+        codes = torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)
+        return codes[:, i0 % 2 : i0 % 2 + i1 - i0]
+
+    def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
+        (o0, o1), (i0, i1) = rows, cols
+        s = scale_values(self.scale[o0:o1, g0 : g0 + _cdiv(i1 - i0, group)])
+        return self.codes(rows, cols).contiguous(), s, torch.zeros_like(s)
+
+    def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        (r0, r1), (c0, c1) = bounds
+        values = torch.tensor(E2M1, dtype=torch.float32)[self.codes((r0, r1), (c0, c1)).long()]
+        s = scale_values(self.scale[r0:r1, c0 // FP4_GROUP : _cdiv(c1, FP4_GROUP)])
+        return values * s[:, torch.arange(c0, c1) // FP4_GROUP - c0 // FP4_GROUP]
 
 
 class Fp8View(CheckpointView):
@@ -153,23 +209,48 @@ class Fp8View(CheckpointView):
                     f"checkpoint tensor {key!r} is a static activation scale; fp8 activation_scheme "
                     "'dynamic' checkpoints have none"
                 )
-            if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] not in self.file_of:
-                raise ValueError(
-                    f"checkpoint tensor {key!r} scales {key[: -len(SCALE_SUFFIX)]!r}, which is absent"
-                )
-        if not any(k.endswith(SCALE_SUFFIX) for k in self.file_of):
+            scaled = self.scaled_by(key)
+            if scaled is not None and scaled not in self.file_of:
+                raise ValueError(f"checkpoint tensor {key!r} scales {scaled!r}, which is absent")
+        fp4 = sum(self.stored_dtype(k) in FP4_DTYPES and self.scale_of(k) is not None for k in self.file_of)
+        if fp4:
+            log.info(
+                "fp8 checkpoint: %d weights in fp4 (e2m1 two a byte, an e8m0 scale per %d inputs: "
+                "DeepSeek-V4's experts), held as fp4 codes as stored",
+                fp4,
+                FP4_GROUP,
+            )
+        if not any(self.scaled_by(k) for k in self.file_of):
             # e.g. DeepSeek's fp8_cast_bf16.py output, which keeps the config's quantization_config
             log.warning(
                 "quantization_config says fp8, but no checkpoint tensor is e4m3: loading them as stored"
             )
 
+    def scaled_by(self, key: str) -> str | None:
+        """The weight a scale tensor scales (X.weight_scale_inv, V4's X.scale -> X.weight), else None."""
+        if key.endswith(SCALE_SUFFIX):
+            return key[: -len(SCALE_SUFFIX)]
+        if key.endswith(V4_SCALE) and key[: -len(V4_SCALE)] + ".weight" in self.file_of:
+            return key[: -len(V4_SCALE)] + ".weight"
+        return None
+
+    def scale_of(self, key: str) -> str | None:
+        """The scale tensor of a weight (X.weight_scale_inv, or V4's X.scale), None if it has none."""
+        names = [key + SCALE_SUFFIX]
+        if key.endswith(".weight"):
+            names.append(key[: -len(".weight")] + V4_SCALE)
+        return next((n for n in names if n in self.file_of), None)
+
     def keys(self) -> list[tuple[str, str]]:
-        return [(k, p) for k, p in super().keys() if not k.endswith(SCALE_SUFFIX)]
+        return [(k, p) for k, p in super().keys() if self.scaled_by(k) is None]
 
     def get_slice(self, key: str) -> Any:
         stored = self.stored(key)
-        if stored.get_dtype() not in FP8_DTYPES:
+        dtype, scale = stored.get_dtype(), self.scale_of(key)
+        if dtype in FP4_DTYPES and scale is not None:
+            return self.serve(key, Fp4Tensor(key, stored, self.stored(scale)))
+        if dtype not in FP8_DTYPES:
             return stored  # norms, embeddings, the router, lm_head: stored in bf16
-        if key + SCALE_SUFFIX not in self.file_of:
+        if scale is None:
             raise ValueError(f"fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} in the checkpoint")
-        return self.serve(key, Fp8Tensor(key, stored, self.stored(key + SCALE_SUFFIX), self.fmt.block))
+        return self.serve(key, Fp8Tensor(key, stored, self.stored(scale), self.fmt.block))
