@@ -7,7 +7,8 @@ of 4 (CSA) and 16 (HCA) tokens, index_topk 12 (the 150-token prompt has 37 entri
 
 The reference is transformers' DeepseekV4ForCausalLM on the same tensors (teacher forced); its own
 generate() agrees with it. Chunked prefill with prefix caching, TP2, DP2 x EP alltoall and
-DP2 x TP2 naive give the one-process tokens.
+DP2 x TP2 naive, PP2 and PP2 x TP2 (the stages hand each other the 4-stream residual) give the
+one-process tokens.
 """
 
 import json
@@ -249,17 +250,16 @@ def test_deepseek_v4_reads_the_published_tensor_names(v4, tmp_path, engine_log):
     assert "by rule 'mtp layer (published as mtp.*" in engine_log.text
 
 
-def _fake_env(first: bool = True):
+def _fake_env():
     class Env:
-        is_first_stage = first
-        is_last_stage = True
+        is_first_stage = is_last_stage = True
 
     return Env()
 
 
 def test_deepseek_v4_refuses_what_it_cannot_serve(v4, tmp_path):
-    """Pipeline parallelism, another scoring_func and MTP drafting are refused by name; a hash table
-    naming an expert that does not exist fails the load naming the tensor."""
+    """Another scoring_func and MTP drafting are refused by name; a hash table naming an expert
+    that does not exist fails the load naming the tensor."""
     from dataclasses import replace
 
     from expertmesh.config import ModelConfig
@@ -267,8 +267,6 @@ def test_deepseek_v4_refuses_what_it_cannot_serve(v4, tmp_path):
     from expertmesh.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     cfg = ModelConfig.from_hf(load_hf_config(v4))
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
-        DeepseekV4ForCausalLM(cfg, _fake_env(first=False))
     softmax = replace(cfg, compressed=replace(cfg.compressed, scoring_func="softmax"))
     with pytest.raises(ValueError, match="scoring_func='softmax' is not supported"):
         DeepseekV4ForCausalLM(softmax, _fake_env())
@@ -410,12 +408,13 @@ def _layout_share(llm, idx):
         [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True) for i in idx],
         use_tqdm=False,
     )
-    mode = llm.llm_engine.runner.model.model.layers["0"].ffn.plan.mode
-    return [o.outputs[0].token_ids for o in outs], mode
+    layers = llm.llm_engine.runner.model.model.layers
+    return [o.outputs[0].token_ids for o in outs], next(iter(layers.values())).ffn.plan.mode
 
 
-def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> set[str]:
-    """Every layout's tokens on every rank equal one process's; the MoE plan modes that ran."""
+def _check_layouts(path: str, world: int, layouts: list, timeout: float, pp: int = 1) -> set[str]:
+    """Every layout's tokens on every rank equal one process's (`pp` pipeline stages); the MoE plan
+    modes that ran."""
     prompts = _prompts(LAYOUT_LENGTHS, seed=5)
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     expected = [
@@ -426,7 +425,7 @@ def _check_layouts(path: str, world: int, layouts: list, timeout: float) -> set[
             use_tqdm=False,
         )
     ]
-    cases = [(dp, 1, tp, ep, backend) for dp, tp, ep, backend in layouts]
+    cases = [(dp, pp, tp, ep, backend) for dp, tp, ep, backend in layouts]
     modes = set()
     per_ranks = run_distributed(rank_main, world, path, cases, ENGINE, _mine, _layout_share, timeout=timeout)
     for rank, results in enumerate(per_ranks):
@@ -456,3 +455,18 @@ def test_deepseek_v4_dp2_tp2_naive_and_ep_alltoall_equal_one_process(v4):
     the one-process tokens on every rank."""
     modes = _check_layouts(v4, 4, [(2, 2, False, "naive"), (2, 2, True, "alltoall")], timeout=280)
     assert modes == {"dp_tp", "ep_sp"}
+
+
+@pytest.mark.timeout(120)
+def test_deepseek_v4_pp2_equals_one_process(v4):
+    """Pipeline stages hand each other the 4-stream residual ([T, 4, hidden]): with PP2 the first
+    stage runs the two sliding layers, the second the compressed sparse and heavily compressed ones
+    (the hash-routed layers on both); every rank returns the one-process tokens."""
+    _check_layouts(v4, 2, [(1, 1, False, "naive")], timeout=100, pp=2)
+
+
+@pytest.mark.timeout(150)
+def test_deepseek_v4_pp2_tp2_equals_one_process(v4):
+    """PP2 x TP2, with and without EP over alltoall: the one-process tokens on every rank."""
+    layouts = [(1, 2, False, "naive"), (1, 2, True, "alltoall")]
+    assert _check_layouts(v4, 4, layouts, timeout=130, pp=2) == {"tp", "ep"}

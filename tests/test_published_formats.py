@@ -173,3 +173,57 @@ def test_deepseek_v4_fp8_and_fp4_experts_give_the_dequantized_reference(
     kinds = {p.kind for p in held.params.values()} if held is not None else set()
     assert "fp4" in kinds, kinds
     assert "weights in fp4 (e2m1 two a byte" in engine_log.text
+
+
+def test_fp8_scales_in_every_stored_form_and_fp4_read_exactly(tmp_path):
+    """The same power-of-two block scales stored as float32, e8m0 and exponent bytes (U8) read to
+    the same weight, codes x scale; an FP4 weight ([O, I / 2] int8, an e8m0 scale per 32 inputs)
+    reads to its e2m1 values x scale, whole and in slices that start on an odd input (a byte's
+    high nibble); the format refuses an unknown fmt / scale_fmt and an FP4 scale of the wrong
+    shape, naming them."""
+    from quantized_checkpoints import E2M1
+    from safetensors.torch import save_file
+
+    from expertmesh.layers.quantization.fp8 import Fp8Format
+    from expertmesh.models.tensor_file import TensorFile
+
+    g = torch.Generator().manual_seed(0)
+    codes = (torch.randn(200, 150, generator=g) * 50).to(torch.float8_e4m3fn)
+    exps = torch.randint(120, 134, (2, 2), generator=g, dtype=torch.uint8)
+    fp4 = torch.randint(0, 256, (6, 32), generator=g, dtype=torch.uint8)  # [6, 64] e2m1 values
+    fp4_exps = torch.randint(120, 134, (6, 2), generator=g, dtype=torch.uint8)
+    tensors = {
+        "f32.weight": codes, "f32.weight_scale_inv": torch.exp2(exps.float() - 127),
+        "e8m0.weight": codes, "e8m0.weight_scale_inv": exps.view(torch.float8_e8m0fnu),
+        "u8.weight": codes, "u8.weight_scale_inv": exps,
+        "v4.weight": codes, "v4.scale": exps.view(torch.float8_e8m0fnu),
+        "fp4.weight": fp4.view(torch.int8), "fp4.scale": fp4_exps.view(torch.float8_e8m0fnu),
+        "bad4.weight": fp4.view(torch.int8), "bad4.scale": fp4_exps[:, :1].clone().view(torch.float8_e8m0fnu),
+    }  # fmt: skip
+    save_file({k: t.clone() for k, t in tensors.items()}, tmp_path / "w.safetensors")
+    fmt = Fp8Format.from_config(
+        {"quant_method": "fp8", "fmt": "float8_e4m3fn", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    )
+    with TensorFile(str(tmp_path / "w.safetensors")) as f:
+        view = fmt.view({"w": f})
+        assert sorted(k for k, _ in view.keys()) == sorted(k for k in tensors if k.endswith(".weight"))
+        full = (
+            torch.exp2(exps.float() - 127).repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :150]
+        )
+        for name in ("f32", "e8m0", "u8", "v4"):
+            w = view.get_slice(f"{name}.weight")
+            assert torch.equal(w[:, :], codes.float() * full), name
+            assert torch.equal(w[100:170, 60:140], (codes.float() * full)[100:170, 60:140]), name
+        values = E2M1[torch.stack((fp4 & 15, fp4 >> 4), -1).long()].flatten(-2)
+        expected = values * torch.exp2(fp4_exps.float() - 127).repeat_interleave(32, 1)
+        w = view.get_slice("fp4.weight")
+        assert w.get_shape() == [6, 64] and w.held_kind == ("fp4", 32)
+        assert torch.equal(w[:, :], expected) and torch.equal(w[1:5, 33:61], expected[1:5, 33:61])
+        with pytest.raises(ValueError, match=r"fp4 weight 'bad4.weight' \[6, 32\] with scale \[6, 1\]"):
+            view.get_slice("bad4.weight")
+    with pytest.raises(ValueError, match=r"scale_fmt='ue4m3' is not supported"):
+        Fp8Format.from_config({"quant_method": "fp8", "scale_fmt": "ue4m3"})
+    with pytest.raises(
+        ValueError, match=r"fmt='e5m2' is not supported; supported: \['e4m3', 'float8_e4m3fn'\]"
+    ):
+        Fp8Format.from_config({"quant_method": "fp8", "fmt": "e5m2"})

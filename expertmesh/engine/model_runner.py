@@ -259,12 +259,10 @@ class ModelRunner:
                 return logits
         hidden = None
         if pp.rank_in_group > 0:
-            hidden = pp.recv(
-                torch.empty(
-                    ids.shape[0], self.config.model_config.hidden_size, dtype=self.config.model_config.dtype
-                ),
-                pp.rank_in_group - 1,
-            )
+            mc = self.config.model_config
+            # per token: the hidden state, or the model's whole residual (DeepSeek-V4: hc_mult streams)
+            shape = getattr(self.model, "stage_shape", (mc.hidden_size,))
+            hidden = pp.recv(torch.empty(ids.shape[0], *shape, dtype=mc.dtype), pp.rank_in_group - 1)
         hidden = self.model(ids, pos, ctx, hidden)
         if self.keep_hidden:  # the last stage: what the MTP layer reads at these positions
             self.hidden.write(ctx.attn.slot_mapping, hidden)

@@ -113,20 +113,21 @@ class DeepseekV4Layer(nn.Module):
 class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: ModelConfig, family: Family, env: Any) -> None:
         super().__init__()
-        if not (env.is_first_stage and env.is_last_stage):
-            raise ValueError(
-                f"{cfg.architecture}: pipeline parallelism is not supported (its hyper-connection residual "
-                f"is hc_mult={cfg.compressed.hc_mult} x hidden values a token between stages); use TP, DP, EP"
-            )
         if not cfg.is_moe:
             raise ValueError(f"{cfg.architecture}: the config has no routed experts")
         c, tp = cfg.compressed, env.groups.tp
         self.hc = c.hc_mult
         self.layer_range = env.layer_range
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype)
+        # Pipeline stages hand each other the whole residual, [T, hc_mult, hidden] (stage_shape);
+        # the embedding lives on the first stage, the final norm and the head on the last. hc_head
+        # (hc x hc x hidden float32 values) is kept on every stage so that the loader finds it.
+        self.first, self.last = env.is_first_stage, env.is_last_stage
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype) if self.first else None
+        )
         self.layers = nn.ModuleDict({str(i): DeepseekV4Layer(cfg, i, family, env) for i in self.layer_range})
         self.hc_head = HyperHead(c.hc_mult, cfg.hidden_size, c.hc_eps, cfg.norm_eps)
-        self.norm = Float32RMSNorm(cfg.hidden_size, cfg.norm_eps, torch.float32)
+        self.norm = Float32RMSNorm(cfg.hidden_size, cfg.norm_eps, torch.float32) if self.last else None
         self.native = None  # no native decode form
 
     def forward(
@@ -136,12 +137,14 @@ class DeepseekV4Model(nn.Module):
         hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> torch.Tensor:
-        ctx.input_ids = input_ids  # the hash-routed layers choose experts by token id
-        x = self.embed_tokens(input_ids)
-        x = x.unsqueeze(1).expand(-1, self.hc, -1).contiguous()  # [T, hc, D]
+        ctx.input_ids = input_ids  # the hash-routed layers choose experts by token id (every stage)
+        if self.first:
+            x = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc, -1).contiguous()  # [T, hc, D]
+        else:
+            x = hidden  # the previous stage's streams
         for layer in self.layers.values():
             x = layer(positions, x, ctx)
-        return self.norm(self.hc_head(x))
+        return self.norm(self.hc_head(x)) if self.last else x
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -165,4 +168,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             )
         self.cfg = cfg
         self.model = DeepseekV4Model(cfg, self.family, env)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, env.groups.tp, cfg.dtype)
+        self.lm_head = None
+        if env.is_last_stage:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, env.groups.tp, cfg.dtype)
+        self.stage_shape = (cfg.compressed.hc_mult, cfg.hidden_size)  # what a pipeline stage hands the next
