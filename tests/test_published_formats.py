@@ -86,13 +86,19 @@ def _assert_reference_tokens(path: str, ref_path: str, prompts: list[list[int]],
     return llm
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("family", ["deepseek-v3.2", "glm-5", "minimax-m2.5"])
-def test_published_fp8_gives_the_dequantized_reference(family, real_checkpoint, tmp_path, engine_log):
+def _fp8_checkpoint(family: str, real_checkpoint, out: Path) -> str:
+    """The family's tiny checkpoint in its published FP8 (out / "fp8"; its reference: out / "ref")."""
     source, overrides = FAMILIES[family]
     src = real_checkpoint(source, sizes=WIDE, **overrides)
     config, quantized = _fp8_case(family)
-    path = to_block_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "ref"), config, quantized)
+    return to_block_fp8(src, str(out / "fp8"), str(out / "ref"), config, quantized)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("family", ["deepseek-v3.2", "glm-5", "minimax-m2.5"])
+def test_published_fp8_gives_the_dequantized_reference(family, real_checkpoint, tmp_path, engine_log):
+    config, _ = _fp8_case(family)
+    path = _fp8_checkpoint(family, real_checkpoint, tmp_path)
     if config.get("scale_fmt") == "ue8m0":  # the scales written are powers of two
         from safetensors.torch import load_file
 
@@ -110,8 +116,21 @@ def test_kimi_k25_int4_experts_give_the_dequantized_reference(real_checkpoint, t
     """Kimi-K2.5's published compressed-tensors block (in its text_config) verbatim: the routed
     experts int4 symmetric in groups of 32, packed 8 a word; everything its ignore list names stays
     float (checked); the experts held as int4 codes."""
-    from compressed_tensors.quantization import QuantizationConfig
     from safetensors import safe_open
+
+    path = _kimi_checkpoint(real_checkpoint, tmp_path)
+    with safe_open(next(Path(path).glob("*.safetensors")), "pt") as f:
+        packed = {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
+    text = [k for k in packed if k.startswith("language_model.")]
+    others = [k for k in text if not re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$", k)]
+    assert text and not others, others
+    llm = _assert_reference_tokens(path, str(tmp_path / "ref"), prompts_for(512)[1:5], "kimi-k2.5")
+    assert _held(llm) > 0
+
+
+def _kimi_checkpoint(real_checkpoint, out: Path) -> str:
+    """Kimi-K2.5's tiny checkpoint with int4 experts (out / "int4"; its reference: out / "ref")."""
+    from compressed_tensors.quantization import QuantizationConfig
 
     block = published("2026/kimi-k2.5")["text_config"]["quantization_config"]
     parsed = QuantizationConfig.model_validate(block)
@@ -121,21 +140,13 @@ def test_kimi_k25_int4_experts_give_the_dequantized_reference(real_checkpoint, t
     # The published "lm_head" names the text tower's head (language_model.lm_head, published in
     # bf16); the package's writer matches names whole, so it is said here with its prefix.
     ignore = [*block["ignore"], "re:.*mlp\\.gate$", "re:.*lm_head$"]
-    path = to_compressed_tensors(
-        src, str(tmp_path / "int4"), str(tmp_path / "ref"), groups, block["format"], ignore
-    )
+    path = to_compressed_tensors(src, str(out / "int4"), str(out / "ref"), groups, block["format"], ignore)
     config_path = Path(path, "config.json")
     config = json.loads(config_path.read_text())
     config.pop("quantization_config")  # the package writes it at the top; Kimi publishes it in text_config
     config["text_config"]["quantization_config"] = block
     config_path.write_text(json.dumps(config, indent=1))
-    with safe_open(next(Path(path).glob("*.safetensors")), "pt") as f:
-        packed = {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
-    text = [k for k in packed if k.startswith("language_model.")]
-    others = [k for k in text if not re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$", k)]
-    assert text and not others, others
-    llm = _assert_reference_tokens(path, str(tmp_path / "ref"), prompts_for(512)[1:5], "kimi-k2.5")
-    assert _held(llm) > 0
+    return path
 
 
 V4_FP8 = re.compile(
@@ -156,16 +167,8 @@ def test_deepseek_v4_fp8_and_fp4_experts_give_the_dequantized_reference(
     name); the routed experts FP4: [O, I / 2] int8 of e2m1 pairs, an e8m0 scale per 32 inputs. The
     experts are held as fp4 codes, and the tokens and logprobs are transformers' on the dequantized
     weights, past the window and the indexer's top-k (prompts of 40 and 70 tokens)."""
-    from test_deepseek_v4 import OVERRIDES, SOURCE, published_names
-
-    config = published(SOURCE)["quantization_config"]
-    src = published_names(real_checkpoint(SOURCE, sizes=WIDE, **OVERRIDES), tmp_path / "published")
-    assert json.loads(Path(src, "config.json").read_text())["expert_dtype"] == "fp4"
-    path = to_block_fp8(
-        src, str(tmp_path / "fp8"), str(tmp_path / "ref"), config,
-        lambda k, t: V4_FP8.search(k) is not None, torch.float8_e8m0fnu, ".scale",
-        fp4=lambda k, t: V4_FP4.search(k) is not None,
-    )  # fmt: skip
+    path = _v4_checkpoint(real_checkpoint, tmp_path)
+    assert json.loads(Path(path, "config.json").read_text())["expert_dtype"] == "fp4"
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 40, 70)]
     llm = _assert_reference_tokens(path, str(tmp_path / "ref"), prompts, "deepseek-v4")
@@ -173,6 +176,20 @@ def test_deepseek_v4_fp8_and_fp4_experts_give_the_dequantized_reference(
     kinds = {p.kind for p in held.params.values()} if held is not None else set()
     assert "fp4" in kinds, kinds
     assert "weights in fp4 (e2m1 two a byte" in engine_log.text
+
+
+def _v4_checkpoint(real_checkpoint, out: Path) -> str:
+    """DeepSeek-V4-Flash's tiny checkpoint in its published names and formats (out / "fp8"; its
+    reference: out / "ref")."""
+    from test_deepseek_v4 import OVERRIDES, SOURCE, published_names
+
+    config = published(SOURCE)["quantization_config"]
+    src = published_names(real_checkpoint(SOURCE, sizes=WIDE, **OVERRIDES), out / "published")
+    return to_block_fp8(
+        src, str(out / "fp8"), str(out / "ref"), config,
+        lambda k, t: V4_FP8.search(k) is not None, torch.float8_e8m0fnu, ".scale",
+        fp4=lambda k, t: V4_FP4.search(k) is not None,
+    )  # fmt: skip
 
 
 def test_fp8_scales_in_every_stored_form_and_fp4_read_exactly(tmp_path):
@@ -227,3 +244,58 @@ def test_fp8_scales_in_every_stored_form_and_fp4_read_exactly(tmp_path):
         ValueError, match=r"fmt='e5m2' is not supported; supported: \['e4m3', 'float8_e4m3fn'\]"
     ):
         Fp8Format.from_config({"quant_method": "fp8", "fmt": "e5m2"})
+
+
+# ---- layouts (slow) ----------------------------------------------------------------------------
+PUBLISHED_LAYOUTS = [(1, 2, 2, False, "naive"), (2, 1, 2, True, "alltoall")]  # (DP, PP, TP, EP, backend)
+LAYOUT_PROMPT_LENGTHS = [5, 40, 9, 70]
+
+
+def _layout_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in LAYOUT_PROMPT_LENGTHS]
+
+
+def _replica_share(dp_rank: int, dp_size: int) -> list[int]:
+    """Uneven: the first DP replica takes prompts 0 and 2, the last one the rest."""
+    everything = list(range(len(LAYOUT_PROMPT_LENGTHS)))
+    return everything if dp_size == 1 else everything[dp_rank::dp_size]
+
+
+def _replica_tokens(llm: LLM, idx: list[int]) -> list[list[int]]:
+    prompts = _layout_prompts()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _published_layouts_rank(rank: int, world: int, paths: list[str]) -> list:
+    from layout_cases import rank_main
+
+    engine = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True)
+    return [
+        rank_main(rank, world, p, PUBLISHED_LAYOUTS, engine, _replica_share, _replica_tokens) for p in paths
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_published_formats_pp2_tp2_and_dp2_tp2_ep_equal_one_process(real_checkpoint, tmp_path):
+    """The published-format checkpoints of DeepSeek-V3.2 (FP8), Kimi-K2.5 (int4 experts) and
+    DeepSeek-V4 (FP8 + FP4 experts, its 4-stream residual between stages) under PP2 x TP2 and
+    DP2 x TP2 with EP over alltoall: every rank's tokens equal one process on the same files."""
+    from distributed_utils import run_distributed
+
+    paths = [
+        _fp8_checkpoint("deepseek-v3.2", real_checkpoint, tmp_path / "v32"),
+        _kimi_checkpoint(real_checkpoint, tmp_path / "kimi"),
+        _v4_checkpoint(real_checkpoint, tmp_path / "v4"),
+    ]
+    expected = {}
+    for path in paths:
+        llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+        expected[path] = _replica_tokens(llm, list(range(len(LAYOUT_PROMPT_LENGTHS))))
+    for rank, per_path in enumerate(run_distributed(_published_layouts_rank, 4, paths, timeout=380)):
+        for path, results in zip(paths, per_path, strict=True):
+            for case, idx, tokens in results:
+                assert tokens == [expected[path][i] for i in idx], f"rank {rank}, {path}, {case}"
