@@ -216,6 +216,7 @@ def test_fp8_scales_in_every_stored_form_and_fp4_read_exactly(tmp_path):
         "v4.weight": codes, "v4.scale": exps.view(torch.float8_e8m0fnu),
         "fp4.weight": fp4.view(torch.int8), "fp4.scale": fp4_exps.view(torch.float8_e8m0fnu),
         "bad4.weight": fp4.view(torch.int8), "bad4.scale": fp4_exps[:, :1].clone().view(torch.float8_e8m0fnu),
+        "unscaled.weight": fp4.view(torch.int8),
     }  # fmt: skip
     save_file({k: t.clone() for k, t in tensors.items()}, tmp_path / "w.safetensors")
     fmt = Fp8Format.from_config(
@@ -238,6 +239,8 @@ def test_fp8_scales_in_every_stored_form_and_fp4_read_exactly(tmp_path):
         assert torch.equal(w[:, :], expected) and torch.equal(w[1:5, 33:61], expected[1:5, 33:61])
         with pytest.raises(ValueError, match=r"fp4 weight 'bad4.weight' \[6, 32\] with scale \[6, 1\]"):
             view.get_slice("bad4.weight")
+        with pytest.raises(ValueError, match=r"fp4 weight 'unscaled.weight' \(I8\) has no 'unscaled.scale'"):
+            view.get_slice("unscaled.weight")
     with pytest.raises(ValueError, match=r"scale_fmt='ue4m3' is not supported"):
         Fp8Format.from_config({"quant_method": "fp8", "scale_fmt": "ue4m3"})
     with pytest.raises(

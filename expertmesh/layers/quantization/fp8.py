@@ -247,7 +247,9 @@ class Fp8View(CheckpointView):
     def get_slice(self, key: str) -> Any:
         stored = self.stored(key)
         dtype, scale = stored.get_dtype(), self.scale_of(key)
-        if dtype in FP4_DTYPES and scale is not None:
+        if dtype in FP4_DTYPES and key.endswith(".weight"):
+            if scale is None:  # read as plain integers it would load as garbage
+                raise ValueError(f"fp4 weight {key!r} ({dtype}) has no {key[: -len('weight')] + 'scale'!r}")
             return self.serve(key, Fp4Tensor(key, stored, self.stored(scale)))
         if dtype not in FP8_DTYPES:
             return stored  # norms, embeddings, the router, lm_head: stored in bf16
