@@ -284,13 +284,18 @@ def _published_layouts_rank(rank: int, world: int, paths: list[str]) -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_published_formats_pp2_tp2_and_dp2_tp2_ep_equal_one_process(real_checkpoint, tmp_path):
-    """The published-format checkpoints of DeepSeek-V3.2 (FP8), Kimi-K2.5 (int4 experts) and
-    DeepSeek-V4 (FP8 + FP4 experts, its 4-stream residual between stages) under PP2 x TP2 and
-    DP2 x TP2 with EP over alltoall: every rank's tokens equal one process on the same files."""
+    """The published-format checkpoints of DeepSeek-V3.2, GLM-5 and MiniMax-M2.5 (FP8), Kimi-K2.5
+    (int4 experts) and DeepSeek-V4 (FP8 + FP4 experts, its 4-stream residual between stages) under
+    PP2 x TP2 and DP2 x TP2 with EP over alltoall: every rank's tokens equal one process on the
+    same files (a TP slice of the FP4 experts' 160 inputs cuts their 32-groups: dequantized at
+    load there, held under EP)."""
     from distributed_utils import run_distributed
 
     paths = [
-        _fp8_checkpoint("deepseek-v3.2", real_checkpoint, tmp_path / "v32"),
+        *(
+            _fp8_checkpoint(f, real_checkpoint, tmp_path / f)
+            for f in ("deepseek-v3.2", "glm-5", "minimax-m2.5")
+        ),
         _kimi_checkpoint(real_checkpoint, tmp_path / "kimi"),
         _v4_checkpoint(real_checkpoint, tmp_path / "v4"),
     ]
