@@ -24,10 +24,8 @@
  * not stay cached between steps), a few hundred bytes a token in blocks scattered over the cache,
  * and waited on those loads (perf: most of its samples on the row loads). Each row is prefetched
  * this many tokens ahead (its block looked up; 0: none), and a task's first rows of K and V before
- * its loops (KV_PF_INITIAL). Measured on Zen 5, one thread, 32 sequences of 40-90 tokens, 8 / 4
- * heads of 64, a 256 MB cache (cold, random blocks), three alternated processes: bf16 530-590 us a
- * call without, 335-385 with 8 ahead (4: 360-383, 16: 330-348), 323-340 with the first rows too;
- * float32 626-648 without, 328-403 with both. */
+ * its loops (KV_PF_INITIAL). Both cut the call's time by about a third to a half, 8 tokens being
+ * the best of 4, 8 and 16 (docs/benchmarks.md, "Kernel figures"). */
 #ifndef KV_PF_TOKENS
 #define KV_PF_TOKENS 8
 #endif
@@ -197,9 +195,9 @@ static inline __m512 df_hsum16(const float* v) {
   }
 #define LOAD_bf16(v) bf16_to_f32(v)
 DEFINE_DECODE_FAST(bf16, bf16_t, df_row_bf16, f32_to_bf16)
-/* bf16 only: float32 rows (1 KB a token at 4 x 64) measured 0.88-0.95x the generic task from
- * memory, 1.0-1.14x from the L3; bf16 1.3-1.6x and 1.7x (paged_decode, 32 sequences of 140-160
- * tokens, 8 / 4 heads of 64, alternated runs). D as a constant so the row loops unroll. */
+/* bf16 only: on float32 rows (1 KB a token at 4 x 64) this task was no faster than the generic one
+ * from memory, on bf16 rows clearly faster (docs/benchmarks.md, "Kernel figures"). D as a constant so the row loops
+ * unroll. */
 #define DECODE_FAST_bf16(q, kc, vc, tb, len, o, H, Hk, h0, h1, g0, g1, D, Dv, heads, ...)            \
   (D == Dv && (D == 64 || D == 128) && (heads) <= DF_HEADS                                         \
        ? ((D) == 64 ? decode_fast_bf16(q, kc, vc, tb, len, o, H, Hk, h0, h1, g0, g1, 64, __VA_ARGS__) \

@@ -9,9 +9,9 @@
  * afterwards (in both kinds: q is not scaled, and so not rounded, first).
  * Values: the probabilities rounded to bf16 (as torch's CPU flash kernel does for bf16), V as pairs
  * over keys, Vt [PF_KEYS / 2, Dp] of (v[2i][d], v[2i + 1][d]); l sums the rounded probabilities,
- * so the weights still sum to 1. Against float32 probabilities (widened V, FMAs): 1.3-1.5x the
- * speed at 2,000 tokens; the error against a float32 reference 1.1-1.25x the bf16 output's own
- * rounding instead of 1.0x (tests/test_prefill_kernel.py). */
+ * so the weights still sum to 1. Faster than float32 probabilities (widened V, FMAs), for an error
+ * against a float32 reference a little above the bf16 output's own rounding
+ * (tests/test_prefill_kernel.py bounds it; docs/benchmarks.md, "Kernel figures"). */
 #if defined(__AVX512BF16__) && PF_LANES == 16
 
 static inline int64_t pf_pairs_width(int64_t D) { return (D + 1) / 2; }

@@ -40,8 +40,8 @@ typedef float pf_vu __attribute__((vector_size(PF_LANES * 4), aligned(4)));
 
 /* PF_NQ query vectors at a time, each against 4 vectors of keys (scores) or of D (values): AVX2's
  * 16 registers hold 3 x 4 accumulators, a loaded vector and a broadcast; AVX-512's 32 hold 6 x 4
- * (its FMAs broadcast x from memory). Measured with 6 on AVX-512 (benchmarks/attention_bench.py,
- * Zen 5, 2,000 tokens): 1.2-1.4x the 3-vector tiles. A missing vector at the end is passed as a
+ * (its FMAs broadcast x from memory): 6 on AVX-512 is faster than the 3-vector tiles
+ * (docs/benchmarks.md, "Kernel figures"). A missing vector at the end is passed as a
  * repeat of the first (the same values computed and stored twice). */
 #if PF_LANES == 16
 #define PF_NQ 6

@@ -36,7 +36,8 @@ DEFINE_QGEMM(3)
  * each (panel, input) once and multiplies it into every row of the tile: the decode is neither paid
  * once per 4 rows (the group-folded tiles before) nor written to a buffer and read back (qrows' panel
  * buffer). An expert of a batch-32 step has ~8 rows: one 8 x 1 tile decodes each weight once for
- * 8 FMAs (the buffer path measured 0.63-0.66x the float32 GEMM at 8 rows, these 0.77-1.03x). Every output is the float32 tiles' FMA chain over
+ * 8 FMAs (faster than the buffer path at 8 rows: docs/benchmarks.md, "Kernel figures"). Every output is the float32
+ * tiles' FMA chain over
  * the dequantized panel (acc += W * x over the inputs in order, then the bias), so a row's result is
  * bit for bit the panel-buffer path's, whatever tile or row count computed it. */
 #define QW_ACC 12
@@ -54,7 +55,7 @@ static inline int qw_tile_rows(int64_t left) {
 /* x's rows [r0, r1) in the wide tiles' order: a tile of n rows from row r stored [input][n] at
  * xt + r * I, so its broadcasts are one stream. Read row-major, a tile's rows are I floats apart: at
  * I = 1,024 (4 KB) 7-12 of them share one L1 set of 8 ways, and the tiles ran at half speed
- * (measured: w2 at 32 rows 1,051 us against the panel buffer's 510). Copied once a call, not per span. */
+ * (docs/benchmarks.md, "Kernel figures"). Copied once a call, not per span. */
 static void qw_interleave(const float* x, int64_t I, int64_t r0, int64_t r1, float* xt) {
   for (int64_t r = r0; r < r1;) {
     const int n = qw_tile_rows(r1 - r);
@@ -148,11 +149,9 @@ static qwide_fn q_wide(int kind) {
 
 /* ---- one row (decode) against NQ1 panels at once ----
  * A tile's NP panels are NP streams of codes: at one row the product is bound by memory, and a core
- * reads more from memory with more streams in flight (measured here, Zen 3: 12.5 GB/s with one
- * stream, 18 with eight; the float32 GEMM's 8-panel row1_f32 streams at ~20 GB/s, the NP-panel tiles
- * at ~8). So one row takes NQ1 panels (a whole number of NP groups), each its own accumulator chain.
- * (Software prefetch 512-2048 bytes ahead in each stream made it slower: quant_kernel_bench.py
- * --cold-mb 96, w13 at one row, int8 120 -> 142-148 us.) Per group the sums fold in as in the tiles:
+ * reads more from memory with more streams in flight (on Zen 3: docs/benchmarks.md, "Kernel
+ * figures"). So one row takes NQ1 panels (a whole number of NP groups), each its own accumulator chain. (Software prefetch
+ * 512-2048 bytes ahead in each stream made it slower.) Per group the sums fold in as in the tiles:
  * acc += s * sum(code * x) + m * sum(x). */
 #define NQ1 (4 * NP)
 /* Integer or float partial sums a one-row kernel keeps per panel when it reads a span panel after
@@ -160,16 +159,14 @@ static qwide_fn q_wide(int kind) {
 #define QR1 4
 /* One-row kernels prefetch their stream 4 KB ahead (a line for each line read): with a cache
  * line of codes taking 4-16 vector steps the core had too few misses in flight and read cold
- * codes at 15-27 GB/s against float32's 33-37 (quant_kernel_bench.py --rows 1 --cold-mb 96, Zen 5:
- * int8 w13 46.6 -> 35.3 us, int4 31.8 -> 25.4, w2 / qkv 1.1-1.25x; 1 KB ahead was half the gain,
- * 8-16 KB the same). */
+ * codes at about half float32's rate; 1 KB ahead was half the gain, 8-16 KB the same
+ * (docs/benchmarks.md, "Kernel figures"). */
 #define Q_ROW1_AHEAD 4096
 _Static_assert(QR1 == 4, "qrow1_* (LANES 16) add their partial sums d[0..3] pairwise");
 #if LANES == 16
 /* AVX-512: the span is read panel after panel, one sequential stream, QR1 partial sums a panel over
- * the inputs in turn (NQ1 panels side by side, the plan below, read cold weights at 15-19 GB/s on
- * Zen 5 against float32's 33-37: quant_kernel_bench.py --rows 1 --cold-mb 96). Per group the sums
- * fold in as below. */
+ * the inputs in turn (NQ1 panels side by side, the plan below, read cold weights at about half
+ * float32's rate on Zen 5: docs/benchmarks.md, "Kernel figures"). Per group the sums fold in as below. */
 #define DEFINE_QROW1(KIND)                                                                         \
   static void qrow1_##KIND(const float* x, int64_t I, const uint8_t* qp, const float* sp,          \
                            const float* mp, int64_t gs, float* y, int64_t O, int64_t p0,            \

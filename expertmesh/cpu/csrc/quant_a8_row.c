@@ -37,8 +37,8 @@ static void qrow1_a8(const int8_t* xq, const float* sx, int64_t I, const uint8_t
 
 #elif Q_A512
 /* One row on AVX-512 reads a span panel after panel: one sequential stream. AVX2's plan (the NQ1
- * panels side by side, step by step: NQ1 short streams at once) read cold weights at 15-19 GB/s
- * here against float32's 33-37 (quant_kernel_bench.py --rows 1 --cold-mb 96, Zen 5). A panel's
+ * panels side by side, step by step: NQ1 short streams at once) read cold weights at about half
+ * float32's rate here (docs/benchmarks.md, "Kernel figures"). A panel's
  * steps go to QR1 integer sums in turn (latency: one chain would wait on each vpdpbusd); the sums
  * are exact, so how they are split changes no bit. */
 static inline void q8_dot1_512(__m512i* isum, __m512i* comp, __m512i w, __m512i xb) {
@@ -100,10 +100,9 @@ static inline a4_vec a4_dot(a4_vec acc, a4_vec v, a4_vec x0, a4_vec x1) {
 }
 static inline vf a4_float(a4_vec v) { return (vf)_mm256_cvtepi32_ps(v); }
 /* The next span (contiguous after this one) prefetched at the pace this one is read: a panel's
- * stream is I / 2 bytes here, short for the hardware prefetcher (quant_kernel_bench.py --cold-mb 96,
- * one row: w13 73 -> 58 us, qkv 41 -> 32, w2 36 -> 35; a decode step 3.52 -> 2.93 ms). W8A8's streams
- * are twice as long and the same prefetch made qrow1_a8 slower (w13 72 -> 87 us), so it has none.
- * Measured on Zen 3 (AVX2); the AVX-512 build reads a span as one stream instead (below). */
+ * stream is I / 2 bytes here, short for the hardware prefetcher. W8A8's streams are twice as long
+ * and the same prefetch made qrow1_a8 slower, so it has none (Zen 3, AVX2: docs/benchmarks.md, "Kernel figures");
+ * the AVX-512 build reads a span as one stream instead (below). */
 #define Q_ROW1_A 1
 #elif Q_A512
 typedef __m512i a4_vec;

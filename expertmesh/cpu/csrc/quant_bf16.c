@@ -99,7 +99,7 @@ static void qb_layout(const float* x, int64_t I, int64_t gs, int64_t r0, int64_t
 #define QB_ACC 16
 /* Panels a tile of n rows takes: 4 up to 4 rows, 2 for 5-8 (a divisor of NQ1; 10-16 independent
  * vdpbf16ps chains cover its latency, and they, the decode's constants and two decoded panels fit
- * the 32 registers: 11-row tiles of 2 panels spilled and ran at 0.6-0.7x kind 1). */
+ * the 32 registers: 11-row tiles of 2 panels spilled and ran slower than kind 1). */
 #define QB_NPC(n) ((n) <= 4 ? 4 : 2)
 
 /* Inputs i and i + 1 of one panel's uint4 codes (16 bytes: input i's 16 nibbles, lane 2j in the low
@@ -120,8 +120,8 @@ static inline __attribute__((always_inline)) __m512i qb_nibble_words(const uint8
  * group's last), the second code 0. uint4: the code bytes as words (qb_nibble_words), a per-word
  * shift by 5 or 9 that brings the lane's nibble to bits 3..6 (a bf16 mantissa's top 4 bits), and one
  * ternary op that masks it and sets the exponent of 1: two shuffles where a table lookup of
- * bf16(code) takes three, and the shuffles bound the kernels at few rows (one row 1.12-1.16x, 2-row
- * tiles of the Qwen3 shape's experts QB_QWEN3). The sums come out as sum(x) + sum(code * x) / 16,
+ * bf16(code) takes three, and the shuffles bound the kernels at few rows (docs/benchmarks.md, "Kernel figures").
+ * The sums come out as sum(x) + sum(code * x) / 16,
  * qb_fold takes sum(x) back off. int8: 32 bytes (input i's 16 codes, then input i + 1's), each 16
  * widened to float32 (exact: 8 significant bits, so the low 16 bits are zero) and one two-source
  * word permute taking the high halves, input i's in the even words. fp8 (wk 2): 256 * value (qb_fold

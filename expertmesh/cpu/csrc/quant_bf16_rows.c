@@ -7,11 +7,9 @@
  * steps decode), and every row tile then runs 8 x QB_WIDE accumulators over it with no decode in the
  * loop: the dense pair tiles' shape (24 chains, 3 loads and 8 broadcasts a step), which the 8 x 2
  * tiles (quant_bf16.c) cannot take beside the decode's constants (32 registers). The sums are the same
- * chains in the same order, folded per group in the same order: bit for bit qb_body's. Measured
- * (quant_kernel_bench.py --source <main's csrc> --kinds fp8-bf16,int8-bf16,int4-bf16 --only w13,w2,
- * A/B alternated, CPU time): fp8 1.07-1.22x at 128 and 512 rows, 0.95-1.06x at 16-32; int8 and int4,
- * whose decode costs less, 0.87-0.95x at 16-32 rows and 0.89-1.05x at 128-512 (the per-group fold
- * spills the 24 accumulators), so they keep the pair tiles (quant_bf16.c). */
+ * chains in the same order, folded per group in the same order: bit for bit qb_body's. fp8 gains
+ * from 128 rows; int8 and int4, whose decode costs less, lose (the per-group fold spills the 24
+ * accumulators), so they keep the pair tiles (quant_bf16.c; docs/benchmarks.md, "Kernel figures"). */
 #define QB_MANY 64
 #define QB_WIDE 3
 
@@ -156,10 +154,10 @@ static void qb_many_gated(const uint32_t* xp, const float* xsum, int64_t H, cons
 /* One row (decode) of uint4 (wk 1) or fp8 (wk 2) codes against the NQ1 panels from p0 (fewer at the
  * matrix's end), as kind 1's / 2's one-row kernel reads them (panel after panel, one sequential
  * stream prefetched Q_ROW1_AHEAD bytes ahead, QR1 partial sums over the pair steps in turn), on
- * pairs: one vdpbf16ps of 32 products where that kernel spends a decode and an FMA on 16 (fp8: 1.27x
- * kind 2's, quant_kernel_bench.py --rows 1). xp: the row's pairs (qb_layout, n = 1). int8's and fp4's
- * one row stay kind 0's / 3's kernels on the rounded inputs (an int8 body like this one measured
- * 0.8-1.0x kind 0's: its decode is two widenings, two conversions and a permute a pair). */
+ * pairs: one vdpbf16ps of 32 products where that kernel spends a decode and an FMA on 16. xp: the
+ * row's pairs (qb_layout, n = 1). int8's and fp4's one row stay kind 0's / 3's kernels on the
+ * rounded inputs (an int8 body like this one was no faster than kind 0's: its decode is two
+ * widenings, two conversions and a permute a pair; docs/benchmarks.md, "Kernel figures"). */
 static inline __attribute__((always_inline)) void qb_row1(const int wk, const uint32_t* xp, const float* xsum,
                                                            int64_t I, int64_t gs, const uint8_t* qp, const float* sp,
                                                            const float* mp, float* y, int64_t O, int64_t p0,

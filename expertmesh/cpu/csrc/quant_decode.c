@@ -27,8 +27,8 @@ static inline vf q_decode0(const uint8_t* p) { /* int8 */
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 /* uint4 by widening shuffles: AVX-512 without VBMI, and with it the tiles of one panel (7-12 rows,
- * q_decode1_one_panel): there the multishift measured 1.02-1.05x slower (w13 / w2 at 8 rows,
- * moe_q at 32 rows: many FMAs a decode), where it is 1.3x faster at 1-3 rows. */
+ * q_decode1_one_panel): there the multishift is slightly slower (many FMAs a decode), where it is
+ * faster at 1-3 rows (docs/benchmarks.md, "Kernel figures"). */
 static inline vf q_decode1_shuffle(const uint8_t* p) { /* 8 bytes, lane 2j the low nibble of byte j */
   const __m128i b = _mm_loadl_epi64((const __m128i*)p), low = _mm_set1_epi8(15);
   const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
@@ -38,7 +38,7 @@ static inline vf q_decode1_shuffle(const uint8_t* p) { /* 8 bytes, lane 2j the l
 /* Lane l's nibble of 8 code bytes in the low bits of int32 lane l (bits above it: other nibbles):
  * the 8 bytes broadcast to every qword (a load, no shuffle) and one multishift that copies bits
  * 4l.. into lane l's low byte. Cross-lane shuffles were what the one-row int4 kernel waited on (it
- * read 10-11 GB/s, float32 33-37). */
+ * read at a third of float32's rate). */
 static inline __m512i q_nibble_lanes(const uint8_t* p) {
   int64_t word;
   memcpy(&word, p, 8);
@@ -145,8 +145,9 @@ static inline vf q_decode3(const uint8_t* p) {
 #endif
 }
 
-/* The one-row kernels' decode: fp4 through q_nibble_lanes where it exists (one row, 1.2-1.3x: the
- * row is bound by the decode; at 4 rows the tiles measured 0.9x with it, so they keep q_decode3). */
+/* The one-row kernels' decode: fp4 through q_nibble_lanes where it exists (faster at one row, bound
+ * by the decode; at 4 rows the tiles were slower with it, so they keep q_decode3:
+ * docs/benchmarks.md, "Kernel figures"). */
 #if LANES == 16 && defined(__AVX512VBMI__)
 static inline vf q_decode3_row(const uint8_t* p) {
   const __m512 lut = _mm512_loadu_ps(fp4_lut);

@@ -173,12 +173,14 @@ void q_set_gated_fusion(int on) { q_gated_fusion = on != 0; }
 
 /* moe_f32's plan over quantized experts: w13 = codes/scales/offsets of E experts' [gate | up]
  * ([2I, H] each, w13_group inputs a group), w2 of their down projections ([H, I], w2_group).
- * Optional float32 biases b13 [E, 2I] and b2 [E, H] (NULL: none) join the products before the activation and before
- * the routing weight, as FusedExperts._expert adds them; act 3 (act_row) takes limit and alpha. */
+ * Optional float32 biases b13 [E, 2I] and b2 [E, H] (NULL: none) join the products before the
+ * activation and before the routing weight, as FusedExperts._expert adds them; act 3 (act_row)
+ * takes limit and alpha. */
 void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
               const uint8_t* w13_codes, const float* w13_scales, const float* w13_offsets, int64_t w13_group,
               const uint8_t* w2_codes, const float* w2_scales, const float* w2_offsets, int64_t w2_group,
-              int64_t E, int64_t I, int act, float limit, float alpha, const float* b13, const float* b2, float* out, int threads) {
+              int64_t E, int64_t I, int act, float limit, float alpha, const float* b13, const float* b2,
+              float* out, int threads) {
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
   /* kinds 6-9: the gathered rows and the activated intermediates rounded to bf16 in place (kinds 1, 0, 3, 2 on
    * them where the pair tiles are not built) */
