@@ -1,6 +1,6 @@
-"""The rank main of the layout-matrix tests (test_chunked_layouts, test_spec_layouts): on each of the
-gloo ranks, one external-launcher engine per (DP, PP, TP, EP, all2all backend) case, each DP replica
-given its own share of the requests."""
+"""The rank main of the layout-matrix tests (test_chunked_layouts, test_spec_layouts,
+test_real_layouts, test_deepseek_v4): on each of the gloo ranks, one external-launcher engine per
+(DP, PP, TP, EP, all2all backend) case, each DP replica given its own share of the requests."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from test_chunked_prefill import assert_same, generate
 from test_real_families import assert_bf16_bound, hf_logprobs, logprob_errors
 
 from expertmesh import LLM, SamplingParams
-from expertmesh.layers.compressed_attention import Indexer
+from expertmesh.layers.compressor import Indexer
 
 SOURCE = "2026/deepseek-v4-flash"
 # The published HCA rate (128) and output rank (1024) shrunk below the prompts / widths; the head

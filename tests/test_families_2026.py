@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_utils import run_distributed
+from layout_cases import rank_main
 from real_checkpoints import Sizes, published, shrink
 from test_chunked_prefill import SHORT, compare
 from test_real_families import FAMILIES, hf_logprobs, hf_model, logprob_errors, prompts_for
@@ -140,15 +141,25 @@ def load_hf_config_from(config: dict, load) -> object:
         return load(d)
 
 
-LONGCAT_LAYOUTS = [
-    (1, 2, False, "allgather_reducescatter"),
-    (2, 1, True, "alltoall"),
-]  # (DP, TP, EP, backend)
+LONGCAT_CASES = [
+    (1, 1, 2, False, "allgather_reducescatter"),
+    (2, 1, 1, True, "alltoall"),
+]  # (DP, PP, TP, EP, backend)
+LONGCAT_ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True)
 
 
-def _longcat_rank(rank, world, path, prompts):
-    """TP2, then DP2 with EP over alltoall (one DP rank idle): the tokens, and for alltoall what each
-    dispatch sent against what the real picks need (identity picks never leave their rank)."""
+def _longcat_prompts() -> list[list[int]]:
+    return prompts_for(512)[1:5]
+
+
+def _longcat_share(dp_rank: int, dp_size: int) -> list[int]:
+    """Every prompt on the first DP replica, none on the second."""
+    return list(range(len(_longcat_prompts()))) if dp_rank == 0 else []
+
+
+def _longcat_counted_run(llm: LLM, idx: list[int]):
+    """The tokens of this replica's prompts, and for alltoall what each dispatch sent against what
+    the real picks need (identity picks never leave their rank)."""
     from expertmesh.distributed import all2all
 
     sends = []  # (rows sent, (token, destination) pairs with a real pick, identity picks)
@@ -162,21 +173,16 @@ def _longcat_rank(rank, world, path, prompts):
         return out
 
     all2all.AllToAllAll2All._dispatch = counted
-    results = []
-    for dp, tp, ep, backend in LONGCAT_LAYOUTS:
-        llm = LLM(
-            path, data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep,
-            all2all_backend=backend, distributed_executor_backend="external_launcher", max_model_len=128,
-            kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True,
-        )  # fmt: skip
-        mine = range(len(prompts)) if dp == 1 or rank == 0 else []
+    try:
+        prompts = _longcat_prompts()
         outs = llm.generate(
-            [{"prompt_token_ids": prompts[i]} for i in mine],
+            [{"prompt_token_ids": prompts[i]} for i in idx],
             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
             use_tqdm=False,
         )
-        results.append((list(mine), [o.outputs[0].token_ids for o in outs]))
-    return results, sends
+    finally:
+        all2all.AllToAllAll2All._dispatch = original
+    return [o.outputs[0].token_ids for o in outs], sends
 
 
 @pytest.mark.timeout(120)
@@ -186,17 +192,21 @@ def test_longcat_tp2_and_ep_alltoall_equal_one_process(real_checkpoint):
     exactly one row per (token, rank owning one of its real picks): identity picks move nothing."""
     source, overrides = FAMILIES["longcat-flash"]
     path = real_checkpoint(source, sizes=Sizes(experts=7), **overrides)
-    prompts = prompts_for(512)[1:5]
+    prompts = _longcat_prompts()
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = [
         o.outputs[0].token_ids
         for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     ]
+    per_ranks = run_distributed(
+        rank_main, 2, path, LONGCAT_CASES, LONGCAT_ENGINE, _longcat_share, _longcat_counted_run, timeout=110
+    )
     identity_picks = 0
-    for rank, (results, sends) in enumerate(run_distributed(_longcat_rank, 2, path, prompts, timeout=110)):
-        for (dp, tp, ep, backend), (mine, tokens) in zip(LONGCAT_LAYOUTS, results, strict=True):
-            assert tokens == [expected[i] for i in mine], f"rank {rank}, DP{dp} TP{tp} EP={ep} {backend}"
+    for rank, results in enumerate(per_ranks):
+        sends = [s for case, _, (_, case_sends) in results if case[4] == "alltoall" for s in case_sends]
+        for case, mine, (tokens, _) in results:
+            assert tokens == [expected[i] for i in mine], f"rank {rank}, (DP, PP, TP, EP, backend) {case}"
         assert sends and all(sent == needed for sent, needed, _ in sends), sends
         identity_picks += sum(n for _, _, n in sends)
     assert identity_picks > 0  # the identity experts were picked, and their places sent nowhere

@@ -1,7 +1,7 @@
-"""The nibble decodes of the quantized kernels (cpu/csrc/quant.c): fp4 e2m1 (q_decode3: a vector permute on
-AVX2 and AVX-512, the table elsewhere; q_decode3_row, the one-row kernels' multishift on AVX512-VBMI)
-gives the table's float32 values, and uint4 (q_decode1: multishift on AVX512-VBMI, widening shuffles
-on other AVX-512 and in the one-panel tiles, q_decode1_one_panel; shifts on AVX2) the code as a
+"""The nibble decodes of the quantized kernels (cpu/csrc/quant_decode.c): fp4 e2m1 (q_decode3: a vector
+permute on AVX2 and AVX-512, the table elsewhere; q_decode3_row, the one-row kernels' multishift on
+AVX512-VBMI) gives the table's float32 values, and uint4 (q_decode1: multishift on AVX512-VBMI, widening
+shuffles on other AVX-512 and in the one-panel tiles, q_decode1_one_panel; shifts on AVX2) the code as a
 float, every code in every lane.
 
 Through gemm_q the values are checked exactly (x one-hot: each output is one product, no rounding) on

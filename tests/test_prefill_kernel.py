@@ -1,4 +1,4 @@
-"""The prefill attention kernel (cpu/csrc/attention.c paged_prefill) against the torch path it replaces
+"""The prefill attention kernel (cpu/csrc/prefill*.c paged_prefill) against the torch path it replaces
 (SDPA with a causal / window / chunk mask, `_sink_attention` with sinks) at uneven shapes: fresh
 prompts read from the new rows, chunks over a cached context read from blocks in no particular
 order, GQA, head dims that are and are not whole vectors (odd ones too: bf16 pairs end in a

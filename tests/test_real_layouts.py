@@ -8,6 +8,7 @@ expert counts that EP does not divide (7 over 2)."""
 
 import pytest
 from distributed_utils import run_distributed
+from layout_cases import rank_main
 from real_checkpoints import Sizes
 from sweeps import sweep
 from test_real_families import FAMILIES
@@ -54,23 +55,18 @@ def _mine(dp_rank: int, dp_size: int) -> list[int]:
     return [] if dp_rank == dp_size - 1 else list(range(len(LENGTHS)))[::2]
 
 
-def _rank_main(rank, world, path):
-    prompts, results = _prompts(), []
-    for dp, pp, tp, ep, backend in LAYOUTS:
-        llm = LLM(
-            path, data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-            enable_expert_parallel=ep, all2all_backend=backend,
-            distributed_executor_backend="external_launcher", max_model_len=128,
-            kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True,
-        )  # fmt: skip
-        idx = _mine(llm.llm_engine.vllm_config.parallel_config.data_parallel_rank, dp)
-        outs = llm.generate(
-            [{"prompt_token_ids": prompts[i]} for i in idx],
-            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True) for i in idx],
-            use_tqdm=False,
-        )
-        results.append(((dp, pp, tp, ep, backend), idx, [o.outputs[0].token_ids for o in outs]))
-    return results
+ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, debug_nan_recv_buffers=True)
+
+
+def _layout_tokens(llm: LLM, idx: list[int]) -> list[list[int]]:
+    """This replica's share of the prompts, greedy: the tokens of each."""
+    prompts = _prompts()
+    outs = llm.generate(
+        [{"prompt_token_ids": prompts[i]} for i in idx],
+        [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True) for i in idx],
+        use_tqdm=False,
+    )
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.timeout(240)
@@ -88,7 +84,8 @@ def test_layout_matrix_equals_one_process(family, real_checkpoint):
         use_tqdm=False,
     )
     expected = [o.outputs[0].token_ids for o in outs]
-    for rank, per_rank in enumerate(run_distributed(_rank_main, 4, path, timeout=230)):
+    per_ranks = run_distributed(rank_main, 4, path, LAYOUTS, ENGINE, _mine, _layout_tokens, timeout=230)
+    for rank, per_rank in enumerate(per_ranks):
         for layout, idx, tokens in per_rank:
             assert tokens == [expected[i] for i in idx], (
                 f"{family}: rank {rank}, (DP,PP,TP,EP,backend)={layout}"

@@ -1,6 +1,6 @@
-"""The attention entry points of expertmesh's CPU kernels (csrc/attention.c): decode and prefill
-attention over the paged KV cache, and per-head products (MLA). A part of `CpuKernels`
-(cpu_kernels.py), which holds the loaded library; these only check shapes and call it."""
+"""The attention entry points of expertmesh's CPU kernels (csrc/decode_attention.c, prefill*.c,
+head_matmul.c): decode and prefill attention over the paged KV cache, and per-head products (MLA). A part
+of `CpuKernels` (cpu_kernels.py), which holds the loaded library; these only check shapes and call it."""
 
 from __future__ import annotations
 

@@ -41,8 +41,9 @@ class QExpertsDesc(ctypes.Structure):
     """Mirror of q_experts_desc: QuantizedExperts w13 and w2 in the experts slot (moe_q_desc_*)."""
 
     _fields_ = [
-        ("kind", _I), ("q13", _P), ("s13", _P), ("m13", _P), ("gs13", _I),
-        ("q2", _P), ("s2", _P), ("m2", _P), ("gs2", _I),
+        ("kind", _I),
+        ("w13_codes", _P), ("w13_scales", _P), ("w13_offsets", _P), ("w13_group", _I),
+        ("w2_codes", _P), ("w2_scales", _P), ("w2_offsets", _P), ("w2_group", _I),
     ]  # fmt: skip
 
 

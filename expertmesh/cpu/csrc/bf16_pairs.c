@@ -9,7 +9,7 @@
  *
  * Every output is one chain of vdpbf16ps over its pairs in order (i = 0 .. I2-1) from zero, then
  * + bias, whatever tile computes it: a row's product does not depend on how many rows a call has
- * or how they are tiled. Tiles by rows (measured: docs/benchmarks.md, "bf16 pair products"):
+ * or how they are tiled. Tiles by rows (measured: docs/history/benchmarks-rounds.md, "bf16 pair products"):
  *   4 and more  8 rows x 3 panels a tile (narrower for a group's last 1-2 panels); the first row
  *               tile of a group reads it from memory, prefetched, the others from cache;
  *   1-3 rows    one pass over the weights, 4-6 panels a tile (1 x 4, 2 x 6, 3 x 4), prefetched
@@ -27,7 +27,7 @@ typedef uint32_t pair_t __attribute__((aligned(2), may_alias));
 
 /* Tiles that read their weights from memory prefetch each panel this far ahead: an 8-row step is
  * 12 cycles of vdpbf16ps per 3 cache lines, and the hardware prefetcher alone kept one core at
- * 16 GB/s of the ~25 it streams (experts at batch 32, ~8 rows each: docs/benchmarks.md). Past a
+ * well under what it streams (experts at batch 32, ~8 rows each: docs/benchmarks.md, "Kernel figures"). Past a
  * buffer's end they touch nothing: prefetches do not fault. */
 #ifndef PAIR_PF
 #define PAIR_PF 2048
@@ -237,8 +237,8 @@ typedef void (*gated_tile_fn)(const pair_t* x, int64_t H2, const bf16_t* w13, bf
       int act, float limit, float alpha) {                                                                 \
     tile_gated(x, H2, w13, a, I, q, R, G, b13, act, limit, alpha, PF);                                     \
   }
-/* Rows a gated tile takes: 12 x (1 + 1) panels measured 1.1x 6 x (2 + 2) at ~8 rows an expert
- * (batch 32: most experts' w13 read once, by one tile) and equal at hundreds. */
+/* Rows a gated tile takes: 12 x (1 + 1) panels, faster than 6 x (2 + 2) at ~8 rows an expert
+ * (batch 32: most experts' w13 read once, by one tile) and equal at hundreds (docs/benchmarks.md, "Kernel figures"). */
 #define MRG 12
 #define GATED_TILES(PF)                                                                                    \
   GATED_TILE(1, 1, PF) GATED_TILE(2, 1, PF) GATED_TILE(3, 1, PF) GATED_TILE(4, 1, PF) GATED_TILE(5, 1, PF) \

@@ -75,21 +75,21 @@ void gemm_q_desc_bf16(const void* x, const void* wp, void* y, int64_t M, int64_t
 /* QuantizedExperts' w13 and w2 (packed.py) for moe_q, in a descriptor's experts slot. */
 typedef struct {
   int64_t kind;
-  const uint8_t* q13;
-  const float* s13;
-  const float* m13;
-  int64_t gs13;
-  const uint8_t* q2;
-  const float* s2;
-  const float* m2;
-  int64_t gs2;
+  const uint8_t* w13_codes;
+  const float* w13_scales;
+  const float* w13_offsets;
+  int64_t w13_group;
+  const uint8_t* w2_codes;
+  const float* w2_scales;
+  const float* w2_offsets;
+  int64_t w2_group;
 } q_experts_desc;
 
 void moe_q_desc_f32(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
                     const void* ew, int64_t E, int64_t I, int act, float* out, int threads) {
   const q_experts_desc* q = (const q_experts_desc*)ew;
-  moe_q((int)q->kind, (const float*)x, n, H, slot, w, k, q->q13, q->s13, q->m13, q->gs13, q->q2, q->s2, q->m2,
-        q->gs2, E, I, act, out, threads);
+  moe_q((int)q->kind, (const float*)x, n, H, slot, w, k, q->w13_codes, q->w13_scales, q->w13_offsets, q->w13_group,
+        q->w2_codes, q->w2_scales, q->w2_offsets, q->w2_group, E, I, act, out, threads);
 }
 
 void moe_q_desc_bf16(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,

@@ -14,9 +14,8 @@
 #define MR 8
 #define NP 3
 #else
-/* AVX2 (16 vector registers): 6 x 2 accumulators + 2 weight vectors + a broadcast = 15. Measured
- * on Zen 3 against 4 x 2 (the previous shape), 4 x 3 and 3 x 4 at the small MoE's shapes, one
- * thread: 6 x 2 is 1.2-1.5x 4 x 2 from 8 rows on, equal at 1 row (docs/benchmarks.md). */
+/* AVX2 (16 vector registers): 6 x 2 accumulators + 2 weight vectors + a broadcast = 15; the
+ * fastest of 4 x 2, 4 x 3, 3 x 4 and 6 x 2 on Zen 3 from 8 rows on (docs/benchmarks.md, "Kernel figures"). */
 #define LANES 8
 #ifndef MR
 #define MR 6
@@ -38,8 +37,7 @@ static inline vf load_panel_f32(const float* p) { return *(const vf_unaligned*)p
 #if LANES == 8 && defined(__AVX2__)
 #include <immintrin.h>
 /* One vpmovzxwd from memory and a shift: gcc compiles the generic form below, on 8 lanes, into a
- * 16-byte load, two 4-lane widenings, a byte shift and an insert (measured, kernel_bench.py: bf16
- * at 1 row 1.2-1.5x faster with this one, at 32 rows 51-57 -> 72-82 GFLOP/s a core). */
+ * 16-byte load, two 4-lane widenings, a byte shift and an insert (docs/benchmarks.md, "Kernel figures"). */
 static inline vf load_panel_bf16(const bf16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
   return (vf)_mm256_slli_epi32(wide, 16);
@@ -83,9 +81,8 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
 /* Panels a one-row product takes at once (row1_*, and the one-row span tiles: experts with one
  * token): enough independent FMA chains to cover the FMA latency, where a tile's NP chains leave
  * a one-row decode latency-bound. Each panel is its own stream from memory; on AVX2 (Zen 3) more
- * streams read faster, on the AVX-512 build (Zen 5) fewer: one core streaming panels of 512
- * inputs read 38-39 GB/s with 4 at once, 35 with 8, 33 with 12 (four alternated runs, a 512 MB
- * sweep), and 4 chains of 16-lane FMAs still cover the latency at that rate. */
+ * streams read faster, on the AVX-512 build (Zen 5) fewer (docs/benchmarks.md, "Kernel figures"), and 4 chains of
+ * 16-lane FMAs still cover the latency at that rate. */
 #if LANES == 16
 #define NP1 4
 #define SPAN1_PANELS 4
@@ -118,17 +115,15 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
 #define WIDEN_ROWS 24
 /* The wide few-row tiles read 2-12 weight streams that are usually not in cache (experts with
  * one to a few tokens each: the Qwen3-30B-A3B shape at batch 32); a software prefetch this far
- * ahead of each stream measured 1.12x over none on that shape's experts (docs/benchmarks.md). */
+ * ahead of each stream is faster than none on that shape's experts (docs/benchmarks.md, "Kernel figures"). */
 #ifndef PF_BYTES
 #define PF_BYTES 512
 #endif
 
 /* The MR x NP tiles prefetch each panel this far ahead: an expert of a batch-32 step has ~8 rows,
  * one row tile, so every tile streams its group from memory (3 streams, 24 FMAs a step), and the
- * hardware prefetcher alone kept it at 17-23 GB/s. Measured on Zen 5 (AVX-512 build), one thread,
- * `kernel_bench.py --rows 32 --moe --cold-mb 512` alternated with no prefetch: one layer's experts
- * 1.09-1.24x, the 32-row dense products 1.04-1.20x; 512 rows (from cache) 0.97-1.03x; 1024 bytes
- * ahead was 5-14% slower than 2048, 512 slower still. The AVX2 build (unmeasured) keeps none. */
+ * hardware prefetcher alone left it well below the memory's rate; 2048 bytes ahead was the best
+ * distance on Zen 5 (docs/benchmarks.md, "Kernel figures"). The AVX2 build (unmeasured) keeps none. */
 #ifndef TILE_PF
 #if LANES == 16
 #define TILE_PF 2048
@@ -232,7 +227,7 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
   /* Rows [r0, r1) against panels [q0, q1): 1-6 rows (a small batch, an expert's share of one) \
    * in one pass over the weights, with tiles as wide as the registers allow, so weights        \
    * streamed from memory are read once and by 4-12 independent chains; more rows in MR x NP    \
-   * tiles (MANY). Measured: docs/benchmarks.md, "Performance round 2". */                      \
+   * tiles (MANY). Measured: docs/history/benchmarks-rounds.md, "Performance round 2". */   \
   static __attribute__((unused)) void span_##SUFFIX(                                            \
       const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t q0,         \
       int64_t q1, int64_t r0, int64_t r1, const float* bias) {                                   \

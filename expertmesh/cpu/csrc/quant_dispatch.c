@@ -172,13 +172,15 @@ static int q_gated_fusion = 1;
 void q_set_gated_fusion(int on) { q_gated_fusion = on != 0; }
 
 /* moe_f32's plan over quantized experts: w13 = codes/scales/offsets of E experts' [gate | up]
- * ([2I, H] each, gs13 inputs a group), w2 of their down projections ([H, I], gs2). Optional float32
- * biases b13 [E, 2I] and b2 [E, H] (NULL: none) join the products before the activation and before
- * the routing weight, as FusedExperts._expert adds them; act 3 (act_row) takes limit and alpha. */
+ * ([2I, H] each, w13_group inputs a group), w2 of their down projections ([H, I], w2_group).
+ * Optional float32 biases b13 [E, 2I] and b2 [E, H] (NULL: none) join the products before the
+ * activation and before the routing weight, as FusedExperts._expert adds them; act 3 (act_row)
+ * takes limit and alpha. */
 void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-              const uint8_t* q13, const float* s13, const float* m13, int64_t gs13, const uint8_t* q2,
-              const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float limit,
-              float alpha, const float* b13, const float* b2, float* out, int threads) {
+              const uint8_t* w13_codes, const float* w13_scales, const float* w13_offsets, int64_t w13_group,
+              const uint8_t* w2_codes, const float* w2_scales, const float* w2_offsets, int64_t w2_group,
+              int64_t E, int64_t I, int act, float limit, float alpha, const float* b13, const float* b2,
+              float* out, int threads) {
   const int a8 = kind == Q_KIND_A8 || kind == Q_KIND_A4; /* activations quantized too */
   /* kinds 6-9: the gathered rows and the activated intermediates rounded to bf16 in place (kinds 1, 0, 3, 2 on
    * them where the pair tiles are not built) */
@@ -189,18 +191,21 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   const int64_t m = p.m;
   /* work items: (active expert, span of NQ1 panels); a span of an expert with one row (decode) goes
    * to the one-row kernels */
-  const int64_t P13 = (2 * I + LANES - 1) / LANES, G13 = (P13 + NQ1 - 1) / NQ1;
-  const int64_t P2 = (H + LANES - 1) / LANES, G2 = (P2 + NQ1 - 1) / NQ1;
-  const int64_t n13 = (H + gs13 - 1) / gs13, n2 = (I + gs2 - 1) / gs2; /* groups per row */
+  const int64_t w13_panels = (2 * I + LANES - 1) / LANES, w13_spans = (w13_panels + NQ1 - 1) / NQ1;
+  const int64_t w2_panels = (H + LANES - 1) / LANES, w2_spans = (w2_panels + NQ1 - 1) / NQ1;
+  /* groups per row */
+  const int64_t w13_groups = (H + w13_group - 1) / w13_group, w2_groups = (I + w2_group - 1) / w2_group;
   /* bytes of codes per (expert, panel): I * bytes a code for weight-only kinds; W8A8 4 * ceil(I / 4) a
    * lane, W4A8 4 * ceil(I / 8) a lane (two nibbles a byte) */
   const int64_t xs_a = A_STRIDE(kind, H), as_a = A_STRIDE(kind, I);
-  const int64_t c13 = !a8 ? H * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
-  const int64_t c2 = !a8 ? I * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
+  const int64_t w13_panel_bytes =
+      !a8 ? H * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? xs_a / 2 : xs_a) * LANES;
+  const int64_t w2_panel_bytes =
+      !a8 ? I * Q_BYTES(qb_weight_kind(kind)) : (kind == Q_KIND_A4 ? as_a / 2 : as_a) * LANES;
   /* one scratch a call for every buffer (was ten allocations; kept between calls: common.h): float32 rows
    * and scales first, then the int8 codes of the quantized activations (kinds 4, 5) */
   /* weight-only: also the gathered rows and the intermediates in the layout q_span reads (qw_layout) */
-  const int64_t nf = m * (2 * H + 3 * I) + (a8 ? 2 * m * (n13 + n2) : m * (H + I)) + 8;
+  const int64_t nf = m * (2 * H + 3 * I) + (a8 ? 2 * m * (w13_groups + w2_groups) : m * (H + I)) + 8;
   float* buf = (float*)scratch_get(0, sizeof(float) * (size_t)nf + (a8 ? (size_t)(m * (xs_a + as_a)) : 0) + 16);
   float *xs = buf, *h = xs + m * H, *a = h + m * 2 * I, *ys = a + m * I, *f = ys + m * H;
   /* quantized activations: the gathered rows and the activated intermediates quantized once, read by
@@ -208,20 +213,22 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   float *xsc = NULL, *asc = NULL, *xsum = NULL, *asum = NULL;
   int8_t *xq = NULL, *aq = NULL;
   if (a8) {
-    xsc = f, asc = xsc + m * n13, xsum = asc + m * n2, asum = xsum + m * n13;
+    xsc = f, asc = xsc + m * w13_groups, xsum = asc + m * w2_groups, asum = xsum + m * w13_groups;
     xq = (int8_t*)(buf + nf), aq = xq + m * xs_a;
   }
   if (kind != Q_KIND_A4) xsum = asum = NULL;
   float *xw = xs, *aw = a; /* what the w13 / w2 products read */
   if (!a8) xw = f, aw = xw + m * H;
   /* kinds 6-9 on pairs: the rows as they are (one-row kernels) and their qb_layout form */
-  uint32_t *xb13 = NULL, *xb2 = NULL;
-  float *bs13 = NULL, *bs2 = NULL;
+  uint32_t *x_pairs = NULL, *a_pairs = NULL;
+  float *x_pair_sums = NULL, *a_pair_sums = NULL;
   if (QB_KIND(kind)) {
-    const int64_t pi13 = qb_pairs(H, gs13), pi2 = qb_pairs(I, gs2);
-    xb13 = (uint32_t*)scratch_get(1, sizeof(uint32_t) * (size_t)(m * (pi13 + pi2) + 1)), xb2 = xb13 + m * pi13;
-    bs13 = (float*)scratch_get(2, sizeof(float) * (size_t)(m * (n13 + n2) + 1)), bs2 = bs13 + m * n13;
-    xw = xs, aw = a, xsum = bs13, asum = bs2;
+    const int64_t x_pair_words = qb_pairs(H, w13_group), a_pair_words = qb_pairs(I, w2_group);
+    x_pairs = (uint32_t*)scratch_get(1, sizeof(uint32_t) * (size_t)(m * (x_pair_words + a_pair_words) + 1));
+    a_pairs = x_pairs + m * x_pair_words;
+    x_pair_sums = (float*)scratch_get(2, sizeof(float) * (size_t)(m * (w13_groups + w2_groups) + 1));
+    a_pair_sums = x_pair_sums + m * w13_groups;
+    xw = xs, aw = a, xsum = x_pair_sums, asum = a_pair_sums;
   }
   /* fp8 on pairs, gate and up in whole panels: an expert with QB_MANY rows or more runs its w13 and
    * the activation in qb_many_gated (rf: its rows, which the activation pass below then skips) */
@@ -239,71 +246,75 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       memcpy(xs + r * H, x + (p.pair_of_row[r] / k) * H, sizeof(float) * (size_t)H);
       if (bp) qb_round_rows(xs, H, r, r + 1);
-      if (a8) q_act_rows(xs, H, gs13, xs_a, xq, xsc, xsum, r, r + 1);
+      if (a8) q_act_rows(xs, H, w13_group, xs_a, xq, xsc, xsum, r, r + 1);
     }
     if (!a8) {
       _Pragma("omp for schedule(static)") for (int64_t j = 0; j < p.na; j++) {
         const int64_t e = p.active[j];
-        if (xb13) {
+        if (x_pairs) {
           if (qb_reads_pairs(kind, p.start[e + 1] - p.start[e]))
-            qb_layout(xs, H, gs13, p.start[e], p.start[e + 1], xb13, bs13);
+            qb_layout(xs, H, w13_group, p.start[e], p.start[e + 1], x_pairs, x_pair_sums);
         } else
           qw_layout(xs, H, p.start[e], p.start[e + 1], xw);
       }
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G13; item++) {
-      const int64_t e = p.active[item / G13];
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * w13_spans; item++) {
+      const int64_t e = p.active[item / w13_spans];
 #if QB_TILES
       if (rf && rf[p.start[e]]) { /* item s: gate panels [s * NQ1 / 2, ...) and their up panels */
-        const int64_t PG = I / LANES, q0 = item % G13 * (NQ1 / 2), q1 = q0 + NQ1 / 2 < PG ? q0 + NQ1 / 2 : PG;
+        const int64_t PG = I / LANES, q0 = item % w13_spans * (NQ1 / 2);
+        const int64_t q1 = q0 + NQ1 / 2 < PG ? q0 + NQ1 / 2 : PG;
         if (q0 < q1)
-          qb_many_gated(xb13, bs13, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES, m13 + e * P13 * n13 * LANES,
-                        gs13, I, q0, q1, p.start[e], p.start[e + 1], b13 ? b13 + e * 2 * I : NULL, act, limit,
-                        alpha, a);
+          qb_many_gated(x_pairs, x_pair_sums, H, w13_codes + e * w13_panels * w13_panel_bytes,
+                        w13_scales + e * w13_panels * w13_groups * LANES,
+                        w13_offsets + e * w13_panels * w13_groups * LANES, w13_group, I, q0, q1, p.start[e],
+                        p.start[e + 1], b13 ? b13 + e * 2 * I : NULL, act, limit, alpha, a);
         continue;
       }
 #endif
-      q_span(kind, xw, xq, xsc, xsum, xb13, H, q13 + e * P13 * c13, s13 + e * P13 * n13 * LANES,
-             m13 + e * P13 * n13 * LANES, gs13, h, 2 * I, item % G13 * NQ1, p.start[e], p.start[e + 1],
+      q_span(kind, xw, xq, xsc, xsum, x_pairs, H, w13_codes + e * w13_panels * w13_panel_bytes,
+             w13_scales + e * w13_panels * w13_groups * LANES, w13_offsets + e * w13_panels * w13_groups * LANES,
+             w13_group, h, 2 * I, item % w13_spans * NQ1, p.start[e], p.start[e + 1],
              b13 ? b13 + e * 2 * I : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t r = 0; r < m; r++) {
       if (rf && rf[r]) continue; /* done by qb_many_gated */
       act_row(h + r * 2 * I, a + r * I, I, act, limit, alpha);
       if (bp) qb_round_rows(a, I, r, r + 1);
-      if (a8) q_act_rows(a, I, gs2, as_a, aq, asc, asum, r, r + 1);
+      if (a8) q_act_rows(a, I, w2_group, as_a, aq, asc, asum, r, r + 1);
     }
     if (!a8) {
       _Pragma("omp for schedule(static)") for (int64_t j = 0; j < p.na; j++) {
         const int64_t e = p.active[j];
-        if (xb2) {
+        if (a_pairs) {
           if (qb_reads_pairs(kind, p.start[e + 1] - p.start[e]))
-            qb_layout(a, I, gs2, p.start[e], p.start[e + 1], xb2, bs2);
+            qb_layout(a, I, w2_group, p.start[e], p.start[e + 1], a_pairs, a_pair_sums);
         } else
           qw_layout(a, I, p.start[e], p.start[e + 1], aw);
       }
     }
-    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * G2; item++) {
-      const int64_t e = p.active[item / G2];
-      q_span(kind, aw, aq, asc, asum, xb2, I, q2 + e * P2 * c2, s2 + e * P2 * n2 * LANES, m2 + e * P2 * n2 * LANES,
-             gs2, ys, H, item % G2 * NQ1, p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
+    _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < p.na * w2_spans; item++) {
+      const int64_t e = p.active[item / w2_spans];
+      q_span(kind, aw, aq, asc, asum, a_pairs, I, w2_codes + e * w2_panels * w2_panel_bytes,
+             w2_scales + e * w2_panels * w2_groups * LANES, w2_offsets + e * w2_panels * w2_groups * LANES,
+             w2_group, ys, H, item % w2_spans * NQ1, p.start[e], p.start[e + 1], b2 ? b2 + e * H : NULL);
     }
     _Pragma("omp for schedule(static)") for (int64_t t = 0; t < n; t++)
       moe_combine_row(&p, ys, w, t, k, H, out + t * H);
   }
   scratch_put(0, buf);
-  scratch_put(1, xb13), scratch_put(2, bs13);
+  scratch_put(1, x_pairs), scratch_put(2, x_pair_sums);
   free(rf);
   moe_free(&p);
 }
 
 /* moe_q_ex without biases, for the gated activations 0-2 (native decode's shims call it). */
 void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
-           const uint8_t* q13, const float* s13, const float* m13, int64_t gs13, const uint8_t* q2,
-           const float* s2, const float* m2, int64_t gs2, int64_t E, int64_t I, int act, float* out,
-           int threads) {
-  moe_q_ex(kind, x, n, H, slot, w, k, q13, s13, m13, gs13, q2, s2, m2, gs2, E, I, act, 0.f, 0.f, NULL, NULL, out,
-           threads);
+           const uint8_t* w13_codes, const float* w13_scales, const float* w13_offsets, int64_t w13_group,
+           const uint8_t* w2_codes, const float* w2_scales, const float* w2_offsets, int64_t w2_group,
+           int64_t E, int64_t I, int act, float* out, int threads) {
+  moe_q_ex(kind, x, n, H, slot, w, k, w13_codes, w13_scales, w13_offsets, w13_group, w2_codes, w2_scales,
+           w2_offsets, w2_group, E, I, act, 0.f, 0.f, NULL, NULL, out, threads);
 }
 
 /* How many code kinds gemm_q / moe_q know (cpu/cpu_kernels.py QUANT_KINDS). */
