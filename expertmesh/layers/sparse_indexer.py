@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.engine.kv_cache import KVCacheSpec
 from expertmesh.layers.attention import AttentionMetadata, prefill_mask
+from expertmesh.layers.cache_spec import KVCacheSpec
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.norm import LayerNorm
 from expertmesh.layers.rotary import RotaryTables
