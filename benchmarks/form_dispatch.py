@@ -20,6 +20,7 @@ import time
 import torch
 
 from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu.ops import ops_for
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.linear import ReplicatedLinear
 
@@ -36,10 +37,10 @@ def main() -> None:
     experts = FusedExperts(8, list(range(8)), 64, 64, 0, 1, "silu")
     experts.w13.data.normal_()
     experts.w2.data.normal_()
-    experts.use_cpu_kernels(k)
+    experts.use_ops(ops_for(k))
     linear = ReplicatedLinear(64, 64)
     linear.weight.data.normal_()
-    linear.use_cpu_kernels(k)
+    linear.use_ops(ops_for(k))
     form = getattr(experts, "experts_form", None)  # None: a tree from before the weight forms
     w13, w2, act = (form.w13, form.w2, form.act) if form is not None else experts.fused[1:4]
     panels = getattr(linear, "weight_form", None) or linear.packed
