@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from torch import nn
 
 from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from expertmesh.distributed.fixed_sum import plain
 from expertmesh.layers.gated_deltanet import GatedDeltaNet, RecurrentMixer
 from expertmesh.layers.mamba2 import Mamba2Mixer
