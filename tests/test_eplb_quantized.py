@@ -45,7 +45,8 @@ def _mxfp4(w: torch.Tensor, seed: int, zeros: dict, kernels) -> QuantizedWeight:
         torch.ones(o, i // h.local_group), torch.randint(-3, 2, (o, i // h.local_group), generator=g)
     )
     h.offsets = torch.zeros(o, i // h.local_group)
-    return _weight(torch.randint(0, 16, (o, i), dtype=torch.uint8, generator=g), h, kernels, None, zeros)
+    codes = torch.randint(0, 16, (o, i), dtype=torch.uint8, generator=g)
+    return _weight(codes, h, ops_for(kernels), None, zeros)
 
 
 def _experts(case: str, fast: bool, placement: ExpertPlacement, rank: int) -> FusedExperts:
