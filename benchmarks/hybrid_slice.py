@@ -31,7 +31,7 @@ ratio is what to read (the machine's load moves both alike).
         --llamacpp-gguf /tmp/nemotron-slice.bf16.gguf --rounds 3
 
 With `--recurrence-steps N`: batches of `--batches` sequences decode on one engine whose recurrent
-mixers alternate step by step between the compiled decode kernels (layers/recurrent_kernels.py)
+mixers alternate step by step between the compiled decode kernels (cpu/recurrent_kernels.py)
 and the torch path (the same weights, states and load): median step time of each, their ratio,
 and the median time the mixers' recurrence (conv, state update; `RecurrentMixer.scan`) takes; then
 `--prompt`-token prefills alike (the kernels scan a chunk token by token; the torch path runs the
@@ -167,7 +167,7 @@ def recurrence(path: str, batch: int, steps: int, prompt_len: int = 64) -> None:
         engine.add_request(str(i), torch.randint(3, 512, (prompt_len,), generator=g).tolist(), params)
     engine.step()  # the prefills
     mixers = [m for m in engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
-    compiled = [m.recurrent_kernels for m in mixers]
+    compiled = [m.recurrent_steps for m in mixers]
     if any(k is None for k in compiled):
         raise SystemExit("the recurrent kernels are not loaded (no compiler, or disabled)")
     scan_time = [0.0]
@@ -187,7 +187,7 @@ def recurrence(path: str, batch: int, steps: int, prompt_len: int = 64) -> None:
         for step in range(2 * steps + 2):
             mode = "kernels" if step % 2 == 0 else "torch"
             for m, k in zip(mixers, compiled, strict=True):
-                m.recurrent_kernels = k if mode == "kernels" else None
+                m.recurrent_steps = k if mode == "kernels" else None
             scan_time[0] = 0.0
             t0 = time.perf_counter()
             engine.step()
@@ -197,7 +197,7 @@ def recurrence(path: str, batch: int, steps: int, prompt_len: int = 64) -> None:
     finally:
         RecurrentMixer.scan = original
         for m, k in zip(mixers, compiled, strict=True):
-            m.recurrent_kernels = k
+            m.recurrent_steps = k
     st = {m: statistics.median(v) * 1e3 for m, v in step_t.items()}
     sc = {m: statistics.median(v) * 1e3 for m, v in scan_t.items()}
     print(f"batch {batch}: decode step kernels {st['kernels']:.1f} ms, torch {st['torch']:.1f} ms, "
@@ -212,20 +212,20 @@ def recurrence_prefill(path: str, prompt_len: int, rounds: int) -> None:
     llm = LLM(path, dtype="bfloat16", max_model_len=prompt_len + 8, max_num_seqs=1,
               max_num_batched_tokens=prompt_len, enable_prefix_caching=False)  # fmt: skip
     mixers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
-    compiled = [m.recurrent_kernels for m in mixers]
+    compiled = [m.recurrent_steps for m in mixers]
     prompt = torch.randint(3, 512, (prompt_len,), generator=torch.Generator().manual_seed(4)).tolist()
     times: dict[str, list[float]] = {"kernels": [], "torch": []}
     try:
         for r in range(2 * rounds + 2):
             mode = "kernels" if r % 2 == 0 else "torch"
             for m, k in zip(mixers, compiled, strict=True):
-                m.recurrent_kernels = k if mode == "kernels" else None
+                m.recurrent_steps = k if mode == "kernels" else None
             t = ttft(llm, prompt)
             if r >= 2:
                 times[mode].append(t)
     finally:
         for m, k in zip(mixers, compiled, strict=True):
-            m.recurrent_kernels = k
+            m.recurrent_steps = k
     med = {m: statistics.median(v) for m, v in times.items()}
     print(f"prefill {prompt_len} tokens: kernels {med['kernels']:.3f} s, torch {med['torch']:.3f} s, "
           f"speedup {med['torch'] / med['kernels']:.2f}x (median of {rounds}, interleaved; "

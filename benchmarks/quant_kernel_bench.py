@@ -23,12 +23,10 @@ from pathlib import Path
 import torch
 
 from expertmesh.cpu import cpu_kernels, kernel_library
+from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.quantized import QuantizedMoE
 from expertmesh.layers.quantization.codes import BF16_PAIRS, KINDS
-from expertmesh.layers.quantization.packed import (
-    QuantizedExperts,
-    QuantizedMoE,
-    QuantizedWeight,
-)
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 
 PRODUCTS = {"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}  # the small MoE's shapes
 MOE = (512, 1024, 8, 2)  # hidden, inter, experts, top-k
@@ -96,9 +94,9 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                 for kind in kinds:
                     if kind not in k.quant_kinds or weight_kind(kind) == "fp4":  # fp4: fp4_products, moe
                         continue
-                    q = QuantizedWeight.quantize(w, weight_kind(kind), 128, k)
+                    q = QuantizedWeight.quantize(w, weight_kind(kind), 128, ops_for(k))
                     held = [q] + [
-                        QuantizedWeight.quantize(w, weight_kind(kind), 128, k)
+                        QuantizedWeight.quantize(w, weight_kind(kind), 128, ops_for(k))
                         for _ in range(copies_for(q.nbytes, cold_mb) - 1 if cold_mb else 0)
                     ]
                     fns = [
@@ -150,11 +148,11 @@ def quantized(w: torch.Tensor, kind: str, group: int, k, g: torch.Generator) -> 
     """fp4 as MXFP4 holds it: e2m1 codes and a 2^k scale per 32 inputs (quantize_rows has no fp4; the
     decode's cost does not depend on the values, so the codes are random); the other kinds quantized."""
     if kind != "fp4":
-        return QuantizedWeight.quantize(w, kind, group, k)
+        return QuantizedWeight.quantize(w, kind, group, ops_for(k))
     o, i = w.shape
     codes = torch.randint(0, 16, (o, i), generator=g, dtype=torch.uint8)
     scales = torch.exp2(torch.randint(-9, -5, (o, -(-i // 32)), generator=g).float())
-    return QuantizedWeight.from_rows(codes, scales, torch.zeros_like(scales), "fp4", 32, k)
+    return QuantizedWeight.from_rows(codes, scales, torch.zeros_like(scales), "fp4", 32, ops_for(k))
 
 
 def fp4_products(kernels: dict, rows: list[int], with_int4: bool, out: dict) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from expertmesh.cpu import cpu_features, cpu_kernels, cpu_onednn
+from expertmesh.cpu.ops import ops_for
 from expertmesh.layers.fused_moe import FusedExperts
 
 
@@ -118,7 +119,7 @@ def test_moe_sends_many_tokens_to_onednn(amx_kernels, monkeypatch, expert_ids):
     fused = FusedExperts(4, expert_ids, 40, 24, 0, 1, "silu", torch.bfloat16)
     fused.w13.data.copy_(ref.w13)
     fused.w2.data.copy_(ref.w2)
-    fused.use_cpu_kernels(amx_kernels)
+    fused.use_ops(ops_for(amx_kernels))
     g = torch.Generator().manual_seed(1)
     for n in (1, 7, 32, 70):
         x = torch.randn(n, 40, generator=g).to(torch.bfloat16)

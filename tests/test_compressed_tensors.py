@@ -111,7 +111,8 @@ def test_resident_bytes_of_compressed_tensors_held_as_stored(real_checkpoint, tm
 
 
 def _held_weights(model) -> int:
-    from expertmesh.layers.expert_weights import PerExpertWeights, QuantizedStacks
+    from expertmesh.cpu.expert_forms import QuantizedStacks
+    from expertmesh.layers.expert_weights import PerExpertWeights
     from expertmesh.layers.quantization.packed import QuantizedWeight
 
     n = 0

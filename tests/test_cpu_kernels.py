@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from expertmesh import LLM, SamplingParams
 from expertmesh.config import RopeConfig
 from expertmesh.cpu import cpu_gemm, cpu_kernels
-from expertmesh.layers.expert_weights import PanelStacks
+from expertmesh.cpu.expert_forms import PanelStacks
+from expertmesh.cpu.ops import ops_for
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.norm import RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding
@@ -222,7 +223,7 @@ def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids, monkeypat
     exact = _experts(expert_ids, act, dtype=torch.float32)  # the same (bf16-rounded) weights in fp32
     exact.w13.data.copy_(torch_path.w13.float())
     exact.w2.data.copy_(torch_path.w2.float())
-    fused.use_cpu_kernels(kernels)
+    fused.use_ops(ops_for(kernels))
     assert isinstance(fused.experts_form, PanelStacks) and fused.w13.numel() == 0  # dense copy dropped
     g = torch.Generator().manual_seed(1)
     for n, k in [(0, 2), (1, 2), (2, 1), (9, 2), (37, 3)]:
@@ -251,7 +252,7 @@ def test_fused_moe_matches_torch_path(kernels, dtype, act, expert_ids, monkeypat
 
 def test_fused_moe_dtype_choice(kernels):
     fe = FusedExperts(4, [0, 1, 2, 3], 16, 8, 0, 1, "silu", torch.bfloat16)
-    fe.use_cpu_kernels(kernels)
+    fe.use_ops(ops_for(kernels))
     # bf16 experts: one fused call, on pair products (AVX512-BF16) or widening bf16 to float32
     # in registers (AVX2).
     assert isinstance(fe.experts_form, PanelStacks)
@@ -308,7 +309,7 @@ def test_rms_norm_matches_reference(kernels, dtype, rows):
     ref.weight.data = torch.randn(72, generator=g).to(dtype)
     x = (3 * torch.randn(rows, 72, generator=g)).to(dtype)
     want = ref(x)
-    ref.use_cpu_kernels(kernels)
+    ref.use_ops(ops_for(kernels))
     got = ref(x)
     assert got.dtype == dtype and got.shape == x.shape
     # float32: same operations, summation order may differ; bf16: at most one rounding step apart
@@ -358,7 +359,7 @@ def test_generic_path_without_avx512(generic_kernels):
     assert generic.moe_supports(torch.float32, "silu") and generic.moe_supports(torch.bfloat16, "silu")
     for dtype in (torch.float32, torch.bfloat16):
         ref, fused = _experts([1, 3, 4], "silu", dtype=dtype), _experts([1, 3, 4], "silu", dtype=dtype)
-        fused.use_cpu_kernels(generic)
+        fused.use_ops(ops_for(generic))
         assert isinstance(fused.experts_form, PanelStacks)
         for n in (0, 1, 21):
             x, ids, wt = (

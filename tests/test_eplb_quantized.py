@@ -16,9 +16,11 @@ from real_checkpoints import Sizes
 from test_expert_load import _experts_for
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.cpu.expert_forms import QuantizedStacks
+from expertmesh.cpu.ops import ops_for
 from expertmesh.distributed.eplb import balanced_placement
 from expertmesh.distributed.moe_plan import ExpertPlacement
-from expertmesh.layers.expert_weights import PerExpertWeights, QuantizedStacks
+from expertmesh.layers.expert_weights import PerExpertWeights
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.quantization.permuted import PermutedInputs
@@ -43,7 +45,8 @@ def _mxfp4(w: torch.Tensor, seed: int, zeros: dict, kernels) -> QuantizedWeight:
         torch.ones(o, i // h.local_group), torch.randint(-3, 2, (o, i // h.local_group), generator=g)
     )
     h.offsets = torch.zeros(o, i // h.local_group)
-    return _weight(torch.randint(0, 16, (o, i), dtype=torch.uint8, generator=g), h, kernels, None, zeros)
+    codes = torch.randint(0, 16, (o, i), dtype=torch.uint8, generator=g)
+    return _weight(codes, h, ops_for(kernels), None, zeros)
 
 
 def _experts(case: str, fast: bool, placement: ExpertPlacement, rank: int) -> FusedExperts:
@@ -55,7 +58,7 @@ def _experts(case: str, fast: bool, placement: ExpertPlacement, rank: int) -> Fu
     mine = placement.local_experts(rank)
     fe = _experts_for(placement, rank, packed=False, shape=(E, H, INTER))
     if case in ONLINE:
-        fe.use_quantized(OnlineScheme.parse(case), kernels)
+        fe.use_quantized(OnlineScheme.parse(case), ops_for(kernels))
         return fe
     zeros: dict = {}
     pairs = []
@@ -64,12 +67,12 @@ def _experts(case: str, fast: bool, placement: ExpertPlacement, rank: int) -> Fu
         if case == "mxfp4":
             pairs.append(tuple(_mxfp4(w, 10 * e + j, zeros, kernels) for j, w in enumerate(ws)))
             continue
-        q = [QuantizedWeight.quantize(w, "int4", 8, kernels) for w in ws]
+        q = [QuantizedWeight.quantize(w, "int4", 8, ops_for(kernels)) for w in ws]
         g = torch.Generator().manual_seed(7 + e)  # expert 0's groups in order: plain, the others permuted
         pairs.append(
             tuple(w if e == 0 else PermutedInputs(w, torch.randperm(w.in_features, generator=g)) for w in q)
         )
-    fe.hold_quantized(pairs, kernels)
+    fe.hold_quantized(pairs, ops_for(kernels))
     return fe
 
 

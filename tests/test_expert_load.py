@@ -16,6 +16,7 @@ from distributed_utils import run_distributed
 from transformers import AutoModelForCausalLM
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.cpu.ops import ops_for
 from expertmesh.distributed.eplb import balanced_placement, replica_counts
 from expertmesh.distributed.moe_plan import ExpertPlacement, static_placement
 
@@ -407,7 +408,7 @@ def _experts_for(
         fe.w13.data[i] = torch.randn(2 * inter, hidden, generator=g)
         fe.w2.data[i] = torch.randn(hidden, inter, generator=g)
     if packed:
-        fe.use_cpu_kernels(cpu_kernels.load())
+        fe.use_ops(ops_for(cpu_kernels.load()))
     return fe
 
 

@@ -14,6 +14,7 @@ from expertmesh.layers.quantization.awq import AwqFormat, AwqTensor
 from expertmesh.layers.quantization.gptq import GptqFormat, GptqTensor
 from expertmesh.layers.quantization.held import local_groups
 from expertmesh.layers.quantization.packed import decode_codes
+from expertmesh.layers.torch_ops import TORCH_OPS
 
 OUT, IN, GROUP = 24, 64, 16
 # (rows, columns) a rank reads: whole, TP 2 by rows (cutting a packed word of 8 outputs), by columns
@@ -195,7 +196,9 @@ def test_gptq_desc_act_codes_in_group_order_rebuild_the_weights_and_refuse_cut_g
             torch.testing.assert_close(
                 decode_codes(codes, "int4") * expand(scales) + expand(offsets), ref[:, perm]
             )
-            w = PermutedInputs(QuantizedWeight.from_rows(codes, scales, offsets, "int4", group, None), perm)
+            w = PermutedInputs(
+                QuantizedWeight.from_rows(codes, scales, offsets, "int4", group, TORCH_OPS), perm
+            )
             torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=1e-6)
             x = torch.randn(3, cols[1] - cols[0])
             torch.testing.assert_close(w(x), x @ ref.t(), rtol=1e-5, atol=1e-5)

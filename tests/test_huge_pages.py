@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from expertmesh.cpu import huge_pages
-from expertmesh.layers.expert_weights import PanelStacks
+from expertmesh.cpu.expert_forms import PanelStacks
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 thp_offered = pytest.mark.skipif(

@@ -137,7 +137,7 @@ def test_hybrid_matches_transformers(family, real_checkpoint, engine_log):
     ours = llm.llm_engine.runner.model
     mixers = [m for m in ours.modules() if isinstance(m, RecurrentMixer)]
     # decodes on the compiled recurrent kernels wherever the library is (tests/test_hybrid_kernels.py)
-    assert mixers and all((m.recurrent_kernels is not None) == (ours.cpu_kernels is not None) for m in mixers)
+    assert mixers and all((m.recurrent_steps is not None) == (ours.cpu_kernels is not None) for m in mixers)
     _assert_matches(model, prompts, outs, family)
     del llm
     llm, chunked = _run(path, prompts, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)

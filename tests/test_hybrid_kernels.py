@@ -1,4 +1,4 @@
-"""The recurrent mixers' decode kernels (cpu/csrc/recurrent.c, layers/recurrent_kernels.py) against
+"""The recurrent mixers' decode kernels (cpu/csrc/recurrent.c, cpu/recurrent_kernels.py) against
 the mixers' torch path, on the native build and on the one without AVX-512: the convolution step
 and Mamba2's state update bit for bit, the Gated DeltaNet step and Mamba2's output within a float32
 bound derived from their dot products; uneven batches over scattered slots, a batch of one, an
@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from expertmesh.distributed.fixed_sum import plain
 from expertmesh.layers.gated_deltanet import GatedDeltaNet, RecurrentMixer
 from expertmesh.layers.mamba2 import Mamba2Mixer
-from expertmesh.layers.recurrent_kernels import RecurrentKernels
+from expertmesh.layers.torch_ops import TORCH_OPS
 
 U = 2.0**-24  # float32's unit roundoff
 SLOTS = 7  # state rows (slots + the dummy row)
@@ -53,9 +55,9 @@ def test_conv_step_equals_the_torch_path_bit_for_bit(built, dtype, kernel, bias)
     g = torch.Generator().manual_seed(kernel)
     channels = 37  # not a multiple of any vector width
     conv = Conv(channels, kernel, bias, dtype, g)
-    conv.use_cpu_kernels(None)
-    assert conv.recurrent_kernels is None  # no library: the torch path
-    conv.use_cpu_kernels(built)
+    conv.use_ops(TORCH_OPS)
+    assert conv.recurrent_steps is None  # no library: the torch path
+    conv.use_ops(ops_for(built))
     state = torch.randn(SLOTS, channels, kernel - 1, generator=g).to(dtype).float()
     conv.bind_state((state, torch.zeros(SLOTS, 1)))
     for step, batch in enumerate(BATCHES * 2):  # each batch twice: the second from shifted states
@@ -170,7 +172,7 @@ def test_mamba2_step_equals_the_torch_path(rk, heads, head_dim, n, groups):
     g = torch.Generator().manual_seed(n)
     mod = _mamba(heads, head_dim, n, groups, g)
     state = torch.randn(SLOTS, heads, head_dim, n, generator=g)
-    mod.rec_state, mod.recurrent_kernels = state, rk
+    mod.rec_state, mod.recurrent_steps = state, rk
     for step, batch in enumerate(BATCHES * 2):
         slots = torch.tensor(batch, dtype=torch.int64)
         t = len(batch)

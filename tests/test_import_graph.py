@@ -1,10 +1,12 @@
 """The package's import graph, read from the source with `ast` (imports inside functions
 included): no import circle. The list of known circles was a ratchet while issue 34 broke them;
-it is empty now and may only stay so."""
+it is empty now and may only stay so. And, read the same way: no file of layers/ or models/ tests
+which backend runs it (they take their compute from the model's ops, layers/ops.py)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -98,4 +100,96 @@ def test_no_import_circle_beyond_the_known_ones():
     assert not new, f"new import circles (break them: move the shared part below both): {new}"
     assert not gone, (
         f"these circles are gone: remove them from KNOWN_CIRCLES and docs/architecture.md: {gone}"
+    )
+
+
+# ---- layers/ and models/ never test which backend runs them (issue 34) ---------------------------
+# They get their compute from the model's ops (layers/ops.py), chosen once (models/build.py
+# select_ops); a branch on the backend inside them is what that seam replaced.
+BACKEND_NAME = re.compile(r"kernel|cpu|onednn|moe_q|^library$", re.IGNORECASE)  # names, attributes
+BACKEND_ENTRY = re.compile(r"kernel|cpu|onednn|moe_q|gemm|^lib$", re.IGNORECASE)  # probed attributes
+BACKEND_CLASS = re.compile(r"(Ops|Kernels)$")
+
+
+def _name(node: ast.AST) -> str:
+    """The last part of a name or attribute (`kernels`, `self.kernels` -> kernels), else ""."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def _backendish(node: ast.AST) -> bool:
+    return bool(BACKEND_NAME.search(_name(node)))
+
+
+def backend_tests(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each test of which backend runs: a kernel-ish name or attribute compared with
+    None or taken as a truth value, a getattr / hasattr probe of a kernel-ish object or attribute,
+    an isinstance against an Ops / Kernels class."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Constant) and o.value is None for o in operands) and any(
+                _backendish(o) for o in operands
+            ):
+                found.append((node.lineno, f"{ast.unparse(node)}: compared with None"))
+        elif isinstance(node, (ast.If, ast.IfExp, ast.While)) and _backendish(node.test):
+            found.append((node.lineno, f"{ast.unparse(node.test)}: taken as a truth value"))
+        elif isinstance(node, ast.BoolOp):
+            found += [
+                (v.lineno, f"{ast.unparse(v)}: in {type(node.op).__name__}")
+                for v in node.values
+                if _backendish(v)
+            ]
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and _backendish(node.operand):
+            found.append((node.lineno, f"{ast.unparse(node)}: negated"))
+        elif (
+            isinstance(node, ast.Call) and _name(node.func) in ("getattr", "hasattr") and len(node.args) >= 2
+        ):
+            obj, attr = node.args[0], node.args[1]
+            key = attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str) else ""
+            if _backendish(obj) or BACKEND_ENTRY.search(key):
+                found.append((node.lineno, f"{ast.unparse(node)}: probes the backend"))
+        elif isinstance(node, ast.Call) and _name(node.func) == "isinstance" and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(BACKEND_CLASS.search(_name(c)) for c in classes):
+                found.append((node.lineno, f"{ast.unparse(node)}: asks the backend's class"))
+    return found
+
+
+def test_the_backend_test_finder_sees_each_kind():
+    cases = [
+        "if self.kernels is not None:\n    pass",
+        "x = None if kernels is None else 1",
+        "if self.kernels:\n    pass",
+        "y = a and self.kernels",
+        "z = not kernels",
+        "f = getattr(kernels, 'moe_q_ex', None)",
+        "f = getattr(self.act, 'moe_q_form', None)",
+        "f = hasattr(lib, 'gemm_q')",
+        "ok = isinstance(self.ops, CpuOps)",
+        "if self.ops.library is None:\n    pass",
+    ]
+    for source in cases:
+        assert backend_tests(source), source
+    clean = (
+        "y = self.ops.rms_norm(x, w, eps)\n"
+        "if self.expand_forms is not None:\n    pass\n"
+        "g = getattr(group, 'fixed_chunks', 0)\n"
+    )
+    assert backend_tests(clean) == []
+
+
+def test_layers_and_models_never_test_which_backend_runs():
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+        for package in ("layers", "models")
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        for line, what in backend_tests(path.read_text())
+    ]
+    assert not found, (
+        "take the op or weight form from the model's ops (layers/ops.py) instead:\n" + "\n".join(found)
     )

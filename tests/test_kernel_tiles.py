@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from test_cpu_kernels import _tolerance
 
-from expertmesh.layers.expert_weights import PanelStacks
+from expertmesh.cpu.expert_forms import PanelStacks
+from expertmesh.cpu.ops import ops_for
 from expertmesh.layers.fused_moe import FusedExperts
 
 # 0-6: few-row tiles; 7, 13: MR x NP with remainders; 23 / 24 / 25: either side of WIDEN_ROWS.
@@ -72,7 +73,7 @@ def test_experts_every_row_count_per_expert(kernels, dtype, k):
     ids = _routing(counts, k, g)
     n = ids.shape[0]
     torch_path, fused = _experts(dtype), _experts(dtype)
-    fused.use_cpu_kernels(kernels)
+    fused.use_ops(ops_for(kernels))
     assert isinstance(fused.experts_form, PanelStacks)
     x = torch.randn(n, 100, generator=g).to(dtype)
     w = torch.rand(n, k, generator=g)

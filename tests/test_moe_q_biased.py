@@ -9,20 +9,23 @@ from real_checkpoints import Sizes
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu.expert_forms import PanelStacks, QuantizedStacks
+from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.quantized import QuantizedMoE
 from expertmesh.layers.activation import ClampedSwiGLU, GatedActivation
-from expertmesh.layers.expert_weights import PanelStacks, PerExpertWeights, QuantizedStacks
+from expertmesh.layers.expert_weights import PerExpertWeights
 from expertmesh.layers.fused_moe import FusedExperts
-from expertmesh.layers.quantization.packed import QuantizedMoE, QuantizedWeight
+from expertmesh.layers.quantization.packed import QuantizedWeight
 
 LIMIT = 1.5  # small, so that the gate and up products cross it
 
 
 def _codes(out_f: int, in_f: int, kind: str, kernels) -> QuantizedWeight:
     if kind != "fp4":
-        return QuantizedWeight.quantize(torch.randn(out_f, in_f) * 0.5, kind, 16, kernels)
+        return QuantizedWeight.quantize(torch.randn(out_f, in_f) * 0.5, kind, 16, ops_for(kernels))
     codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8)  # MXFP4: e2m1 codes, 2^k per 32
     scales = torch.exp2(torch.randint(-3, 0, (out_f, -(-in_f // 32))).float())
-    return QuantizedWeight.from_rows(codes, scales, torch.zeros_like(scales), "fp4", 32, kernels)
+    return QuantizedWeight.from_rows(codes, scales, torch.zeros_like(scales), "fp4", 32, ops_for(kernels))
 
 
 def _experts(kind, act, bias, shard_rank, kernels, e=8, local=(0, 2, 3, 5, 6, 7), hidden=72, inter=40):
@@ -32,7 +35,7 @@ def _experts(kind, act, bias, shard_rank, kernels, e=8, local=(0, 2, 3, 5, 6, 7)
         fe.w13_bias.data.normal_()
         fe.w2_bias.data.normal_()
     pairs = [(_codes(2 * inter, hidden, kind, kernels), _codes(hidden, inter, kind, kernels)) for _ in local]
-    fe.hold_quantized(pairs, kernels)
+    fe.hold_quantized(pairs, ops_for(kernels))
     return fe, pairs
 
 
@@ -85,7 +88,9 @@ def test_gated_biased_experts_take_moe_q_ex_and_weight_on_input_stays_per_expert
     fused, ref = _both(fe, pairs, x, ids, weights)
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     fe = FusedExperts(8, list(range(8)), 72, 80, 0, 1, ClampedSwiGLU(), bias=True, weight_on_input=True)
-    fe.hold_quantized([(_codes(80, 72, "int8", kernels), _codes(72, 40, "int8", kernels))] * 8, kernels)
+    fe.hold_quantized(
+        [(_codes(80, 72, "int8", kernels), _codes(72, 40, "int8", kernels))] * 8, ops_for(kernels)
+    )
     assert isinstance(fe.experts_form, PerExpertWeights)
 
 
@@ -117,7 +122,7 @@ def test_float_biased_clamped_experts_in_one_call_equal_the_torch_path(dtype, ac
     if kernels is None:
         no_kernels()
     fe, ref = _float_pair(dtype, act, bias, shard_rank)
-    fe.use_cpu_kernels(kernels)
+    fe.use_ops(ops_for(kernels))
     if not bias and isinstance(act, GatedActivation):
         form = fe.experts_form
         assert isinstance(form, PanelStacks) and form.runner is kernels  # plain: moe_f32 / moe_bf16

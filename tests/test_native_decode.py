@@ -12,6 +12,8 @@ from expect import kernels_disabled, no_kernels
 from expertmesh import LLM, SamplingParams
 from expertmesh.cpu import cpu_kernels
 from expertmesh.cpu.native_decode import NativeDecoder, decoders
+from expertmesh.cpu.ops import ops_for
+from expertmesh.layers.torch_ops import TORCH_OPS
 from expertmesh.models.decoder import DecoderLayer
 
 # only a deliberate EXPERTMESH_DISABLE_CPU_KERNELS skips; a build failure fails (the `kernels` fixture)
@@ -213,23 +215,24 @@ def test_quantized_native_forms_only_where_served():
     kinds have none (moe_q takes one)."""
     import torch
 
+    from expertmesh.cpu.quantized import experts_native_form
     from expertmesh.distributed.group import Group
     from expertmesh.layers.linear import RowParallelLinear
-    from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight, experts_native_form
+    from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 
     kernels = cpu_kernels.load()
     w = torch.randn(24, 32)
-    q = QuantizedWeight.quantize(w, "int8", 16, kernels)
+    q = QuantizedWeight.quantize(w, "int8", 16, ops_for(kernels))
     keep: list = []
     assert q.native_form(torch.float32, keep) is not None and q.native_form(torch.bfloat16, keep) is not None
     assert q.native_form(torch.float16, keep) is None
-    assert QuantizedWeight.quantize(w, "int8", 16, None).native_form(torch.float32, keep) is None
+    assert QuantizedWeight.quantize(w, "int8", 16, TORCH_OPS).native_form(torch.float32, keep) is None
     for reduce, native in ((True, True), (False, False)):
         layer = RowParallelLinear(32, 24, False, Group((0,), 0), reduce=reduce)
         layer.hold_quantized(q)
         assert (layer.native_form(keep) is not None) == native
     a = QuantizedExperts.stack([q, q])
-    b = QuantizedExperts.stack([QuantizedWeight.quantize(w.T.contiguous(), "int4", 8, kernels)] * 2)
+    b = QuantizedExperts.stack([QuantizedWeight.quantize(w.T.contiguous(), "int4", 8, ops_for(kernels))] * 2)
     assert experts_native_form(kernels, a, a, torch.float32, keep) is not None
     assert experts_native_form(kernels, a, b, torch.float32, keep) is None
 

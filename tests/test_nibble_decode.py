@@ -17,6 +17,7 @@ import torch
 from expect import no_kernels
 
 from expertmesh.cpu import cpu_features, cpu_kernels, kernel_library
+from expertmesh.cpu.ops import ops_for
 from expertmesh.layers.quantization.packed import QuantizedWeight, decode_codes
 
 HARNESS = r"""
@@ -80,7 +81,7 @@ def test_fp4_gemm_every_code_in_every_lane_is_exact():
     o, i = torch.arange(out_f)[:, None], torch.arange(in_f)[None, :]
     codes = ((o + i) % 16).to(torch.uint8)
     scales = torch.exp2(torch.arange(out_f * 2).view(out_f, 2) % 7 - 3.0)
-    w = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, 2), "fp4", 32, kernels)
+    w = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, 2), "fp4", 32, ops_for(kernels))
     dense = decode_codes(codes, "fp4") * scales.repeat_interleave(32, 1)[:, :in_f]
     eye = torch.eye(in_f)
     assert torch.equal(w(eye), dense.T)  # 48 rows: the panel is decoded once into float32

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from distributed_utils import run_distributed
 
 from expertmesh.cpu import cpu_gemm, cpu_kernels
+from expertmesh.cpu.ops import ops_for
 from expertmesh.distributed.all2all import make_all2all
 from expertmesh.distributed.group import Group
 from expertmesh.distributed.moe_plan import expert_owners
@@ -70,7 +71,7 @@ def test_float32_out_weights_never_go_to_onednn_bf16(kernels):
     x = torch.randn(5, 8).to(BF16)
     want = F.linear(x.float(), w.float(), layer.bias.float())
     torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)  # dense: float32, unrounded
-    layer.use_cpu_kernels(kernels)
+    layer.use_ops(ops_for(kernels))
     assert not isinstance(layer.weight_form, DenseWeight) and layer(x).dtype == torch.float32
     torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
 
@@ -104,7 +105,7 @@ def test_expert_partials_are_float32_and_sum_like_one_process(kernels, packed):
     whole, ep = _experts(list(range(6))), [_experts([0, 1, 2]), _experts([3, 4, 5])]
     tp = [_experts(list(range(6)), (r, 2)) for r in range(2)]
     for fe in [whole, *ep, *tp] if packed else []:
-        fe.use_cpu_kernels(kernels)
+        fe.use_ops(ops_for(kernels))
     one = whole(x, ids, w)
     assert one.dtype == torch.float32
     assert torch.equal(ep[0](x, ids, w) + ep[1](x, ids, w), one)

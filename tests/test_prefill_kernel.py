@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from expertmesh.cpu import cpu_kernels, kernel_library
+from expertmesh.cpu.ops import ops_for
 from expertmesh.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 
 BS = 4  # block size: positions run across many blocks
@@ -170,7 +171,7 @@ def test_layer_forward_mixed_step_both_paths(kernels, dtype):
     for use_kernels, cache in zip((True, False), caches, strict=True):
         attn = _layer(heads, kv_heads, d, 21, None, True, torch.Generator().manual_seed(2))
         attn.bind_kv_cache(cache)
-        attn.use_cpu_kernels(kernels if use_kernels else None)
+        attn.use_ops(ops_for(kernels if use_kernels else None))
         prefills = [
             PrefillChunk(len(lens), fresh),
             PrefillChunk(len(lens) + fresh, new, ctx, seq_tables[3]),

@@ -21,13 +21,10 @@ from expect import no_kernels
 from test_quant_wide_tiles import _weight as wide_tiles_weight
 
 from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.quantized import QuantizedMoE, product_kind
 from expertmesh.layers.quantization.codes import FP4_BF16, FP8_BF16, INT4_BF16, INT8_BF16, KINDS
-from expertmesh.layers.quantization.packed import (
-    QuantizedExperts,
-    QuantizedMoE,
-    QuantizedWeight,
-    product_kind,
-)
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 
 ROWS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 33, 49, 64, 83]
 
@@ -102,7 +99,9 @@ def test_every_e4m3_code_decodes_exactly(kernels):
     assert torch.equal(values, codes.view(torch.float8_e4m3fn).double())  # torch agrees
     in_f = 64
     rows = codes[:, None].expand(-1, in_f).contiguous()
-    w = QuantizedWeight.from_rows(rows, torch.ones(254, 1), torch.zeros(254, 1), "fp8", in_f, kernels)
+    w = QuantizedWeight.from_rows(
+        rows, torch.ones(254, 1), torch.zeros(254, 1), "fp8", in_f, ops_for(kernels)
+    )
     x = (
         torch.rand(9, in_f, generator=torch.Generator().manual_seed(1)).bfloat16() + 0.5
     )  # sums ~ 64, no cancellation
@@ -141,7 +140,9 @@ def _weight(kind: str, out_f: int, in_f: int, group: int, kernels, g) -> Quantiz
     codes = torch.randint(0, 254, (out_f, in_f), dtype=torch.uint8, generator=g)
     codes += (codes >= 0x7F).to(torch.uint8)  # 0..253 onto every byte but 0x7f / 0xff (NaN)
     scales = torch.rand(out_f, n, generator=g) * 2e-3 / in_f**0.5  # |value| up to 448
-    return QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, n), kind, group or in_f, kernels)
+    return QuantizedWeight.from_rows(
+        codes, scales, torch.zeros(out_f, n), kind, group or in_f, ops_for(kernels)
+    )
 
 
 def _moe_reference_bf16(x, slot, weights, w13, w2, inter):

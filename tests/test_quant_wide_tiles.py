@@ -17,7 +17,9 @@ from expect import no_kernels
 from test_quantization import moe_reference
 
 from expertmesh.cpu import cpu_kernels
-from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.quantized import QuantizedMoE
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 
 # every tile height (1-12), uneven splits (13: 7 + 6; 23: 12 + 11), either side of QW_ROWS (24)
 ROWS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 23, 24, 25, 49]
@@ -40,8 +42,10 @@ def _weight(
         n = -(-in_f // 32)
         codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g)
         scales = torch.exp2(torch.randint(*fp4_exponents, (out_f, n), generator=g).float())
-        return QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, n), "fp4", 32, kernels)
-    return QuantizedWeight.quantize(torch.randn(out_f, in_f, generator=g) * scale, kind, group, kernels)
+        return QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, n), "fp4", 32, ops_for(kernels))
+    return QuantizedWeight.quantize(
+        torch.randn(out_f, in_f, generator=g) * scale, kind, group, ops_for(kernels)
+    )
 
 
 @pytest.mark.parametrize(
@@ -99,7 +103,9 @@ def test_activation_quantized_tiles_every_row_count(kernels, kind, group):
     from test_quantization_w8a8 import reference
 
     g = torch.Generator().manual_seed(13)
-    w = QuantizedWeight.quantize(torch.randn(203, 200, generator=g) * 200**-0.5, kind, group, kernels)
+    w = QuantizedWeight.quantize(
+        torch.randn(203, 200, generator=g) * 200**-0.5, kind, group, ops_for(kernels)
+    )
     b = torch.randn(203, generator=g)
     x_all = torch.randn(19, 200, generator=g) * 3
     x_all[3] = 0

@@ -26,17 +26,16 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.cpu import cpu_kernels
-from expertmesh.layers.expert_weights import PerExpertWeights, QuantizedStacks
+from expertmesh.cpu.expert_forms import QuantizedStacks
+from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.quantized import QuantizedMoE
+from expertmesh.layers.expert_weights import PerExpertWeights
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.fp8 import Fp8Tensor, quantize_blocks
-from expertmesh.layers.quantization.packed import (
-    QuantizedExperts,
-    QuantizedMoE,
-    QuantizedWeight,
-    decode_codes,
-)
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight, decode_codes
 from expertmesh.layers.quantization.permuted import PermutedInputs
 from expertmesh.layers.rotary import RotaryEmbedding
+from expertmesh.layers.torch_ops import TORCH_OPS
 from expertmesh.models.build import log_weight_bytes
 
 LENGTHS = [1, 5, 12, 33]
@@ -120,8 +119,8 @@ def test_quantized_gemm_kernel_equals_its_dequantized_weight(kind, group):
         (75, 72, 1),
     ]:
         w, x, b = torch.randn(out_f, in_f), torch.randn(rows, in_f), torch.randn(out_f)
-        qk = QuantizedWeight.quantize(w, kind, group, kernels)
-        qt = QuantizedWeight.quantize(w, kind, group, None)
+        qk = QuantizedWeight.quantize(w, kind, group, ops_for(kernels))
+        qt = QuantizedWeight.quantize(w, kind, group, TORCH_OPS)
         torch.testing.assert_close(qk.dequantize(), qt.dequantize(), rtol=0, atol=0)
         ref = (x.double() @ qt.dequantize().double().T + b.double()).float()
         torch.testing.assert_close(qk(x, b), ref, rtol=1e-5, atol=1e-4)
@@ -141,8 +140,8 @@ def test_fp4_gemm_kernel_equals_its_dequantized_weight():
         codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8)
         scales = torch.exp2(torch.randint(-8, 4, (out_f, g)).float())
         x, b = torch.randn(rows, in_f), torch.randn(out_f)
-        qk = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, kernels)
-        qt = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, None)
+        qk = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, ops_for(kernels))
+        qt = QuantizedWeight.from_rows(codes, scales, torch.zeros(out_f, g), "fp4", 32, TORCH_OPS)
         dense = decode_codes(codes, "fp4") * scales.repeat_interleave(32, 1)[:, :in_f]
         torch.testing.assert_close(qk.dequantize(), dense, rtol=0, atol=0)
         ref = (x.double() @ dense.double().T + b.double()).float()
@@ -160,8 +159,10 @@ def test_quantized_moe_kernel_equals_per_expert_products(kind, e, hidden, inter,
         no_kernels()
     torch.manual_seed(2)
     k = 2
-    w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
-    w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, kernels) for _ in range(e)]
+    w13 = [
+        QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, ops_for(kernels)) for _ in range(e)
+    ]
+    w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, ops_for(kernels)) for _ in range(e)]
     x = torch.randn(n, hidden)
     slot = torch.randint(-1, e, (n, k), dtype=torch.int32)  # -1: another rank's expert
     if n > 2:
@@ -572,7 +573,7 @@ def test_rounding_to_fp4_codes_is_an_error():
     """fp4 codes come from MXFP4 checkpoints only: rounding a float weight to them is not written, so
     it must not pass silently as another kind's codes."""
     with pytest.raises(ValueError, match="no rounding to 'fp4' codes"):
-        QuantizedWeight.quantize(torch.randn(8, 32), "fp4", 32, None)
+        QuantizedWeight.quantize(torch.randn(8, 32), "fp4", 32, TORCH_OPS)
 
 
 def test_rounding_a_block_of_rows_at_a_time_equals_rounding_the_whole_weight(monkeypatch):

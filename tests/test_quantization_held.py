@@ -11,7 +11,7 @@ from real_checkpoints import Sizes
 from test_quantization import _greedy, _held_weights
 
 from expertmesh import LLM
-from expertmesh.layers.expert_weights import PanelStacks, QuantizedStacks
+from expertmesh.cpu.expert_forms import PanelStacks, QuantizedStacks
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.permuted import PermutedInputs
 

@@ -23,8 +23,11 @@ from transformers import AutoModelForCausalLM
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.cpu import cpu_features, cpu_kernels, kernel_library
+from expertmesh.cpu.ops import ops_for
+from expertmesh.cpu.quantized import QuantizedMoE
 from expertmesh.layers.quantization.online import OnlineScheme
-from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
+from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
+from expertmesh.layers.torch_ops import TORCH_OPS
 
 
 def quantize_dequantize_input(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -76,9 +79,9 @@ def test_activation_quantized_gemm_kernel_equals_the_same_arithmetic_in_torch(ki
             x[2] = 0
         if out_f == 75:
             x[0, :16] = 0  # the one-row kernels' zero group
-        qk = QuantizedWeight.quantize(w, kind, group, kernels)
-        qt = QuantizedWeight.quantize(w, kind, group, None)  # the torch fallback
-        qi = QuantizedWeight.quantize(w, WEIGHT_ONLY[kind], group, None)  # the same weights, weight-only
+        qk = QuantizedWeight.quantize(w, kind, group, ops_for(kernels))
+        qt = QuantizedWeight.quantize(w, kind, group, TORCH_OPS)  # the torch fallback
+        qi = QuantizedWeight.quantize(w, WEIGHT_ONLY[kind], group, TORCH_OPS)  # the same weights, weight-only
         torch.testing.assert_close(qk.dequantize(), qi.dequantize(), rtol=0, atol=0)
         # panels of the kernels' lanes (8 on AVX2, 16 on AVX-512; qi, built without kernels, has 8)
         assert qk.codes.shape == (-(-out_f // qk.lanes), -(-in_f // STEP[kind]), qk.lanes, 4)
@@ -106,8 +109,10 @@ def test_activation_quantized_moe_kernel_equals_per_expert_products(kind, e, hid
         no_kernels()
     torch.manual_seed(12)
     k = 2
-    w13 = [QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, kernels) for _ in range(e)]
-    w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, kernels) for _ in range(e)]
+    w13 = [
+        QuantizedWeight.quantize(torch.randn(2 * inter, hidden), kind, 16, ops_for(kernels)) for _ in range(e)
+    ]
+    w2 = [QuantizedWeight.quantize(torch.randn(hidden, inter), kind, 8, ops_for(kernels)) for _ in range(e)]
     x = torch.randn(n, hidden)
     slot = torch.randint(-1, e - 1, (n, k), dtype=torch.int32)  # -1: another rank's; expert e-1 none
     if n > 2:
@@ -144,12 +149,12 @@ def test_activation_quantized_scheme_names_and_errors():
     with pytest.raises(ValueError, match=r"quantization='w4a8-g4': w4a8 needs groups of a multiple of 8"):
         OnlineScheme.parse("w4a8-g4")
     with pytest.raises(ValueError, match=r"w8a8 needs groups of a multiple of 4 inputs .*group=6"):
-        QuantizedWeight.quantize(torch.randn(8, 12), "w8a8", 6, None)
+        QuantizedWeight.quantize(torch.randn(8, 12), "w8a8", 6, TORCH_OPS)
     with pytest.raises(ValueError, match=r"w4a8 needs groups of a multiple of 8 inputs .*group=12"):
-        QuantizedWeight.quantize(torch.randn(8, 24), "w4a8", 12, None)
+        QuantizedWeight.quantize(torch.randn(8, 24), "w4a8", 12, TORCH_OPS)
     codes = torch.full((8, 4), 128, dtype=torch.uint8)  # int8 -128: outside the symmetric range
     with pytest.raises(ValueError, match=r"w8a8 codes must lie in \[-127, 127\]; found -128"):
-        QuantizedWeight.from_rows(codes, torch.ones(8, 1), torch.zeros(8, 1), "w8a8", 4, None)
+        QuantizedWeight.from_rows(codes, torch.ones(8, 1), torch.zeros(8, 1), "w8a8", 4, TORCH_OPS)
 
 
 @pytest.mark.timeout(180)
@@ -241,7 +246,7 @@ def _build_equals_the_reference(kernels) -> None:
     for kind, group in [("w8a8", 16), ("w8a8", 0), ("w4a8", 16), ("w4a8", 0), ("int8", 32), ("int4", 16)]:
         for out_f, in_f, rows in SHAPES:
             w, x = torch.randn(out_f, in_f), torch.randn(rows, in_f)
-            q = QuantizedWeight.quantize(w, kind, group, kernels)
+            q = QuantizedWeight.quantize(w, kind, group, ops_for(kernels))
             ref = reference(x, q) if kind in WEIGHT_ONLY else (x.double() @ q.dequantize().double().T).float()
             torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-4)
 

@@ -14,19 +14,16 @@ import torch.nn.functional as F
 from expertmesh.cpu import cpu_kernels
 from expertmesh.cpu.cpu_gemm import OneDnnWeight
 from expertmesh.cpu.cpu_kernels import PanelWeight
-from expertmesh.layers.expert_weights import (
-    ChunkedStacks,
-    DenseExperts,
-    PanelStacks,
-    PerExpertWeights,
-    QuantizedStacks,
-)
+from expertmesh.cpu.expert_forms import ChunkedStacks, PanelStacks, QuantizedStacks
+from expertmesh.cpu.ops import ops_for
+from expertmesh.layers.expert_weights import DenseExperts, PerExpertWeights
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.linear import ReplicatedLinear, RowParallelLinear
 from expertmesh.layers.linear_weight import ChunkedWeight, DenseWeight
 from expertmesh.layers.quantization.accounting import resident_weight_bytes
 from expertmesh.layers.quantization.online import OnlineScheme
 from expertmesh.layers.quantization.packed import QuantizedWeight
+from expertmesh.layers.torch_ops import TORCH_OPS
 
 KERNELS = cpu_kernels.load()
 WITH_KERNELS = [None] + ([KERNELS] if KERNELS is not None else [])
@@ -53,7 +50,7 @@ def test_a_packed_linear_equals_torch_and_is_held_once(kernels):
     x = torch.randn(5, 40)
     want = (x.double() @ w.double().T + b.double()).float()
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # dense, before packing
-    layer.use_cpu_kernels(kernels)
+    layer.use_ops(ops_for(kernels))
     form = layer.weight_form
     assert isinstance(form, PanelWeight if kernels is not None else (OneDnnWeight, DenseWeight))
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
@@ -67,7 +64,7 @@ def test_a_packed_linear_equals_torch_and_is_held_once(kernels):
 @pytest.mark.parametrize("kernels", WITH_KERNELS, ids=IDS)
 def test_a_quantized_linear_equals_its_dequantized_weight(kernels):
     layer, _, b = _linear()
-    layer.use_quantized(OnlineScheme.parse("int8-g8"), kernels)
+    layer.use_quantized(OnlineScheme.parse("int8-g8"), ops_for(kernels))
     form = layer.weight_form
     assert isinstance(form, QuantizedWeight) and layer.weight.numel() == 0
     x = torch.randn(3, 40)
@@ -90,7 +87,7 @@ def test_deterministic_chunks_sum_to_the_whole_product(kernels):
     assert isinstance(layer.weight_form, ChunkedWeight) and layer.weight_form.count == 8
     lazy = layer(x)  # slices of the dense weight (never packed)
     torch.testing.assert_close(lazy, want, rtol=1e-5, atol=1e-5)
-    layer.use_cpu_kernels(kernels)
+    layer.use_ops(ops_for(kernels))
     assert layer.weight.numel() == 0 and len(layer.weight_form.chunks) == 8
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     assert resident_weight_bytes(layer)["dense"] >= w.numel() * 4 + b.numel() * 4
@@ -136,11 +133,11 @@ def test_every_expert_form_equals_torch(kernels):
     forms = [type(fe.experts_form)]
     checks = [fe]
     packed, _, _ = _experts()
-    packed.use_cpu_kernels(kernels)  # fused stacks with our kernel, else per expert (oneDNN) or dense
+    packed.use_ops(ops_for(kernels))  # fused stacks with our kernel, else per expert (oneDNN) or dense
     forms.append(type(packed.experts_form))
     checks.append(packed)
     quant, _, _ = _experts()
-    quant.use_quantized(OnlineScheme.parse("int8"), kernels)
+    quant.use_quantized(OnlineScheme.parse("int8"), ops_for(kernels))
     forms.append(type(quant.experts_form))
     assert forms[0] is DenseExperts
     assert forms[1] in ((PanelStacks,) if kernels is not None else (PerExpertWeights, DenseExperts))
@@ -163,7 +160,7 @@ def test_every_expert_form_equals_torch(kernels):
 @pytest.mark.parametrize("kernels", WITH_KERNELS, ids=IDS)
 def test_deterministic_expert_forms_give_each_picks_output(kernels):
     fe, w13, w2 = _experts(fixed_chunks=4)
-    fe.use_cpu_kernels(kernels)
+    fe.use_ops(ops_for(kernels))
     assert isinstance(fe.experts_form, ChunkedStacks if kernels is not None else DenseExperts)
     for n in (0, 1, 5):
         x, ids, weights = _routing(n)
@@ -177,15 +174,17 @@ def test_deterministic_expert_forms_give_each_picks_output(kernels):
 
 def test_forms_refuse_what_they_cannot_run():
     fe, _, _ = _experts()
-    q = [tuple(QuantizedWeight.quantize(w[e], "int8", 0, None) for w in (fe.w13, fe.w2)) for e in range(6)]
-    fe.hold_quantized(q, None)  # no kernels: per expert through the torch fallback
+    q = [
+        tuple(QuantizedWeight.quantize(w[e], "int8", 0, TORCH_OPS) for w in (fe.w13, fe.w2)) for e in range(6)
+    ]
+    fe.hold_quantized(q, TORCH_OPS)  # no kernels: per expert through the torch fallback
     assert isinstance(fe.experts_form, PerExpertWeights)
     x, ids, weights = _routing(2)
     with pytest.raises(ValueError, match="deterministic=True does not serve PerExpertWeights experts"):
         fe.pair_sums(x, ids, weights)
     det, _, _ = _experts(fixed_chunks=2)
     with pytest.raises(ValueError, match="deterministic=True does not serve quantized experts yet"):
-        det.hold_quantized(q, None)
+        det.hold_quantized(q, TORCH_OPS)
     fe.experts_form = PerExpertWeights([(object(), object())] * 6)
     with pytest.raises(AttributeError, match="'object' object has no attribute 'slot_tensors'"):
         fe.slot_tensors(0)

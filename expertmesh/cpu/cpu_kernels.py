@@ -131,7 +131,7 @@ class CpuKernels(AttentionKernels):
             lib_kinds.restype = _i64
         self.quant_kinds = QUANT_KINDS[: int(lib_kinds()) if lib_kinds is not None else 4]
         # uint4 / int8 / fp4 / fp8 codes against bf16 activations on bf16 pairs (AVX512-BF16 and VBMI):
-        # a bf16 model's int4 / int8 / fp4 / fp8 products take code kinds 6-9 then (codes.product_kind)
+        # a bf16 model's int4 / int8 / fp4 / fp8 products take code kinds 6-9 then (quantized.product_kind)
         tiles = getattr(lib, "q_bf16_tiles", None)
         if tiles is not None:
             tiles.restype = _i64

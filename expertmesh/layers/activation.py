@@ -34,6 +34,7 @@ class GatedActivation:
     """act(gate) * up with the config's hidden_act; our fused experts kernel computes it too."""
 
     act: str
+    parts = (0, 1)  # the checkpoint halves the experts' w13 holds: gate (0) and up (1)
 
     def __post_init__(self) -> None:
         get_act(self.act)
@@ -60,6 +61,7 @@ class ClampedSwiGLU:
     limit: float = 7.0
     alpha: float = 1.702
     kernel_name = None
+    parts = (0, 1)
 
     @property
     def moe_q_form(self) -> tuple[str, float, float]:
@@ -80,6 +82,8 @@ class ClampedGatedActivation:
     act: str
     limit: float
     kernel_name = None
+    moe_q_form = None  # in no fused kernel of ours
+    parts = (0, 1)
 
     def __post_init__(self) -> None:
         get_act(self.act)
@@ -98,6 +102,7 @@ class UngatedActivation:
 
     act: str
     kernel_name = None
+    moe_q_form = None  # in no fused kernel of ours
     parts = (1,)
 
     def __post_init__(self) -> None:

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.layers.cache_spec import KVCacheSpec
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.rotary import RotaryTables
+from expertmesh.layers.torch_ops import TORCH_OPS
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 QUERY_BLOCK = 256  # rows of queries per block in the sink attention, to bound its score matrix
@@ -145,7 +146,7 @@ class Attention(nn.Module):
         self.scale, self.sliding_window, self.chunk = scale, sliding_window, chunk
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by the runner
         self.v_cache = torch.empty(0)
-        self.kernels: CpuKernels | None = None  # set by use_cpu_kernels()
+        self.ops: Ops = TORCH_OPS  # the model's, set by use_ops()
         self.sinks = None
         if sinks:  # [this rank's heads], float32 like the reference's softmax
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
@@ -163,14 +164,14 @@ class Attention(nn.Module):
     def _load_sinks(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
         copy_into(param.data, read(src, 0, self.head_start, self.num_heads), "attention sinks")
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        """Rotary + cache store in one call, and decode attention over the blocks in place."""
-        self.kernels = kernels
+    def use_ops(self, ops: Ops) -> None:
+        """On our kernels: rotary + cache store in one call, attention over the blocks in place."""
+        self.ops = ops
 
     def native_form(self) -> dict | None:
         """The cache and masking fields of a native decode layer (cpu/native_decode.py): our
         kernels serve this layer's decode and its cache is bound; else None."""
-        if self.kernels is None or not self.k_cache.numel():
+        if not self.ops.native_decode or not self.k_cache.numel():
             return None
         sinks = None if self.sinks is None else self.sinks.data_ptr()  # float32 [H] already
         return dict(
@@ -189,17 +190,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, H, D], k and v: [T, Hk, D] (views allowed), rotated by `rope` when given
         -> [T, H*D]. The new k and v are stored in the cache first."""
-        if self.kernels is not None and rope is not None:
-            q, k, v = self.kernels.rope_cache(
-                q, k, v, rope.cos, rope.sin, meta.slot_mapping, self.k_cache, self.v_cache, rope.interleaved
-            )
-        else:
-            if rope is not None:
-                q, k = rope.apply(q, k)
-            v = v.contiguous()
-            if self.k_cache.numel():
-                self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-                self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        q, k, v = self.ops.store_kv(q, k, v, rope, meta.slot_mapping, self.k_cache, self.v_cache)
         if not meta.prefills:  # decode-only step: no copy into a fresh buffer
             return self._decode(q, meta).view(q.shape[0], -1)
         if not meta.num_decodes and len(meta.prefills) == 1 and not meta.prefills[0].context:
@@ -226,13 +217,9 @@ class Attention(nn.Module):
             self.chunk is not None and n > self.chunk
         )
         masked = bool(chunk.context) or cut or self.sinks is not None
-        if (
-            self.kernels is not None
-            and self.kernels.supports(q.dtype)
-            and (masked or self.kernels.prefill_fresh)
-        ):
+        if self.ops.serves_prefill(q.dtype, masked):
             cached = bool(chunk.context)
-            return self.kernels.paged_prefill(
+            return self.ops.paged_prefill(
                 q[rows], self.k_cache if cached else k[rows], self.v_cache if cached else v[rows],
                 self.scale, self.sliding_window, self.chunk, self.sinks,
                 chunk.table32() if cached else None, chunk.context,
@@ -289,7 +276,7 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.decode_block_tables is not None:
-            return self.kernels.paged_decode(
+            return self.ops.paged_decode(
                 q.contiguous(),
                 self.k_cache,
                 self.v_cache,

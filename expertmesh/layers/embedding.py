@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.cpu import huge_pages
-from expertmesh.cpu.cpu_kernels import CpuKernels
-from expertmesh.layers.linear_weight import DenseWeight, LinearWeight, packed_or_dense, quantized
+from expertmesh.layers.linear_weight import DenseWeight, LinearWeight
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -60,16 +60,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         # The one form its weight is held and multiplied in (layers/linear_weight.py).
         self.weight_form: LinearWeight = DenseWeight(self.weight)
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+    def use_ops(self, ops: Ops) -> None:
         """Packed for our CPU kernels (or oneDNN) where one serves it, float32 products."""
-        self.weight_form = packed_or_dense(self.weight, kernels, float32_out=True)
+        self.weight_form = ops.linear_form(self.weight, float32_out=True)
 
     quantizable = True  # by online quantization only when the scheme asks ("+head")
 
-    def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
+    def use_quantized(self, scheme: Any, ops: Ops) -> None:
         if not getattr(scheme, "lm_head", False):
-            return self.use_cpu_kernels(kernels)
-        self.weight_form = quantized(self.weight, scheme, kernels)
+            return self.use_ops(ops)
+        self.weight_form = ops.quantized_form(self.weight, scheme.kind, scheme.group_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, vocab] float32 logits on every TP rank."""

@@ -22,22 +22,13 @@ import torch
 from torch import nn
 
 from expertmesh.cpu import cpu_gemm, huge_pages
-from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers.activation import GatedActivation
-from expertmesh.layers.expert_weights import (
-    ChunkedStacks,
-    ChunkPanels,
-    DenseExperts,
-    ExpertsWeight,
-    MoeExtras,
-    PanelStacks,
-    PerExpertWeights,
-    QuantizedStacks,
-)
+from expertmesh.layers.expert_weights import DenseExperts, ExpertsWeight
 from expertmesh.layers.identity_experts import lookup_picks
-from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedMoE, QuantizedWeight
-from expertmesh.layers.quantization.permuted import one_form
+from expertmesh.layers.linear_weight import LinearWeight
+from expertmesh.layers.ops import Ops
+from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
@@ -74,7 +65,7 @@ class FusedExperts(nn.Module):
         self.full_inter = intermediate
         e = len(self.expert_ids)
         # The checkpoint halves w13 holds: gate (0) and up (1), or up only for ungated experts.
-        self.parts = getattr(self.act, "parts", (0, 1))
+        self.parts = self.act.parts
         # [E, 2I, H] (or [E, I, H] ungated) and [E, H, I]
         rows = len(self.parts) * self.inter
         self.w13 = nn.Parameter(huge_pages.empty((e, rows, hidden), dtype), requires_grad=False)
@@ -90,7 +81,7 @@ class FusedExperts(nn.Module):
             set_loader(self.w13_bias, self._load_w13, {(x, s) for x in self.expert_ids for s in self.parts})
             set_loader(self.w2_bias, self._load_w2, {(x, None) for x in self.expert_ids})
         # The one form the experts' weights are held and run in (layers/expert_weights.py): the
-        # dense stacks until use_cpu_kernels / use_quantized / hold_quantized choose another.
+        # dense stacks until the model's ops choose another (use_ops / use_quantized / hold_quantized).
         self.experts_form: ExpertsWeight = DenseExperts(self.w13, self.w2)
 
     def owns(self, expert: int) -> bool:
@@ -181,44 +172,15 @@ class FusedExperts(nn.Module):
         quantized for moe_q (through its shim: experts_fn, experts_w)."""
         return self.experts_form.native_form(self, keep)
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        """The experts' form after loading, chosen once: our fused kernel's stacked panels where it
-        serves them (per fixed chunk in deterministic mode), else one packed pair a local expert
-        (cpu_gemm.pack), else the dense stacks through torch."""
-        plain = self.w13_bias is None and not self.weight_on_input and self.act_name is not None
-        if self.fixed_chunks:
-            served = kernels is not None and self.expert_ids and plain
-            if served and kernels.moe_supports(self.w13.dtype, self.act_name):
-                self.experts_form = ChunkedStacks.pack(self, kernels)
-            elif kernels is not None and self.expert_ids:
-                self.experts_form = ChunkPanels.pack(self, kernels)
-            return  # else the torch path of pair_sums on the dense weights
-        form = getattr(self.act, "moe_q_form", None)  # biases / clamped SwiGLU: moe_*_ex
-        extras = not plain and not self.weight_on_input and form is not None
-        if (
-            kernels is not None
-            and self.expert_ids
-            and (plain or extras)
-            and kernels.moe_supports(self.w13.dtype, form[0] if extras else self.act_name, extras)
-        ):
-            if extras:
-                ex = MoeExtras(kernels, *self._float_biases(), *form[1:])
-                self.experts_form = PanelStacks.pack(self, kernels, form[0], ex)
-            else:
-                self.experts_form = PanelStacks.pack(self, kernels, self.act_name, None)
-            return
-        pairs = [
-            (cpu_gemm.pack(self.w13[e], kernels), cpu_gemm.pack(self.w2[e], kernels, float32_out=True))
-            for e in range(len(self.expert_ids))
-        ]
-        if pairs and all(a is not None and b is not None for a, b in pairs):
-            self.experts_form = PerExpertWeights(pairs)
-            cpu_gemm.release(self.w13)
-            cpu_gemm.release(self.w2)
+    def use_ops(self, ops: Ops) -> None:
+        """The experts' form after loading, chosen once by the model's ops (layers/ops.py): our
+        fused kernel's stacked panels where it serves them (per fixed chunk in deterministic mode),
+        else one packed pair a local expert, else the dense stacks through torch."""
+        self.experts_form = ops.experts_form(self)
 
     quantizable = True
 
-    def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
+    def use_quantized(self, scheme: Any, ops: Ops) -> None:
         """Online weight-only quantization, one expert at a time (the dense and the compressed copy
         of one expert coexist, never two dense copies). With our kernel and plain gated experts the
         block runs in one call of moe_q; otherwise each expert's pair runs on the per-expert path."""
@@ -232,13 +194,13 @@ class FusedExperts(nn.Module):
         for e in range(len(self.expert_ids)):
             pairs.append(
                 tuple(
-                    QuantizedWeight.quantize(w[e], scheme.kind, scheme.group_size, kernels)
+                    QuantizedWeight.quantize(w[e], scheme.kind, scheme.group_size, ops)
                     for w in (self.w13, self.w2)
                 )
             )
-        self.hold_quantized(pairs, kernels)
+        self.hold_quantized(pairs, ops)
 
-    def hold_quantized(self, pairs: list[tuple[QuantizedWeight, QuantizedWeight]], kernels: Any) -> None:
+    def hold_quantized(self, pairs: list[tuple[LinearWeight, LinearWeight]], ops: Ops) -> None:
         """Serve the experts from compressed (w13, w2) pairs, one a local expert (online, or a
         checkpoint's codes as stored): with our kernel in one moe_q_ex call (biases and the clamped
         SwiGLU included), except experts weighted on their input."""
@@ -246,17 +208,9 @@ class FusedExperts(nn.Module):
             raise ValueError("deterministic=True does not serve quantized experts yet")
         cpu_gemm.release(self.w13)
         cpu_gemm.release(self.w2)
-        form = self._moe_q_form(kernels)
-        if form is not None and all(isinstance(w, QuantizedWeight) for p in pairs for w in p):  # not desc_act
-            stacks = [QuantizedExperts.stack([p[i] for p in pairs]) for i in (0, 1)]
-            name, limit, alpha = form
-            runner = QuantizedMoE(kernels, *self._float_biases(), limit, alpha)
-            self.experts_form = QuantizedStacks(runner, stacks[0], stacks[1], name)
-        else:
-            w13s, w2s = (one_form([p[i] for p in pairs]) for i in (0, 1))  # desc_act: one form a slot
-            self.experts_form = PerExpertWeights(list(zip(w13s, w2s, strict=True)))
+        self.experts_form = ops.quantized_experts_form(self, pairs)
 
-    def _float_biases(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    def float_biases(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
         """(b13, b2) for moe_*_ex, made float32 in place (slot_tensors' views stay the kernel's); the
         down bias joins once across the shards of the intermediate dim: on shard 0 (None elsewhere)."""
         if self.w13_bias is None:
@@ -264,14 +218,3 @@ class FusedExperts(nn.Module):
         for b in (self.w13_bias, self.w2_bias):
             b.data = b.data.to(torch.float32).contiguous()
         return self.w13_bias, None if self.shard_rank else self.w2_bias
-
-    def _moe_q_form(self, kernels: Any) -> tuple[str, float, float] | None:
-        """moe_q(_ex)'s activation (name, limit, alpha) for these experts, None: the per-expert path
-        (input weighting, an activation it lacks, or biases / clamped SwiGLU on an older build)."""
-        form = getattr(self.act, "moe_q_form", None)
-        if kernels is None or self.weight_on_input or form is None:
-            return None
-        if getattr(kernels, "moe_q_ex", None) is None:
-            plain = self.w13_bias is None and form[0] in kernels.MOE_ACTIVATIONS
-            return form if plain else None
-        return form if form[0] in kernels.MOE_Q_ACTIVATIONS else None

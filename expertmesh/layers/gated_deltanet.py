@@ -9,7 +9,7 @@ the delta-rule write S += k (beta (v - S^T k))^T with beta = sigmoid(b), and the
 RMS-normalised and gated by SiLU(z). Decodes run the recurrent form, prefill chunks the chunked
 form (delta_rule_chunked), both in float32 (a chunk at position 0 starts from a zero state); the
 conv and recurrent states are read from and written back to the sequence's slot. On the CPU with our
-compiled kernels (layers/recurrent_kernels.py) a step's decodes update their slots in place in one
+compiled kernels (cpu/recurrent_kernels.py) a step's decodes update their slots in place in one
 call each for the convolution and the delta rule.
 
 Tensor parallelism splits the key heads (with the value heads each serves) like attention heads:
@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config.linear_attention_config import LinearAttentionConfig
+from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from expertmesh.distributed.fixed_sum import plain, pointwise
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
-from expertmesh.layers.recurrent_kernels import RecurrentKernels
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -153,7 +154,7 @@ class RecurrentMixer(nn.Module):
     # through fixed_sum.pointwise, so an element's bits do not follow the batch or this rank's heads.
     pw: Callable = staticmethod(plain)
 
-    recurrent_kernels: RecurrentKernels | None = None  # set by use_cpu_kernels (None: torch path)
+    recurrent_steps: RecurrentKernels | None = None  # the ops' in-place steps (use_ops; None: torch path)
     _conv_w32: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the kernel's float32 weights
 
     def use_fixed_order(self, group: Any) -> None:
@@ -163,18 +164,18 @@ class RecurrentMixer(nn.Module):
     def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self.conv_state, self.rec_state = tensors
 
-    def use_cpu_kernels(self, kernels: Any) -> None:
-        """Decode steps on the compiled recurrent kernels (after loading: the conv weights are
-        widened to float32 once here)."""
-        self.recurrent_kernels = RecurrentKernels.bind(kernels)
-        if self.recurrent_kernels is not None:
+    def use_ops(self, ops: Ops) -> None:
+        """Decode steps on the ops' in-place recurrent steps where it has them (after loading: the
+        conv weights are widened to float32 once here)."""
+        self.recurrent_steps = ops.recurrent_steps()
+        if self.recurrent_steps is not None:
             bias = None if self.conv_bias is None else self.conv_bias.detach().float().contiguous()
             self._conv_w32 = (self.conv_weight.detach().float().contiguous(), bias)
 
     def _in_place(self, slots: torch.Tensor | None) -> bool:
         """Whether decodes run on the kernels, on the states in their slots."""
         return (
-            self.recurrent_kernels is not None
+            self.recurrent_steps is not None
             and slots is not None
             and self.conv_state is not None
             and self.conv_state.dtype == self.rec_state.dtype == torch.float32
@@ -257,7 +258,7 @@ class RecurrentMixer(nn.Module):
         """_conv_decode on the kernel, the conv states shifted in their slots: SiLU(conv) [B, C]."""
         w32, b32 = self._conv_w32
         dtype = self.conv_weight.dtype
-        out = self.recurrent_kernels.conv_step(x.to(dtype), w32, b32, self.conv_state, slots)
+        out = self.recurrent_steps.conv_step(x.to(dtype), w32, b32, self.conv_state, slots)
         return self.pw(F.silu, out.to(dtype))
 
     def _conv_prefill(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,8 +336,8 @@ class GatedDeltaNet(RecurrentMixer):
         g = -self.pw(torch.exp, self.A_log.float()) * self.pw(F.softplus, a.float() + self.dt_bias.float())
 
         def in_place(rows: slice, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-            kernels, state = self.recurrent_kernels, self.rec_state
-            return kernels.gdn_step(out, self.pw(torch.exp, g[rows]), beta[rows], state, slots, self.nk)
+            steps, state = self.recurrent_steps, self.rec_state
+            return steps.gdn_step(out, self.pw(torch.exp, g[rows]), beta[rows], state, slots, self.nk)
 
         core = self.scan(
             mixed, ctx, lambda rows, out, rec: self._delta(out, g[rows], beta[rows], rec), in_place, in_place

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.cpu import cpu_gemm
-from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.layers.attention import AttentionMetadata, PrefillChunk, prefill_mask
 from expertmesh.layers.cache_spec import KVCacheSpec
+from expertmesh.layers.ops import Ops
+from expertmesh.layers.torch_ops import TORCH_OPS
 
 
 class LatentAttention(nn.Module):
@@ -41,10 +41,10 @@ class LatentAttention(nn.Module):
         self.nope_dim, self.v_dim, self.scale = nope_dim, v_dim, scale
         self.width = kv_lora_rank + rope_dim
         self.cache = torch.empty(0)  # [num_blocks, block_size, 1, width], set by the runner
-        self.kernels: CpuKernels | None = None
+        self.ops: Ops = TORCH_OPS  # the model's, set by use_ops()
         self.absorbed = True
         # Deterministic mode (MLAAttention sets it from the TP group's fixed_chunks): the expansion's
-        # products go through our packed panels (expand_forms, set by use_cpu_kernels), whose bits
+        # products go through our packed panels (expand_forms, set by use_ops), whose bits
         # per output do not follow the thread count or this rank's share of the heads, as torch's
         # BLAS product's do (its blocking of the reduction follows both).
         self.fixed_order = False
@@ -62,12 +62,11 @@ class LatentAttention(nn.Module):
         """cache: [1, blocks, block_size, 1, width] (engine/kv_cache.py)."""
         self.cache = cache[0]
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.kernels = kernels
+    def use_ops(self, ops: Ops) -> None:
+        self.ops = ops
         self.expand_forms = None
-        if self.fixed_order and kernels is not None and self.w_uk.numel():
-            forms = tuple(cpu_gemm.pack(w.view(-1, self.rank), kernels) for w in (self.w_uk, self.w_uv))
-            self.expand_forms = forms if None not in forms else None
+        if self.fixed_order and self.w_uk.numel():
+            self.expand_forms = ops.latent_expand_forms(self.w_uk, self.w_uv, self.rank)
 
     def set_projections(self, kv_b: torch.Tensor) -> None:
         """kv_b: this rank's kv_b_proj weight [H * (nope + v), r], head by head [k_nope rows; v rows]."""
@@ -164,7 +163,7 @@ class LatentAttention(nn.Module):
     def expand(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [S, r], k_pe [S, rope] -> k [S, H, nope + rope], v [S, H, v]."""
         s, h = c.shape[0], self.num_heads
-        if self.expand_forms is not None:  # deterministic mode: our panels (use_cpu_kernels)
+        if self.expand_forms is not None:  # deterministic mode: our panels (use_ops)
             uk, uv = self.expand_forms
             c = c.contiguous()
             k_nope, v = uk.apply(c).view(s, h, self.nope_dim), uv.apply(c).view(s, h, self.v_dim)
@@ -220,7 +219,7 @@ class LatentAttention(nn.Module):
             return self._decode_expanded(q_nope, q_pe, meta)
         q = torch.cat((self._per_head(q_nope, self.w_uk), q_pe), dim=-1)  # [B, H, r + rope]
         if meta.decode_block_tables is not None:
-            o = self.kernels.paged_decode(
+            o = self.ops.paged_decode(
                 q, self.cache, self.cache, meta.decode_block_tables, meta.decode_context_lens,
                 self.scale, None, value_dim=self.rank,
             )  # fmt: skip
@@ -233,9 +232,7 @@ class LatentAttention(nn.Module):
         CPU bmm is many times slower here than a plain matmul of the same size (DeepSeek-V2-Lite's
         16 heads at one token; docs/benchmarks.md, "Dispatch figures"): our kernel reads each
         weight row once instead."""
-        if self.kernels is not None:
-            return self.kernels.head_matmul(x, w, transposed)
-        return torch.matmul(x.transpose(0, 1), w.transpose(1, 2) if transposed else w).transpose(0, 1)
+        return self.ops.head_matmul(x, w, transposed)
 
     def _latent_group(self, q: torch.Tensor, group, meta: AttentionMetadata) -> torch.Tensor:
         """q [b, H, width] against the group's cached rows (one head shared by all) -> [b, H, r]."""

@@ -14,16 +14,10 @@ import torch
 from torch import nn
 
 from expertmesh.cpu import cpu_gemm, huge_pages
-from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.cpu.native_desc import bias_ptr
 from expertmesh.distributed.fixed_sum import chunk_count
-from expertmesh.layers.linear_weight import (
-    ChunkedWeight,
-    DenseWeight,
-    LinearWeight,
-    packed_or_dense,
-    quantized,
-)
+from expertmesh.layers.linear_weight import ChunkedWeight, DenseWeight, LinearWeight
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -43,24 +37,24 @@ class LinearBase(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         # The one form its weight is held and multiplied in (layers/linear_weight.py): the dense
-        # parameter until use_cpu_kernels / use_quantized / hold_quantized choose another.
+        # parameter until the model's ops choose another (use_ops / use_quantized / hold_quantized).
         self.weight_form: LinearWeight = DenseWeight(self.weight)
 
     partial_output = False  # its products are partial sums over ranks: asked for in float32
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+    def use_ops(self, ops: Ops) -> None:
         """Packed for our CPU kernels (or oneDNN) where one serves it; the dense weight then dropped."""
-        self.weight_form = packed_or_dense(self.weight, kernels, float32_out=self.partial_output)
+        self.weight_form = ops.linear_form(self.weight, float32_out=self.partial_output)
 
     quantizable = True  # online quantization compresses it (the router opts out)
 
-    def use_quantized(self, scheme: Any, kernels: CpuKernels | None) -> None:
+    def use_quantized(self, scheme: Any, ops: Ops) -> None:
         """Online weight-only quantization: the weight held compressed (layers/quantization)."""
         if self.weight.numel() == 0:  # moved elsewhere after loading (MLA's kv_b_proj)
-            return self.use_cpu_kernels(kernels)
+            return self.use_ops(ops)
         scheme.check_split(f"{type(self).__name__} [{self.weight.shape[0]}, {self.weight.shape[1]}]",
                            self.weight.shape[1], self.input_shards)  # fmt: skip
-        self.hold_quantized(quantized(self.weight, scheme, kernels))
+        self.hold_quantized(ops.quantized_form(self.weight, scheme.kind, scheme.group_size))
 
     def hold_quantized(self, weight: LinearWeight) -> None:
         """Serve matmuls from a compressed weight (online, or a checkpoint's codes as stored)."""
@@ -221,10 +215,10 @@ class RowParallelLinear(LinearBase):
             raise ValueError("deterministic=True does not serve quantized weights yet (a row-parallel layer)")
         super().hold_quantized(weight)
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+    def use_ops(self, ops: Ops) -> None:
         if not self.fixed_chunks:
-            return super().use_cpu_kernels(kernels)
-        self.weight_form = ChunkedWeight.packed(self.weight, self.fixed_chunks, kernels)
+            return super().use_ops(ops)
+        self.weight_form = ops.chunked_linear_form(self.weight, self.fixed_chunks)
 
     def _fixed_forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight_form.apply(x)  # this rank's fixed chunks, added by the fixed tree (float32)

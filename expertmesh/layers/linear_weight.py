@@ -1,8 +1,9 @@
 """The weight of a linear layer, held in exactly one form that applies itself.
 
-A linear layer (layers/linear.py, the LM head) holds one `LinearWeight`, chosen once: after
-loading (`use_cpu_kernels`: packed for our panel GEMM or oneDNN, else dense) or while loading
-(`use_quantized` / `hold_quantized`: codes for gemm_q). The layer then calls
+A linear layer (layers/linear.py, the LM head) holds one `LinearWeight`, chosen once by the model's
+ops (layers/ops.py `linear_form`, `quantized_form`, `chunked_linear_form`): after loading
+(`use_ops`: packed for our panel GEMM or oneDNN, else dense) or while loading (`use_quantized` /
+`hold_quantized`: codes for gemm_q). The layer then calls
 ``weight_form.apply(x, bias, out_dtype)`` and never asks which backend runs it.
 
 The forms: `DenseWeight` (torch's F.linear over the layer's parameter), `PanelWeight`
@@ -13,16 +14,13 @@ The forms: `DenseWeight` (torch's F.linear over the layer's parameter), `PanelWe
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.cpu import cpu_gemm
-from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.distributed.fixed_sum import tree_sum
-from expertmesh.layers.quantization.packed import QuantizedWeight
 
 
 class LinearWeight(Protocol):
@@ -68,25 +66,6 @@ class DenseWeight:
         return [(self.param.data, "dense")]
 
 
-def packed_or_dense(
-    param: nn.Parameter, kernels: CpuKernels | None, float32_out: bool = False
-) -> LinearWeight:
-    """The parameter packed for its best CPU kernel (its dense storage then released: every weight
-    held once), or the parameter itself where none serves it (cpu_gemm.pack)."""
-    packed = cpu_gemm.pack(param, kernels, float32_out=float32_out, in_place=True)
-    if packed is None:
-        return DenseWeight(param)
-    cpu_gemm.release(param)
-    return packed
-
-
-def quantized(param: nn.Parameter, scheme: Any, kernels: CpuKernels | None) -> QuantizedWeight:
-    """Online weight-only quantization of a parameter (its dense storage released)."""
-    weight = QuantizedWeight.quantize(param.data, scheme.kind, scheme.group_size, kernels)
-    cpu_gemm.release(param)
-    return weight
-
-
 class ChunkedWeight:
     """Deterministic mode's row-parallel weight: this rank's fixed chunks of the input dim, each its
     own float32 product on the same shape, added by the fixed tree (distributed/fixed_sum.py).
@@ -99,18 +78,6 @@ class ChunkedWeight:
         # Per chunk a packed weight, or a dense [out, width] tensor where no kernel serves it;
         # None: never packed (e.g. not on the CPU), slices of the dense parameter.
         self.chunks = chunks
-
-    @classmethod
-    def packed(cls, param: nn.Parameter, count: int, kernels: CpuKernels | None) -> ChunkedWeight:
-        """One packed weight per fixed chunk (the same shapes in every layout); dense where no
-        kernel serves it (F.linear on float32-widened operands). The whole dense weight is released."""
-        width = param.shape[1] // count
-        chunks = []
-        for j in range(count):
-            dense = param.data[:, j * width : (j + 1) * width].contiguous()
-            chunks.append(cpu_gemm.pack(dense, kernels, float32_out=True) or dense)
-        cpu_gemm.release(param)
-        return cls(param, count, chunks)
 
     def apply(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None

@@ -7,7 +7,7 @@ C [state size]: dt = softplus(dt + dt_bias), the state [head_dim, state size] de
 exp(dt * A), A = -exp(A_log), and takes dt * x_h B^T; the output is state C + D x_h, then
 RMSNorm per group of (output * SiLU(z)) times w, and out_proj. Decodes run this recurrent form,
 prefill chunks the chunked scan (ssd_chunked), both in float32; on the CPU with our compiled
-kernels (layers/recurrent_kernels.py) decodes and prefill chunks update their states in place in their
+kernels (cpu/recurrent_kernels.py) decodes and prefill chunks update their states in place in their
 slots (a chunk scanned token by token).
 
 Tensor parallelism splits the heads like attention heads (Mamba2Mixer's docstring): in_proj's
@@ -251,4 +251,4 @@ class Mamba2Mixer(RecurrentMixer):
         """_ssm on the kernel (one token per slot, or a prefill chunk's tokens on its one slot,
         scanned token by token), the states updated in their slots."""
         decay = self.pw(torch.exp, dt * -self.pw(torch.exp, self.A_log.float()))  # as _ssm computes it
-        return self.recurrent_kernels.ssm_step(xbc, dt, decay, self.D, self.rec_state, slots, self.groups)
+        return self.recurrent_steps.ssm_step(xbc, dt, decay, self.D, self.rec_state, slots, self.groups)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.cpu.cpu_kernels import CpuKernels
+from expertmesh.layers.ops import Ops
+from expertmesh.layers.torch_ops import TORCH_OPS
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -21,21 +22,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         set_loader(self.weight, default_loader)
 
-    kernels: CpuKernels | None = None  # set by use_cpu_kernels(): one compiled call per norm
+    ops: Ops = TORCH_OPS  # the model's (use_ops): one compiled call per norm on our kernels
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        self.kernels = kernels  # the model builder passes them only for dtypes they support
+    def use_ops(self, ops: Ops) -> None:
+        self.ops = ops
 
     def native_form(self) -> tuple[int, float] | None:
         """(weight pointer, eps) for a native decode layer (cpu/native_decode.py)."""
-        return None if self.kernels is None else (self.weight.data_ptr(), self.eps)
+        return (self.weight.data_ptr(), self.eps) if self.ops.native_decode else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class OffsetRMSNorm(nn.Module):

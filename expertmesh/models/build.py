@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import copy
 import logging
-from typing import Any
 
 import torch
 
 from expertmesh.config import ModelConfig
-from expertmesh.cpu import cpu_kernels
+from expertmesh.cpu.ops import cpu_ops
 from expertmesh.distributed.model_env import ModelEnv
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.quantization.accounting import resident_weight_bytes
 from expertmesh.layers.quantization.held import hold
+from expertmesh.layers.torch_ops import TORCH_OPS
 from expertmesh.models.loader import load_weights
 from expertmesh.models.registry import model_class
 
@@ -52,47 +52,45 @@ def build_model(
             from expertmesh.spec_decode.mtp import MTPLayer
 
             model.mtp = MTPLayer(cfg, model.family, env)
-    # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
-    # routed experts (weights packed below, or compressed while loading), RMSNorm, rotary + KV
-    # store and decode attention; model.cpu_kernels tells the runner to lay out decode metadata.
-    kernels = cpu_kernels.load() if device == "cpu" else None
-    if kernels is not None and not kernels.supports(cfg.dtype):
-        kernels = None
-    if kernels is not None and env.groups.world.fixed_chunks and kernels.onednn_bf16_rows is not None:
-        # deterministic=True: products of many rows stay on our kernels, whose row results do not
-        # depend on the row count (oneDNN's AMX matmul is not known to be batch-invariant).
-        kernels = copy.copy(kernels)
-        kernels.onednn_bf16_rows = None
-    model.cpu_kernels = kernels
+    ops = select_ops(device, cfg.dtype, bool(env.groups.world.fixed_chunks))
+    model.cpu_kernels = ops.library  # the runner lays out decode metadata for it (or not: None)
     # Compressed weights are quantized or packed as they load (one pass); the rest after.
-    streamed = load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights, kernels=kernels)
+    streamed = load_weights(model, model_dir, allow_nonfinite=allow_nonfinite_weights, ops=ops)
     # Modules that lay out loaded weights another way (MLA splits kv_b_proj per head) do it once,
     # before any weight is packed for a kernel.
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     scheme = cfg.quantization if cfg.quantization is not None and cfg.quantization.online else None
-    held = _hold_quantized(model, kernels) | streamed
+    held = _hold_quantized(model, ops) | streamed
     for module in model.modules():
         if id(module) in held:
             continue  # a quantized checkpoint's codes, held compressed as stored
         if scheme is not None and getattr(module, "quantizable", False):
-            module.use_quantized(scheme, kernels)  # compressed from here on, on any device
-        elif device == "cpu" and hasattr(module, "use_cpu_kernels"):
-            module.use_cpu_kernels(kernels)
+            module.use_quantized(scheme, ops)  # compressed from here on, on any device
+        elif hasattr(module, "use_ops"):
+            module.use_ops(ops)
     counts = log_weight_bytes(model, cfg)
-    slow = per_call_dequantize_warning(device, kernels, cfg, counts)
+    slow = per_call_dequantize_warning(device, ops, cfg, counts)
     if slow is not None:
         log.warning(slow)
     return model.eval()
 
 
+def select_ops(device: str, dtype: torch.dtype, deterministic: bool) -> Ops:
+    """The one place that decides what computes this model's layers (layers/ops.py): on the CPU our
+    compiled kernels where they build and serve the dtype (matmuls and routed experts, packed below
+    or compressed while loading, RMSNorm, rotary + KV store, attention, native decode), else torch;
+    torch on any other device."""
+    return cpu_ops(dtype, deterministic) if device == "cpu" else TORCH_OPS
+
+
 def per_call_dequantize_warning(
-    device: str, kernels: Any, cfg: ModelConfig, counts: dict[str, int]
+    device: str, ops: Ops, cfg: ModelConfig, counts: dict[str, int]
 ) -> str | None:
     """What to say when compressed weights have no kernel of ours to run them (a device other than
     the CPU, or no C compiler): QuantizedWeight's torch fallback dequantizes each weight per product."""
-    if kernels is not None or not counts.get("quantized"):
+    if ops.runs_codes or not counts.get("quantized"):
         return None
     where = f"on {device}" if device != "cpu" else "without expertmesh's CPU kernels (no C compiler, or off)"
     q = cfg.quantization
@@ -108,11 +106,11 @@ def per_call_dequantize_warning(
     )
 
 
-def _hold_quantized(model: torch.nn.Module, kernels: Any) -> set[int]:
+def _hold_quantized(model: torch.nn.Module, ops: Ops) -> set[int]:
     """Modules whose checkpoint codes were loaded as stored (layers/quantization/held.py) take them."""
     if getattr(model, "held_weights", None) is None:
         return set()
-    return hold(model, model.held_weights, kernels)
+    return hold(model, model.held_weights, ops)
 
 
 def _held_note(model: torch.nn.Module) -> str:

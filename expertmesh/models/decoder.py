@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from expertmesh.config import ModelConfig
-from expertmesh.cpu.cpu_kernels import CpuKernels
 from expertmesh.cpu.native_decode import NativeDecoder
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.compressed_attention import CompressedAttention
@@ -26,6 +25,7 @@ from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP, UngatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
 from expertmesh.layers.norm import NORMS
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.rotary import RotaryEmbedding
 from expertmesh.models.decoder_attention import DecoderAttention, GatedDecoderAttention
 from expertmesh.models.family import Family
@@ -284,13 +284,13 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer(cfg, i, family, env) for i in self.layer_range})
         norm = lookup(NORMS, family.norm, "norm")
         self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
-        self.native: NativeDecoder | None = None  # decode steps in one native call, see use_cpu_kernels
+        self.native: NativeDecoder | None = None  # decode steps in one native call, see use_ops
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        """With our kernels, decode-only steps run runs of eligible layers in one call
-        (cpu/native_decode.py; off with EngineArgs(native_decode=False))."""
-        if kernels is not None and kernels.supports(self.dtype) and len(self.layers):
-            self.native = NativeDecoder(kernels, self.dtype)
+    def use_ops(self, ops: Ops) -> None:
+        """Where the ops have one (our kernels), decode-only steps run runs of eligible layers in one
+        call (cpu/native_decode.py; off with EngineArgs(native_decode=False))."""
+        if len(self.layers):
+            self.native = ops.native_decoder(self.dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None, ctx

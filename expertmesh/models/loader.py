@@ -27,9 +27,11 @@ from tqdm import tqdm
 from expertmesh.distributed.model_env import ModelEnv
 from expertmesh.distributed.moe_plan import MoEPlan
 from expertmesh.distributed.parallel_groups import ParallelGroups
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.quantization.held import plan
 from expertmesh.layers.quantization.streaming import Streaming
 from expertmesh.layers.quantization.view import CheckpointView, opened
+from expertmesh.layers.torch_ops import TORCH_OPS
 from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowed, whole_tensors
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
 from expertmesh.models.gguf import GGUFError, GGUFTensorFile, gguf_info
@@ -90,7 +92,7 @@ def load_weights(
     model_dir: str,
     show_progress: bool = False,
     allow_nonfinite: bool = False,
-    kernels: Any = None,
+    ops: Ops = TORCH_OPS,
 ) -> set[int]:
     """Fill every parameter; returns the ids of the modules that took their weights compressed while
     loading (one pass: layers/quantization/streaming.py), which the build then leaves alone."""
@@ -104,19 +106,19 @@ def load_weights(
         view = _view(model, handles)
         check_against_twin(model, view)
         model.held_weights = _plan_held(model, view)
-        stream = _streaming(model, kernels)
+        stream = _streaming(model, ops)
         _load_view(model, view, show_progress, allow_nonfinite, stream)
     return set() if stream is None else stream.finish()
 
 
-def _streaming(model: Any, kernels: Any) -> Any:
+def _streaming(model: Any, ops: Ops) -> Any:
     """Compressed weights converted as they load: online quantization and held checkpoint codes."""
     fmt = model.cfg.quantization
     scheme = fmt if fmt is not None and fmt.online else None
     if scheme is None and not (model.held_weights is not None and model.held_weights.params):
         return None
     try:
-        return Streaming(model, model.held_weights, scheme, kernels)
+        return Streaming(model, model.held_weights, scheme, ops)
     except ValueError as exc:  # a layout that cuts a quantization group (online.check_split)
         raise WeightLoadError(str(exc)) from exc
 

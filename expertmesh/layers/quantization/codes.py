@@ -5,8 +5,6 @@ dynamic activation quantization."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from expertmesh.cpu.cpu_kernels import QUANT_KINDS
@@ -15,7 +13,7 @@ from expertmesh.layers.quantization.mxfp4 import E2M1
 # A weight kind's gemm_q code (cpu_kernels.QUANT_KINDS numbers them, cpu/csrc/quant_kinds.h for C)
 KINDS = {name: QUANT_KINDS.index(name) for name in ("int8", "int4", "fp8", "fp4", "w8a8", "w4a8")}
 # uint4 / int8 / fp4 / fp8 codes (int4's / int8's / fp4's / fp8's) against activations rounded to
-# bf16 (product_kind)
+# bf16 (cpu/quantized.py product_kind)
 INT4_BF16, INT8_BF16, FP4_BF16, FP8_BF16 = (
     QUANT_KINDS.index(f"{k}-bf16") for k in ("int4", "int8", "fp4", "fp8")
 )
@@ -23,16 +21,6 @@ BF16_PAIRS = {"int4": INT4_BF16, "int8": INT8_BF16, "fp4": FP4_BF16, "fp8": FP8_
 ACTIVATIONS_QUANTIZED = ("w8a8", "w4a8")  # the kernels quantize the inputs to int8 per row and group
 NIBBLES = ("int4", "fp4")
 FP8_MAX = 448.0
-
-
-def product_kind(kind: str, dtype: torch.dtype, kernels: Any) -> int:
-    """gemm_q / moe_q's code kind for weights of `kind` times activations of `dtype`: a bf16 model's
-    int4 / int8 / fp4 / fp8 on bf16 pairs (kinds 6-9: the inputs rounded to bf16, as its torch layers
-    round them; the scale and offset folded in once a group) where the build has them, else the
-    kind's own."""
-    if dtype == torch.bfloat16 and getattr(kernels, "quant_bf16_pairs", False):
-        return BF16_PAIRS.get(kind, KINDS[kind])
-    return KINDS[kind]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 from expertmesh.layers.quantization.permuted import PermutedInputs
 from expertmesh.layers.quantization.view import CodesRegion, LogicalTensor, local_groups
@@ -200,7 +201,7 @@ def _pair_experts(model: Any, held: HeldWeights, params: dict) -> None:
             params[name].data = torch.empty(h.shape, dtype=model.cfg.dtype, device=params[name].device)
 
 
-def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
+def hold(model: Any, held: HeldWeights, ops: Ops) -> set[int]:
     """After loading: each held module takes its codes, scales and offsets; returns their ids."""
     params = dict(model.named_parameters())
     done: set[int] = set()
@@ -216,22 +217,22 @@ def hold(model: Any, held: HeldWeights, kernels: Any) -> set[int]:
             prefix = name.rpartition(".")[0]
             w13, w2 = held.params[prefix + ".w13"], held.params[prefix + ".w2"]
             pairs = [
-                tuple(_weight(params[p.name].data[e], p, kernels, e, zeros) for p in (w13, w2))
+                tuple(_weight(params[p.name].data[e], p, ops, e, zeros) for p in (w13, w2))
                 for e in range(w13.shape[0])
             ]
-            module.hold_quantized(pairs, kernels)
+            module.hold_quantized(pairs, ops)
         else:
-            module.hold_quantized(_weight(params[name].data, h, kernels))
+            module.hold_quantized(_weight(params[name].data, h, ops))
         done.add(id(module))
     return done
 
 
 def _weight(
-    codes: torch.Tensor, h: HeldParam, kernels: Any, e: int | None = None, zeros: dict | None = None
+    codes: torch.Tensor, h: HeldParam, ops: Ops, e: int | None = None, zeros: dict | None = None
 ) -> QuantizedWeight:
     scales = h.scales if e is None else h.scales[e]
     offsets = h.offsets if e is None else h.offsets[e]
-    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, kernels)
+    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, ops)
     if h.exponents and zeros is not None:  # offsets all 0: one tensor serves every expert alike
         w.offsets = zeros.setdefault(tuple(w.offsets.shape), w.offsets)
         w.shared_offsets = True

@@ -1,5 +1,6 @@
 """Quantized weights held compressed, in the panel layout the CPU kernel reads (gemm_q, moe_q in
-cpu/csrc/cpu_kernels.c), with a torch fallback that dequantizes per call (no compiler, other devices).
+cpu/csrc/cpu_kernels.c). Their products run on the model's ops (layers/ops.py): our kernel on
+cpu/ops.py's CpuOps, or `torch_product`, which dequantizes per call (no compiler, other devices).
 
 A [O, I] weight becomes codes [P, I, lanes] (one byte a value: int8, fp8 e4m3) or [P, I, lanes/2]
 (a nibble: uint4, fp4 e2m1), P = ceil(O / lanes) panels of `lanes` output rows, plus float32
@@ -17,13 +18,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from expertmesh.cpu import huge_pages
-from expertmesh.cpu import native_desc as nd
 from expertmesh.layers.quantization.codes import (
     ACTIVATIONS_QUANTIZED,
     NIBBLES,
@@ -31,7 +31,6 @@ from expertmesh.layers.quantization.codes import (
     from_octs,
     from_panels,
     from_quads,
-    product_kind,
     quantize_activations,
     quantize_rows,
     to_octs,
@@ -61,6 +60,34 @@ def a8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return y.to(x.device)
 
 
+class QuantizedProducts(Protocol):
+    """The products of QuantizedWeight: the part of the model's ops (layers/ops.py) it runs on."""
+
+    quant_lanes: int  # output rows a panel of codes holds
+
+    def gemm_q(
+        self, w: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """x [M, I] float32 contiguous (activations of `dtype`) @ W^T (+ bias, float32) -> [M, O]
+        float32."""
+        ...
+
+    def gemm_q_native(
+        self, w: QuantizedWeight, dtype: torch.dtype, keep: list, float32_out: bool
+    ) -> dict | None:
+        """w in a native decode layer's GEMM slot (cpu/native_decode.py), or None."""
+        ...
+
+
+def torch_product(w: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """QuantizedWeight's product through torch: W8A8 / W4A8 in their integer arithmetic
+    (a8_reference), the weight-only kinds on the weight dequantized for this call."""
+    if w.kind in ACTIVATIONS_QUANTIZED:
+        y = a8_reference(x, w)
+        return y if bias is None else y + bias
+    return F.linear(x, w.dequantize().to(x.device), bias)
+
+
 @dataclass
 class QuantizedWeight:
     """A compressed [out, in] weight; `apply` (or calling it) multiplies by it, like the other linear
@@ -74,18 +101,20 @@ class QuantizedWeight:
     in_features: int
     group: int  # inputs per scale (in_features when per channel)
     lanes: int
-    kernels: Any = None  # CpuKernels, or None: the torch fallback
+    ops: QuantizedProducts  # the model's ops (layers/ops.py): our kernel, or torch_product
     shared_offsets: bool = False  # offsets one zero tensor shared by every expert (MXFP4's)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, kind: str, group: int, kernels: Any) -> QuantizedWeight:
+    def quantize(cls, weight: torch.Tensor, kind: str, group: int, ops: QuantizedProducts) -> QuantizedWeight:
         codes, scales, offsets = quantize_rows(weight, kind, group)
-        return cls.from_rows(codes, scales, offsets, kind, group or weight.shape[1], kernels)
+        return cls.from_rows(codes, scales, offsets, kind, group or weight.shape[1], ops)
 
     @classmethod
-    def from_rows(cls, codes, scales, offsets, kind: str, group: int, kernels: Any) -> QuantizedWeight:
+    def from_rows(
+        cls, codes, scales, offsets, kind: str, group: int, ops: QuantizedProducts
+    ) -> QuantizedWeight:
         """Row-major codes [O, I] uint8 and scales / offsets [O, G] laid out in panels."""
-        lanes = kernels.lanes if kernels is not None else 8
+        lanes = ops.quant_lanes
         out_f, in_f = codes.shape
         panels = to_panels(codes, lanes)  # [P, I, lanes]
         if kind in NIBBLES:  # lane 2j in the low nibble of byte j
@@ -95,7 +124,7 @@ class QuantizedWeight:
         if kind == "w4a8":
             panels = to_octs(codes, group, lanes)
         s, m = to_panels(scales.float(), lanes), to_panels(offsets.float(), lanes)
-        return cls(kind, huge_pages.adopt(panels), s, m, out_f, in_f, group, lanes, kernels)
+        return cls(kind, huge_pages.adopt(panels), s, m, out_f, in_f, group, lanes, ops)
 
     @property
     def nbytes(self) -> int:
@@ -126,20 +155,7 @@ class QuantizedWeight:
         shape, out_dtype = x.shape, out_dtype or x.dtype
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         b = None if bias is None else bias.to(torch.float32).contiguous()
-        if self.kind in ACTIVATIONS_QUANTIZED and (self.kernels is None or x.device.type != "cpu"):
-            y = a8_reference(x2, self)
-            y = y if b is None else y + b
-        elif self.kernels is None or x.device.type != "cpu":
-            y = F.linear(x2, self.dequantize().to(x2.device), b)
-        else:
-            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-            if x2.shape[0]:
-                kind = product_kind(self.kind, x.dtype, self.kernels)
-                self.kernels.lib.gemm_q(
-                    kind, x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
-                    self.offsets.data_ptr(), self.group, y.data_ptr(), x2.shape[0], self.out_features,
-                    self.in_features, None if b is None else b.data_ptr(), torch.get_num_threads(),
-                )  # fmt: skip
+        y = self.ops.gemm_q(self, x2, b, x.dtype)
         return y.to(out_dtype).view(*shape[:-1], self.out_features)
 
     __call__ = apply
@@ -150,25 +166,9 @@ class QuantizedWeight:
     def native_form(self, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:
         """This weight in a native decode layer's GEMM slot (cpu/native_decode.py): the gemm_q
         shim for activations in `dtype` (the product rounded to it, or left in float32 with
-        `float32_out`) and its q_weight_desc, held by `keep`; None without our kernel (the torch
-        fallback) or a shim for the dtype."""
-        suffix = nd.SHIM_SUFFIX.get(dtype)
-        if self.kernels is None or suffix is None or self.codes.device.type != "cpu":
-            return None
-        if float32_out and dtype != torch.float32:
-            suffix += "_f32"
-        fn = nd.c_entry(self.kernels, f"gemm_q_desc_{suffix}")
-        if fn is None:
-            return None
-        desc = nd.QWeightDesc(
-            product_kind(self.kind, dtype, self.kernels),
-            self.codes.data_ptr(),
-            self.scales.data_ptr(),
-            self.offsets.data_ptr(),
-            self.group,
-        )
-        keep.append(self)  # the tensors the struct points into
-        return {"fn": fn, "w": nd.held_struct(keep, desc)}
+        `float32_out`) and its q_weight_desc, held by `keep`; None on torch_product or without a
+        shim for the dtype."""
+        return self.ops.gemm_q_native(self, dtype, keep, float32_out)
 
 
 @dataclass
@@ -239,60 +239,3 @@ def _zero_stack(experts: int, offsets: torch.Tensor) -> torch.Tensor:
     if out is None:
         out = _ZERO_STACKS[key] = torch.zeros(experts, *offsets.shape, dtype=offsets.dtype)
     return out
-
-
-def experts_native_form(kernels: Any, w13: QuantizedExperts, w2: QuantizedExperts, dtype, keep: list):
-    """moe_q's shim and q_experts_desc for a native decode layer's experts slot, None where there
-    is none (no shim for the model dtype, an older build)."""
-    suffix = nd.SHIM_SUFFIX.get(dtype)
-    fn = None if suffix is None else nd.c_entry(kernels, f"moe_q_desc_{suffix}")
-    if fn is None or w13.kind != w2.kind:
-        return None
-    t13, t2 = (w13.codes, w13.scales, w13.offsets), (w2.codes, w2.scales, w2.offsets)
-    desc = nd.QExpertsDesc(
-        product_kind(w13.kind, dtype, kernels),
-        *(t.data_ptr() for t in t13),
-        w13.group,
-        *(t.data_ptr() for t in t2),
-        w2.group,
-    )
-    keep += [w13, w2]
-    return {"experts_fn": fn, "experts_w": nd.held_struct(keep, desc)}
-
-
-class QuantizedMoE:
-    """The `kernels.moe(...)` of FusedExperts' fused path, over QuantizedExperts: moe_q_ex with the
-    experts' float32 biases ([E, 2I], [E, H]; None: none, read at each call so that copies into
-    them are seen) and the activation's limit and alpha (activation.py moe_q_form)."""
-
-    def __init__(
-        self,
-        kernels: Any,
-        b13: torch.Tensor | None = None,
-        b2: torch.Tensor | None = None,
-        limit: float = 0.0,
-        alpha: float = 0.0,
-    ) -> None:
-        for b in (b13, b2):
-            if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
-                raise ValueError(f"moe_q_ex takes contiguous float32 biases, not {b.dtype} {tuple(b.shape)}")
-        self.kernels, self.b13, self.b2, self.limit, self.alpha = kernels, b13, b2, limit, alpha
-
-    def moe(self, x, slot, weights, w13: QuantizedExperts, w2: QuantizedExperts, inter: int, act: str):
-        n, hidden = x.shape
-        xf = x.to(torch.float32).contiguous()
-        slot, weights = slot.contiguous(), weights.to(torch.float32).contiguous()
-        out = torch.empty(n, hidden, dtype=torch.float32)
-        lib, kind = self.kernels.lib, product_kind(w13.kind, x.dtype, self.kernels)
-        head = (
-            kind, xf.data_ptr(), n, hidden, slot.data_ptr(), weights.data_ptr(), slot.shape[1],
-            w13.codes.data_ptr(), w13.scales.data_ptr(), w13.offsets.data_ptr(), w13.group,
-            w2.codes.data_ptr(), w2.scales.data_ptr(), w2.offsets.data_ptr(), w2.group,
-            w13.codes.shape[0], inter, self.kernels.MOE_Q_ACTIVATIONS[act],
-        )  # fmt: skip
-        if self.kernels.moe_q_ex is None:  # an older build: FusedExperts sends it plain experts only
-            lib.moe_q(*head, out.data_ptr(), torch.get_num_threads())
-            return out
-        biases = [None if b is None else b.data_ptr() for b in (self.b13, self.b2)]
-        self.kernels.moe_q_ex(*head, self.limit, self.alpha, *biases, out.data_ptr(), torch.get_num_threads())
-        return out

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from expertmesh.cpu import huge_pages
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.quantization.held import (
     HeldParam,
     HeldWeights,
@@ -78,7 +79,7 @@ class ExpertStacks:
             views[a] = stack[e]
         self.slots[e] = QuantizedWeight(
             w.kind, views["codes"], views["scales"], views["offsets"], w.out_features, w.in_features,
-            w.group, w.lanes, w.kernels, w.shared_offsets and "offsets" not in self.stacks,
+            w.group, w.lanes, w.ops, w.shared_offsets and "offsets" not in self.stacks,
         )  # fmt: skip
 
 
@@ -101,8 +102,8 @@ class Streaming:
     """The loader's hooks: `before(name, shard)` ahead of each shard's copy, `after(name, shard)`
     once it is in, `finish()` after the last key (returns the ids of the modules it served)."""
 
-    def __init__(self, model: Any, held: HeldWeights | None, scheme: Any, kernels: Any) -> None:
-        self.model, self.held, self.scheme, self.kernels = model, held, scheme, kernels
+    def __init__(self, model: Any, held: HeldWeights | None, scheme: Any, ops: Ops) -> None:
+        self.model, self.held, self.scheme, self.ops = model, held, scheme, ops
         self.params = dict(model.named_parameters())
         self.linear: dict[str, set] = {}  # parameter -> shards still to come
         self.experts: dict[str, _Experts] = {}
@@ -138,11 +139,11 @@ class Streaming:
     def _converter(self, name: str, h: HeldParam | None) -> Any:
         if h is None:
             kind, group = self.scheme.kind, self.scheme.group_size
-            return lambda buf, sh: QuantizedWeight.quantize(buf, kind, group, self.kernels)
+            return lambda buf, sh: QuantizedWeight.quantize(buf, kind, group, self.ops)
 
         def held(buf: torch.Tensor, sh: HeldParam) -> Any:
             codes = split_exponents(buf, sh) if sh.exponents else buf
-            return _weight(codes, sh, self.kernels, None, self.zeros)
+            return _weight(codes, sh, self.ops, None, self.zeros)
 
         return held
 
@@ -176,11 +177,11 @@ class Streaming:
         module, param = _module_of(self.model, name), self.params[name]
         h = self.held.params.get(name) if self.held is not None else None
         if h is None:
-            module.use_quantized(self.scheme, self.kernels)  # releases the dense weight
+            module.use_quantized(self.scheme, self.ops)  # releases the dense weight
         else:
             if h.exponents:
                 param.data = split_exponents(param.data, h)
-            module.hold_quantized(_weight(param.data, h, self.kernels))
+            module.hold_quantized(_weight(param.data, h, self.ops))
             h.scales = h.offsets = None  # in the module's panels now
             self.held.streamed.add(name)
         self.done.add(id(module))
@@ -212,7 +213,7 @@ class Streaming:
             if other is None or other.out is None or None in ex.out.slots + other.out.slots:
                 continue  # not every expert came: the loader's completeness check names it
             module = _module_of(self.model, name)
-            module.hold_quantized(list(zip(ex.out.slots, other.out.slots, strict=True)), self.kernels)
+            module.hold_quantized(list(zip(ex.out.slots, other.out.slots, strict=True)), self.ops)
             self.done.add(id(module))
             ex.dense = other.dense = None
             if self.held is not None:

@@ -1,15 +1,16 @@
 """Typed entry points of the recurrent mixers' decode kernels (cpu/csrc/recurrent.c) in the compiled
 CPU library: the convolution step with its state shift, the Gated DeltaNet step and the Mamba2 step,
-each on float32 states updated in place in their slots. `RecurrentKernels.bind(kernels)` gives None
-for no library (another device, no compiler) or a build without them: the mixers keep their torch path.
+each on float32 states updated in place in their slots. `RecurrentKernels.bind(kernels)` gives None for a
+build without them; cpu/ops.py hands them to the mixers (`Ops.recurrent_steps`), else their torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
+
+from expertmesh.cpu.cpu_kernels import CpuKernels
 
 _c, _i64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -45,7 +46,7 @@ def _check_state(state: torch.Tensor, slots: torch.Tensor) -> None:
 class RecurrentKernels:
     """The three entry points; every call follows torch's thread count."""
 
-    def __init__(self, lib: Any) -> None:
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self.fns = {}
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
@@ -53,11 +54,10 @@ class RecurrentKernels:
             self.fns[name] = fn
 
     @classmethod
-    def bind(cls, kernels: Any) -> RecurrentKernels | None:
-        lib = getattr(kernels, "lib", None)
-        if lib is None or not all(hasattr(lib, name) for name in SIGNATURES):
+    def bind(cls, kernels: CpuKernels) -> RecurrentKernels | None:
+        if not all(hasattr(kernels.lib, name) for name in SIGNATURES):
             return None
-        return cls(lib)
+        return cls(kernels.lib)
 
     def conv_step(
         self,

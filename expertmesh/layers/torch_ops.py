@@ -1,0 +1,174 @@
+"""`TorchOps`: the model's ops (layers/ops.py) through torch, on any device. On the CPU the weights
+are packed for oneDNN's linear where it serves them (cpu/cpu_gemm.py; torch's own library); other
+devices keep the dense parameters. Our compiled kernels' ops (cpu/ops.py CpuOps) extend this and
+fall back to it per op."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from expertmesh.cpu import cpu_gemm
+from expertmesh.cpu.cpu_kernels import CpuKernels
+from expertmesh.cpu.native_decode import NativeDecoder
+from expertmesh.cpu.recurrent_kernels import RecurrentKernels
+from expertmesh.layers.expert_weights import ExpertsWeight, PerExpertWeights
+from expertmesh.layers.linear_weight import ChunkedWeight, DenseWeight, LinearWeight
+from expertmesh.layers.quantization.packed import QuantizedWeight, torch_product
+from expertmesh.layers.quantization.permuted import one_form
+from expertmesh.layers.rotary import RotaryTables
+
+
+class TorchOps:
+    """Torch's products and attention; dense (or oneDNN-packed) weights, dequantized codes."""
+
+    library: CpuKernels | None = None
+    native_decode = False
+    runs_codes = False
+    quant_lanes = 8  # the codes' panel width when no kernel of ours reads them
+    packer: CpuKernels | None = None  # whose panels cpu_gemm.pack may choose (CpuOps: ours)
+
+    # ---- weight forms -------------------------------------------------------------------------------
+    def linear_form(self, param: nn.Parameter, float32_out: bool = False) -> LinearWeight:
+        """Packed for its best CPU kernel (cpu_gemm.pack; the dense storage then released: every
+        weight held once), or the parameter itself where none serves it."""
+        packed = cpu_gemm.pack(param, self.packer, float32_out=float32_out, in_place=True)
+        if packed is None:
+            return DenseWeight(param)
+        cpu_gemm.release(param)
+        return packed
+
+    def chunked_linear_form(self, param: nn.Parameter, count: int) -> LinearWeight:
+        """One packed weight per fixed chunk (the same shapes in every layout); dense where no
+        kernel serves it (F.linear on float32-widened operands). The whole dense weight is released.
+        Off the CPU no kernel packs it: slices of the dense parameter, taken at the first product."""
+        if param.device.type != "cpu":
+            return ChunkedWeight(param, count)
+        width = param.shape[1] // count
+        chunks = []
+        for j in range(count):
+            dense = param.data[:, j * width : (j + 1) * width].contiguous()
+            chunks.append(cpu_gemm.pack(dense, self.packer, float32_out=True) or dense)
+        cpu_gemm.release(param)
+        return ChunkedWeight(param, count, chunks)
+
+    def quantized_form(self, param: nn.Parameter, kind: str, group: int) -> QuantizedWeight:
+        weight = QuantizedWeight.quantize(param.data, kind, group, self)
+        cpu_gemm.release(param)
+        return weight
+
+    def experts_form(self, block: nn.Module) -> ExpertsWeight:
+        """One packed pair a local expert (cpu_gemm.pack) where a kernel serves every one, else the
+        block's form as it is (the dense stacks through torch). Deterministic mode keeps the dense
+        stacks (their fixed chunks in pair_sums)."""
+        if block.fixed_chunks:
+            return block.experts_form
+        return self.per_expert_form(block)
+
+    def per_expert_form(self, block: nn.Module) -> ExpertsWeight:
+        pairs = [
+            (
+                cpu_gemm.pack(block.w13[e], self.packer),
+                cpu_gemm.pack(block.w2[e], self.packer, float32_out=True),
+            )
+            for e in range(len(block.expert_ids))
+        ]
+        if not pairs or not all(a is not None and b is not None for a, b in pairs):
+            return block.experts_form
+        cpu_gemm.release(block.w13)
+        cpu_gemm.release(block.w2)
+        return PerExpertWeights(pairs)
+
+    def quantized_experts_form(
+        self, block: nn.Module, pairs: list[tuple[LinearWeight, LinearWeight]]
+    ) -> ExpertsWeight:
+        """Each expert's compressed pair on the per-expert path (one form a slot: desc_act's too)."""
+        w13s, w2s = (one_form([p[i] for p in pairs]) for i in (0, 1))
+        return PerExpertWeights(list(zip(w13s, w2s, strict=True)))
+
+    def latent_expand_forms(
+        self, w_uk: torch.Tensor, w_uv: torch.Tensor, rank: int
+    ) -> tuple[LinearWeight, LinearWeight] | None:
+        return None  # torch's product (deterministic MLA needs our panels)
+
+    # ---- quantized products -----------------------------------------------------------------------
+    def gemm_q(
+        self, w: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return torch_product(w, x, bias)
+
+    def gemm_q_native(
+        self, w: QuantizedWeight, dtype: torch.dtype, keep: list, float32_out: bool
+    ) -> dict | None:
+        return None
+
+    # ---- per-op compute -----------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: RotaryTables | None,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rope is not None:
+            q, k = rope.apply(q, k)
+        v = v.contiguous()
+        if k_cache.numel():
+            k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        return q, k, v
+
+    def serves_prefill(self, dtype: torch.dtype, masked: bool) -> bool:
+        return False  # the layer's own torch prefill (SDPA, or the sink attention)
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        chunk: int | None,
+        sinks: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        context: int,
+    ) -> torch.Tensor:
+        raise NotImplementedError("torch prefill runs in the attention layer (serves_prefill is False)")
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        chunk: int | None = None,
+        sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
+    ) -> torch.Tensor:
+        raise ValueError(
+            "decode block tables are laid out only for the compiled CPU kernels (Ops.library); "
+            "the torch path attends over decode groups"
+        )
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        return torch.matmul(x.transpose(0, 1), w.transpose(1, 2) if transposed else w).transpose(0, 1)
+
+    def recurrent_steps(self) -> RecurrentKernels | None:
+        return None
+
+    def native_decoder(self, dtype: torch.dtype) -> NativeDecoder | None:
+        return None
+
+
+TORCH_OPS = TorchOps()  # every layer's ops until the model's are chosen (models/build.py)
