@@ -119,8 +119,21 @@ def source_files() -> list[Path]:
         p
         for folder in ("expertmesh", "benchmarks", "tests", "tools", "examples")
         for p in (ROOT / folder).rglob("*")
-        if p.suffix in {".py", ".c", ".h", ".sh"} and p.is_file()
-    )
+        if p.suffix in {".py", ".c", ".h", ".sh"} and p.is_file() and p != Path(__file__).resolve()
+    )  # this file's own examples are not references
+
+
+# In code, a section named after a docs/ page with a comma: `docs/benchmarks.md, "Kernel figures"`
+# (comment markers and line continuations dropped first, as a reference may wrap).
+CODE_SECTION_REF = re.compile(r'\b(docs/(?:[\w.-]+/)*[\w.-]+\.md)\)?[,:]\s*\(?"([^"]{3,100})"')
+COMMENT_LEAD = re.compile(r"^\s*(?:#+|//+|/\*+|\*+|\"\"\"|\'\'\')?\s*")
+
+
+def code_section_refs(path: Path) -> list[tuple[str, str]]:
+    """(page, section) for each section of a docs/ page named in `path`'s text."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    text = " ".join(COMMENT_LEAD.sub("", line).rstrip("\\ ").strip() for line in lines)
+    return CODE_SECTION_REF.findall(text)
 
 
 def test_the_docs_are_found() -> None:
@@ -150,6 +163,17 @@ def test_docs_named_in_code_exist() -> None:
     assert not bad, "docs named in code that do not exist:\n" + "\n".join(bad)
 
 
+def test_sections_named_in_code_exist() -> None:
+    bad = [
+        f'{p.relative_to(ROOT)}: {page} "{section}"'
+        for p in source_files()
+        for page, section in code_section_refs(p)
+        if (ROOT / page).is_file()
+        and not any(section.replace("`", "").lower() in place for place in named_places(ROOT / page))
+    ]
+    assert not bad, "sections named in code that the docs do not have:\n" + "\n".join(bad)
+
+
 def test_the_checker_finds_what_is_broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checker itself, on a page written here: a missing file, a missing anchor, and links
     that are fine (an existing file and heading, a URL, code) that it must leave alone."""
@@ -175,6 +199,16 @@ def test_the_checker_finds_what_is_broken(tmp_path: Path, monkeypatch: pytest.Mo
         '`other.md` "with: punctuation" in code. **Bold lead-in**: text.\n\n'
         'Broken: other.md, "Nowhere"; named.md, "Bold lead"; gone.md, "Twice".\n'
     )
+    code = tmp_path / "kernel.c"
+    code.write_text(
+        '/* Measured: docs/benchmarks.md, "Kernel\n * figures"; also docs/x.md: "Why" */ \\\n'
+        'x = ["docs/a.md", "docs/b.md"]  # docs/c.md, "Z\n# and W"\n'
+    )
+    assert code_section_refs(code) == [
+        ("docs/benchmarks.md", "Kernel figures"),
+        ("docs/x.md", "Why"),
+        ("docs/c.md", "Z and W"),
+    ]
     assert [b.split(": ", 1)[1] for b in broken_section_names(tmp_path / "named.md")] == [
         'other.md "Nowhere" (no such heading in other.md)',
         'gone.md "Twice" (no such file)',
