@@ -5,6 +5,7 @@ browser. Plain text, no imports of expertmesh: a few milliseconds."""
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -51,6 +52,7 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+@functools.cache
 def anchors(path: Path) -> set[str]:
     """Every anchor a Markdown file offers; a repeated heading gets GitHub's -1, -2 suffixes."""
     seen: dict[str, int] = {}
@@ -91,6 +93,7 @@ BOLD = re.compile(r"\*\*(.+?)\*\*")
 CODE_REF = re.compile(r"\bdocs/(?:[\w.-]+/)*[\w.-]+\.md\b")
 
 
+@functools.cache
 def named_places(path: Path) -> list[str]:
     """The headings of a page and its bold phrases (a bullet's lead-in is a place people name)."""
     lines = prose_lines(path.read_text(encoding="utf-8"))
