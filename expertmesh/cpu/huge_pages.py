@@ -2,7 +2,7 @@
 
 A decode step streams every weight it uses from memory, in products of 0.5-20 MB. On 4 KiB pages
 each page costs a TLB miss and a page walk (two levels of them in a VM); a C probe streaming a
-batch-1 step's products read them faster from huge pages (docs/benchmarks.md, "Huge pages"; the
+batch-1 step's products read them faster from huge pages (docs/benchmarks.md, "Dispatch figures"; the
 whole engine gains less, a step being not all streaming). Linux's default THP mode,
 "madvise", gives them only to memory that asks, so the big weights are allocated here: an
 anonymous mapping advised MADV_HUGEPAGE before its first touch, whose page faults then map whole

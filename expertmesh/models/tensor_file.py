@@ -2,7 +2,7 @@
 
 `safe_open` maps the whole file; every page a rank's slices touch then stays resident in the
 process (its RSS) until the file is closed, so loading a checkpoint peaked at about the weights
-twice (issue 15: 8.5 GB for 4.2 GB of weights). Here each tensor slice is read with `pread` into
+twice (docs/benchmarks.md, "Dispatch figures"). Here each tensor slice is read with `pread` into
 its own buffer, copied into the parameter and released before the next: what stays resident is
 the parameters (the page cache holds the file, outside the process).
 

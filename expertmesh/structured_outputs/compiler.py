@@ -165,8 +165,9 @@ _compilers_lock = threading.Lock()
 
 
 def get_compiler(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
-    """The process's compiler for this tokenizer (building llguidance's token trie takes ~1 s).
-    Keyed by what the tokenizer is, not the object: the server copies tokenizers per thread."""
+    """The process's compiler for this tokenizer, built once (llguidance's token trie is slow to
+    build: docs/benchmarks.md, "Dispatch figures"). Keyed by what the tokenizer is, not the object:
+    the server copies tokenizers per thread."""
     key = (
         getattr(tokenizer, "name_or_path", None),
         len(tokenizer) if tokenizer is not None else 0,

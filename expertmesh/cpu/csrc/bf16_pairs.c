@@ -9,7 +9,7 @@
  *
  * Every output is one chain of vdpbf16ps over its pairs in order (i = 0 .. I2-1) from zero, then
  * + bias, whatever tile computes it: a row's product does not depend on how many rows a call has
- * or how they are tiled. Tiles by rows (measured: docs/history/benchmarks-rounds.md, "bf16 pair products"):
+ * or how they are tiled. Tiles by rows (measured: docs/history/benchmarks-2026-12.md, "bf16 pair products"):
  *   4 and more  8 rows x 3 panels a tile (narrower for a group's last 1-2 panels); the first row
  *               tile of a group reads it from memory, prefetched, the others from cache;
  *   1-3 rows    one pass over the weights, 4-6 panels a tile (1 x 4, 2 x 6, 3 x 4), prefetched

@@ -227,7 +227,7 @@ static inline vf bias_vec(const float* bias, int64_t o, int64_t n) {
   /* Rows [r0, r1) against panels [q0, q1): 1-6 rows (a small batch, an expert's share of one) \
    * in one pass over the weights, with tiles as wide as the registers allow, so weights        \
    * streamed from memory are read once and by 4-12 independent chains; more rows in MR x NP    \
-   * tiles (MANY). Measured: docs/history/benchmarks-rounds.md, "Performance round 2". */   \
+   * tiles (MANY). Measured: docs/history/benchmarks-2026-12.md, "Performance round 2". */      \
   static __attribute__((unused)) void span_##SUFFIX(                                            \
       const float* x, int64_t I, const TW* wp, TY* y, int64_t O, int64_t P, int64_t q0,         \
       int64_t q1, int64_t r0, int64_t r1, const float* bias) {                                   \
