@@ -150,6 +150,15 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
         {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
          "first_k_dense_replace": 0, "n_shared_experts": 0, "hidden_act": "silu"},
     ),
+    # gpt-oss (conversion/gpt_oss.py; llama.cpp's LLM_ARCH_OPENAI_MOE): the file has no layer
+    # types, swiglu limit or YaRN truncation: _gpt_oss sets what llama.cpp assumes and the
+    # published config says
+    "gpt-oss": (
+        "GptOssForCausalLM", "gpt_oss",
+        {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+         "expert_feed_forward_length": "intermediate_size", "attention.sliding_window": "sliding_window"},
+        {"attention_bias": True, "hidden_act": "silu", "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9},
+    ),
 }  # fmt: skip
 FAMILY_CONFIG["deepseek32"][2].update(FAMILY_CONFIG["deepseek2"][2])
 FAMILY_CONFIG["deepseek32"][3].update(FAMILY_CONFIG["deepseek2"][3])
@@ -232,4 +241,28 @@ def _deepseek32(cfg: dict[str, Any], get: Any) -> None:
     cfg["num_nextn_predict_layers"] = 0  # the MTP blocks are not loaded from GGUF
 
 
-DERIVED = {"deepseek2": _deepseek2, "deepseek32": _deepseek32, "glm4moe": _glm4moe}
+def _gpt_oss(cfg: dict[str, Any], get: Any) -> None:
+    """gpt-oss's derived values. Layer types: llama.cpp's sliding-window pattern (an array of
+    flags, or a period n: layer il slides when il % n < n - 1; absent: 2, the published
+    alternation sliding / full). YaRN from rope.scaling.*, untruncated as the published config
+    (`truncate: false`, OpenAI's reference): llama.cpp's YaRN floors / ceils the correction range."""
+    layers = cfg["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern", 2)
+    if hasattr(pattern, "__len__"):  # an array of flags (a numpy array from the reader)
+        slides = [bool(x) for x in pattern][:layers]
+    else:
+        slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in slides]
+    cfg["experts_per_token"] = cfg["num_experts_per_tok"]
+    cfg.pop("rope_parameters", None)  # the published style: rope_theta beside rope_scaling
+    if get("rope.scaling.type") == "yarn":
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn", "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0), "truncate": False,
+        }  # fmt: skip
+        cfg["initial_context_length"] = get("rope.scaling.original_context_length")
+
+
+DERIVED = {"deepseek2": _deepseek2, "deepseek32": _deepseek32, "glm4moe": _glm4moe, "gpt-oss": _gpt_oss}

@@ -17,7 +17,7 @@ import torch
 import expertmesh.models.gguf.quants as quants
 from expertmesh.layers.quantization.view import LogicalTensor
 from expertmesh.models.gguf.families import CONFIG_TENSORS
-from expertmesh.models.gguf.names import BLOCK, KV_B, PIECES, TOP, mtp_block, piece_of, pieces_of
+from expertmesh.models.gguf.names import BLOCK, FUSED_BIAS, KV_B, PIECES, TOP, mtp_block, piece_of, pieces_of
 from expertmesh.models.gguf.quants import FLOAT_TYPES, HELD, decode_blocks
 from expertmesh.models.gguf.reader import GGUFError, TensorInfo, open_file
 
@@ -81,6 +81,10 @@ class GGUFTensor(LogicalTensor):
                 f"{self.base}: GGUF {self.qtype.name} is held in groups of {held}; asked {group} at {i0}"
             )
         raw = np.asarray(self.data[o0:o1]).reshape(o1 - o0, -1, size)[:, b0:b1]  # a view of the map
+        if self.qtype.name == "MXFP4" and bool((raw[..., 0] == 255).any()):
+            raise ValueError(
+                f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
+            )
         codes, scales, offsets = decode_blocks(self.qtype.name, raw)
         if offsets is None:
             offsets = np.zeros_like(scales)
@@ -145,6 +149,26 @@ class KvBTensor(LogicalTensor):
         return w[tuple(slice(a, b) for a, b in bounds)].contiguous()
 
 
+class GateUpBias(LogicalTensor):
+    """gpt-oss's experts.gate_up_proj_bias [E, 2I], gate and up interleaved (gate at even columns) as
+    the checkpoint has them, from the converter's ffn_gate_exps.bias and ffn_up_exps.bias [E, I]
+    (its split `[..., ::2]` / `[..., 1::2]` undone); the family's loader picks the halves back."""
+
+    def __init__(self, gate: GGUFTensor, up: GGUFTensor) -> None:
+        if gate.shape != up.shape or len(gate.shape) != 2:
+            raise GGUFError(
+                f"{gate.base}: ffn_gate_exps.bias {gate.shape} and ffn_up_exps.bias {up.shape} differ"
+            )
+        self.gate, self.up, self.base = gate, up, gate.base
+        self.shape, self.dtype = (gate.shape[0], 2 * gate.shape[1]), gate.dtype
+        self.unheld_reason = None
+
+    def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        (e0, e1), (c0, c1) = bounds
+        parts = [t.materialize([(e0, e1), (0, t.shape[1])]) for t in (self.gate, self.up)]
+        return torch.stack(parts, dim=-1).flatten(1)[:, c0:c1].contiguous()
+
+
 class GGUFTensorFile:
     """One GGUF file's tensors under HF names (the part of safe_open the loader uses). `dtype`: the
     model dtype the embedding and head are dequantized into (None: float32)."""
@@ -166,6 +190,7 @@ class GGUFTensorFile:
                 "held as stored: %s)", os.path.basename(path), count, qtype, qtype, ", ".join(HELD),
             )  # fmt: skip
         self.kv_b: dict[str, dict[str, TensorInfo]] = {}  # kv_b_proj key -> {attn_k_b: t, attn_v_b: t}
+        self.gate_up_bias: dict[str, dict[str, TensorInfo]] = {}  # gpt-oss: key -> {ffn_gate_exps: t, ...}
         for t in self.file.tensors:
             name, hf = t.name, None
             top = name.rsplit(".", 1)
@@ -179,6 +204,13 @@ class GGUFTensorFile:
                 if piece in KV_B and arch in PIECES and "attn_kv_b" in PIECES[arch][0]:
                     self.kv_b.setdefault(f"model.layers.{layer}.self_attn.kv_b_proj.{kind}", {})[piece] = t
                     continue
+                if arch == "gpt-oss" and kind == "bias" and piece in FUSED_BIAS:  # [E, I], [E, H]
+                    key = f"model.layers.{layer}.mlp.experts.{FUSED_BIAS[piece]}"
+                    if piece == "ffn_down_exps":
+                        self.tensors[key] = (t, None, 0)
+                    else:
+                        self.gate_up_bias.setdefault(key, {})[piece] = t
+                    continue
                 if piece in experts:
                     block, proj = experts[piece]
                     for e in range(t.shape[0]):
@@ -190,6 +222,8 @@ class GGUFTensorFile:
                     hf = f"model.layers.{layer}.{pieces[piece]}.{kind}".replace(
                         "correction.bias", "correction_bias"
                     )
+                    if piece == "attn_sinks":  # the checkpoint's self_attn.sinks has no .weight
+                        hf = hf[: -len(".weight")]
             if hf is None:
                 raise GGUFError(f"{path}: tensor {name!r} has no HF name for architecture {arch!r}")
             permute = 0
@@ -200,6 +234,12 @@ class GGUFTensorFile:
             if len(parts) != 2:
                 raise GGUFError(f"{path}: {key} needs attn_k_b and attn_v_b; the file has only {list(parts)}")
             self.tensors[key] = (parts["attn_k_b"], None, 0)
+        for key, parts in self.gate_up_bias.items():
+            if len(parts) != 2:
+                raise GGUFError(
+                    f"{path}: {key} needs ffn_gate_exps.bias and ffn_up_exps.bias; the file has {list(parts)}"
+                )
+            self.tensors[key] = (parts["ffn_gate_exps"], None, 0)
 
     def __enter__(self) -> GGUFTensorFile:
         return self
@@ -210,10 +250,13 @@ class GGUFTensorFile:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def get_slice(self, key: str) -> GGUFTensor | KvBTensor:
+    def get_slice(self, key: str) -> GGUFTensor | KvBTensor | GateUpBias:
         if key not in self.tensors:
             raise KeyError(f"{self.path} has no tensor {key!r}")
         t, e, permute = self.tensors[key]
+        if key in self.gate_up_bias:
+            gate, up = (self.gate_up_bias[key][p] for p in ("ffn_gate_exps", "ffn_up_exps"))
+            return GateUpBias(*(GGUFTensor(x.data, x.tensor_type, x.shape, key) for x in (gate, up)))
         if key in self.kv_b:
             k_b, v_b = (self.kv_b[key][p] for p in KV_B)
             return KvBTensor(*(GGUFTensor(x.data, x.tensor_type, x.shape, key) for x in (k_b, v_b)))
