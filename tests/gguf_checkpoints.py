@@ -482,3 +482,85 @@ def write_gpt_oss_gguf(hf_dir: str, out: str, qtype: str = "F32", experts: str |
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# Llama 4 text (conversion/llama.py, Llama4Model): the checkpoint's names -> llama.cpp's
+LLAMA4 = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "feed_forward.router": "ffn_gate_inp", "feed_forward.gate_proj": "ffn_gate",
+    "feed_forward.up_proj": "ffn_up", "feed_forward.down_proj": "ffn_down",
+    "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
+    "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
+    "feed_forward.shared_expert.down_proj": "ffn_down_shexp",
+}  # fmt: skip
+
+
+def llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """The converter's rope_freqs for llama3 scaling (LlamaModel.generate_extra_tensors)."""
+    rope, dim = cfg["rope_scaling"], cfg["head_dim"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def write_llama4_gguf(hf_dir: str, out: str, qtype: str = "F32") -> str:
+    """A Llama 4 text checkpoint as the converter writes it: fused experts [E, H, 2I] split into
+    ffn_gate_exps / ffn_up_exps (gate the first half) and down [E, I, H] transposed, Q/K as they
+    are, llama3 RoPE as the rope_freqs tensor, matrices in `qtype` (the router F32)."""
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    sd = _load_state(hf_dir)
+    w = gguf.GGUFWriter(out, "llama4")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size_mlp"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(cfg["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    _add_tokenizer(w, hf_dir)
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    _add_tensor(w, "token_embd.weight", sd.pop("model.embed_tokens.weight"), qtype)
+    _add_tensor(w, "output_norm.weight", sd.pop("model.norm.weight"), "F32")
+    if "lm_head.weight" in sd:
+        _add_tensor(w, "output.weight", sd.pop("lm_head.weight"), qtype)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for piece, name in LLAMA4.items():
+            if p + piece + ".weight" in sd:
+                t = sd.pop(p + piece + ".weight")
+                _add_tensor(w, f"blk.{layer}.{name}.weight", t, qtype if t.ndim == 2 else "F32")
+        e = p + "feed_forward.experts."
+        if e + "gate_up_proj" in sd:
+            gate_up = sd.pop(e + "gate_up_proj").swapaxes(1, 2)  # [E, 2I, H]
+            inter = gate_up.shape[1] // 2
+            _add_tensor(w, f"blk.{layer}.ffn_gate_exps.weight", gate_up[:, :inter], qtype)
+            _add_tensor(w, f"blk.{layer}.ffn_up_exps.weight", gate_up[:, inter:], qtype)
+            _add_tensor(w, f"blk.{layer}.ffn_down_exps.weight", sd.pop(e + "down_proj").swapaxes(1, 2), qtype)
+    assert not sd, f"tensors not written: {sorted(sd)}"
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -83,6 +83,19 @@ PIECES = {
         },
         _EXPERTS["qwen"],
     ),
+    # Llama 4 text (conversion/llama.py, Llama4Model): Q/K not permuted (its RoPE already rotates
+    # pairs); dense layers' ffn_gate / up / down where interleave_moe_layer_step leaves no MoE
+    "llama4": (
+        {
+            **_ATTN,
+            **{k: v.replace("mlp.", "feed_forward.") for k, v in _ATTN.items() if k.startswith("ffn_")},
+            "ffn_gate_inp": "feed_forward.router",
+            "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+            "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+            "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+        },
+        {k: ("feed_forward", proj) for k, (_, proj) in _EXPERTS["qwen"].items()},
+    ),
 }
 # gpt-oss's expert biases: llama.cpp piece -> the checkpoint's fused bias (gate and up interleaved)
 FUSED_BIAS = {"ffn_gate_exps": "gate_up_proj_bias", "ffn_up_exps": "gate_up_proj_bias",

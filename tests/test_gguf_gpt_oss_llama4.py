@@ -1,9 +1,17 @@
-"""gpt-oss GGUF files (llama.cpp's `gpt-oss` architecture, MXFP4 experts): ggml's MXFP4 blocks
+"""gpt-oss and Llama 4 GGUF files.
+
+gpt-oss (llama.cpp's `gpt-oss` architecture, MXFP4 experts): ggml's MXFP4 blocks
 dequantize and hold bit for bit like gguf's dequantizer; a file written from a tiny MXFP4 checkpoint
 of the published gpt-oss-20b config serves the checkpoint's tensors, makes its config, holds the
 experts as fp4 and runs exactly like the checkpoint (tokens and logprobs), and like transformers on
 the dequantized weights; dequantized, it runs exactly like the checkpoint dequantized; TP2 and
-DP2 + EP equal one process; llama.cpp's own converter (opt-in) writes the same bytes."""
+DP2 + EP equal one process; llama.cpp's own converter (opt-in) writes the same bytes.
+
+Llama 4 text (`llama4`; transformers maps no config for it from GGUF): Scout's published layout and
+Maverick's interleaved dense / MoE layers, from tiny checkpoints, against our run of the checkpoint
+(config through transformers' own Llama4TextConfig, every tensor, the RoPE frequencies from the
+file's rope_freqs, tokens and logprobs); Q8_0 held; llama.cpp's fixed values (128 experts: no q/k
+norm; sliding_window 0: no chunks, no NoPE layers) from metadata alone."""
 
 import json
 import logging
@@ -17,13 +25,16 @@ import pytest
 import torch
 from checkpoints import one_thread, prompts_of_lengths
 from distributed_utils import run_distributed
-from gguf_checkpoints import dequantized_state, write_gpt_oss_gguf
+from gguf_checkpoints import dequantized_state, write_gpt_oss_gguf, write_llama4_gguf
 from quantized_checkpoints import to_mxfp4
-from real_checkpoints import Sizes
+from real_checkpoints import Sizes, published
 from safetensors.torch import load_file
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.config.rope_config import RopeConfig
+from expertmesh.layers.rotary import ROPE_TYPES
 from expertmesh.models.gguf import GGUFTensor, GGUFTensorFile, gguf_model_dir
+from expertmesh.models.gguf.families import hf_config
 
 PROMPTS = prompts_of_lengths([5, 11, 3, 40], seed=37)  # 40 > the tiny config's sliding window 32
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -267,21 +278,128 @@ def _gpt_oss_rank(rank, world, runs):
 
 
 @pytest.mark.timeout(200)
-def test_gpt_oss_gguf_tp2_and_ep2_equal_one_process(gpt_oss):
-    """The MXFP4 file under TP2 (each rank's gate / up rows, its half of the down projection's
-    inputs: whole 32-blocks, held as fp4) and DP2 + EP (each rank's experts' bytes): tokens and
-    logprobs equal one process."""
+def test_gpt_oss_and_llama4_gguf_tp2_and_ep2_equal_one_process(gpt_oss, llama4, tmp_path):
+    """The gpt-oss MXFP4 file under TP2 (each rank's gate / up rows, its half of the down
+    projection's inputs: whole 32-blocks, held as fp4) and DP2 + EP (each rank's experts' bytes),
+    and a Q8_0 Llama 4 file with Maverick's interleaved dense / MoE layers under TP2 and DP2 + EP:
+    tokens and logprobs equal one process."""
     _, path = gpt_oss
+    l4 = write_llama4_gguf(llama4("interleaved"), str(tmp_path / "llama4-q8.gguf"), "Q8_0")
     runs = [
         (path, dict(tensor_parallel_size=2)),
         (path, dict(data_parallel_size=2, enable_expert_parallel=True)),
+        (l4, dict(tensor_parallel_size=2)),
+        (l4, dict(data_parallel_size=2, enable_expert_parallel=True)),
     ]
-    want = _run(path)
+    want = [_run(p) for p, _ in runs]
     results = run_distributed(_gpt_oss_rank, 2, runs, timeout=190)
     for per_rank in results:
-        for got in per_rank:
-            assert got[0] == want[0]
-            assert np.allclose(got[1], want[1], atol=1e-5, rtol=0)  # TP: sums in another order
+        for got, ref in zip(per_rank, want, strict=True):
+            assert got[0] == ref[0]
+            assert np.allclose(got[1], ref[1], atol=1e-5, rtol=0)  # TP: sums in another order
+
+
+# ---- Llama 4 ------------------------------------------------------------------------------------
+# Llama 4's text config as a Llama4ForCausalLM, with the chunk size and temperature floor the file
+# cannot carry at llama.cpp's fixed (and the published) 8192; "interleaved": Maverick's dense / MoE
+# alternation (interleave_moe_layer_step 2) on Scout's sizes
+LLAMA4_VARIANTS = {"scout": {}, "interleaved": {"interleave_moe_layer_step": 2, "moe_layers": None}}
+
+
+@pytest.fixture(scope="module")
+def llama4(real_checkpoint):
+    def make(variant: str) -> str:
+        text = {**published("llama-4-scout-17b-16e")["text_config"], "architectures": ["Llama4ForCausalLM"]}
+        text.update(LLAMA4_VARIANTS[variant])
+        return real_checkpoint(text, attention_chunk_size=8192, floor_scale=8192)
+
+    return make
+
+
+def _frequencies(cfg) -> torch.Tensor:
+    rope = RopeConfig.from_hf(cfg, cfg.head_dim)
+    return ROPE_TYPES[rope.rope_type](rope, None)[0]
+
+
+@pytest.mark.parametrize("variant", list(LLAMA4_VARIANTS))
+def test_llama4_gguf_runs_like_its_checkpoint(llama4, tmp_path, variant):
+    """An F32 file: transformers' Llama4TextConfig of the config made from the metadata equals the
+    checkpoint's on every attribute but the RoPE block (layer types, NoPE layers, MoE layers,
+    chunk size, temperature tuning, q/k norm, both widths); the RoPE frequencies from the file's
+    rope_freqs equal llama3's from the checkpoint's config within float32 rounding; every tensor is
+    served as the checkpoint has it (the fused experts split per expert); tokens equal our run of
+    the checkpoint, logprobs within 1e-5. A Q8_0 file holds its matrices and runs like an F32 file
+    of gguf's values of it (tokens)."""
+    from transformers import AutoConfig
+
+    hf = llama4(variant)
+    path = write_llama4_gguf(hf, str(tmp_path / "llama4.gguf"))
+    ours, ref = AutoConfig.from_pretrained(gguf_model_dir(path)), AutoConfig.from_pretrained(hf)
+    skip = {"rope_scaling", "rope_parameters", "eos_token_id", "bos_token_id", "pad_token_id", "dtype"}
+    skip |= {"torch_dtype", "rms_norm_eps", "transformers_version", "_name_or_path", "architectures"}
+    skip |= {"initializer_range", "for_llm_compressor"}  # training-only: not in a GGUF file
+    keys = (set(ref.to_dict()) | set(ours.to_dict())) - skip
+    assert {k: getattr(ours, k, None) for k in keys} == {k: getattr(ref, k, None) for k in keys}
+    assert ours.layer_types == ["chunked_attention"] * 3 + ["full_attention"]  # what llama.cpp assumes
+    assert ours.moe_layers == ([0, 1, 2, 3] if variant == "scout" else [1, 3])
+    assert torch.allclose(_frequencies(ours), _frequencies(ref), rtol=2e-7, atol=0)
+
+    sd = load_file(os.path.join(hf, "model.safetensors"))
+    info = json.load(open(os.path.join(gguf_model_dir(path), "gguf.json")))
+    f = GGUFTensorFile(path, info)
+    served = {k: f.get_slice(k).materialize([(0, d) for d in f.get_slice(k).shape]) for k in f.keys()}
+    for layer in range(ref.num_hidden_layers):
+        e = f"model.layers.{layer}.feed_forward.experts."
+        if e + "gate_up_proj" not in sd:
+            continue
+        gate_up, down = (
+            sd.pop(e + "gate_up_proj").float(),
+            sd.pop(e + "down_proj").float(),
+        )  # [E, H, 2I], [E, I, H]
+        inter = gate_up.shape[-1] // 2
+        for x in range(ref.num_local_experts):
+            assert torch.equal(served.pop(f"{e}{x}.gate_proj.weight"), gate_up[x, :, :inter].T)
+            assert torch.equal(served.pop(f"{e}{x}.up_proj.weight"), gate_up[x, :, inter:].T)
+            assert torch.equal(served.pop(f"{e}{x}.down_proj.weight"), down[x].T)
+    assert served.keys() == sd.keys()
+    assert all(torch.equal(served[k], v.float()) for k, v in sd.items())
+
+    got, got_lp = _run(path)
+    want, want_lp = _run(hf)
+    assert got == want and np.allclose(got_lp, want_lp, atol=1e-5, rtol=0)
+    q8 = write_llama4_gguf(hf, str(tmp_path / "llama4-q8.gguf"), "Q8_0")
+    ggml = dequantized_state([q8])
+    f32 = str(tmp_path / "llama4-q8-values.gguf")
+    real_add = gguf.GGUFWriter.add_tensor
+
+    def add_values(self, name, tensor, *args, raw_dtype=None, **kw):
+        return real_add(self, name, ggml[name].numpy())
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_values)
+        write_llama4_gguf(hf, f32, "Q8_0")
+    (held, _), text = _run_logged(q8)
+    assert "weights held compressed as stored" in text
+    assert held == _run(f32)[0]
+
+
+def test_llama4_fixed_values_from_metadata():
+    """What llama.cpp's llama4 loader fixes, from metadata alone: 128 experts (Maverick) turn the
+    q/k norm off; attention.sliding_window 0 (MobileLLM) means no chunks and RoPE on every layer;
+    a sliding_window_pattern array names the chunked layers; interleave_moe_layer_step 0: no MoE."""
+    meta = {"general.architecture": "llama4", "llama4.block_count": 8, "llama4.expert_count": 128,
+            "llama4.attention.head_count": 4, "llama4.interleave_moe_layer_step": 2}  # fmt: skip
+    cfg = hf_config(meta)
+    assert cfg["use_qk_norm"] is False and cfg["moe_layers"] == [1, 3, 5, 7]
+    assert cfg["no_rope_layers"] == [1, 1, 1, 0, 1, 1, 1, 0] and cfg["attention_chunk_size"] == 8192
+    assert cfg["layer_types"] == (["chunked_attention"] * 3 + ["full_attention"]) * 2
+    cfg = hf_config({**meta, "llama4.expert_count": 16, "llama4.attention.sliding_window": 0,
+                     "llama4.interleave_moe_layer_step": 0})  # fmt: skip
+    assert cfg["use_qk_norm"] is True and cfg["moe_layers"] == [] and cfg["attention_chunk_size"] is None
+    assert cfg["no_rope_layers"] == [1] * 8 and cfg["layer_types"] == ["full_attention"] * 8
+    pattern = np.array([1, 0] * 4, np.bool_)
+    cfg = hf_config({**meta, "llama4.attention.sliding_window_pattern": pattern})
+    assert cfg["layer_types"] == ["chunked_attention", "full_attention"] * 4
 
 
 LLAMA_CPP = os.environ.get("EXPERTMESH_LLAMA_CPP")  # llama.cpp's sources: convert_hf_to_gguf.py, gguf-py
@@ -315,3 +433,28 @@ def test_gpt_oss_file_written_by_llama_cpps_converter(gpt_oss, tmp_path):
     assert (
         "weights held compressed as stored: 8 parameters" in text and len(tokens[0]) == GREEDY["max_tokens"]
     )
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="EXPERTMESH_LLAMA_CPP (llama.cpp's source dir) is not set")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", list(LLAMA4_VARIANTS))
+def test_llama4_file_written_by_llama_cpps_converter(llama4, tmp_path, variant):
+    """llama.cpp's converter on the Llama 4 checkpoints (--outtype f32): every tensor (rope_freqs
+    included) byte for byte the test writer's, the same llama4.* metadata; runs like the checkpoint."""
+    hf = llama4(variant)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "converted.gguf")
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_convert.py"), "--converter", LLAMA_CPP, hf]
+    subprocess.run([*cmd, "--outtype", "f32", "--outfile", out], check=True, capture_output=True)
+    theirs = gguf.GGUFReader(out)
+    mine = gguf.GGUFReader(write_llama4_gguf(hf, str(tmp_path / "ours.gguf")))
+    tensors = {t.name: t for t in mine.tensors}
+    assert tensors.keys() == {t.name for t in theirs.tensors}
+    for t in theirs.tensors:
+        assert t.tensor_type == tensors[t.name].tensor_type, t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(tensors[t.name].data)), t.name
+    keys = {k for k in theirs.fields if k.startswith("llama4.")}
+    assert keys == {k for k in mine.fields if k.startswith("llama4.")}
+    assert all(mine.fields[k].contents() == theirs.fields[k].contents() for k in keys)
+    got, want = _run(out), _run(hf)
+    assert got[0] == want[0] and np.allclose(got[1], want[1], atol=1e-5, rtol=0)
