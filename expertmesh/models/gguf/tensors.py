@@ -80,7 +80,7 @@ class GGUFTensor(LogicalTensor):
             raise ValueError(
                 f"{self.base}: GGUF {self.qtype.name} is held in groups of {held}; asked {group} at {i0}"
             )
-        raw = np.asarray(self.data[o0:o1]).reshape(o1 - o0, -1, size)[:, b0:b1]  # a view of the map
+        raw = self._columns(o0, o1, b0 * size, b1 * size).reshape(o1 - o0, -1, size)  # only these blocks
         if self.qtype.name == "MXFP4" and bool((raw[..., 0] == 255).any()):
             raise ValueError(
                 f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
@@ -94,6 +94,13 @@ class GGUFTensor(LogicalTensor):
         g1 = -(-c1 // held) if group == held else c0 // held + 1
         pick = lambda t: torch.from_numpy(np.ascontiguousarray(t[:, c0 // held : g1]))
         return torch.from_numpy(np.ascontiguousarray(codes[:, c0:c1])), pick(scales), pick(offsets)
+
+    def _columns(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """Rows [r0, r1), stored entries [c0, c1) (bytes for block types): from the file, only those
+        (reader.FileRows.columns); from an array (tests), a cut."""
+        if hasattr(self.data, "columns"):
+            return self.data.columns(r0, r1, c0, c1)
+        return np.array(np.asarray(self.data[r0:r1])[:, c0:c1])  # a copy: the caller's to keep
 
     def _rows(self, r0: int, r1: int) -> torch.Tensor:
         from gguf import GGMLQuantizationType as Q
@@ -115,12 +122,35 @@ class GGUFTensor(LogicalTensor):
             out[r : r + step] = torch.from_numpy(quants.dequantize(raw[r : r + step], name))
         return out
 
+    def _cols(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Rows [r0, r1), columns [c0, c1): the blocks covering them read and decoded, then cut."""
+        from gguf import GGML_QUANT_SIZES
+        from gguf import GGMLQuantizationType as Q
+
+        if self.qtype in (Q.F32, Q.F16):
+            return torch.from_numpy(self._columns(r0, r1, c0, c1))
+        if r1 <= r0 or c1 <= c0:
+            return torch.empty((max(r1 - r0, 0), max(c1 - c0, 0)), dtype=self.out_dtype or self.dtype)
+        qk, size = GGML_QUANT_SIZES[self.qtype]
+        b0, b1 = c0 // qk, -(-c1 // qk)
+        raw = self._columns(r0, r1, b0 * size, b1 * size)
+        a0, a1 = c0 - b0 * qk, c1 - b0 * qk
+        if self.qtype == Q.BF16:
+            return torch.from_numpy(raw).view(torch.int16).view(torch.bfloat16)[:, a0:a1].contiguous()
+        out = torch.empty((r1 - r0, c1 - c0), dtype=self.out_dtype or torch.float32)
+        for r in range(0, r1 - r0, quants.DEQUANT_ROWS):  # bounded float32 temporaries, as _rows
+            rows = raw[r : r + quants.DEQUANT_ROWS]
+            out[r : r + len(rows)] = torch.from_numpy(quants.dequantize(rows, self.qtype.name)[:, a0:a1])
+        return out
+
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         if not bounds:
             return self._rows(0, 0).reshape(())
         (r0, r1), rest = bounds[0], bounds[1:]
         if self.permute:  # rows mix within a head: un-permute the whole tensor, then cut
             t = _undo_permute(self._rows(0, self.shape[0]), self.permute)[r0:r1]
+        elif len(rest) == 1 and rest[0] != (0, self.shape[1]):  # a TP rank's inputs: only its blocks
+            return self._cols(r0, r1, *rest[0])
         else:
             t = self._rows(r0, r1)
         t = t.reshape(r1 - r0, *self.shape[1:])
