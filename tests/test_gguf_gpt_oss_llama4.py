@@ -491,3 +491,31 @@ def test_llama_cpp_runs_the_llama4_file_like_we_do(llama4, tmp_path, variant):
         [LLAMA_CPP_PYTHON, "-c", LLAMA_CPP_DECODE, *args], check=True, capture_output=True, text=True
     )
     assert json.loads(run.stdout.strip().splitlines()[-1]) == _run(path)[0]
+
+
+def test_placeholder_vocabulary_loads_without_a_tokenizer(gpt_oss, tmp_path):
+    """A file whose vocabulary is placeholders with a merge the tokenizers library panics on (a Rust
+    panic, not an Exception: the benchmarks' published-size files) loads with a warning naming the
+    file, no tokenizer, and runs token ids."""
+    from expertmesh.models.gguf.tokenizer import write_tokenizer
+
+    path = str(tmp_path / "placeholders.gguf")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(16)])
+    w.add_token_types([1] * 16)
+    w.add_token_merges(["<t1> <t2>"])
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("expertmesh").addHandler(handler)
+    try:
+        assert write_tokenizer(path, str(tmp_path / "tok")) is False
+    finally:
+        logging.getLogger("expertmesh").removeHandler(handler)
+    assert any(f"GGUF {path}: no tokenizer from its metadata" in r for r in records), records
