@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from expertmesh import LLM, SamplingParams
 from expertmesh.config.rope_config import RopeConfig
 from expertmesh.layers.rotary import ROPE_TYPES
+from expertmesh.models.build import log_weight_bytes
 from expertmesh.models.gguf import GGUFTensor, GGUFTensorFile, gguf_model_dir
 from expertmesh.models.gguf.families import hf_config
 
@@ -68,6 +69,10 @@ def _run(path: str, **kw) -> tuple[list[list[int]], list[list[float]]]:
         for o in outs
     ]
     return tokens, logprobs
+
+
+def _model(path: str):
+    return LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22).llm_engine.runner.model
 
 
 def _run_logged(path: str, **kw) -> tuple:
@@ -120,10 +125,17 @@ def test_mxfp4_blocks_dequantize_and_hold_like_gguf():
             assert signed_zero.any() and torch.equal(
                 values[~signed_zero].view(torch.int32), ref[~signed_zero].view(torch.int32)
             )
+        # loaded as a safetensors MXFP4 checkpoint is: int16 code | exponent << 4 per weight
+        assert src.held_storage == torch.int16
+        packed = src.held_region([(2, 5), (32, 96)])
+        scale = torch.ldexp(torch.ones(packed.shape), (packed >> 4).to(torch.int32) - 127)
+        assert torch.equal(torch.from_numpy(E2M1)[(packed & 15).long()] * scale, want[e, 2:5, 32:96])
     raw.reshape(experts, rows, -1, 17)[1, 2, 3, 0] = 255
     src = GGUFTensor(raw[1], MX, (rows, cols), "blk.0.ffn_up_exps.weight[1]")
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight\[1\]: GGUF MXFP4 block scale 255"):
         src.quantized((0, rows), (0, cols), 32, 0)
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight\[1\]: GGUF MXFP4 block scale 255"):
+        src.held_region([(0, rows), (0, cols)])
     assert torch.equal(src[:], torch.from_numpy(gguf.quants.dequantize(raw[1], MX)))
 
 
@@ -221,6 +233,10 @@ def test_gpt_oss_gguf_serves_the_checkpoint_and_runs_like_it(gpt_oss):
     assert "weights held compressed as stored: 8 parameters" in text  # w13 and w2 of 4 layers
     assert "not held compressed" not in text and "dequantized to float at load" not in text
     assert got == want and got_lp == want_lp
+    # held alike: the same bytes resident as the checkpoint's (fp4 codes, a scale per 32, one zero
+    # offsets tensor shared by the experts)
+    counts = [log_weight_bytes(m, m.cfg) for m in (_model(hf), _model(path))]
+    assert counts[0]["quantized"] == counts[1]["quantized"] > 0 and counts[0] == counts[1]
     dense = _run(path, quantization="dequantize")  # float experts: another product, the same weights
     assert dense == _run(hf, quantization="dequantize")
     _transformers_agrees(hf, got, got_lp)

@@ -64,6 +64,8 @@ class GGUFTensor(LogicalTensor):
                 self.unheld_reason = f"GGUF {name} Q/K rows permuted by llama.cpp: dequantized"
             else:
                 self.held_kind, self.unheld_reason = tuple(kind or HELD[name]), None
+                if name == "MXFP4":  # as a safetensors MXFP4 checkpoint: int16 code | exponent << 4
+                    self.held_storage = torch.int16
 
     def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
         """Codes [o, i] uint8, scales and offsets [o, groups] float32 of the region: the blocks that
@@ -94,6 +96,23 @@ class GGUFTensor(LogicalTensor):
         g1 = -(-c1 // held) if group == held else c0 // held + 1
         pick = lambda t: torch.from_numpy(np.ascontiguousarray(t[:, c0 // held : g1]))
         return torch.from_numpy(np.ascontiguousarray(codes[:, c0:c1])), pick(scales), pick(offsets)
+
+    def held_region(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """MXFP4: the region [o, i] as int16 code | e8m0 exponent << 4 per weight, the held storage of
+        layers/quantization/mxfp4.py (split after loading into codes and one scale 2^(e - 127) per
+        block, offsets one shared zero tensor); the other held types: codes with their scales."""
+        if self.qtype.name != "MXFP4":
+            return super().held_region(bounds)
+        (o0, o1), (i0, i1) = bounds
+        b0, b1 = i0 // 32, -(-i1 // 32)
+        raw = self._columns(o0, o1, b0 * 17, b1 * 17).reshape(o1 - o0, b1 - b0, 17)
+        if bool((raw[..., 0] == 255).any()):
+            raise ValueError(
+                f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
+            )
+        codes = torch.from_numpy(quants.decode_blocks("MXFP4", raw)[0]).to(torch.int16)
+        exps = torch.from_numpy(raw[..., 0]).to(torch.int16).repeat_interleave(32, dim=-1)
+        return (codes | (exps << 4))[:, i0 - b0 * 32 : i1 - b0 * 32].contiguous()
 
     def _columns(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
         """Rows [r0, r1), stored entries [c0, c1) (bytes for block types): from the file, only those
