@@ -43,7 +43,9 @@ def _vocab(path: str) -> int:
 
     fields = gguf.GGUFReader(path, "r").fields
     arch = fields["general.architecture"].contents()
-    return int(fields[f"{arch}.vocab_size"].contents())
+    if f"{arch}.vocab_size" in fields:
+        return int(fields[f"{arch}.vocab_size"].contents())
+    return len(fields["tokenizer.ggml.tokens"].data)  # gpt-oss files carry no vocab_size
 
 
 def child_expertmesh(args: argparse.Namespace) -> dict:

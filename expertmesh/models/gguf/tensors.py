@@ -110,9 +110,14 @@ class GGUFTensor(LogicalTensor):
             raise ValueError(
                 f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
             )
-        codes = torch.from_numpy(quants.decode_blocks("MXFP4", raw)[0]).to(torch.int16)
-        exps = torch.from_numpy(raw[..., 0]).to(torch.int16).repeat_interleave(32, dim=-1)
-        return (codes | (exps << 4))[:, i0 - b0 * 32 : i1 - b0 * 32].contiguous()
+        # in place into one int16 array: value j of a block is byte j's low nibble (j < 16), byte
+        # j - 16's high one (quants.decode_blocks' order), each with its block's exponent
+        out = np.empty((*raw.shape[:-1], 32), np.int16)
+        np.bitwise_and(raw[..., 1:], 15, out=out[..., :16], casting="unsafe")
+        np.right_shift(raw[..., 1:], 4, out=out[..., 16:], casting="unsafe")
+        out |= raw[..., :1].astype(np.int16) << 4
+        out = out.reshape(o1 - o0, -1)[:, i0 - b0 * 32 : i1 - b0 * 32]
+        return torch.from_numpy(np.ascontiguousarray(out))
 
     def _columns(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
         """Rows [r0, r1), stored entries [c0, c1) (bytes for block types): from the file, only those
