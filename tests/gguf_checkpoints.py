@@ -386,3 +386,181 @@ def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
     ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
     qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
     return np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8)], axis=-1).reshape(rows, -1)
+
+
+# gpt-oss (conversion/gpt_oss.py, GptOssModel): the checkpoint's names -> llama.cpp's
+GPT_OSS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp",
+}  # fmt: skip
+
+
+def mxfp4_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The checkpoint's MXFP4 blocks [..., G, 16] (byte k: value 2k in the low nibble, 2k + 1 in the
+    high) and e8m0 scales [..., G] -> ggml's MXFP4 blocks [..., G * 17]: the scale byte, then byte
+    j holding value j (low nibble) and value j + 16 (high), Q4_0's order. Written from the two
+    layouts' definitions, not from the converter's bit shuffle (the opt-in test compares the two)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate([scales[..., None], packed], axis=-1).astype(np.uint8)
+    return out.reshape(*out.shape[:-2], -1)
+
+
+def write_gpt_oss_gguf(hf_dir: str, out: str, qtype: str = "F32", experts: str | None = None) -> str:
+    """A gpt-oss checkpoint (MXFP4 `*_blocks` / `*_scales` experts, or float `gate_up_proj`) as the
+    converter writes it: gate_up split into ffn_gate_exps / ffn_up_exps (the even rows / columns are
+    gate), MXFP4 experts repacked as ggml's MXFP4 (float ones in `experts`, default `qtype`), biases
+    and sinks F32, attention matrices in `qtype`, the router F32; the converter's metadata."""
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    raw = {}
+    for n in sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")):
+        raw.update(load_file(os.path.join(hf_dir, n)))
+    w = gguf.GGUFWriter(out, "gpt-oss")
+    heads = cfg["num_attention_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    yarn = cfg["rope_scaling"]
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(yarn["factor"]))
+    w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(float(yarn["beta_fast"]))
+    w.add_rope_scaling_yarn_beta_slow(float(yarn["beta_slow"]))
+    w.add_rope_freq_base(float(cfg["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    _add_tokenizer(w, hf_dir)
+
+    def f32(name: str, t: torch.Tensor) -> None:
+        _add_tensor(w, name, t.float().numpy(), "F32")
+
+    _add_tensor(w, "token_embd.weight", raw.pop("model.embed_tokens.weight").float().numpy(), qtype)
+    _add_tensor(w, "output_norm.weight", raw.pop("model.norm.weight").float().numpy(), "F32")
+    _add_tensor(w, "output.weight", raw.pop("lm_head.weight").float().numpy(), qtype)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for piece, name in GPT_OSS.items():
+            for kind in ("weight", "bias"):
+                if p + f"{piece}.{kind}" in raw:
+                    t = raw.pop(p + f"{piece}.{kind}").float().numpy()
+                    _add_tensor(w, f"blk.{layer}.{name}.{kind}", t, qtype if t.ndim == 2 else "F32")
+        f32(f"blk.{layer}.attn_sinks.weight", raw.pop(p + "self_attn.sinks"))
+        e = p + "mlp.experts."
+        gate_up_bias, down_bias = raw.pop(e + "gate_up_proj_bias"), raw.pop(e + "down_proj_bias")
+        f32(f"blk.{layer}.ffn_gate_exps.bias", gate_up_bias[..., ::2])
+        f32(f"blk.{layer}.ffn_up_exps.bias", gate_up_bias[..., 1::2])
+        f32(f"blk.{layer}.ffn_down_exps.bias", down_bias)
+        if e + "down_proj_blocks" in raw:  # MXFP4: [E, out, G, 16], gate_up's rows interleaved
+            mx = gguf.GGMLQuantizationType.MXFP4
+            for which, rows in (
+                ("gate", slice(0, None, 2)),
+                ("up", slice(1, None, 2)),
+                ("down", slice(None)),
+            ):
+                stem = e + ("down_proj" if which == "down" else "gate_up_proj")
+                b, s = raw[stem + "_blocks"][:, rows].numpy(), raw[stem + "_scales"][:, rows].numpy()
+                w.add_tensor(f"blk.{layer}.ffn_{which}_exps.weight", mxfp4_to_ggml(b, s), raw_dtype=mx)
+            for stem in ("gate_up_proj", "down_proj"):
+                raw.pop(e + stem + "_blocks"), raw.pop(e + stem + "_scales")
+        else:  # float experts [E, in, out]
+            gate_up, down = raw.pop(e + "gate_up_proj").float(), raw.pop(e + "down_proj").float()
+            for which, t in (("gate", gate_up[..., ::2]), ("up", gate_up[..., 1::2]), ("down", down)):
+                arr = t.transpose(1, 2).contiguous().numpy()
+                _add_tensor(w, f"blk.{layer}.ffn_{which}_exps.weight", arr, experts or qtype)
+    assert not raw, f"tensors not written: {sorted(raw)}"
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+# Llama 4 text (conversion/llama.py, Llama4Model): the checkpoint's names -> llama.cpp's
+LLAMA4 = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "feed_forward.router": "ffn_gate_inp", "feed_forward.gate_proj": "ffn_gate",
+    "feed_forward.up_proj": "ffn_up", "feed_forward.down_proj": "ffn_down",
+    "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
+    "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
+    "feed_forward.shared_expert.down_proj": "ffn_down_shexp",
+}  # fmt: skip
+
+
+def llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """The converter's rope_freqs for llama3 scaling (LlamaModel.generate_extra_tensors)."""
+    rope, dim = cfg["rope_scaling"], cfg["head_dim"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def write_llama4_gguf(hf_dir: str, out: str, qtype: str = "F32") -> str:
+    """A Llama 4 text checkpoint as the converter writes it: fused experts [E, H, 2I] split into
+    ffn_gate_exps / ffn_up_exps (gate the first half) and down [E, I, H] transposed, Q/K as they
+    are, llama3 RoPE as the rope_freqs tensor, matrices in `qtype` (the router F32)."""
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    sd = _load_state(hf_dir)
+    w = gguf.GGUFWriter(out, "llama4")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size_mlp"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(cfg["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    _add_tokenizer(w, hf_dir)
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    _add_tensor(w, "token_embd.weight", sd.pop("model.embed_tokens.weight"), qtype)
+    _add_tensor(w, "output_norm.weight", sd.pop("model.norm.weight"), "F32")
+    if "lm_head.weight" in sd:
+        _add_tensor(w, "output.weight", sd.pop("lm_head.weight"), qtype)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for piece, name in LLAMA4.items():
+            if p + piece + ".weight" in sd:
+                t = sd.pop(p + piece + ".weight")
+                _add_tensor(w, f"blk.{layer}.{name}.weight", t, qtype if t.ndim == 2 else "F32")
+        e = p + "feed_forward.experts."
+        if e + "gate_up_proj" in sd:
+            gate_up = sd.pop(e + "gate_up_proj").swapaxes(1, 2)  # [E, 2I, H]
+            inter = gate_up.shape[1] // 2
+            _add_tensor(w, f"blk.{layer}.ffn_gate_exps.weight", gate_up[:, :inter], qtype)
+            _add_tensor(w, f"blk.{layer}.ffn_up_exps.weight", gate_up[:, inter:], qtype)
+            _add_tensor(w, f"blk.{layer}.ffn_down_exps.weight", sd.pop(e + "down_proj").swapaxes(1, 2), qtype)
+    assert not sd, f"tensors not written: {sorted(sd)}"
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

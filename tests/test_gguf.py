@@ -732,3 +732,72 @@ def test_phimoe_from_its_published_config(real_checkpoint, tmp_path):
     got_tokens, text = _logged(_greedy, q8)
     assert "weights held compressed as stored" in text
     assert got_tokens == _greedy(ref)
+
+
+def test_tp_rank_columns_read_only_their_bytes(tmp_path, monkeypatch):
+    """A TP rank splitting a weight's inputs (o_proj, down_proj) reads, per row, only the blocks of
+    its columns where that skips whole pages (rows of more than two pages past its part), else the
+    rows whole (the page cache reads whole pages anyway); either way the values are gguf's, float
+    and held, and an expert of a stacked tensor reads alike. Counted at os.preadv."""
+    import mmap
+
+    from expertmesh.models.gguf.reader import open_file
+
+    rng = np.random.default_rng(9)
+    path = str(tmp_path / "wide.gguf")
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    shapes = {
+        "F32": (3, 8192),
+        "BF16": (3, 8192),
+        "Q8_0": (3, 32768),
+        "Q4_K": (3, 32768),
+        "MXFP4": (2, 3, 32768),
+    }
+    shapes["narrow"] = (3, 512)  # Q8_0 rows of 544 bytes: read whole
+    for name, shape in shapes.items():
+        x = rng.normal(0, 1, shape).astype(np.float32)
+        t = gguf.GGMLQuantizationType["Q8_0" if name == "narrow" else name]
+        if name in ("F32",):
+            w.add_tensor(name, x)
+        elif name == "Q4_K":
+            w.add_tensor(name, quantize_k(x, "Q4_K"), raw_dtype=t)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reads = []
+    real = os.preadv
+
+    def counted(fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        reads.append(n)
+        return n
+
+    monkeypatch.setattr(os, "preadv", counted)
+    for t in open_file(path).tensors:
+        data, shape = (t.data[1], t.shape[1:]) if len(t.shape) == 3 else (t.data, t.shape)
+        want = torch.from_numpy(gguf.quants.dequantize(np.asarray(data), t.tensor_type)).float()
+        rows, cols = shape
+        row_bytes = data.shape[1] * data.dtype.itemsize
+        part = row_bytes // 2  # the second half of the inputs: whole blocks in every type here
+        src = GGUFTensor(data, t.tensor_type, shape, t.name)
+        reads.clear()
+        got = src[:, cols // 2 :]
+        assert torch.equal(got.float(), want[:, cols // 2 :]), t.name
+        whole = row_bytes - part < 2 * mmap.PAGESIZE
+        assert sum(reads) == rows * (row_bytes if whole else part), t.name
+        assert len(reads) == (1 if whole else rows), t.name
+        if t.tensor_type.name in HELD:
+            kind, group = HELD[t.tensor_type.name]
+            src.held_kind = (kind, group)
+            reads.clear()
+            codes, s, m = src.quantized((0, rows), (cols // 2, cols), group, cols // 2 // group)
+            assert sum(reads) == rows * (row_bytes if whole else part), t.name
+            if kind == "fp4":
+                e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+                values = e2m1[codes.long()] * s.repeat_interleave(group, 1)
+            else:
+                values = _held_values(src, (0, rows), (cols // 2, cols), group)
+            assert torch.equal(values, want[:, cols // 2 :]), t.name

@@ -11,7 +11,8 @@ from typing import Any
 @dataclass(frozen=True)
 class GGUFFormat:
     """quantization_config {"quant_method": "gguf"}: matrices of the HELD types held as int8 / int4
-    codes with a scale and offset per group (32, Q6_K 16); every other type dequantized at load."""
+    codes with a scale and offset per group (32, Q6_K 16), MXFP4 as fp4 codes with a scale per 32;
+    every other type dequantized at load."""
 
     held_types: tuple[str, ...] = ()
     method: str = "gguf"
@@ -23,7 +24,7 @@ class GGUFFormat:
         return cls(tuple(cfg.get("held_types", ())))
 
     def describe(self) -> str:
-        return f"gguf, {'/'.join(self.held_types) or 'no'} matrices held as int codes"
+        return f"gguf, {'/'.join(self.held_types) or 'no'} matrices held as their codes (int or fp4)"
 
     def name(self) -> str:
         return "gguf"

@@ -150,6 +150,27 @@ FAMILY_CONFIG: dict[str, tuple[str, str, dict[str, str], dict[str, Any]]] = {
         {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
          "first_k_dense_replace": 0, "n_shared_experts": 0, "hidden_act": "silu"},
     ),
+    # gpt-oss (conversion/gpt_oss.py; llama.cpp's LLM_ARCH_OPENAI_MOE): the file has no layer
+    # types, swiglu limit or YaRN truncation: _gpt_oss sets what llama.cpp assumes and the
+    # published config says
+    "gpt-oss": (
+        "GptOssForCausalLM", "gpt_oss",
+        {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+         "expert_feed_forward_length": "intermediate_size", "attention.sliding_window": "sliding_window"},
+        {"attention_bias": True, "hidden_act": "silu", "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9},
+    ),
+    # Llama 4 text (Scout, Maverick; conversion/llama.py's Llama4Model): what llama.cpp hard-codes
+    # for it and the published configs say (chunks of 8192, temperature tuning with floor 8192
+    # and scale 0.1) is fixed here; _llama4 derives the layer pattern, the q/k norm and the MoE layers
+    "llama4": (
+        "Llama4ForCausalLM", "llama4_text",
+        {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+         "expert_feed_forward_length": "intermediate_size", "feed_forward_length": "intermediate_size_mlp",
+         "interleave_moe_layer_step": "interleave_moe_layer_step"},
+        {"attention_bias": False, "hidden_act": "silu", "attention_chunk_size": 8192,
+         "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1, "router_jitter_noise": 0.0,
+         "interleave_moe_layer_step": 1},
+    ),
 }  # fmt: skip
 FAMILY_CONFIG["deepseek32"][2].update(FAMILY_CONFIG["deepseek2"][2])
 FAMILY_CONFIG["deepseek32"][3].update(FAMILY_CONFIG["deepseek2"][3])
@@ -159,7 +180,7 @@ TENSOR_FLAGS = {
     "phimoe": {"lm_head_bias": "output.bias"},
 }
 # tensors that are config, not weights: the loader skips them (LongRoPE's factors: rope_config)
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 
 
 def rope_config(meta: dict[str, Any], factors: dict[str, list[float]]) -> dict[str, Any] | None:
@@ -167,6 +188,8 @@ def rope_config(meta: dict[str, Any], factors: dict[str, list[float]]) -> dict[s
     both lengths (`rope.scaling.attn_factor`; the converter computes sqrt(1 + ln s / ln original),
     which is not every published config's mscale: Phi-3.5-MoE's says 1.243 where this gives 1.190;
     llama.cpp runs the file with the factor it holds, and so do we)."""
+    if "rope_freqs.weight" in factors:  # llama3's scaling as llama.cpp's per-frequency divisors
+        return rope_freqs(meta, factors["rope_freqs.weight"])
     if "rope_factors_long.weight" not in factors:
         return None
     arch = meta["general.architecture"]
@@ -179,6 +202,17 @@ def rope_config(meta: dict[str, Any], factors: dict[str, list[float]]) -> dict[s
         "long_mscale": attn,
         "short_mscale": attn,
     }
+
+
+def rope_freqs(meta: dict[str, Any], freqs: list[float]) -> dict[str, Any]:
+    """llama.cpp's `rope_freqs` tensor (the converter writes it for llama3-style scaling: each
+    frequency's divisor, 1 for the short wavelengths, `factor` for the long, a blend between) as
+    the frequencies llama.cpp computes, base^(-2i/d) / freqs[i], with no attention scaling: a
+    LongRoPE of one factor list (the file keeps neither the llama3 parameters nor the original
+    context length, only these divisors in float32)."""
+    ctx = meta.get(f"{meta['general.architecture']}.context_length")
+    return {"rope_type": "longrope", "long_factor": freqs, "short_factor": freqs,
+            "original_max_position_embeddings": ctx, "long_mscale": 1.0, "short_mscale": 1.0}  # fmt: skip
 
 
 def _glm4moe(cfg: dict[str, Any], get: Any) -> None:
@@ -232,4 +266,59 @@ def _deepseek32(cfg: dict[str, Any], get: Any) -> None:
     cfg["num_nextn_predict_layers"] = 0  # the MTP blocks are not loaded from GGUF
 
 
-DERIVED = {"deepseek2": _deepseek2, "deepseek32": _deepseek32, "glm4moe": _glm4moe}
+def _gpt_oss(cfg: dict[str, Any], get: Any) -> None:
+    """gpt-oss's derived values. Layer types: llama.cpp's sliding-window pattern (an array of
+    flags, or a period n: layer il slides when il % n < n - 1; absent: 2, the published
+    alternation sliding / full). YaRN from rope.scaling.*, untruncated as the published config
+    (`truncate: false`, OpenAI's reference): llama.cpp's YaRN floors / ceils the correction range."""
+    layers = cfg["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern", 2)
+    if hasattr(pattern, "__len__"):  # an array of flags (a numpy array from the reader)
+        slides = [bool(x) for x in pattern][:layers]
+    else:
+        slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in slides]
+    cfg["experts_per_token"] = cfg["num_experts_per_tok"]
+    cfg.pop("rope_parameters", None)  # the published style: rope_theta beside rope_scaling
+    if get("rope.scaling.type") == "yarn":
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn", "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0), "truncate": False,
+        }  # fmt: skip
+        cfg["initial_context_length"] = get("rope.scaling.original_context_length")
+
+
+def _llama4(cfg: dict[str, Any], get: Any) -> None:
+    """Llama 4's derived values, as llama.cpp's llama4 loader sets them: MoE layers every
+    interleave_moe_layer_step-th ((i + 1) % step == 0); a file with attention.sliding_window 0
+    (MobileLLM) has neither chunks nor NoPE layers; otherwise the chunked layers follow
+    attention.sliding_window_pattern (absent: 4, three chunked then one global) and the NoPE layers
+    are every fourth (n_no_rope_layer_step); the weightless q/k L2 norm is on unless the model has
+    128 experts (Maverick's published config says use_qk_norm false, Scout's true). The llama3 RoPE
+    scaling is a tensor, rope_freqs (rope_config)."""
+    layers, step = cfg["num_hidden_layers"], cfg["interleave_moe_layer_step"]
+    cfg["moe_layers"] = [i for i in range(layers) if step > 0 and (i + 1) % step == 0]
+    if get("attention.sliding_window") == 0:
+        chunked, rope = [False] * layers, [1] * layers
+        cfg["attention_chunk_size"] = None
+    else:
+        pattern = get("attention.sliding_window_pattern", 4)
+        if hasattr(pattern, "__len__"):  # an array of flags (a numpy array from the reader)
+            chunked = [bool(x) for x in pattern][:layers]
+        else:
+            chunked = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+        rope = [int((i + 1) % 4 != 0) for i in range(layers)]
+    cfg["layer_types"] = ["chunked_attention" if c else "full_attention" for c in chunked]
+    cfg["no_rope_layers"] = rope
+    cfg["use_qk_norm"] = cfg["num_local_experts"] != 128
+
+
+DERIVED = {
+    "llama4": _llama4,
+    "deepseek2": _deepseek2,
+    "deepseek32": _deepseek32,
+    "glm4moe": _glm4moe,
+    "gpt-oss": _gpt_oss,
+}

@@ -71,7 +71,35 @@ PIECES = {
     "olmoe": ({**_ATTN, **_QWEN}, _EXPERTS["qwen"]),
     # the converter splits Granite's fused input_linear into gate and up: served per expert
     "granitemoe": ({**_ATTN, "ffn_gate_inp": "block_sparse_moe.gate"}, _EXPERTS["granite"]),
+    # gpt-oss (conversion/gpt_oss.py): the checkpoint's interleaved gate_up_proj split into
+    # ffn_gate_exps / ffn_up_exps (weights per expert here; their biases re-interleaved into
+    # gate_up_proj_bias: tensors.GateUpBias), the sinks a tensor of their own (no .weight in HF)
+    "gpt-oss": (
+        {
+            **_ATTN,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "mlp.router",
+            "attn_sinks": "self_attn.sinks",
+        },
+        _EXPERTS["qwen"],
+    ),
+    # Llama 4 text (conversion/llama.py, Llama4Model): Q/K not permuted (its RoPE already rotates
+    # pairs); dense layers' ffn_gate / up / down where interleave_moe_layer_step leaves no MoE
+    "llama4": (
+        {
+            **_ATTN,
+            **{k: v.replace("mlp.", "feed_forward.") for k, v in _ATTN.items() if k.startswith("ffn_")},
+            "ffn_gate_inp": "feed_forward.router",
+            "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+            "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+            "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+        },
+        {k: ("feed_forward", proj) for k, (_, proj) in _EXPERTS["qwen"].items()},
+    ),
 }
+# gpt-oss's expert biases: llama.cpp piece -> the checkpoint's fused bias (gate and up interleaved)
+FUSED_BIAS = {"ffn_gate_exps": "gate_up_proj_bias", "ffn_up_exps": "gate_up_proj_bias",
+              "ffn_down_exps": "down_proj_bias"}  # fmt: skip
 
 
 def pieces_of(arch: str) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:

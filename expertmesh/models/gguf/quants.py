@@ -13,6 +13,11 @@ bits), so the one rounding left is the offset's add, the same one gguf makes:
   Q5_K = the same with 5-bit codes: held in the int8 kind (codes 0..31; no 5-bit kernel)
   Q6_K = (d * sc_j) * (q - 32), 16 sub-blocks of 16 (sc_j int8): int8 codes q - 32, scale
          d * sc_j, offset 0, groups of 16
+  MXFP4 = e2m1(q) * 2^(e - 127), a block of 32: one e8m0 byte e, then 16 bytes of nibbles (the low
+         nibbles are values 0-15, the high 16-31, as Q4_0): fp4 codes q (our fp4 kind's e2m1
+         order: ggml's kvalues_mxfp4 are the e2m1 values doubled, with its scale halved), scale
+         2^(e - 127) (exact in float32, subnormal at e = 0), offset 0; e = 255 (ggml: 2^127, OCP:
+         NaN) is refused when held
 Every block of a region is decoded at once (numpy over all blocks, no loop per block); the same
 decoding dequantizes these types for float parameters (embedding, head), a few thousand rows a
 call. Other types go through gguf.quants.dequantize (the format's own dequantizer).
@@ -26,7 +31,7 @@ from expertmesh.models.gguf.names import BLOCK
 
 HELD = {
     "Q8_0": ("int8", 32), "Q4_0": ("int4", 32), "Q4_1": ("int4", 32),
-    "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16),
+    "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16), "MXFP4": ("fp4", 32),
 }  # fmt: skip
 FLOAT_TYPES = ("F32", "F16", "BF16")
 DEQUANT_ROWS = 4096  # rows dequantized per call: bounds the float32 temporaries of a large tensor
@@ -49,7 +54,8 @@ def held_kinds(tensors: dict[str, str]) -> dict[str, tuple[str, int]]:
         for fused in FUSED:
             types = {p: pieces[p] for p in fused if p in pieces}
             kinds = {HELD.get(t) for t in types.values()}
-            if len(kinds) > 1 and None not in kinds:
+            # fp4 codes have no int8 form: a mix with fp4 is left to held.plan (dequantized, logged)
+            if len(kinds) > 1 and None not in kinds and "fp4" not in {k for k, _ in kinds}:
                 widened = ("int8", min(g for _, g in kinds))
                 out.update({f"blk.{layer}.{p}.weight": widened for p in types})
     return out
@@ -106,13 +112,17 @@ def decode_blocks(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
         q = ((ql | ((qh & 3).reshape(*lead, 256) << 4)) - np.uint8(32)).view(np.int8)  # wraps to q - 32
         scales = _half(raw, 208)[..., None] * raw[..., 192:208].view(np.int8).astype(np.float32)
         return q.view(np.uint8).reshape(flat), scales.reshape(flat), None
+    if qtype == "MXFP4":
+        e = raw[..., 0]
+        scales = np.ldexp(np.float32(1.0), e.astype(np.int32) - 127).astype(np.float32)
+        return _nibbles(raw[..., 1:17], 16).reshape(flat), scales.reshape(flat), None
     raise ValueError(f"GGUF {qtype} is not a held type")
 
 
 def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
     """Rows of blocks [..., bytes of a row] -> float32 values [..., cols], bit for bit
     gguf.quants.dequantize: the held types through decode_blocks, the others through gguf."""
-    if qtype not in HELD:
+    if qtype not in HELD or qtype == "MXFP4":  # MXFP4: gguf's own (its e = 255 is 2^127, not NaN)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize
 

@@ -109,6 +109,30 @@ class FileRows:
             return self._read(self.offset + a * self.stride, (b - a, *self.shape[1:]))
         raise TypeError(f"FileRows takes an index or a plain slice, not {index!r}")
 
+    def columns(self, a: int, b: int, c0: int, c1: int) -> np.ndarray:
+        """Rows [a, b) of a 2-D tensor, only their entries [c0, c1) of the last axis (a TP rank's
+        inputs; for block types the bytes of its blocks): one positioned read per row where that
+        skips at least one whole page of each row (the page cache reads whole pages, so a shorter
+        skip saves no reading), else the rows whole, cut (a fresh array either way)."""
+        if self.ndim != 2:
+            raise ValueError(f"FileRows.columns reads a 2-D tensor, not {self.shape}")
+        b, c1 = max(a, b), max(c0, c1)
+        width, item = self.shape[1], self.dtype.itemsize
+        if (c0, c1) == (0, width):
+            return self[a:b]
+        if (width - (c1 - c0)) * item < 2 * mmap.PAGESIZE:
+            return np.ascontiguousarray(self[a:b][:, c0:c1])
+        out = np.empty((b - a, c1 - c0), self.dtype)
+        flat = out.view(np.uint8).reshape(b - a, -1)
+        for r in range(b - a):
+            at, view, done = self.offset + (a + r) * self.stride + c0 * item, memoryview(flat[r]), 0
+            while done < len(view):
+                n = os.preadv(self.fd, [view[done:]], at + done)
+                if n <= 0:
+                    raise GGUFError(f"short read at byte {at + done} (the file shrank?)")
+                done += n
+        return out
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self._read(self.offset, self.shape)
         return out if dtype is None else out.astype(dtype)

@@ -17,7 +17,7 @@ import torch
 import expertmesh.models.gguf.quants as quants
 from expertmesh.layers.quantization.view import LogicalTensor
 from expertmesh.models.gguf.families import CONFIG_TENSORS
-from expertmesh.models.gguf.names import BLOCK, KV_B, PIECES, TOP, mtp_block, piece_of, pieces_of
+from expertmesh.models.gguf.names import BLOCK, FUSED_BIAS, KV_B, PIECES, TOP, mtp_block, piece_of, pieces_of
 from expertmesh.models.gguf.quants import FLOAT_TYPES, HELD, decode_blocks
 from expertmesh.models.gguf.reader import GGUFError, TensorInfo, open_file
 
@@ -64,6 +64,8 @@ class GGUFTensor(LogicalTensor):
                 self.unheld_reason = f"GGUF {name} Q/K rows permuted by llama.cpp: dequantized"
             else:
                 self.held_kind, self.unheld_reason = tuple(kind or HELD[name]), None
+                if name == "MXFP4":  # as a safetensors MXFP4 checkpoint: int16 code | exponent << 4
+                    self.held_storage = torch.int16
 
     def quantized(self, rows: tuple[int, int], cols: tuple[int, int], group: int, g0: int) -> tuple:
         """Codes [o, i] uint8, scales and offsets [o, groups] float32 of the region: the blocks that
@@ -80,7 +82,11 @@ class GGUFTensor(LogicalTensor):
             raise ValueError(
                 f"{self.base}: GGUF {self.qtype.name} is held in groups of {held}; asked {group} at {i0}"
             )
-        raw = np.asarray(self.data[o0:o1]).reshape(o1 - o0, -1, size)[:, b0:b1]  # a view of the map
+        raw = self._columns(o0, o1, b0 * size, b1 * size).reshape(o1 - o0, -1, size)  # only these blocks
+        if self.qtype.name == "MXFP4" and bool((raw[..., 0] == 255).any()):
+            raise ValueError(
+                f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
+            )
         codes, scales, offsets = decode_blocks(self.qtype.name, raw)
         if offsets is None:
             offsets = np.zeros_like(scales)
@@ -90,6 +96,35 @@ class GGUFTensor(LogicalTensor):
         g1 = -(-c1 // held) if group == held else c0 // held + 1
         pick = lambda t: torch.from_numpy(np.ascontiguousarray(t[:, c0 // held : g1]))
         return torch.from_numpy(np.ascontiguousarray(codes[:, c0:c1])), pick(scales), pick(offsets)
+
+    def held_region(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """MXFP4: the region [o, i] as int16 code | e8m0 exponent << 4 per weight, the held storage of
+        layers/quantization/mxfp4.py (split after loading into codes and one scale 2^(e - 127) per
+        block, offsets one shared zero tensor); the other held types: codes with their scales."""
+        if self.qtype.name != "MXFP4":
+            return super().held_region(bounds)
+        (o0, o1), (i0, i1) = bounds
+        b0, b1 = i0 // 32, -(-i1 // 32)
+        raw = self._columns(o0, o1, b0 * 17, b1 * 17).reshape(o1 - o0, b1 - b0, 17)
+        if bool((raw[..., 0] == 255).any()):
+            raise ValueError(
+                f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
+            )
+        # in place into one int16 array: value j of a block is byte j's low nibble (j < 16), byte
+        # j - 16's high one (quants.decode_blocks' order), each with its block's exponent
+        out = np.empty((*raw.shape[:-1], 32), np.int16)
+        np.bitwise_and(raw[..., 1:], 15, out=out[..., :16], casting="unsafe")
+        np.right_shift(raw[..., 1:], 4, out=out[..., 16:], casting="unsafe")
+        out |= raw[..., :1].astype(np.int16) << 4
+        out = out.reshape(o1 - o0, -1)[:, i0 - b0 * 32 : i1 - b0 * 32]
+        return torch.from_numpy(np.ascontiguousarray(out))
+
+    def _columns(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """Rows [r0, r1), stored entries [c0, c1) (bytes for block types): from the file, only those
+        (reader.FileRows.columns); from an array (tests), a cut."""
+        if hasattr(self.data, "columns"):
+            return self.data.columns(r0, r1, c0, c1)
+        return np.array(np.asarray(self.data[r0:r1])[:, c0:c1])  # a copy: the caller's to keep
 
     def _rows(self, r0: int, r1: int) -> torch.Tensor:
         from gguf import GGMLQuantizationType as Q
@@ -111,12 +146,35 @@ class GGUFTensor(LogicalTensor):
             out[r : r + step] = torch.from_numpy(quants.dequantize(raw[r : r + step], name))
         return out
 
+    def _cols(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Rows [r0, r1), columns [c0, c1): the blocks covering them read and decoded, then cut."""
+        from gguf import GGML_QUANT_SIZES
+        from gguf import GGMLQuantizationType as Q
+
+        if self.qtype in (Q.F32, Q.F16):
+            return torch.from_numpy(self._columns(r0, r1, c0, c1))
+        if r1 <= r0 or c1 <= c0:
+            return torch.empty((max(r1 - r0, 0), max(c1 - c0, 0)), dtype=self.out_dtype or self.dtype)
+        qk, size = GGML_QUANT_SIZES[self.qtype]
+        b0, b1 = c0 // qk, -(-c1 // qk)
+        raw = self._columns(r0, r1, b0 * size, b1 * size)
+        a0, a1 = c0 - b0 * qk, c1 - b0 * qk
+        if self.qtype == Q.BF16:
+            return torch.from_numpy(raw).view(torch.int16).view(torch.bfloat16)[:, a0:a1].contiguous()
+        out = torch.empty((r1 - r0, c1 - c0), dtype=self.out_dtype or torch.float32)
+        for r in range(0, r1 - r0, quants.DEQUANT_ROWS):  # bounded float32 temporaries, as _rows
+            rows = raw[r : r + quants.DEQUANT_ROWS]
+            out[r : r + len(rows)] = torch.from_numpy(quants.dequantize(rows, self.qtype.name)[:, a0:a1])
+        return out
+
     def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         if not bounds:
             return self._rows(0, 0).reshape(())
         (r0, r1), rest = bounds[0], bounds[1:]
         if self.permute:  # rows mix within a head: un-permute the whole tensor, then cut
             t = _undo_permute(self._rows(0, self.shape[0]), self.permute)[r0:r1]
+        elif len(rest) == 1 and rest[0] != (0, self.shape[1]):  # a TP rank's inputs: only its blocks
+            return self._cols(r0, r1, *rest[0])
         else:
             t = self._rows(r0, r1)
         t = t.reshape(r1 - r0, *self.shape[1:])
@@ -145,6 +203,26 @@ class KvBTensor(LogicalTensor):
         return w[tuple(slice(a, b) for a, b in bounds)].contiguous()
 
 
+class GateUpBias(LogicalTensor):
+    """gpt-oss's experts.gate_up_proj_bias [E, 2I], gate and up interleaved (gate at even columns) as
+    the checkpoint has them, from the converter's ffn_gate_exps.bias and ffn_up_exps.bias [E, I]
+    (its split `[..., ::2]` / `[..., 1::2]` undone); the family's loader picks the halves back."""
+
+    def __init__(self, gate: GGUFTensor, up: GGUFTensor) -> None:
+        if gate.shape != up.shape or len(gate.shape) != 2:
+            raise GGUFError(
+                f"{gate.base}: ffn_gate_exps.bias {gate.shape} and ffn_up_exps.bias {up.shape} differ"
+            )
+        self.gate, self.up, self.base = gate, up, gate.base
+        self.shape, self.dtype = (gate.shape[0], 2 * gate.shape[1]), gate.dtype
+        self.unheld_reason = None
+
+    def materialize(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        (e0, e1), (c0, c1) = bounds
+        parts = [t.materialize([(e0, e1), (0, t.shape[1])]) for t in (self.gate, self.up)]
+        return torch.stack(parts, dim=-1).flatten(1)[:, c0:c1].contiguous()
+
+
 class GGUFTensorFile:
     """One GGUF file's tensors under HF names (the part of safe_open the loader uses). `dtype`: the
     model dtype the embedding and head are dequantized into (None: float32)."""
@@ -166,6 +244,7 @@ class GGUFTensorFile:
                 "held as stored: %s)", os.path.basename(path), count, qtype, qtype, ", ".join(HELD),
             )  # fmt: skip
         self.kv_b: dict[str, dict[str, TensorInfo]] = {}  # kv_b_proj key -> {attn_k_b: t, attn_v_b: t}
+        self.gate_up_bias: dict[str, dict[str, TensorInfo]] = {}  # gpt-oss: key -> {ffn_gate_exps: t, ...}
         for t in self.file.tensors:
             name, hf = t.name, None
             top = name.rsplit(".", 1)
@@ -179,6 +258,13 @@ class GGUFTensorFile:
                 if piece in KV_B and arch in PIECES and "attn_kv_b" in PIECES[arch][0]:
                     self.kv_b.setdefault(f"model.layers.{layer}.self_attn.kv_b_proj.{kind}", {})[piece] = t
                     continue
+                if arch == "gpt-oss" and kind == "bias" and piece in FUSED_BIAS:  # [E, I], [E, H]
+                    key = f"model.layers.{layer}.mlp.experts.{FUSED_BIAS[piece]}"
+                    if piece == "ffn_down_exps":
+                        self.tensors[key] = (t, None, 0)
+                    else:
+                        self.gate_up_bias.setdefault(key, {})[piece] = t
+                    continue
                 if piece in experts:
                     block, proj = experts[piece]
                     for e in range(t.shape[0]):
@@ -190,6 +276,8 @@ class GGUFTensorFile:
                     hf = f"model.layers.{layer}.{pieces[piece]}.{kind}".replace(
                         "correction.bias", "correction_bias"
                     )
+                    if piece == "attn_sinks":  # the checkpoint's self_attn.sinks has no .weight
+                        hf = hf[: -len(".weight")]
             if hf is None:
                 raise GGUFError(f"{path}: tensor {name!r} has no HF name for architecture {arch!r}")
             permute = 0
@@ -200,6 +288,12 @@ class GGUFTensorFile:
             if len(parts) != 2:
                 raise GGUFError(f"{path}: {key} needs attn_k_b and attn_v_b; the file has only {list(parts)}")
             self.tensors[key] = (parts["attn_k_b"], None, 0)
+        for key, parts in self.gate_up_bias.items():
+            if len(parts) != 2:
+                raise GGUFError(
+                    f"{path}: {key} needs ffn_gate_exps.bias and ffn_up_exps.bias; the file has {list(parts)}"
+                )
+            self.tensors[key] = (parts["ffn_gate_exps"], None, 0)
 
     def __enter__(self) -> GGUFTensorFile:
         return self
@@ -210,10 +304,13 @@ class GGUFTensorFile:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def get_slice(self, key: str) -> GGUFTensor | KvBTensor:
+    def get_slice(self, key: str) -> GGUFTensor | KvBTensor | GateUpBias:
         if key not in self.tensors:
             raise KeyError(f"{self.path} has no tensor {key!r}")
         t, e, permute = self.tensors[key]
+        if key in self.gate_up_bias:
+            gate, up = (self.gate_up_bias[key][p] for p in ("ffn_gate_exps", "ffn_up_exps"))
+            return GateUpBias(*(GGUFTensor(x.data, x.tensor_type, x.shape, key) for x in (gate, up)))
         if key in self.kv_b:
             k_b, v_b = (self.kv_b[key][p] for p in KV_B)
             return KvBTensor(*(GGUFTensor(x.data, x.tensor_type, x.shape, key) for x in (k_b, v_b)))

@@ -69,6 +69,8 @@ def write_tokenizer(path: str, out: str) -> bool:
         backend, extra = convert_gguf_tokenizer(arch, tok)
         PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra).save_pretrained(out)
         return True
-    except Exception as exc:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # tokenizers' Rust panics (pyo3's PanicException) are BaseExceptions
         log.warning("GGUF %s: no tokenizer from its metadata (%s); pass tokenizer= to use text", path, exc)
         return False
