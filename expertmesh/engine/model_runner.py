@@ -261,7 +261,7 @@ class ModelRunner:
         if pp.rank_in_group > 0:
             mc = self.config.model_config
             # per token: the hidden state, or the model's whole residual (DeepSeek-V4: hc_mult streams)
-            shape = getattr(self.model, "stage_shape", (mc.hidden_size,))
+            shape = self.model.stage_shape
             hidden = pp.recv(torch.empty(ids.shape[0], *shape, dtype=mc.dtype), pp.rank_in_group - 1)
         hidden = self.model(ids, pos, ctx, hidden)
         if self.keep_hidden:  # the last stage: what the MTP layer reads at these positions

@@ -323,6 +323,12 @@ class CausalLM(nn.Module):
                 cfg.vocab_size, cfg.hidden_size, cfg.lm_head_bias, env.groups.tp, cfg.dtype
             )
 
+    @property
+    def stage_shape(self) -> tuple[int, ...]:
+        """What a pipeline stage hands the next for each token: the hidden state (a family whose
+        residual is wider, DeepSeek-V4's hc_mult streams, says so)."""
+        return (self.cfg.hidden_size,)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -171,4 +171,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.lm_head = None
         if env.is_last_stage:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, env.groups.tp, cfg.dtype)
-        self.stage_shape = (cfg.compressed.hc_mult, cfg.hidden_size)  # what a pipeline stage hands the next
+
+    @property
+    def stage_shape(self) -> tuple[int, ...]:
+        """A pipeline stage hands the next the whole residual: hc_mult streams of hidden a token."""
+        return (self.cfg.compressed.hc_mult, self.cfg.hidden_size)
