@@ -306,11 +306,85 @@ def test_seeded_sampling_reproduces_and_unseeded_greedy_neighbours_stay_exact(ch
     _assert_drafted(spec)
 
 
-def test_hybrid_models_refuse_speculation_naming_why(real_checkpoint):
+# ---- hybrids: the recurrent state rolled back -------------------------------------------------
+HYBRIDS = ["qwen3-next", "qwen3.5-moe", "nemotron-h", "granite-4.0-h"]
+
+
+class KnownDrafts:
+    """A proposer (in the n-gram proposer's place) that knows the plain run's greedy outputs and
+    drafts them with one token made wrong at a position that cycles through 0..k (k: the whole
+    draft right), so every accepted length, full acceptance included, is verified and rolled
+    back. Tiny random checkpoints rarely repeat themselves, so n-gram drafts alone would mostly be
+    rejected at their first token."""
+
+    def __init__(self, prompts: list[list[int]], outs: list, k: int) -> None:
+        self.known = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs, strict=True)]
+        self.k, self.calls = k, 0
+
+    def propose(self, tokens, limit: int) -> list[int]:
+        tokens = tokens.tolist()
+        prompt, out = next((p, o) for p, o in self.known if tokens[: len(p)] == p and len(tokens) > len(p))
+        done = len(tokens) - len(prompt)
+        assert tokens[len(prompt) :] == out[:done], (
+            "verification accepted a token plain decoding did not give"
+        )
+        draft = out[done : done + min(self.k, limit)]
+        wrong = self.calls % (self.k + 1)
+        self.calls += 1
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % 500
+        return draft
+
+
+def known_drafts(llm: LLM, prompts: list[list[int]], plain_outs: list) -> KnownDrafts:
+    """`llm`'s drafter proposing KnownDrafts every step (its adaptive gate off)."""
+    drafter = llm.llm_engine.drafter
+    drafter.proposer = KnownDrafts(prompts, plain_outs, drafter.config.num_speculative_tokens)
+    drafter.gate = None
+    return drafter.proposer
+
+
+def assert_every_length_accepted(llm: LLM, k: int) -> None:
+    """Drafts were accepted at every position and rejected (the stats of the verify steps)."""
+    s = llm.llm_engine.stats()
+    per_pos = s["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == k and all(n > 0 for n in per_pos), s
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"], s
+
+
+def _torch_recurrence(llm: LLM) -> None:
+    """The recurrent mixers on their torch path (no compiled kernels), for this engine's life."""
+    from expertmesh.layers.gated_deltanet import RecurrentMixer
+
+    mixers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
+    assert mixers
+    for m in mixers:
+        m.recurrent_kernels = None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_greedy_equals_plain_decoding(family, real_checkpoint):
+    """Gated DeltaNet and Mamba2 layers keep the state after every draft position and the slot
+    takes the one at the accepted length: greedy tokens and logprobs equal decoding without
+    speculation, on the compiled recurrent kernels and on the torch path, with drafts accepted and
+    rejected (an uneven batch: copy-heavy prompts, a plain one, max_tokens 1)."""
     from test_hybrid_families import _source
 
-    with pytest.raises(ValueError, match="recurrent layers.*cannot be rolled back"):
-        LLM(real_checkpoint(_source("granite-4.0-h")), **ENGINE, speculative_config=NGRAM)
+    path = real_checkpoint(_source(family))
+    prompts = _repeating_prompts([5, 9, 3, 14], seed=3) + prompts_of_lengths([7], seed=4)
+    lens = [30, 17, 1, 25, 12]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in lens]
+    plain = _generate(LLM(path, **ENGINE), prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config=NGRAM)
+    assert spec.llm_engine.runner.draft_states is not None
+    # n-gram drafts (mostly rejected on a random model), then drafts of known acceptance lengths
+    _assert_same(_generate(spec, prompts, params), plain, f"{family} (n-gram)", logprobs=True)
+    known_drafts(spec, prompts, plain)
+    _assert_same(_generate(spec, prompts, params), plain, family, logprobs=True)
+    assert_every_length_accepted(spec, NGRAM["num_speculative_tokens"])
+    _torch_recurrence(spec)
+    _assert_same(_generate(spec, prompts, params), plain, f"{family} (torch path)", logprobs=True)
 
 
 # ---- metrics and the CLI ----------------------------------------------------------------------
