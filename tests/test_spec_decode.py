@@ -317,8 +317,8 @@ class KnownDrafts:
     back. Tiny random checkpoints rarely repeat themselves, so n-gram drafts alone would mostly be
     rejected at their first token."""
 
-    def __init__(self, prompts: list[list[int]], outs: list, k: int) -> None:
-        self.known = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs, strict=True)]
+    def __init__(self, prompts: list[list[int]], outs: list[list[int]], k: int) -> None:
+        self.known = [(list(p), list(o)) for p, o in zip(prompts, outs, strict=True)]
         self.k, self.calls = k, 0
 
     def propose(self, tokens, limit: int) -> list[int]:
@@ -336,8 +336,9 @@ class KnownDrafts:
         return draft
 
 
-def known_drafts(llm: LLM, prompts: list[list[int]], plain_outs: list) -> KnownDrafts:
-    """`llm`'s drafter proposing KnownDrafts every step (its adaptive gate off)."""
+def known_drafts(llm: LLM, prompts: list[list[int]], plain_outs: list[list[int]]) -> KnownDrafts:
+    """`llm`'s drafter proposing KnownDrafts (of the plain run's token ids) every step, its
+    adaptive gate off."""
     drafter = llm.llm_engine.drafter
     drafter.proposer = KnownDrafts(prompts, plain_outs, drafter.config.num_speculative_tokens)
     drafter.gate = None
@@ -380,7 +381,7 @@ def test_hybrid_greedy_equals_plain_decoding(family, real_checkpoint):
     assert spec.llm_engine.runner.draft_states is not None
     # n-gram drafts (mostly rejected on a random model), then drafts of known acceptance lengths
     _assert_same(_generate(spec, prompts, params), plain, f"{family} (n-gram)", logprobs=True)
-    known_drafts(spec, prompts, plain)
+    known_drafts(spec, prompts, [o.outputs[0].token_ids for o in plain])
     _assert_same(_generate(spec, prompts, params), plain, family, logprobs=True)
     assert_every_length_accepted(spec, NGRAM["num_speculative_tokens"])
     _torch_recurrence(spec)

@@ -5,7 +5,14 @@ speculation, and every rank of a replica counts the same drafts.
 
 MTP cells (DeepSeek-V3's MTP layer, k = 2): the layer runs on the last pipeline stage, its MoE block
 dispatches over the EP group, DP replicas run their MTP forwards in lockstep (a replica with fewer
-drafts runs dummies); every draft token of every request equals the one-process MTP draft."""
+drafts runs dummies); every draft token of every request equals the one-process MTP draft.
+
+Hybrid cells (Qwen3.5-MoE: Gated DeltaNet layers split over TP, on one PP stage of two): drafts of
+known acceptance lengths (test_spec_decode.KnownDrafts), the recurrent state rolled back on every
+rank that holds a share of it."""
+
+import json
+import os
 
 import pytest
 from checkpoints import prompts_of_lengths
@@ -13,6 +20,8 @@ from distributed_utils import run_distributed
 from layout_cases import rank_main
 from real_checkpoints import Sizes
 from test_deepseek import MODELS
+from test_hybrid_families import _source
+from test_spec_decode import known_drafts
 
 from expertmesh import LLM, SamplingParams
 
@@ -63,17 +72,31 @@ def _run(llm: LLM, idx: list[int]):
     return [o.outputs[0].token_ids for o in outs], stats, drafts
 
 
-def _check(path: str, case_list: list, spec: dict) -> None:
+KNOWN = "EXPERTMESH_TEST_KNOWN_OUTPUTS"  # a JSON file of the one-process outputs, for _run_known
+
+
+def _run_known(llm: LLM, idx: list[int]):
+    """_run with drafts of known acceptance lengths (every rank of a replica drafts alike)."""
+    with open(os.environ[KNOWN]) as f:
+        known_drafts(llm, P, json.load(f))
+    return _run(llm, idx)
+
+
+def _check(path: str, case_list: list, spec: dict, run=_run, known: str | None = None) -> None:
+    """`known`: a file the one-process outputs are written to, for `run` (_run_known) to read."""
     ref = LLM(path, **ENGINE)
     outs = ref.generate([{"prompt_token_ids": p} for p in P], [_sp(i) for i in range(len(P))], use_tqdm=False)
     expected = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in expected] == LENS
+    if known is not None:
+        with open(known, "w") as f:
+            json.dump([list(t) for t in expected], f)
     ref_drafts = None
     if spec["method"] == "mtp":  # one process's MTP drafts, request by request
         ref_drafts = _run(LLM(path, **ENGINE, speculative_config=spec), list(range(len(P))))[2]
         assert all(ref_drafts[tuple(p)] for p in P), ref_drafts
     engine = dict(ENGINE, speculative_config=spec, debug_nan_recv_buffers=True)
-    per_rank = run_distributed(rank_main, 4, path, case_list, engine, _by_dp_rank, _run, timeout=240)
+    per_rank = run_distributed(rank_main, 4, path, case_list, engine, _by_dp_rank, run, timeout=240)
     for c, case in enumerate(case_list):
         dp, pp, tp = case[:3]
         for rank, results in enumerate(per_rank):
@@ -96,6 +119,15 @@ def _check(path: str, case_list: list, spec: dict) -> None:
 @pytest.mark.timeout(300)
 def test_greedy_speculation_equals_one_process_across_layouts(checkpoint):
     _check(checkpoint("mixtral", num_hidden_layers=4), CASES, NGRAM)
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_speculation_equals_one_process_across_layouts(real_checkpoint, tmp_path, monkeypatch):
+    """Qwen3.5-MoE in DP2 x TP2 (naive: replicas verify different drafts) and PP2 x TP2 + EP."""
+    known = str(tmp_path / "known.json")
+    monkeypatch.setenv(KNOWN, known)  # the ranks' processes inherit it
+    cases = [CASES[0], CASES[2]]
+    _check(real_checkpoint(_source("qwen3.5-moe")), cases, NGRAM, _run_known, known)
 
 
 @pytest.mark.timeout(300)
