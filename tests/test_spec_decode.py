@@ -388,6 +388,74 @@ def test_hybrid_greedy_equals_plain_decoding(family, real_checkpoint):
     _assert_same(_generate(spec, prompts, params), plain, f"{family} (torch path)", logprobs=True)
 
 
+@pytest.mark.parametrize("family", ["qwen3.5-moe", "nemotron-h"])
+def test_verify_rows_step_like_plain_decodes(family, real_checkpoint):
+    """A recurrent mixer (Gated DeltaNet, Mamba2) over a verify step's rows (3, 1 and 4 rows of
+    sequences in scattered slots) gives each row the output of a plain one-token decode of that
+    sequence alone, and keeps in its draft rows the state after each row but the last (the slot
+    ends at the last), on the compiled kernels and on the torch path. Within float32 rounding, not
+    bit for bit: torch's vectorised softplus rounds an element by the tensor's length, as a
+    plain decode's bits follow its batch."""
+    from types import SimpleNamespace
+
+    from test_hybrid_families import _source
+
+    llm = LLM(real_checkpoint(_source(family)), **ENGINE)
+    mixer = llm.llm_engine.runner.state_layers[0]
+    counts, slots = [3, 1, 4], [4, 0, 2]
+    g = torch.Generator().manual_seed(7)
+    hidden = llm.llm_engine.runner.config.model_config.hidden_size
+    x = torch.randn(sum(counts), hidden, generator=g)
+    start = [torch.randn(6, *t.shape[1:], generator=g) * 0.5 for t in (mixer.conv_state, mixer.rec_state)]
+
+    def ctx(rows: int, sl: list[int], state_rows=None):
+        attn = SimpleNamespace(num_decodes=rows, prefills=[])
+        return SimpleNamespace(attn=attn, state_slots=torch.tensor(sl), state_rows=state_rows)
+
+    # The projections' bits may follow the number of rows (a GEMM's blocking): computed once over
+    # every row, each one-row reference takes its own; out_proj left out (the recurrence is the point).
+    proj = "in_proj" if hasattr(mixer, "in_proj") else "_split"
+    with torch.inference_mode():
+        projected = getattr(mixer, proj)(x)
+    whole = projected if isinstance(projected, tuple) else (projected,)
+    picked = {}  # the rows the next call takes: all, or one reference row
+
+    class Rows(torch.nn.Module):
+        def forward(self, _):
+            part = tuple(t[picked["rows"]] for t in whole)
+            return part if isinstance(projected, tuple) else part[0]
+
+    setattr(mixer, proj, Rows())
+    mixer.out_proj = torch.nn.Identity()
+    assert mixer.recurrent_kernels is not None or llm.llm_engine.runner.model.cpu_kernels is None
+    for kernels in (mixer.recurrent_kernels, None):
+        mixer.recurrent_kernels = kernels
+        picked["rows"] = slice(None)
+        live = [t.clone() for t in start]
+        kept = [torch.zeros(6, 3, *t.shape[1:]) for t in start]
+        mixer.bind_state(tuple(live))
+        mixer.bind_draft_states(tuple(kept))
+        with torch.inference_mode():
+            got = mixer(None, x, ctx(len(x), slots, counts))
+        ref_live = [t.clone() for t in start]
+        mixer.bind_state(tuple(ref_live))
+        row = 0
+        for n, slot in zip(counts, slots, strict=True):
+            for j in range(n):
+                picked["rows"] = slice(row, row + 1)
+                with torch.inference_mode():
+                    want = mixer(None, x[row : row + 1], ctx(1, [slot]))
+                what = f"{family} kernels={kernels is not None} slot {slot} row {j}"
+                torch.testing.assert_close(got[row], want[0], rtol=1e-5, atol=1e-6, msg=what)
+                if j < n - 1:
+                    for k, t in zip(kept, ref_live, strict=True):
+                        torch.testing.assert_close(k[slot, j], t[slot], rtol=1e-5, atol=1e-6, msg=what)
+                row += 1
+        for a, b in zip(live, ref_live, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=family)
+        assert not kept[0][slots[1]].any()  # a sequence without a draft keeps nothing
+
+
 # ---- metrics and the CLI ----------------------------------------------------------------------
 def test_metrics_carry_vllms_spec_decode_names(checkpoint):
     from prometheus_client.parser import text_string_to_metric_families
