@@ -7,7 +7,7 @@ MTP cells (DeepSeek-V3's MTP layer, k = 2): the layer runs on the last pipeline 
 dispatches over the EP group, DP replicas run their MTP forwards in lockstep (a replica with fewer
 drafts runs dummies); every draft token of every request equals the one-process MTP draft.
 
-Hybrid cells (Qwen3.5-MoE: Gated DeltaNet layers split over TP, on one PP stage of two): drafts of
+Hybrid cells (Qwen3.5-MoE, the same three layouts: Gated DeltaNet layers split over TP): drafts of
 known acceptance lengths (test_spec_decode.KnownDrafts), the recurrent state rolled back on every
 rank that holds a share of it."""
 
@@ -123,11 +123,11 @@ def test_greedy_speculation_equals_one_process_across_layouts(checkpoint):
 
 @pytest.mark.timeout(300)
 def test_hybrid_speculation_equals_one_process_across_layouts(real_checkpoint, tmp_path, monkeypatch):
-    """Qwen3.5-MoE in DP2 x TP2 (naive: replicas verify different drafts) and PP2 x TP2 + EP."""
+    """Qwen3.5-MoE in DP2 x TP2 (naive: replicas verify different drafts), DP2 x TP2 + EP
+    (alltoall) and PP2 x TP2 + EP (allgather_reducescatter)."""
     known = str(tmp_path / "known.json")
     monkeypatch.setenv(KNOWN, known)  # the ranks' processes inherit it
-    cases = [CASES[0], CASES[2]]
-    _check(real_checkpoint(_source("qwen3.5-moe")), cases, NGRAM, _run_known, known)
+    _check(real_checkpoint(_source("qwen3.5-moe")), CASES, NGRAM, _run_known, known)
 
 
 @pytest.mark.timeout(300)
