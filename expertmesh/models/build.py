@@ -51,7 +51,7 @@ def build_model(
         if mtp and env.is_last_stage:  # beside the final hidden states and the head
             from expertmesh.spec_decode.mtp import MTPLayer
 
-            model.mtp = MTPLayer(cfg, model.family, env)
+            model.mtp = MTPLayer(cfg, model.family, env, model.lm_head)
     # The one place that decides whether our compiled CPU kernels serve this model: matmuls and
     # routed experts (weights packed below, or compressed while loading), RMSNorm, rotary + KV
     # store and decode attention; model.cpu_kernels tells the runner to lay out decode metadata.
