@@ -82,9 +82,12 @@ def _run_known(llm: LLM, idx: list[int]):
     return _run(llm, idx)
 
 
-def _check(path: str, case_list: list, spec: dict, run=_run, known: str | None = None) -> None:
-    """`known`: a file the one-process outputs are written to, for `run` (_run_known) to read."""
-    ref = LLM(path, **ENGINE)
+def _check(
+    path: str, case_list: list, spec: dict, run=_run, known: str | None = None, base: dict = ENGINE
+) -> None:
+    """`known`: a file the one-process outputs are written to, for `run` (_run_known) to read.
+    `base`: the engine arguments of every run."""
+    ref = LLM(path, **base)
     outs = ref.generate([{"prompt_token_ids": p} for p in P], [_sp(i) for i in range(len(P))], use_tqdm=False)
     expected = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in expected] == LENS
@@ -93,9 +96,9 @@ def _check(path: str, case_list: list, spec: dict, run=_run, known: str | None =
             json.dump([list(t) for t in expected], f)
     ref_drafts = None
     if spec["method"] == "mtp":  # one process's MTP drafts, request by request
-        ref_drafts = _run(LLM(path, **ENGINE, speculative_config=spec), list(range(len(P))))[2]
+        ref_drafts = _run(LLM(path, **base, speculative_config=spec), list(range(len(P))))[2]
         assert all(ref_drafts[tuple(p)] for p in P), ref_drafts
-    engine = dict(ENGINE, speculative_config=spec, debug_nan_recv_buffers=True)
+    engine = dict(base, speculative_config=spec, debug_nan_recv_buffers=True)
     per_rank = run_distributed(rank_main, 4, path, case_list, engine, _by_dp_rank, run, timeout=240)
     for c, case in enumerate(case_list):
         dp, pp, tp = case[:3]
@@ -150,3 +153,17 @@ def test_mtp_more_layouts(real_checkpoint):
     """DP4 + EP, PP4, TP4, DP2 x PP2 + EP; GLM-4.5-Air's MTP layer at DP2 x TP2 + EP."""
     _check(real_checkpoint("deepseek-v3", sizes=V3), SLOW_CASES, MTP)
     _check(real_checkpoint("glm-4.5-air"), [(2, 1, 2, True, "alltoall")], MTP)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_qwen_mtp_across_layouts(real_checkpoint, tmp_path):
+    """Qwen3.5-MoE's MTP layer (mtp.*: the target's lm_head; on the last PP stage it loads the
+    target's embedding) at DP2 x TP2, DP2 x TP2 + EP and PP2 x TP2 + EP: tokens and every draft
+    equal one process. A cache that holds every request at once in every layout (8 state slots,
+    the rest KV blocks): drafts are compared step by step, and a draft is cut to the free blocks,
+    so a layout whose ranks afford more blocks would draft otherwise."""
+    from test_spec_mtp import with_qwen_mtp
+
+    path = with_qwen_mtp(real_checkpoint(_source("qwen3.5-moe")), str(tmp_path / "qwen3.5-mtp"))
+    _check(path, CASES, MTP, base=dict(ENGINE, kv_cache_memory_bytes=1 << 23, max_num_seqs=8))
