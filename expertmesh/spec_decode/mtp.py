@@ -1,5 +1,6 @@
 """Multi-token-prediction (MTP) drafts: the MTP layer DeepSeek-V3 / R1 and GLM-4.5 ship after their last
-decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and SGLang's MTP run it:
+decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`; Qwen3-Next's / Qwen3.5's `mtp.*`, read
+under those names: spec_decode/mtp_families.py), as vLLM's and SGLang's MTP run it:
 
     h = eh_proj(cat(enorm(embed(t[i+1])), hnorm(h_target[i])))     # embedding first, then hidden
     h = decoder_layer(h)                                             # the target's layer kind
@@ -8,7 +9,9 @@ decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and S
 h_target[i] is the target model's final-normed hidden state at position i (what its lm_head reads).
 The embedding is the target's (`model.embed_tokens`; the checkpoint's copy under the MTP layer is
 the same tensor); on a last pipeline stage, which holds no embedding, the MTP layer loads that copy
-as its own. A draft of k > 1 chains the one layer: the layer's own output h at the last position and
+as its own (Qwen's checkpoints have none: the target's). Qwen's layer has no head of its own (the
+target's lm_head) and applies its norm inside the layer, so a chained step reads the normed output.
+A draft of k > 1 chains the one layer: the layer's own output h at the last position and
 the drafted token extend its input, as vLLM does.
 
 Hidden states: the model runner writes every computed position's h_target row into a paged store
