@@ -11,8 +11,7 @@ Hybrid cells (Qwen3.5-MoE, the same three layouts: Gated DeltaNet layers split o
 known acceptance lengths (test_spec_decode.KnownDrafts), the recurrent state rolled back on every
 rank that holds a share of it."""
 
-import json
-import os
+import functools
 
 import pytest
 from checkpoints import prompts_of_lengths
@@ -72,28 +71,24 @@ def _run(llm: LLM, idx: list[int]):
     return [o.outputs[0].token_ids for o in outs], stats, drafts
 
 
-KNOWN = "EXPERTMESH_TEST_KNOWN_OUTPUTS"  # a JSON file of the one-process outputs, for _run_known
-
-
-def _run_known(llm: LLM, idx: list[int]):
-    """_run with drafts of known acceptance lengths (every rank of a replica drafts alike)."""
-    with open(os.environ[KNOWN]) as f:
-        known_drafts(llm, P, json.load(f))
+def _run_known(expected: list[list[int]], llm: LLM, idx: list[int]):
+    """_run with drafts of known acceptance lengths (every rank of a replica drafts alike) made
+    from the one-process outputs `expected` (bound by _check: the ranks get it pickled)."""
+    known_drafts(llm, P, expected)
     return _run(llm, idx)
 
 
 def _check(
-    path: str, case_list: list, spec: dict, run=_run, known: str | None = None, base: dict = ENGINE
+    path: str, case_list: list, spec: dict, run=_run, known: bool = False, base: dict = ENGINE
 ) -> None:
-    """`known`: a file the one-process outputs are written to, for `run` (_run_known) to read.
-    `base`: the engine arguments of every run."""
+    """`known`: `run` (_run_known) takes the one-process outputs first. `base`: the engine
+    arguments of every run."""
     ref = LLM(path, **base)
     outs = ref.generate([{"prompt_token_ids": p} for p in P], [_sp(i) for i in range(len(P))], use_tqdm=False)
     expected = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in expected] == LENS
-    if known is not None:
-        with open(known, "w") as f:
-            json.dump([list(t) for t in expected], f)
+    if known:
+        run = functools.partial(run, [list(t) for t in expected])
     ref_drafts = None
     if spec["method"] == "mtp":  # one process's MTP drafts, request by request
         ref_drafts = _run(LLM(path, **base, speculative_config=spec), list(range(len(P))))[2]
@@ -125,12 +120,10 @@ def test_greedy_speculation_equals_one_process_across_layouts(checkpoint):
 
 
 @pytest.mark.timeout(300)
-def test_hybrid_speculation_equals_one_process_across_layouts(real_checkpoint, tmp_path, monkeypatch):
+def test_hybrid_speculation_equals_one_process_across_layouts(real_checkpoint):
     """Qwen3.5-MoE in DP2 x TP2 (naive: replicas verify different drafts), DP2 x TP2 + EP
     (alltoall) and PP2 x TP2 + EP (allgather_reducescatter)."""
-    known = str(tmp_path / "known.json")
-    monkeypatch.setenv(KNOWN, known)  # the ranks' processes inherit it
-    _check(real_checkpoint(_source("qwen3.5-moe")), CASES, NGRAM, _run_known, known)
+    _check(real_checkpoint(_source("qwen3.5-moe")), CASES, NGRAM, _run_known, known=True)
 
 
 @pytest.mark.timeout(300)
