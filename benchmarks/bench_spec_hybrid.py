@@ -90,8 +90,9 @@ def main() -> None:
             speed[m].append(tps)
             counts[m][0] += acc
             counts[m][1] += drafted
+    cpu = platform.processor() or platform.machine()
     print(f"{a.family} slice, bf16, batch 1, k={a.k}, {a.prompt}-token prompt, {a.new} new tokens, "
-          f"{a.rounds} rounds, torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
+          f"{a.rounds} rounds, torch threads {torch.get_num_threads()}, {cpu}, "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     base = speed["none"]
     print("| drafts | tok/s (median) | vs no drafts (median of rounds) | accepted / drafted |")

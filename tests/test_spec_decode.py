@@ -323,11 +323,16 @@ class KnownDrafts:
 
     def propose(self, tokens, limit: int) -> list[int]:
         tokens = tokens.tolist()
-        prompt, out = next((p, o) for p, o in self.known if tokens[: len(p)] == p and len(tokens) > len(p))
+        # the request whose prompt and known output so far these tokens are (a prompt with only its
+        # last token to compute, after a prefix-cache hit, drafts too)
+        mine = [
+            (p, o)
+            for p, o in self.known
+            if tokens[: len(p)] == p and tokens[len(p) :] == o[: len(tokens) - len(p)]
+        ]
+        assert mine, "verification accepted a token plain decoding did not give"
+        prompt, out = max(mine, key=lambda m: len(m[0]))
         done = len(tokens) - len(prompt)
-        assert tokens[len(prompt) :] == out[:done], (
-            "verification accepted a token plain decoding did not give"
-        )
         draft = out[done : done + min(self.k, limit)]
         wrong = self.calls % (self.k + 1)
         self.calls += 1
@@ -386,6 +391,34 @@ def test_hybrid_greedy_equals_plain_decoding(family, real_checkpoint):
     assert_every_length_accepted(spec, NGRAM["num_speculative_tokens"])
     _torch_recurrence(spec)
     _assert_same(_generate(spec, prompts, params), plain, f"{family} (torch path)", logprobs=True)
+
+
+def test_hybrid_preemption_and_prefix_hits_with_drafts(real_checkpoint):
+    """Qwen3.5-MoE in a small cache, drafts of every acceptance length: sequences are preempted
+    (their state slot recomputed from position 0) and equal the plain run; later prompts extend
+    earlier prompts + outputs, so they start from state snapshots taken after verify steps and
+    still equal the plain run."""
+    from test_hybrid_families import _source
+
+    path = real_checkpoint(_source("qwen3.5-moe"))
+    tight = dict(ENGINE, max_model_len=128, kv_cache_memory_bytes=960_000, max_num_seqs=8)  # ~18 blocks
+    prompts = _repeating_prompts([6, 11, 4, 9, 7, 5], seed=30)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    ref = LLM(path, **ENGINE, enable_prefix_caching=False)
+    plain = _generate(ref, prompts, sp)
+    spec = LLM(path, **tight, speculative_config=NGRAM)
+    known_drafts(spec, prompts, [o.outputs[0].token_ids for o in plain])
+    first = _generate(spec, prompts, sp)
+    _assert_same(first, plain, "preempted", logprobs=True)
+    assert spec.llm_engine.stats()["preemptions"] > 0
+    longer = [p + o.outputs[0].token_ids[:m] for p, o, m in zip(prompts, first, [33, 20, 36, 17, 40, 25],
+                                                                  strict=True)]  # fmt: skip
+    plain_longer = _generate(ref, longer, sp)
+    known_drafts(spec, longer, [o.outputs[0].token_ids for o in plain_longer])
+    again = _generate(spec, longer, sp)
+    _assert_same(again, plain_longer, "cached", logprobs=True)
+    assert sum(o.num_cached_tokens for o in again) >= 16 * 6
+    assert_every_length_accepted(spec, NGRAM["num_speculative_tokens"])
 
 
 @pytest.mark.parametrize("family", ["qwen3.5-moe", "nemotron-h"])
