@@ -22,5 +22,9 @@ class ForwardContext:
     # Hybrid models: each sequence's recurrent-state slot (engine/state_cache.py), decodes then
     # prefill chunks in AttentionMetadata order; None (a dummy forward): zero state, not kept.
     state_slots: torch.Tensor | None = None
+    # A step verifying speculative drafts on a hybrid model: each decode sequence's row count (its
+    # last token and its draft), in decode order; the recurrent layers then step position by
+    # position and keep the state after each draft position (engine/state_cache.py DraftStates).
+    state_rows: list[int] | None = None
     # This step's token ids [T] (set by a model whose MoE routes by them: DeepSeek-V4's hash layers)
     input_ids: torch.Tensor | None = None

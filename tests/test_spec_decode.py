@@ -306,11 +306,187 @@ def test_seeded_sampling_reproduces_and_unseeded_greedy_neighbours_stay_exact(ch
     _assert_drafted(spec)
 
 
-def test_hybrid_models_refuse_speculation_naming_why(real_checkpoint):
+# ---- hybrids: the recurrent state rolled back -------------------------------------------------
+HYBRIDS = ["qwen3-next", "qwen3.5-moe", "nemotron-h", "granite-4.0-h"]
+
+
+class KnownDrafts:
+    """A proposer (in the n-gram proposer's place) that knows the plain run's greedy outputs and
+    drafts them with one token made wrong at a position that cycles through 0..k (k: the whole
+    draft right), so every accepted length, full acceptance included, is verified and rolled
+    back. Tiny random checkpoints rarely repeat themselves, so n-gram drafts alone would mostly be
+    rejected at their first token."""
+
+    def __init__(self, prompts: list[list[int]], outs: list[list[int]], k: int) -> None:
+        self.known = [(list(p), list(o)) for p, o in zip(prompts, outs, strict=True)]
+        self.k, self.calls = k, 0
+
+    def propose(self, tokens, limit: int) -> list[int]:
+        tokens = tokens.tolist()
+        # the request whose prompt and known output so far these tokens are (a prompt with only its
+        # last token to compute, after a prefix-cache hit, drafts too)
+        mine = [
+            (p, o)
+            for p, o in self.known
+            if tokens[: len(p)] == p and tokens[len(p) :] == o[: len(tokens) - len(p)]
+        ]
+        assert mine, "verification accepted a token plain decoding did not give"
+        prompt, out = max(mine, key=lambda m: len(m[0]))
+        done = len(tokens) - len(prompt)
+        draft = out[done : done + min(self.k, limit)]
+        wrong = self.calls % (self.k + 1)
+        self.calls += 1
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % 500
+        return draft
+
+
+def known_drafts(llm: LLM, prompts: list[list[int]], plain_outs: list[list[int]]) -> KnownDrafts:
+    """`llm`'s drafter proposing KnownDrafts (of the plain run's token ids) every step, its
+    adaptive gate off."""
+    drafter = llm.llm_engine.drafter
+    drafter.proposer = KnownDrafts(prompts, plain_outs, drafter.config.num_speculative_tokens)
+    drafter.gate = None
+    return drafter.proposer
+
+
+def assert_every_length_accepted(llm: LLM, k: int) -> None:
+    """Drafts were accepted at every position and rejected (the stats of the verify steps)."""
+    s = llm.llm_engine.stats()
+    per_pos = s["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == k and all(n > 0 for n in per_pos), s
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"], s
+
+
+def _torch_recurrence(llm: LLM) -> None:
+    """The recurrent mixers on their torch path (no compiled kernels), for this engine's life."""
+    from expertmesh.layers.gated_deltanet import RecurrentMixer
+
+    mixers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
+    assert mixers
+    for m in mixers:
+        m.recurrent_kernels = None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_greedy_equals_plain_decoding(family, real_checkpoint):
+    """Gated DeltaNet and Mamba2 layers keep the state after every draft position and the slot
+    takes the one at the accepted length: greedy tokens and logprobs equal decoding without
+    speculation, on the compiled recurrent kernels and on the torch path, with drafts accepted and
+    rejected (an uneven batch: copy-heavy prompts, a plain one, max_tokens 1)."""
     from test_hybrid_families import _source
 
-    with pytest.raises(ValueError, match="recurrent layers.*cannot be rolled back"):
-        LLM(real_checkpoint(_source("granite-4.0-h")), **ENGINE, speculative_config=NGRAM)
+    path = real_checkpoint(_source(family))
+    prompts = _repeating_prompts([5, 9, 3, 14], seed=3) + prompts_of_lengths([7], seed=4)
+    lens = [30, 17, 1, 25, 12]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in lens]
+    plain = _generate(LLM(path, **ENGINE), prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config=NGRAM)
+    assert spec.llm_engine.runner.draft_states is not None
+    # n-gram drafts (mostly rejected on a random model), then drafts of known acceptance lengths
+    _assert_same(_generate(spec, prompts, params), plain, f"{family} (n-gram)", logprobs=True)
+    known_drafts(spec, prompts, [o.outputs[0].token_ids for o in plain])
+    _assert_same(_generate(spec, prompts, params), plain, family, logprobs=True)
+    assert_every_length_accepted(spec, NGRAM["num_speculative_tokens"])
+    _torch_recurrence(spec)
+    _assert_same(_generate(spec, prompts, params), plain, f"{family} (torch path)", logprobs=True)
+
+
+def test_hybrid_preemption_and_prefix_hits_with_drafts(real_checkpoint):
+    """Qwen3.5-MoE in a small cache, drafts of every acceptance length: sequences are preempted
+    (their state slot recomputed from position 0) and equal the plain run; later prompts extend
+    earlier prompts + outputs, so they start from state snapshots taken after verify steps and
+    still equal the plain run."""
+    from test_hybrid_families import _source
+
+    path = real_checkpoint(_source("qwen3.5-moe"))
+    tight = dict(ENGINE, max_model_len=128, kv_cache_memory_bytes=960_000, max_num_seqs=8)  # ~18 blocks
+    prompts = _repeating_prompts([6, 11, 4, 9, 7, 5], seed=30)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    ref = LLM(path, **ENGINE, enable_prefix_caching=False)
+    plain = _generate(ref, prompts, sp)
+    spec = LLM(path, **tight, speculative_config=NGRAM)
+    known_drafts(spec, prompts, [o.outputs[0].token_ids for o in plain])
+    first = _generate(spec, prompts, sp)
+    _assert_same(first, plain, "preempted", logprobs=True)
+    assert spec.llm_engine.stats()["preemptions"] > 0
+    longer = [p + o.outputs[0].token_ids[:m] for p, o, m in zip(prompts, first, [33, 20, 36, 17, 40, 25],
+                                                                  strict=True)]  # fmt: skip
+    plain_longer = _generate(ref, longer, sp)
+    known_drafts(spec, longer, [o.outputs[0].token_ids for o in plain_longer])
+    again = _generate(spec, longer, sp)
+    _assert_same(again, plain_longer, "cached", logprobs=True)
+    assert sum(o.num_cached_tokens for o in again) >= 16 * 6
+    assert_every_length_accepted(spec, NGRAM["num_speculative_tokens"])
+
+
+@pytest.mark.parametrize("family", ["qwen3.5-moe", "nemotron-h"])
+def test_verify_rows_step_like_plain_decodes(family, real_checkpoint):
+    """A recurrent mixer (Gated DeltaNet, Mamba2) over a verify step's rows (3, 1 and 4 rows of
+    sequences in scattered slots) gives each row the output of a plain one-token decode of that
+    sequence alone, and keeps in its draft rows the state after each row but the last (the slot
+    ends at the last), on the compiled kernels and on the torch path. Within float32 rounding, not
+    bit for bit: torch's vectorised softplus rounds an element by the tensor's length, as a
+    plain decode's bits follow its batch."""
+    from types import SimpleNamespace
+
+    from test_hybrid_families import _source
+
+    llm = LLM(real_checkpoint(_source(family)), **ENGINE)
+    mixer = llm.llm_engine.runner.state_layers[0]
+    counts, slots = [3, 1, 4], [4, 0, 2]
+    g = torch.Generator().manual_seed(7)
+    hidden = llm.llm_engine.runner.config.model_config.hidden_size
+    x = torch.randn(sum(counts), hidden, generator=g)
+    start = [torch.randn(6, *t.shape[1:], generator=g) * 0.5 for t in (mixer.conv_state, mixer.rec_state)]
+
+    def ctx(rows: int, sl: list[int], state_rows=None):
+        attn = SimpleNamespace(num_decodes=rows, prefills=[])
+        return SimpleNamespace(attn=attn, state_slots=torch.tensor(sl), state_rows=state_rows)
+
+    # The projections' bits may follow the number of rows (a GEMM's blocking): computed once over
+    # every row, each one-row reference takes its own; out_proj left out (the recurrence is the point).
+    proj = "in_proj" if hasattr(mixer, "in_proj") else "_split"
+    with torch.inference_mode():
+        projected = getattr(mixer, proj)(x)
+    whole = projected if isinstance(projected, tuple) else (projected,)
+    picked = {}  # the rows the next call takes: all, or one reference row
+
+    class Rows(torch.nn.Module):
+        def forward(self, _):
+            part = tuple(t[picked["rows"]] for t in whole)
+            return part if isinstance(projected, tuple) else part[0]
+
+    setattr(mixer, proj, Rows())
+    mixer.out_proj = torch.nn.Identity()
+    assert mixer.recurrent_kernels is not None or llm.llm_engine.runner.model.cpu_kernels is None
+    for kernels in (mixer.recurrent_kernels, None):
+        mixer.recurrent_kernels = kernels
+        picked["rows"] = slice(None)
+        live = [t.clone() for t in start]
+        kept = [torch.zeros(6, 3, *t.shape[1:]) for t in start]
+        mixer.bind_state(tuple(live))
+        mixer.bind_draft_states(tuple(kept))
+        with torch.inference_mode():
+            got = mixer(None, x, ctx(len(x), slots, counts))
+        ref_live = [t.clone() for t in start]
+        mixer.bind_state(tuple(ref_live))
+        row = 0
+        for n, slot in zip(counts, slots, strict=True):
+            for j in range(n):
+                picked["rows"] = slice(row, row + 1)
+                with torch.inference_mode():
+                    want = mixer(None, x[row : row + 1], ctx(1, [slot]))
+                what = f"{family} kernels={kernels is not None} slot {slot} row {j}"
+                torch.testing.assert_close(got[row], want[0], rtol=1e-5, atol=1e-6, msg=what)
+                if j < n - 1:
+                    for k, t in zip(kept, ref_live, strict=True):
+                        torch.testing.assert_close(k[slot, j], t[slot], rtol=1e-5, atol=1e-6, msg=what)
+                row += 1
+        for a, b in zip(live, ref_live, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=family)
+        assert not kept[0][slots[1]].any()  # a sequence without a draft keeps nothing
 
 
 # ---- metrics and the CLI ----------------------------------------------------------------------

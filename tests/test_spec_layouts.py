@@ -5,7 +5,13 @@ speculation, and every rank of a replica counts the same drafts.
 
 MTP cells (DeepSeek-V3's MTP layer, k = 2): the layer runs on the last pipeline stage, its MoE block
 dispatches over the EP group, DP replicas run their MTP forwards in lockstep (a replica with fewer
-drafts runs dummies); every draft token of every request equals the one-process MTP draft."""
+drafts runs dummies); every draft token of every request equals the one-process MTP draft.
+
+Hybrid cells (Qwen3.5-MoE, the same three layouts: Gated DeltaNet layers split over TP): drafts of
+known acceptance lengths (test_spec_decode.KnownDrafts), the recurrent state rolled back on every
+rank that holds a share of it."""
+
+import functools
 
 import pytest
 from checkpoints import prompts_of_lengths
@@ -13,6 +19,8 @@ from distributed_utils import run_distributed
 from layout_cases import rank_main
 from real_checkpoints import Sizes
 from test_deepseek import MODELS
+from test_hybrid_families import _source
+from test_spec_decode import known_drafts
 
 from expertmesh import LLM, SamplingParams
 
@@ -63,17 +71,30 @@ def _run(llm: LLM, idx: list[int]):
     return [o.outputs[0].token_ids for o in outs], stats, drafts
 
 
-def _check(path: str, case_list: list, spec: dict) -> None:
-    ref = LLM(path, **ENGINE)
+def _run_known(expected: list[list[int]], llm: LLM, idx: list[int]):
+    """_run with drafts of known acceptance lengths (every rank of a replica drafts alike) made
+    from the one-process outputs `expected` (bound by _check: the ranks get it pickled)."""
+    known_drafts(llm, P, expected)
+    return _run(llm, idx)
+
+
+def _check(
+    path: str, case_list: list, spec: dict, run=_run, known: bool = False, base: dict = ENGINE
+) -> None:
+    """`known`: `run` (_run_known) takes the one-process outputs first. `base`: the engine
+    arguments of every run."""
+    ref = LLM(path, **base)
     outs = ref.generate([{"prompt_token_ids": p} for p in P], [_sp(i) for i in range(len(P))], use_tqdm=False)
     expected = [o.outputs[0].token_ids for o in outs]
     assert [len(t) for t in expected] == LENS
+    if known:
+        run = functools.partial(run, [list(t) for t in expected])
     ref_drafts = None
     if spec["method"] == "mtp":  # one process's MTP drafts, request by request
-        ref_drafts = _run(LLM(path, **ENGINE, speculative_config=spec), list(range(len(P))))[2]
+        ref_drafts = _run(LLM(path, **base, speculative_config=spec), list(range(len(P))))[2]
         assert all(ref_drafts[tuple(p)] for p in P), ref_drafts
-    engine = dict(ENGINE, speculative_config=spec, debug_nan_recv_buffers=True)
-    per_rank = run_distributed(rank_main, 4, path, case_list, engine, _by_dp_rank, _run, timeout=240)
+    engine = dict(base, speculative_config=spec, debug_nan_recv_buffers=True)
+    per_rank = run_distributed(rank_main, 4, path, case_list, engine, _by_dp_rank, run, timeout=240)
     for c, case in enumerate(case_list):
         dp, pp, tp = case[:3]
         for rank, results in enumerate(per_rank):
@@ -99,6 +120,13 @@ def test_greedy_speculation_equals_one_process_across_layouts(checkpoint):
 
 
 @pytest.mark.timeout(300)
+def test_hybrid_speculation_equals_one_process_across_layouts(real_checkpoint):
+    """Qwen3.5-MoE in DP2 x TP2 (naive: replicas verify different drafts), DP2 x TP2 + EP
+    (alltoall) and PP2 x TP2 + EP (allgather_reducescatter)."""
+    _check(real_checkpoint(_source("qwen3.5-moe")), CASES, NGRAM, _run_known, known=True)
+
+
+@pytest.mark.timeout(300)
 def test_mtp_drafts_and_tokens_equal_one_process_across_layouts(real_checkpoint):
     """DP2 x TP2 (naive), DP2 x TP2 + EP (alltoall), PP2 x TP2 + EP (allgather_reducescatter)."""
     _check(real_checkpoint("deepseek-v3", sizes=V3), CASES, MTP)
@@ -118,3 +146,17 @@ def test_mtp_more_layouts(real_checkpoint):
     """DP4 + EP, PP4, TP4, DP2 x PP2 + EP; GLM-4.5-Air's MTP layer at DP2 x TP2 + EP."""
     _check(real_checkpoint("deepseek-v3", sizes=V3), SLOW_CASES, MTP)
     _check(real_checkpoint("glm-4.5-air"), [(2, 1, 2, True, "alltoall")], MTP)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_qwen_mtp_across_layouts(real_checkpoint, tmp_path):
+    """Qwen3.5-MoE's MTP layer (mtp.*: the target's lm_head; on the last PP stage it loads the
+    target's embedding) at DP2 x TP2, DP2 x TP2 + EP and PP2 x TP2 + EP: tokens and every draft
+    equal one process. A cache that holds every request at once in every layout (8 state slots,
+    the rest KV blocks): drafts are compared step by step, and a draft is cut to the free blocks,
+    so a layout whose ranks afford more blocks would draft otherwise."""
+    from test_spec_mtp import with_qwen_mtp
+
+    path = with_qwen_mtp(real_checkpoint(_source("qwen3.5-moe")), str(tmp_path / "qwen3.5-mtp"))
+    _check(path, CASES, MTP, base=dict(ENGINE, kv_cache_memory_bytes=1 << 23, max_num_seqs=8))

@@ -319,3 +319,133 @@ def test_mtp_under_tensor_parallel(real_checkpoint, family):
         for rank, (tokens, stats) in enumerate(per_rank):
             assert tokens == expected, (ep, rank)
             assert stats == per_rank[0][1] and stats["spec_decode_num_drafts"] > 0, (ep, rank, stats)
+
+
+# ---- Qwen3-Next / Qwen3.5: the hybrids' MTP layer (mtp.*) ---------------------------------------
+QWEN_SCALE = -1.25  # the MTP layer's tensors: the last full-attention layer's, times this
+
+
+def _full_attention_layers(text: dict) -> list[int]:
+    kinds = text.get("layer_types") or [
+        "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(text["num_hidden_layers"])
+    ]
+    return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+
+
+def with_qwen_mtp(src: str, dst: str, seed: int = 0) -> str:
+    """A copy of a Qwen3-Next / Qwen3.5 checkpoint with the MTP tensors the published ones carry
+    (transformers drops them): `mtp.layers.0.*` = the last full-attention layer's tensors times
+    QWEN_SCALE (elementwise, so transformers' fused in-memory experts scale alike), `mtp.fc` over
+    [embedding; hidden], the two pre-fc norms and the final norm (Qwen's (1 + w) norms), in a second
+    file listed by a safetensors index."""
+    shutil.copytree(src, dst)
+    config = json.load(open(os.path.join(dst, "config.json")))
+    text = config.get("text_config", config)
+    main = load_file(os.path.join(dst, "model.safetensors"))
+    prefix = next(
+        p for p in ("model.language_model.", "model.") if f"{p}layers.0.input_layernorm.weight" in main
+    )
+    last = f"{prefix}layers.{_full_attention_layers(text)[-1]}."
+    hidden = text["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    extra = {"mtp.layers.0." + k[len(last) :]: v * QWEN_SCALE for k, v in main.items() if k.startswith(last)}
+    extra["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        extra[f"mtp.{name}.weight"] = torch.randn(hidden, generator=g)  # (1 + w): far from a plain RMSNorm
+    os.rename(os.path.join(dst, "model.safetensors"), os.path.join(dst, "model-00001-of-00002.safetensors"))
+    save_file(extra, os.path.join(dst, "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in main}
+    weight_map |= {k: "model-00002-of-00002.safetensors" for k in extra}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return dst
+
+
+def _qwen_mtp_path(real_checkpoint, tmp_path, family: str) -> str:
+    from test_hybrid_families import _source
+
+    return with_qwen_mtp(real_checkpoint(_source(family)), str(tmp_path / f"{family}-mtp"))
+
+
+def _qwen_reference_drafts(path: str, prompt: list[int], first: int, k: int) -> list[int]:
+    """The first MTP draft of a sequence (its prompt and first sampled token `first`) by vLLM's
+    qwen3_next_mtp.py data flow on transformers' own modules: h = fc([pre_fc_norm_embedding(
+    embed(t[i+1])); pre_fc_norm_hidden(h_target[i])]), a full-attention decoder layer (causal,
+    RoPE at the target positions), norm, the target's lm_head; chained k times, each step's input
+    the previous step's normed output and drafted token."""
+    import copy
+
+    import transformers
+    from transformers.models.qwen3_next import modeling_qwen3_next as q
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = model.config
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    layer_cfg = copy.deepcopy(cfg)
+    layer_cfg.layer_types = [*cfg.layer_types, "full_attention"]
+    layer_cfg.num_hidden_layers += 1
+    layer = q.Qwen3NextDecoderLayer(layer_cfg, cfg.num_hidden_layers).eval()
+    source = model.model.layers[_full_attention_layers(cfg.to_dict())[-1]]
+    layer.load_state_dict({k: v * QWEN_SCALE for k, v in source.state_dict().items()})
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = q.Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[name].weight.data.copy_(stored[f"mtp.{name}.weight"])
+    fc = stored["mtp.fc.weight"]
+    with torch.no_grad():
+        ids = torch.tensor(prompt + [first])
+        hidden = model.model(input_ids=ids[None, :-1]).last_hidden_state[0]  # normed, positions 0..n-2
+        tokens, drafts = ids[1:], []
+        for _ in range(k):
+            x = torch.cat([norms["pre_fc_norm_embedding"](model.model.embed_tokens(tokens)),
+                           norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ fc.T  # fmt: skip
+            n = x.shape[0]
+            pos = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = layer(x[None], model.model.rotary_emb(x[None], pos), attention_mask=mask, position_ids=pos)
+            out = norms["norm"](out[0] if isinstance(out, tuple) else out)[0]
+            drafts.append(int(model.lm_head(out[-1]).argmax()))
+            tokens = torch.cat([tokens, torch.tensor(drafts[-1:])])
+            hidden = torch.cat([hidden, out[-1:]])
+    return drafts
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5-moe"])
+def test_qwen_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_path, family):
+    """The hybrids' MTP layer (`mtp.*`, mapped onto the MTP layer DeepSeek's checkpoints store as
+    model.layers.{n}.*; the target's lm_head): loaded strictly for method='mtp' (qwen3_next_mtp,
+    vLLM's alias), skipped by its named rule without; greedy tokens and logprobs equal decoding
+    without speculation at k = 2 (chained drafts, the recurrent state rolled back); and (Qwen3-Next)
+    each sequence's first drafts equal the reference computed on transformers' modules."""
+    from test_spec_layouts import record_drafts
+
+    path = _qwen_mtp_path(real_checkpoint, tmp_path, family)
+    prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 1, 9, 14)
+    ]
+    plain_llm = LLM(path, **ENGINE)
+    assert getattr(plain_llm.llm_engine.runner.model, "mtp", None) is None
+    plain = _generate(plain_llm, prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2,
+                                                   "disable_by_batch_size": 64})  # fmt: skip
+    model = spec.llm_engine.runner.model
+    assert model.mtp.shared_head.head is model.lm_head and model.mtp.normed_output
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    fc = stored["mtp.fc.weight"]
+    torch.testing.assert_close(model.mtp.eh_proj(torch.eye(fc.shape[1])).T, fc)
+    torch.testing.assert_close(model.mtp.hnorm.weight, stored["mtp.pre_fc_norm_hidden.weight"])
+    drafts = record_drafts(spec)
+    _assert_same(_generate(spec, prompts, params), plain, family)
+    s = spec.llm_engine.stats()
+    assert s["spec_decode_num_drafts"] > 0, s
+    if family == "qwen3-next":  # transformers' Qwen3.5 is a vision-language wrapper: one family suffices
+        checked = 0
+        for prompt, out in zip(prompts, plain, strict=True):
+            if len(out.outputs[0].token_ids) > 1:
+                want = _qwen_reference_drafts(path, prompt, out.outputs[0].token_ids[0], 2)
+                assert drafts[tuple(prompt)][0] == want, (prompt, drafts[tuple(prompt)], want)
+                checked += 1
+        assert checked == 3

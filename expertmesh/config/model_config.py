@@ -352,6 +352,14 @@ def _mlp_fields(hf: Any) -> dict:
         residual_multiplier=float(_first(hf, "residual_multiplier", default=1.0)),
         logits_scaling=float(_first(hf, "logits_scaling", default=1.0)),
         num_nextn_predict_layers=int(
-            _first(hf, "num_nextn_predict_layers", "num_mtp_layers", "num_mtp_modules", default=0)
+            _first(
+                hf,
+                "num_nextn_predict_layers",
+                "num_mtp_layers",
+                "num_mtp_modules",
+                "mtp_num_hidden_layers",  # Qwen3.5
+                # Qwen3-Next's config states none; its checkpoints ship one (vLLM's default, 1)
+                default=1 if getattr(hf, "model_type", None) == "qwen3_next" else 0,
+            )
         ),
     )

@@ -77,7 +77,7 @@ class LLMEngine(WarmUp):
         self.blocks = BlockManager(
             num_blocks, config.cache_config.block_size, prefix_caching, slots, runner.snapshots
         )
-        self.drafter = build_drafter(config, self._model_has_state(), runner, self.blocks.block_size)
+        self.drafter = build_drafter(config, runner, self.blocks.block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.blocks, self.drafter)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
@@ -308,6 +308,8 @@ class LLMEngine(WarmUp):
         accepted = len(new) - 1
         self.drafter.observe(seq, len(draft), accepted)
         seq.num_computed_tokens += 1 + accepted  # the last token and the accepted draft tokens
+        if accepted < len(draft) and seq.state_slot is not None:  # a hybrid's state: back to the accepted
+            self.runner.rollback_state(seq.state_slot, accepted)
         self.blocks.truncate(seq, seq.num_computed_tokens + 1)  # the next token's slot is kept
         for token, lp in zip(new, logprobs, strict=True):
             self._append(seq, token, lp)

@@ -39,6 +39,7 @@ class ModelRunner:
         self.num_state_slots = 0
         self.local_state_slots = 0  # what this rank's budget affords, set by local_block_budget
         self.snapshots: state_cache.StateSnapshots | None = None  # hybrid prefix caching
+        self.draft_states: state_cache.DraftStates | None = None  # hybrid speculative decoding
         # MTP speculative decoding (the MTP layer sits on the last stage): each step's final hidden
         # states are kept at their KV slots (spec_decode/mtp.py HiddenStore), budgeted per block.
         self.keep_hidden = getattr(model, "mtp", None) is not None
@@ -69,8 +70,9 @@ class ModelRunner:
         taken from the same budget first."""
         sc, cc = self.config.scheduler_config, self.config.cache_config
         per_block = self.block_bytes()
-        # With prefix caching, each sequence slot comes with one state snapshot (StateSnapshots).
-        copies = 2 if self.keeps_snapshots() else 1
+        # With prefix caching, each sequence slot comes with one state snapshot (StateSnapshots);
+        # with speculative decoding, with the states after k draft positions (DraftStates).
+        copies = (2 if self.keeps_snapshots() else 1) + self.draft_positions()
         per_seq = state_cache.bytes_per_seq(self.state_specs()) * copies
         useful = sc.max_num_seqs * (-(-sc.max_model_len // self.block_size) * per_block + per_seq)
         budget = kv_cache.kv_budget_bytes(
@@ -90,6 +92,18 @@ class ModelRunner:
         cc, mc = self.config.cache_config, self.config.model_config
         return bool(cc.enable_prefix_caching) and "linear_attention" in mc.layer_types
 
+    def draft_positions(self) -> int:
+        """k of the speculative config: the draft positions a verify step keeps the recurrent
+        state after (0 without speculation)."""
+        spec = self.config.speculative_config
+        return spec.num_speculative_tokens if spec is not None else 0
+
+    def rollback_state(self, slot: int, position: int) -> None:
+        """A verified sequence's recurrent state set to the one after its verify row `position`
+        (its last token and `position` accepted draft tokens; state_cache.DraftStates)."""
+        if self.draft_states is not None:
+            self.draft_states.rollback(self.states, slot, position)
+
     def allocate_states(self, num_slots: int, num_snapshots: int = 0) -> None:
         """`num_slots` sequences' recurrent state per recurrent layer, bound to its layer, and
         `num_snapshots` prefix-cache snapshot rows after them (`snapshots`)."""
@@ -100,6 +114,11 @@ class ModelRunner:
         self.snapshots = (
             state_cache.StateSnapshots(self.states, num_slots, num_snapshots) if num_snapshots else None
         )
+        k = self.draft_positions()
+        if k and self.state_layers:
+            self.draft_states = state_cache.DraftStates(self.state_specs(), num_slots, k, self.config.device)
+            for layer, tensors in zip(self.state_layers, self.draft_states.rows, strict=True):
+                layer.bind_draft_states(tensors)
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -159,6 +178,8 @@ class ModelRunner:
         ctx = ForwardContext(meta, [len(ids)])
         if self.state_layers:
             ctx.state_slots = torch.tensor([s.state_slot for s in batch.decodes + batch.prefills])
+            if batch.drafts:  # the recurrent layers step a verify step's rows position by position
+                ctx.state_rows = [1 + len(batch.drafts.get(s.seq_id, ())) for s in batch.decodes]
         return self._on_device(ids, pos, ctx, last)
 
     def _on_device(

@@ -8,6 +8,12 @@ forward may write), and the block manager hands one slot to each running sequenc
 blocks and takes it back with them (finish, abort, failure, preemption). A preempted sequence is
 recomputed: its prefill restarts at position 0, which starts from a zero state, so a slot is never
 cleared by hand. An attention-only model declares no state and pays nothing.
+
+Speculative decoding verifies a draft of up to k tokens in one forward; the recurrent layers step
+through its positions one at a time (as plain decoding would) and keep the state after each of the
+first k positions in `DraftStates` (k more rows per slot, budgeted with it). After acceptance a
+sequence's slot takes the state at its accepted length; when every draft token is accepted the
+slot already holds it.
 """
 
 from __future__ import annotations
@@ -83,3 +89,22 @@ class StateSnapshots:
         for tensors in self.states:
             for t in tensors:
                 t[slot].copy_(t[self.slots + snapshot])
+
+
+class DraftStates:
+    """Per recurrent layer, per state tensor, [slots, k, *shape]: row (slot, j) is the state of the
+    sequence in `slot` after the j-th row of a verify step (its last token and j draft tokens),
+    written by the layers (RecurrentMixer.scan) and read back by `rollback`."""
+
+    def __init__(self, specs: list[StateSpec], slots: int, k: int, device: str) -> None:
+        self.k = k
+        self.rows = [
+            tuple(torch.zeros((slots, k, *shape), dtype=spec.dtype, device=device) for shape in spec.shapes)
+            for spec in specs
+        ]
+
+    def rollback(self, states: list[tuple[torch.Tensor, ...]], slot: int, position: int) -> None:
+        """The state of `slot` set to the one after verify row `position` (< k)."""
+        for live, kept in zip(states, self.rows, strict=True):
+            for t, rows in zip(live, kept, strict=True):
+                t[slot].copy_(rows[slot, position])

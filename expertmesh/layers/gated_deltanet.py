@@ -164,6 +164,14 @@ class RecurrentMixer(nn.Module):
     def bind_state(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self.conv_state, self.rec_state = tensors
 
+    # Speculative decoding: [slots, k, ...] states after each verified draft position
+    # (engine/state_cache.py DraftStates)
+    draft_conv: torch.Tensor | None = None
+    draft_rec: torch.Tensor | None = None
+
+    def bind_draft_states(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.draft_conv, self.draft_rec = tensors
+
     def use_ops(self, ops: Ops) -> None:
         """Decode steps on the ops' in-place recurrent steps where it has them (after loading: the
         conv weights are widened to float32 once here)."""
@@ -196,20 +204,16 @@ class RecurrentMixer(nn.Module):
         meta, slots = ctx.attn, ctx.state_slots
         outs: list[torch.Tensor] = []
         nd = meta.num_decodes
-        if nd:
-            rows = slice(0, nd)
+        verifying = nd and ctx.state_rows is not None and slots is not None
+        first = len(ctx.state_rows) if verifying else nd  # the first prefill's slot: one a sequence
+        if verifying:
+            outs.append(self._verify(mixed, ctx.state_rows, slots, rule, step))
+        elif nd:
             sl = slots[:nd] if slots is not None else None
-            if step is not None and self._in_place(sl):
-                outs.append(step(rows, self._conv_decode_in_place(mixed[rows], sl), sl))
-            else:
-                conv = self._conv_state(sl, nd, fresh=False)
-                out, conv = self._conv_decode(mixed[rows], conv)
-                rec = self._rec_state(sl, nd, fresh=False)
-                outs.append(rule(rows, out, rec))
-                self._keep(sl, conv, rec)
+            outs.append(self._decode(mixed, slice(0, nd), sl, rule, step))
         for i, chunk in enumerate(meta.prefills):
             rows = chunk.rows
-            sl = slots[nd + i : nd + i + 1] if slots is not None else None
+            sl = slots[first + i : first + i + 1] if slots is not None else None
             fresh = chunk.context == 0
             conv = self._conv_state(sl, 1, fresh)[0]
             out, conv = self._conv_prefill(mixed[rows], conv)
@@ -223,6 +227,51 @@ class RecurrentMixer(nn.Module):
             outs.append(rule(rows, out, rec))
             self._keep(sl, conv[None], rec)
         return torch.cat(outs)
+
+    def _decode(
+        self, mixed: torch.Tensor, rows: Any, sl: torch.Tensor | None, rule: Callable, step: Callable | None
+    ) -> torch.Tensor:
+        """One decode step of the sequences in slots `sl`, one row each (`rows` of `mixed`)."""
+        x = mixed[rows]
+        if step is not None and self._in_place(sl):
+            return step(rows, self._conv_decode_in_place(x, sl), sl)
+        out, conv = self._conv_decode(x, self._conv_state(sl, x.shape[0], fresh=False))
+        rec = self._rec_state(sl, x.shape[0], fresh=False)
+        y = rule(rows, out, rec)
+        self._keep(sl, conv, rec)
+        return y
+
+    def _verify(
+        self,
+        mixed: torch.Tensor,
+        counts: list[int],
+        slots: torch.Tensor,
+        rule: Callable,
+        step: Callable | None,
+    ) -> torch.Tensor:
+        """A verify step's decode rows (`counts[i]` consecutive rows of decode sequence i: its last
+        token and its draft) stepped position by position, each position one decode step of the
+        sequences reaching it, so every row sees exactly the state plain decoding gives it; the
+        state after each row but a sequence's last is kept in the draft rows (DraftStates) for
+        the rollback after acceptance."""
+        starts = [0]
+        for n in counts[:-1]:
+            starts.append(starts[-1] + n)
+        out: torch.Tensor | None = None
+        for j in range(max(counts)):
+            here = [i for i, n in enumerate(counts) if n > j]
+            rows = torch.tensor([starts[i] + j for i in here], device=mixed.device)
+            sl = slots[here]
+            y = self._decode(mixed, rows, sl, rule, step)
+            if out is None:
+                out = y.new_empty(sum(counts), *y.shape[1:])
+            out[rows] = y
+            later = [i for i in here if counts[i] > j + 1]  # sequences with a row after this one
+            if later and self.draft_rec is not None:
+                keep = slots[later]
+                self.draft_conv[keep, j] = self.conv_state[keep]
+                self.draft_rec[keep, j] = self.rec_state[keep]
+        return out
 
     def _conv_state(self, slots: torch.Tensor | None, n: int, fresh: bool) -> torch.Tensor:
         if slots is None or fresh or self.conv_state is None:

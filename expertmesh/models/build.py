@@ -51,7 +51,7 @@ def build_model(
         if mtp and env.is_last_stage:  # beside the final hidden states and the head
             from expertmesh.spec_decode.mtp import MTPLayer
 
-            model.mtp = MTPLayer(cfg, model.family, env)
+            model.mtp = MTPLayer(cfg, model.family, env, model.lm_head)
     ops = select_ops(device, cfg.dtype, bool(env.groups.world.fixed_chunks))
     model.cpu_kernels = ops.library  # the runner lays out decode metadata for it (or not: None)
     # Compressed weights are quantized or packed as they load (one pass); the rest after.

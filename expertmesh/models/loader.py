@@ -36,6 +36,7 @@ from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowe
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
 from expertmesh.models.gguf import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
+from expertmesh.spec_decode.mtp_families import QWEN_MTP, qwen_mtp_key
 
 # The MTP layer's own pieces (spec_decode/mtp.py MTPLayer); the rest of `model.layers.{n}.*` is its
 # decoder layer, and its `embed_tokens` is a copy of the target's.
@@ -132,10 +133,10 @@ def _plan_held(model: Any, view: CheckpointView) -> Any:
 
     def targets_of(key: str) -> list[tuple[str, bool]]:
         """(parameter, whether it reads the key as is: a picked part of a fused tensor is not held)."""
-        layer = layer_index(names.canonical(key))
+        layer = layer_index(canonical_key(key, model))
         if skip_rule(key, model) is not None or (layer is not None and layer not in local_layers):
             return []
-        targets = checkpoint_targets(names.canonical(key), names, experts, tie) or []
+        targets = checkpoint_targets(canonical_key(key, model), names, experts, tie) or []
         return [(name, pick is READ_AS_IS) for name, _, pick in targets]
 
     try:
@@ -182,22 +183,34 @@ def _load_view(
     _check_complete(params, loaded)
 
 
+def canonical_key(key: str, model: Any) -> str:
+    """The family's canonical form of `key`; with the MTP layer built, a Qwen3-Next / Qwen3.5 MTP
+    key (`mtp.*`) as DeepSeek's `model.layers.{num_layers}.*` (spec_decode/mtp_families.py)."""
+    if getattr(model, "mtp", None) is not None and model.cfg.architecture in QWEN_MTP:
+        mapped = qwen_mtp_key(key, model.cfg.num_layers)
+        if mapped is not None:
+            return model.family.names.canonical(mapped)
+    return model.family.names.canonical(key)
+
+
 def skip_rule(key: str, model: Any) -> str | None:
     """The named rule that consumes `key` without loading it, if any: the family's own (e.g. a
     multimodal checkpoint's vision tower), or the multi-token-prediction layers stored after the
-    last decoder layer (GLM-4.5, DeepSeek-V3), which only speculative decoding would use."""
+    last decoder layer (GLM-4.5, DeepSeek-V3; Qwen3-Next's `mtp.*`), which only speculative
+    decoding would use."""
     names, cfg = model.family.names, model.cfg
-    rule = names.skip_rule(key)
+    canonical = canonical_key(key, model)
+    rule = names.skip_rule(key) if canonical == names.canonical(key) else None  # not a loaded mtp.* key
     if rule is not None:
         return rule
-    layer = layer_index(names.canonical(key))
+    layer = layer_index(canonical)
     if layer is not None and cfg.num_layers <= layer < cfg.num_layers + cfg.num_nextn_predict_layers:
         if getattr(model, "mtp", None) is None:
             return "mtp layers (num_nextn_predict_layers / num_mtp_modules; loaded for method mtp only)"
         if layer > cfg.num_layers:
             return "mtp layers after the first (one MTP layer drafts, chained, as in vLLM)"
         own = model.mtp.embed_tokens is not None  # a later pipeline stage: no target embedding
-        if names.canonical(key).startswith(f"model.layers.{layer}.{SHARED_EMBEDDING}") and not own:
+        if canonical.startswith(f"model.layers.{layer}.{SHARED_EMBEDDING}") and not own:
             return "the MTP layer copy of embed_tokens (the target embedding is used)"
     return None
 
@@ -237,7 +250,7 @@ def check_against_twin(model: Any, view: CheckpointView) -> None:
         except ValueError as exc:  # a weight format's pieces that do not fit together
             raise WeightLoadError(f"{exc} (in {path})") from exc
         names = twin.family.names
-        if mtp_key(names.canonical(key), model) != names.canonical(key):
+        if mtp_key(canonical_key(key, model), model) != names.canonical(key):
             continue  # the MTP layer: the twin has none; its loading checks shapes
         targets = checkpoint_targets(names.canonical(key), names, experts, model.cfg.tie_word_embeddings)
         _check_key(key, path, shape, dtype, targets or [], params)
@@ -274,7 +287,7 @@ def _check_key(key: str, path: str, shape: tuple[int, ...], dtype: str, targets:
 
 
 def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, tie, stream=None) -> None:
-    checkpoint_key, key = key, mtp_key(model.family.names.canonical(key), model)
+    checkpoint_key, key = key, mtp_key(canonical_key(key, model), model)
     layer = layer_index(key)
     if layer is not None and not 0 <= layer < model.cfg.num_layers:
         raise WeightLoadError(
@@ -283,6 +296,8 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
     if layer is not None and layer not in local_layers:
         return  # another pipeline stage owns it
     targets = checkpoint_targets(key, model.family.names, experts, tie)
+    if key == "model.embed_tokens.weight" and _mtp_needs_target_embedding(model):
+        targets = [*targets, *(("mtp.embed_tokens.weight", s, p) for n, s, p in targets if n == key)]
     key = checkpoint_key  # errors name the tensor as the checkpoint spells it
     for name, shard, pick in targets:
         if name not in params:
@@ -312,6 +327,13 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
         loaded[name].add(shard)
         if stream is not None:
             stream.after(name, shard)
+
+
+def _mtp_needs_target_embedding(model: Any) -> bool:
+    """A Qwen3-Next / Qwen3.5 MTP layer on a later pipeline stage: its checkpoint has no copy of the
+    embedding under the MTP layer (mtp_use_dedicated_embeddings false), so it loads the target's."""
+    mtp = getattr(model, "mtp", None)
+    return mtp is not None and mtp.embed_tokens is not None and model.cfg.architecture in QWEN_MTP
 
 
 def _owned_elsewhere(name: str, model: Any) -> bool:

@@ -91,20 +91,12 @@ class Drafter:
             self.gate.observe(self._state(seq), num_draft, num_accepted)
 
 
-def build_drafter(
-    config: EngineConfig, has_state: bool, runner: ModelRunner, block_size: int
-) -> Drafter | None:
-    """The engine's drafter for its `speculative_config` (None without one). `has_state`: the whole
-    model has recurrent layers (decided over the model, so every pipeline stage agrees)."""
+def build_drafter(config: EngineConfig, runner: ModelRunner, block_size: int) -> Drafter | None:
+    """The engine's drafter for its `speculative_config` (None without one). Hybrid models verify
+    too: their recurrent layers keep the state after each draft position (state_cache.DraftStates)."""
     spec = config.speculative_config
     if spec is None:
         return None
-    if has_state:
-        raise ValueError(
-            f"speculative_config method={spec.method!r}: {config.model_config.architecture} has "
-            "recurrent layers whose per-sequence state cannot be rolled back past rejected draft "
-            "tokens (no state snapshots); speculative decoding needs an attention-only model"
-        )
     log.info("speculative decoding: %s", spec)
     if spec.method != "mtp":
         return Drafter(spec)

@@ -1,5 +1,6 @@
 """Multi-token-prediction (MTP) drafts: the MTP layer DeepSeek-V3 / R1 and GLM-4.5 ship after their last
-decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and SGLang's MTP run it:
+decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`; Qwen3-Next's / Qwen3.5's `mtp.*`, read
+under those names: spec_decode/mtp_families.py), as vLLM's and SGLang's MTP run it:
 
     h = eh_proj(cat(enorm(embed(t[i+1])), hnorm(h_target[i])))     # embedding first, then hidden
     h = decoder_layer(h)                                             # the target's layer kind
@@ -8,7 +9,9 @@ decoder layer (checkpoint `model.layers.{num_hidden_layers}.*`), as vLLM's and S
 h_target[i] is the target model's final-normed hidden state at position i (what its lm_head reads).
 The embedding is the target's (`model.embed_tokens`; the checkpoint's copy under the MTP layer is
 the same tensor); on a last pipeline stage, which holds no embedding, the MTP layer loads that copy
-as its own. A draft of k > 1 chains the one layer: the layer's own output h at the last position and
+as its own (Qwen's checkpoints have none: the target's). Qwen's layer has no head of its own (the
+target's lm_head) and applies its norm inside the layer, so a chained step reads the normed output.
+A draft of k > 1 chains the one layer: the layer's own output h at the last position and
 the drafted token extend its input, as vLLM does.
 
 Hidden states: the model runner writes every computed position's h_target row into a paged store
@@ -66,25 +69,35 @@ def _with_mtp_layer(cfg: ModelConfig) -> ModelConfig:
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: ModelConfig, norm: Any, tp: Any) -> None:
+    def __init__(self, cfg: ModelConfig, norm: Any, tp: Any, head: nn.Module | None = None) -> None:
         super().__init__()
         self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype)
-        self.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, tp, cfg.dtype)
+        self.head = (
+            head
+            if head is not None
+            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, tp, cfg.dtype)
+        )
 
 
 class MTPLayer(nn.Module):
     """One MTP layer (parameters `mtp.*`; the loader maps `model.layers.{n}.*` onto them)."""
 
-    def __init__(self, cfg: ModelConfig, family: Any, env: Any) -> None:
+    def __init__(self, cfg: ModelConfig, family: Any, env: Any, lm_head: nn.Module | None = None) -> None:
+        """`lm_head`: the target's head, which Qwen3-Next's / Qwen3.5's MTP layer predicts with (it
+        has none of its own; DeepSeek's and GLM's carry shared_head.head)."""
         super().__init__()
         from expertmesh.models.decoder import DecoderLayer  # models import spec_decode's config
+        from expertmesh.spec_decode.mtp_families import QWEN_MTP
 
         norm = lookup(NORMS, family.norm, "norm")
         h, tp = cfg.hidden_size, env.groups.tp
         self.enorm, self.hnorm = norm(h, cfg.norm_eps, cfg.dtype), norm(h, cfg.norm_eps, cfg.dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, cfg.dtype)
         self.layer = DecoderLayer(_with_mtp_layer(cfg), cfg.num_layers, family, env)
-        self.shared_head = SharedHead(cfg, norm, tp)
+        # Qwen's layer (vLLM's qwen3_next_mtp.py): the target's head, and the final norm inside the
+        # layer, so a chained draft step reads the normed output (DeepSeek's reads it before the norm).
+        self.normed_output = cfg.architecture in QWEN_MTP
+        self.shared_head = SharedHead(cfg, norm, tp, lm_head if self.normed_output else None)
         # A later pipeline stage has no target embedding: it loads the MTP layer's copy.
         self.embed_tokens = (
             None if env.is_first_stage else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
@@ -134,7 +147,8 @@ class MTPLayer(nn.Module):
         meta.seq_lens = torch.full((m,), context + m, device=dev)
         ctx = ForwardContext(meta, list(counts) if counts is not None else [m], count_load=False)
         ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
-        return self.layer(pos, x, ctx)
+        h = self.layer(pos, x, ctx)
+        return self.shared_head.norm(h) if self.normed_output else h
 
     def dummy(self, embed: nn.Module, rotary: Any, block_size: int, counts: list[int]) -> None:
         """A one-token forward that keeps a DP replica with no draft to compute in lockstep."""
@@ -147,7 +161,7 @@ class MTPLayer(nn.Module):
         self(embed, rotary, token, hidden, 0, self._scratch, block_size, counts)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(h)).float()
+        return self.shared_head.head(h if self.normed_output else self.shared_head.norm(h)).float()
 
 
 class HiddenStore:
