@@ -365,7 +365,7 @@ def _torch_recurrence(llm: LLM) -> None:
     mixers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
     assert mixers
     for m in mixers:
-        m.recurrent_kernels = None
+        m.recurrent_steps = None
 
 
 @pytest.mark.timeout(240)
@@ -460,9 +460,9 @@ def test_verify_rows_step_like_plain_decodes(family, real_checkpoint):
 
     setattr(mixer, proj, Rows())
     mixer.out_proj = torch.nn.Identity()
-    assert mixer.recurrent_kernels is not None or llm.llm_engine.runner.model.cpu_kernels is None
-    for kernels in (mixer.recurrent_kernels, None):
-        mixer.recurrent_kernels = kernels
+    assert mixer.recurrent_steps is not None or llm.llm_engine.runner.model.cpu_kernels is None
+    for kernels in (mixer.recurrent_steps, None):
+        mixer.recurrent_steps = kernels
         picked["rows"] = slice(None)
         live = [t.clone() for t in start]
         kept = [torch.zeros(6, 3, *t.shape[1:]) for t in start]
