@@ -330,7 +330,35 @@ def arbitrate(path: str, prompt: list[int], tokens: dict[str, list[int]]) -> Non
         print(line, flush=True)
 
 
-def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, rounds: int) -> None:
+def llama_tokens(gguf: str, python: str, prompt: list[int], new: int) -> list[int]:
+    """llama.cpp's greedy tokens on a GGUF (one request to a fresh worker)."""
+    import subprocess
+
+    ask = json.dumps({"prompt": prompt, "new": new}) + "\n"
+    out = subprocess.run([python, "-c", LLAMA_WORKER, gguf, str(len(prompt) + new + 16),
+                          str(torch.get_num_threads())], input=ask, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    return json.loads(out.stdout.splitlines()[-1])["tokens"]
+
+
+def token_check(path: str, prompt: list[int], tokens: dict[str, list[int]], f32_gguf: str | None,
+                python: str, new: int) -> None:  # fmt: skip
+    """Run in a child process after the timing (its memory apart): with `f32_gguf`, llama.cpp on the
+    float32 GGUF and our engine in float32 (the same weights, no bf16 rounding of activations) add
+    their tokens; then every token set is arbitrated by float32 transformers."""
+    if f32_gguf:
+        tokens["llama.cpp f32"] = llama_tokens(f32_gguf, python, prompt, new)
+        llm = LLM(path, dtype="float32", max_model_len=len(prompt) + new + 8, max_num_seqs=1,
+                  enable_prefix_caching=False)  # fmt: skip
+        tokens["expertmesh f32"] = ours_timed(llm, prompt, new, "f32")[2]
+        del llm
+        print(f"greedy tokens in float32, expertmesh vs llama.cpp: "
+              f"{agreement(tokens['expertmesh f32'], tokens['llama.cpp f32'])}", flush=True)  # fmt: skip
+    arbitrate(path, prompt, tokens)
+
+
+def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, rounds: int,
+                f32_gguf: str | None = None) -> None:  # fmt: skip
     """Batch-1 prefill and decode of our engine, transformers (both in this process) and llama.cpp
     (a worker process on the GGUF of the same checkpoint, the same bf16 weights), round after round,
     interleaved; medians, ratios, and the three engines' greedy tokens cross-checked."""
@@ -386,7 +414,13 @@ def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, 
           f"median {statistics.median(gaps[0]):.4f}", flush=True)  # fmt: skip
     del llm, hf
     gc.collect()
-    arbitrate(path, prompt, {e: t[0] for e, t in tokens.items()})
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(
+        target=token_check, args=(path, prompt, {e: t[0] for e, t in tokens.items()}, f32_gguf, python, new)
+    )
+    child.start()
+    child.join()
 
 
 def main() -> None:
@@ -412,6 +446,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
     ap.add_argument("--converter", help="llama.cpp's source dir: write --llamacpp-gguf when missing "
                     "(benchmarks/gguf_convert.py, bf16, no MTP layers: the slice has none)")  # fmt: skip
+    ap.add_argument("--llamacpp-f32-gguf", help="a float32 GGUF of the slice: greedy tokens of llama.cpp "
+                    "on it and of our engine in float32 are cross-checked too")  # fmt: skip
     ap.add_argument("--converter-python", default="/work/peers/vllm/bin/python",
                     help="a Python with torch and transformers for the converter")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds for --llamacpp-gguf")
@@ -431,14 +467,16 @@ def main() -> None:
     if args.only_recurrence:
         return
     if args.llamacpp_gguf:
-        if args.converter and not Path(args.llamacpp_gguf).exists():
-            import subprocess
+        for out, kind in ((args.llamacpp_gguf, "bf16"), (args.llamacpp_f32_gguf, "f32")):
+            if args.converter and out and not Path(out).exists():
+                import subprocess
 
-            subprocess.run([args.converter_python, str(ROOT / "benchmarks/gguf_convert.py"), "--converter",
-                            args.converter, path, "--outtype", "bf16", "--no-mtp", "--outfile",
-                            args.llamacpp_gguf], check=True)  # fmt: skip
+                convert = [args.converter_python, str(ROOT / "benchmarks/gguf_convert.py")]
+                subprocess.run([*convert, "--converter", args.converter, path, "--outtype", kind, "--no-mtp",
+                                "--outfile", out], check=True)  # fmt: skip
         prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
-        vs_llamacpp(path, args.llamacpp_gguf, args.llamacpp_python, prompt, args.new, args.rounds)
+        vs_llamacpp(path, args.llamacpp_gguf, args.llamacpp_python, prompt, args.new, args.rounds,
+                    args.llamacpp_f32_gguf)  # fmt: skip
         return
     if args.prefix_rounds:
         prefix_cache(path, args.prompt, args.prefix_rounds)
