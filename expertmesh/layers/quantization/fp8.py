@@ -56,6 +56,7 @@ class Fp8Format:
     method: str = "fp8"
     online: bool = False
     holds_compressed = True  # e4m3 bytes and block scales held as stored (quantization/held.py)
+    scale_suffix = SCALE_SUFFIX  # a weight's scale tensor is its key plus this (ModelOpt: `_scale`)
 
     @classmethod
     def from_config(cls, cfg: dict) -> Fp8Format:
@@ -85,7 +86,9 @@ class Fp8Format:
 
 
 class Fp8Tensor(LogicalTensor):
-    def __init__(self, key: str, weight: Any, scale: Any, block: tuple[int, int] | None) -> None:
+    def __init__(
+        self, key: str, weight: Any, scale: Any, block: tuple[int, int] | None, suffix: str = SCALE_SUFFIX
+    ) -> None:
         self.key, self.weight, self.scale = key, weight, scale
         self.shape = tuple(weight.get_shape())
         scale_shape = tuple(scale.get_shape())
@@ -93,14 +96,12 @@ class Fp8Tensor(LogicalTensor):
             raise ValueError(f"fp8 weight {key!r} has shape {self.shape}; only 2-D weights are supported")
         if block is None:
             if scale_shape not in ((), (1,)):
-                raise ValueError(
-                    f"{key}{SCALE_SUFFIX} has shape {scale_shape}; per-tensor fp8 needs one scale"
-                )
+                raise ValueError(f"{key}{suffix} has shape {scale_shape}; per-tensor fp8 needs one scale")
         else:
             want = (_cdiv(self.shape[0], block[0]), _cdiv(self.shape[1], block[1]))
             if scale_shape != want:
                 raise ValueError(
-                    f"{key}{SCALE_SUFFIX} has shape {scale_shape}; weight {self.shape} in blocks of "
+                    f"{key}{suffix} has shape {scale_shape}; weight {self.shape} in blocks of "
                     f"{list(block)} needs {want}"
                 )
         self.block = block
@@ -137,30 +138,38 @@ class Fp8View(CheckpointView):
 
     def __init__(self, handles: dict[str, Any], fmt: Fp8Format) -> None:
         super().__init__(handles)
-        self.fmt = fmt
+        self.fmt, self.suffix = fmt, fmt.scale_suffix
         for key in self.file_of:
+            if self.static_scale(key):
+                continue
             if key.endswith((".input_scale", ".activation_scale")):
                 raise ValueError(
                     f"checkpoint tensor {key!r} is a static activation scale; fp8 activation_scheme "
                     "'dynamic' checkpoints have none"
                 )
-            if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] not in self.file_of:
+            if key.endswith(self.suffix) and key[: -len(self.suffix)] not in self.file_of:
                 raise ValueError(
-                    f"checkpoint tensor {key!r} scales {key[: -len(SCALE_SUFFIX)]!r}, which is absent"
+                    f"checkpoint tensor {key!r} scales {key[: -len(self.suffix)]!r}, which is absent"
                 )
-        if not any(k.endswith(SCALE_SUFFIX) for k in self.file_of):
+        if not any(k.endswith(self.suffix) and not self.static_scale(k) for k in self.file_of):
             # e.g. DeepSeek's fp8_cast_bf16.py output, which keeps the config's quantization_config
             log.warning(
                 "quantization_config says fp8, but no checkpoint tensor is e4m3: loading them as stored"
             )
 
+    def static_scale(self, key: str) -> bool:
+        """A tensor the format carries but the engine does not apply (ModelOpt's static activation
+        and KV scales); none in this format."""
+        return False
+
     def keys(self) -> list[tuple[str, str]]:
-        return [(k, p) for k, p in super().keys() if not k.endswith(SCALE_SUFFIX)]
+        return [(k, p) for k, p in super().keys() if not k.endswith(self.suffix) and not self.static_scale(k)]
 
     def get_slice(self, key: str) -> Any:
         stored = self.stored(key)
         if stored.get_dtype() not in FP8_DTYPES:
             return stored  # norms, embeddings, the router, lm_head: stored in bf16
-        if key + SCALE_SUFFIX not in self.file_of:
-            raise ValueError(f"fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} in the checkpoint")
-        return self.serve(key, Fp8Tensor(key, stored, self.stored(key + SCALE_SUFFIX), self.fmt.block))
+        if key + self.suffix not in self.file_of:
+            raise ValueError(f"fp8 weight {key!r} has no {key + self.suffix!r} in the checkpoint")
+        scale = self.stored(key + self.suffix)
+        return self.serve(key, Fp8Tensor(key, stored, scale, self.fmt.block, self.suffix))
