@@ -24,11 +24,14 @@ ratio is what to read (the machine's load moves both alike).
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 512 --new 16 --prefix-rounds 4
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --quick   # < 5 min
     .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --recurrence-steps 6 --only-recurrence
-    /work/peers/vllm/bin/python benchmarks/gguf_convert.py \
-        --converter /work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp \
-        /tmp/expertmesh-bench/nemotron-3-nano-slice --outtype bf16 --outfile /tmp/nemotron-slice.bf16.gguf
-    .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 256 --new 8 \
-        --llamacpp-gguf /tmp/nemotron-slice.bf16.gguf --rounds 3
+    GOMP_SPINCOUNT=3000 .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --experts 16 --quick \
+        --llamacpp-gguf /tmp/qwen35-16e.bf16.gguf --llamacpp-f32-gguf /tmp/qwen35-16e.f32.gguf \
+        --converter /work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp
+
+With `--llamacpp-gguf FILE` (written by benchmarks/gguf_convert.py when missing and `--converter` is
+given): expertmesh, transformers and llama.cpp interleaved round after round, prefill and decode
+timed apart, and their greedy tokens cross-checked (docs/benchmarks.md, "Hybrid slices");
+`--llamacpp-f32-gguf` adds llama.cpp and our engine in float32 on the same weights.
 
 With `--recurrence-steps N`: batches of `--batches` sequences decode on one engine whose recurrent
 mixers alternate step by step between the compiled decode kernels (layers/recurrent_kernels.py)
@@ -341,20 +344,28 @@ def llama_tokens(gguf: str, python: str, prompt: list[int], new: int) -> list[in
     return json.loads(out.stdout.splitlines()[-1])["tokens"]
 
 
+def ours_f32_tokens(path: str, prompt: list[int], new: int) -> list[int]:
+    """Our engine's greedy tokens in float32 (run in a fresh child process: its memory apart)."""
+    llm = LLM(path, dtype="float32", max_model_len=len(prompt) + new + 8, max_num_seqs=1,
+              enable_prefix_caching=False)  # fmt: skip
+    return ours_timed(llm, prompt, new, "f32")[2]
+
+
 def token_check(path: str, prompt: list[int], tokens: dict[str, list[int]], f32_gguf: str | None,
                 python: str, new: int) -> None:  # fmt: skip
-    """Run in a child process after the timing (its memory apart): with `f32_gguf`, llama.cpp on the
-    float32 GGUF and our engine in float32 (the same weights, no bf16 rounding of activations) add
-    their tokens; then every token set is arbitrated by float32 transformers."""
-    if f32_gguf:
-        tokens["llama.cpp f32"] = llama_tokens(f32_gguf, python, prompt, new)
-        llm = LLM(path, dtype="float32", max_model_len=len(prompt) + new + 8, max_num_seqs=1,
-                  enable_prefix_caching=False)  # fmt: skip
-        tokens["expertmesh f32"] = ours_timed(llm, prompt, new, "f32")[2]
-        del llm
-        print(f"greedy tokens in float32, expertmesh vs llama.cpp: "
-              f"{agreement(tokens['expertmesh f32'], tokens['llama.cpp f32'])}", flush=True)  # fmt: skip
-    arbitrate(path, prompt, tokens)
+    """After the timing, each engine in a fresh process in turn (one model in memory at a time): with
+    `f32_gguf`, llama.cpp on the float32 GGUF and our engine in float32 (the same weights, no bf16
+    rounding of activations) add their tokens; then every token set is arbitrated by float32
+    transformers."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        if f32_gguf:
+            tokens["llama.cpp f32"] = llama_tokens(f32_gguf, python, prompt, new)
+            tokens["expertmesh f32"] = pool.apply(ours_f32_tokens, (path, prompt, new))
+            print(f"greedy tokens in float32, expertmesh vs llama.cpp: "
+                  f"{agreement(tokens['expertmesh f32'], tokens['llama.cpp f32'])}", flush=True)  # fmt: skip
+        pool.apply(arbitrate, (path, prompt, tokens))
 
 
 def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, rounds: int,
@@ -414,13 +425,7 @@ def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, 
           f"median {statistics.median(gaps[0]):.4f}", flush=True)  # fmt: skip
     del llm, hf
     gc.collect()
-    import multiprocessing
-
-    child = multiprocessing.get_context("spawn").Process(
-        target=token_check, args=(path, prompt, {e: t[0] for e, t in tokens.items()}, f32_gguf, python, new)
-    )
-    child.start()
-    child.join()
+    token_check(path, prompt, {e: t[0] for e, t in tokens.items()}, f32_gguf, python, new)
 
 
 def main() -> None:
