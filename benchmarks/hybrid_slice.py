@@ -331,6 +331,7 @@ def arbitrate(path: str, prompt: list[int], tokens: dict[str, list[int]]) -> Non
             gap = float(logits[first, best[first]] - logits[first, seq[first]])
             line += f"; first miss at token {first}, the reference's gap there {gap:.4f}"
         print(line, flush=True)
+    peak_rss("the float32 transformers process")
 
 
 def llama_tokens(gguf: str, python: str, prompt: list[int], new: int) -> list[int]:
@@ -344,11 +345,20 @@ def llama_tokens(gguf: str, python: str, prompt: list[int], new: int) -> list[in
     return json.loads(out.stdout.splitlines()[-1])["tokens"]
 
 
+def peak_rss(what: str) -> None:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"peak RSS of {what}: {peak:.2f} GiB", flush=True)
+
+
 def ours_f32_tokens(path: str, prompt: list[int], new: int) -> list[int]:
     """Our engine's greedy tokens in float32 (run in a fresh child process: its memory apart)."""
     llm = LLM(path, dtype="float32", max_model_len=len(prompt) + new + 8, max_num_seqs=1,
               enable_prefix_caching=False)  # fmt: skip
-    return ours_timed(llm, prompt, new, "f32")[2]
+    tokens = ours_timed(llm, prompt, new, "f32")[2]
+    peak_rss("the float32 expertmesh process")
+    return tokens
 
 
 def token_check(path: str, prompt: list[int], tokens: dict[str, list[int]], f32_gguf: str | None,
@@ -423,6 +433,7 @@ def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, 
         print(f"greedy tokens, expertmesh vs {e}: {agreement(ours_t, tokens[e][0])}")
     print(f"llama.cpp's top-2 logit gaps over its {new + 1} tokens: min {min(gaps[0]):.4f}, "
           f"median {statistics.median(gaps[0]):.4f}", flush=True)  # fmt: skip
+    peak_rss("the benchmark's process (expertmesh and transformers in bf16)")
     del llm, hf
     gc.collect()
     token_check(path, prompt, {e: t[0] for e, t in tokens.items()}, f32_gguf, python, new)
