@@ -130,3 +130,28 @@ def test_modelopt_bad_tensors_fail_by_name(real_checkpoint, tmp_path):
         [{"prompt_token_ids": [5, 6, 7]}]
     )
     assert out[0].error is None and len(out[0].outputs[0].token_ids) > 0
+
+
+def _modelopt_tp_rank(rank, world, path, prompts):
+    from test_quantization import _greedy
+
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
+              max_model_len=128, kv_cache_memory_bytes=1 << 22)  # fmt: skip
+    return _greedy(llm, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_nemotron_h_modelopt_fp8_under_tp2(real_checkpoint, tmp_path):
+    """TP2: each rank holds its rows / columns of the e4m3 bytes with the tensor's one scale (Mamba2
+    heads and groups, attention heads, expert widths split); same reference and bound as above."""
+    from checkpoints import prompts_of_lengths
+    from distributed_utils import run_distributed
+    from test_quantization import LENGTHS as Q_LENGTHS
+    from test_quantization import assert_greedy_matches
+
+    path = _to_modelopt(real_checkpoint(_source("nemotron-h")), str(tmp_path / "modelopt"))
+    ref = _reference(_dequantized(path, str(tmp_path / "ref")))
+    prompts = prompts_of_lengths(Q_LENGTHS, seed=7)
+    for tokens in run_distributed(_modelopt_tp_rank, 2, path, prompts, timeout=250):
+        assert assert_greedy_matches(tokens, ref, prompts) <= 1
