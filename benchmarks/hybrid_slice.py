@@ -24,11 +24,14 @@ ratio is what to read (the machine's load moves both alike).
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 512 --new 16 --prefix-rounds 4
     .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --quick   # < 5 min
     .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --recurrence-steps 6 --only-recurrence
-    /work/peers/vllm/bin/python benchmarks/gguf_convert.py \
-        --converter /work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp \
-        /tmp/expertmesh-bench/nemotron-3-nano-slice --outtype bf16 --outfile /tmp/nemotron-slice.bf16.gguf
-    .venv/bin/python benchmarks/hybrid_slice.py --family nemotron-h --prompt 256 --new 8 \
-        --llamacpp-gguf /tmp/nemotron-slice.bf16.gguf --rounds 3
+    GOMP_SPINCOUNT=3000 .venv/bin/python benchmarks/hybrid_slice.py --family qwen3.5 --experts 16 --quick \
+        --llamacpp-gguf /tmp/qwen35-16e.bf16.gguf --llamacpp-f32-gguf /tmp/qwen35-16e.f32.gguf \
+        --converter /work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp
+
+With `--llamacpp-gguf FILE` (written by benchmarks/gguf_convert.py when missing and `--converter` is
+given): expertmesh, transformers and llama.cpp interleaved round after round, prefill and decode
+timed apart, and their greedy tokens cross-checked (docs/benchmarks.md, "Hybrid slices");
+`--llamacpp-f32-gguf` adds llama.cpp and our engine in float32 on the same weights.
 
 With `--recurrence-steps N`: batches of `--batches` sequences decode on one engine whose recurrent
 mixers alternate step by step between the compiled decode kernels (cpu/recurrent_kernels.py)
@@ -65,15 +68,17 @@ class Slice:
     config_file: str  # under tests/real_configs/2026/
     hf_class: str
     shape: dict  # overrides of the published config: fewer layers and experts, a small vocabulary
+    experts_key: str  # the config's routed-expert count
     text_config: bool = False  # the published file wraps the text model (a multimodal checkpoint)
 
-    def config(self) -> dict:
+    def config(self, experts: int | None = None) -> dict:
         published = json.loads((ROOT / "tests/real_configs/2026" / self.config_file).read_text())
+        shape = self.shape if experts is None else {**self.shape, self.experts_key: experts}
         if self.text_config:
             text = published["text_config"]
-            layers = self.shape["num_hidden_layers"]
-            return {**text, **self.shape, "layer_types": text["layer_types"][:layers]}
-        config = {**published, **self.shape}
+            layers = shape["num_hidden_layers"]
+            return {**text, **shape, "layer_types": text["layer_types"][:layers]}
+        config = {**published, **shape}
         config.pop("auto_map", None)  # transformers' own class, no remote code
         return config
 
@@ -86,6 +91,7 @@ SLICES = {
         {"num_hidden_layers": 4, "num_experts": 64, "vocab_size": 512, "dtype": "bfloat16",
          "bos_token_id": 1, "eos_token_id": 2, "architectures": ["Qwen3_5MoeForCausalLM"],
          "model_type": "qwen3_5_moe_text"},
+        "num_experts",
         text_config=True,
     ),
     "nemotron-h": Slice(
@@ -95,13 +101,15 @@ SLICES = {
         {"hybrid_override_pattern": "MEM*E", "num_hidden_layers": 5, "n_routed_experts": 16,
          "vocab_size": 512, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
          "pad_token_id": 0},
+        "n_routed_experts",
     ),
 }  # fmt: skip
 
 
-def make_model(family: Slice, cache_dir: str) -> str:
-    path = Path(cache_dir) / family.directory
-    return cached_checkpoint(path, family.config(), family.hf_class, torch.bfloat16, tokenizer=True)
+def make_model(family: Slice, cache_dir: str, experts: int | None = None) -> str:
+    path = Path(cache_dir) / (family.directory + ("" if experts is None else f"-{experts}e"))
+    config = family.config(experts)
+    return cached_checkpoint(path, config, family.hf_class, torch.bfloat16, tokenizer=True)
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
@@ -233,29 +241,152 @@ def recurrence_prefill(path: str, prompt_len: int, rounds: int) -> None:
 
 
 # Runs under llama-cpp-python's own venv: loads the GGUF once, then per line of stdin (a JSON prompt
-# and a count of new tokens) times the prefill and greedy decode of batch 1 and prints them as JSON.
+# and a count of new tokens) times the prefill and greedy decode of batch 1 and prints them as JSON,
+# with the greedy tokens and, at each, the gap between its two largest logits (near-ties on random
+# weights are where engines may fairly differ).
 LLAMA_WORKER = """
 import json, sys, time
+import numpy as np
 from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_batch=512, n_threads=int(sys.argv[3]),
             verbose=False)
+def pick():  # the last evaluated token's logits (llm.scores is left unfilled by eval here)
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float64)
+    top = np.argsort(logits)[-2:]
+    return int(top[1]), float(logits[top[1]] - logits[top[0]])
 for line in sys.stdin:
     ask = json.loads(line)
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ask["prompt"])
     t1 = time.perf_counter()
-    for _ in range(ask["new"]):
-        llm.eval([llm.sample(temp=0.0)])
+    tokens, gaps = [], []
+    for i in range(ask["new"] + 1):
+        token, gap = pick()
+        tokens.append(token)
+        gaps.append(gap)
+        if i < ask["new"]:
+            llm.eval([token])
     t2 = time.perf_counter()
-    print(json.dumps({"prefill": t1 - t0, "decode": ask["new"] / (t2 - t1)}), flush=True)
+    print(json.dumps({"prefill": t1 - t0, "decode": ask["new"] / (t2 - t1), "tokens": tokens,
+                      "gaps": gaps}), flush=True)
 """
 
 
-def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, rounds: int) -> None:
-    """Batch-1 prefill and decode of our engine and llama.cpp (a worker process on the GGUF of the
-    same checkpoint), round after round, interleaved; medians and ratios."""
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def agreement(a: list[int], b: list[int]) -> str:
+    """How many greedy tokens two engines share, and where they first part."""
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    first = first_difference(a, b)
+    return f"{same}/{len(a)} equal" + ("" if first is None else f", first differs at token {first}")
+
+
+def ours_timed(llm: LLM, prompt: list[int], new: int, tag: str) -> tuple[float, float, list[int]]:
+    """Prefill (to the first token) and decode (tokens/s over `new` more) timed apart, step by step."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True)
+    t0 = time.perf_counter()
+    seq = engine.add_request(tag, prompt, params).seqs[0]
+    while not seq.output_token_ids:
+        engine.step()
+    t1 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    t2 = time.perf_counter()
+    return t1 - t0, new / (t2 - t1), list(seq.output_token_ids)
+
+
+def hf_timed(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
+    """transformers' prefill and greedy decode, timed apart (its own cache, one token a forward)."""
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        t1 = time.perf_counter()
+        for _ in range(new):
+            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+        t2 = time.perf_counter()
+    return t1 - t0, new / (t2 - t1), tokens
+
+
+def arbitrate(path: str, prompt: list[int], tokens: dict[str, list[int]]) -> None:
+    """transformers in float32 (the same bf16 weights, widened), teacher-forced on each engine's greedy
+    tokens: how many of them are its argmax, and at each engine's first miss the reference's gap
+    between its choice and the engine's (small gaps are near-ties that rounding may fairly flip)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for e, seq in tokens.items():
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + seq[:-1]])).logits[0, len(prompt) - 1 :]
+        best = logits.argmax(-1).tolist()
+        same = sum(x == y for x, y in zip(seq, best, strict=True))
+        first = first_difference(seq, best)
+        line = f"float32 transformers teacher-forced on {e}'s tokens: {same}/{len(seq)} are its argmax"
+        if first is not None:
+            gap = float(logits[first, best[first]] - logits[first, seq[first]])
+            line += f"; first miss at token {first}, the reference's gap there {gap:.4f}"
+        print(line, flush=True)
+    peak_rss("the float32 transformers process")
+
+
+def llama_tokens(gguf: str, python: str, prompt: list[int], new: int) -> list[int]:
+    """llama.cpp's greedy tokens on a GGUF (one request to a fresh worker)."""
     import subprocess
+
+    ask = json.dumps({"prompt": prompt, "new": new}) + "\n"
+    out = subprocess.run([python, "-c", LLAMA_WORKER, gguf, str(len(prompt) + new + 16),
+                          str(torch.get_num_threads())], input=ask, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    return json.loads(out.stdout.splitlines()[-1])["tokens"]
+
+
+def peak_rss(what: str) -> None:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"peak RSS of {what}: {peak:.2f} GiB", flush=True)
+
+
+def ours_f32_tokens(path: str, prompt: list[int], new: int) -> list[int]:
+    """Our engine's greedy tokens in float32 (run in a fresh child process: its memory apart)."""
+    llm = LLM(path, dtype="float32", max_model_len=len(prompt) + new + 8, max_num_seqs=1,
+              enable_prefix_caching=False)  # fmt: skip
+    tokens = ours_timed(llm, prompt, new, "f32")[2]
+    peak_rss("the float32 expertmesh process")
+    return tokens
+
+
+def token_check(path: str, prompt: list[int], tokens: dict[str, list[int]], f32_gguf: str | None,
+                python: str, new: int) -> None:  # fmt: skip
+    """After the timing, each engine in a fresh process in turn (one model in memory at a time): with
+    `f32_gguf`, llama.cpp on the float32 GGUF and our engine in float32 (the same weights, no bf16
+    rounding of activations) add their tokens; then every token set is arbitrated by float32
+    transformers."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        if f32_gguf:
+            tokens["llama.cpp f32"] = llama_tokens(f32_gguf, python, prompt, new)
+            tokens["expertmesh f32"] = pool.apply(ours_f32_tokens, (path, prompt, new))
+            print(f"greedy tokens in float32, expertmesh vs llama.cpp: "
+                  f"{agreement(tokens['expertmesh f32'], tokens['llama.cpp f32'])}", flush=True)  # fmt: skip
+        pool.apply(arbitrate, (path, prompt, tokens))
+
+
+def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, rounds: int,
+                f32_gguf: str | None = None) -> None:  # fmt: skip
+    """Batch-1 prefill and decode of our engine, transformers (both in this process) and llama.cpp
+    (a worker process on the GGUF of the same checkpoint, the same bf16 weights), round after round,
+    interleaved; medians, ratios, and the three engines' greedy tokens cross-checked."""
+    import gc
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
 
     threads = torch.get_num_threads()
     worker = subprocess.Popen(
@@ -264,25 +395,25 @@ def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, 
     )  # fmt: skip
     llm = LLM(path, dtype="bfloat16", max_model_len=len(prompt) + new + 8, max_num_seqs=1,
               enable_prefix_caching=False)  # fmt: skip
-    many = SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True)
-    res: dict[str, dict[str, list[float]]] = {
-        "expertmesh": {"p": [], "d": []},
-        "llama.cpp": {"p": [], "d": []},
-    }
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    engines = ("expertmesh", "transformers", "llama.cpp")
+    res: dict[str, dict[str, list[float]]] = {e: {"p": [], "d": []} for e in engines}
+    tokens: dict[str, list[list[int]]] = {e: [] for e in engines}
+    gaps: list[list[float]] = []
     try:
-        for r in range(rounds + 1):  # round 0 warms both up
-            prefill = ttft(llm, prompt)
-            t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], many, use_tqdm=False)
-            ours_d = new / (time.perf_counter() - t0 - prefill)
+        for r in range(rounds + 1):  # round 0 warms all three up
+            got = {"expertmesh": ours_timed(llm, prompt, new, f"r{r}")}
+            got["transformers"] = hf_timed(hf, prompt, new)
             worker.stdin.write(json.dumps({"prompt": prompt, "new": new}) + "\n")
             worker.stdin.flush()
-            theirs = json.loads(worker.stdout.readline())
+            theirs_ = json.loads(worker.stdout.readline())
+            got["llama.cpp"] = (theirs_["prefill"], theirs_["decode"], theirs_["tokens"])
             if r:
-                res["expertmesh"]["p"].append(prefill)
-                res["expertmesh"]["d"].append(ours_d)
-                res["llama.cpp"]["p"].append(theirs["prefill"])
-                res["llama.cpp"]["d"].append(theirs["decode"])
+                for e, (p, d, t) in got.items():
+                    res[e]["p"].append(p)
+                    res[e]["d"].append(d)
+                    tokens[e].append(t)
+                gaps.append(theirs_["gaps"])
     finally:
         worker.stdin.close()
         worker.wait(timeout=60)
@@ -290,9 +421,22 @@ def vs_llamacpp(path: str, gguf: str, python: str, prompt: list[int], new: int, 
     for e, m in med.items():
         print(f"{e:12s} prefill {len(prompt)} tokens: {m['p']:.3f} s; decode: {m['d']:.2f} tokens/s "
               f"(bf16, batch 1, {threads} threads, median of {rounds} interleaved rounds)")  # fmt: skip
-    ours_m, theirs_m = med["expertmesh"], med["llama.cpp"]
-    print(f"expertmesh / llama.cpp: prefill time {ours_m['p'] / theirs_m['p']:.2f}x, decode speed "
-          f"{ours_m['d'] / theirs_m['d']:.2f}x; load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    ours_m = med["expertmesh"]
+    for e in engines[1:]:
+        print(f"expertmesh / {e}: prefill time {ours_m['p'] / med[e]['p']:.2f}x, decode speed "
+              f"{ours_m['d'] / med[e]['d']:.2f}x; load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    for e in engines:
+        if any(t != tokens[e][0] for t in tokens[e]):
+            print(f"{e}: greedy tokens differ between rounds")
+    ours_t = tokens["expertmesh"][0]
+    for e in engines[1:]:
+        print(f"greedy tokens, expertmesh vs {e}: {agreement(ours_t, tokens[e][0])}")
+    print(f"llama.cpp's top-2 logit gaps over its {new + 1} tokens: min {min(gaps[0]):.4f}, "
+          f"median {statistics.median(gaps[0]):.4f}", flush=True)  # fmt: skip
+    peak_rss("the benchmark's process (expertmesh and transformers in bf16)")
+    del llm, hf
+    gc.collect()
+    token_check(path, prompt, {e: t[0] for e, t in tokens.items()}, f32_gguf, python, new)
 
 
 def main() -> None:
@@ -316,12 +460,21 @@ def main() -> None:
     ap.add_argument("--llamacpp-gguf", help="also compare with llama.cpp on this GGUF of the slice "
                     "(benchmarks/gguf_convert.py), interleaved, batch 1")  # fmt: skip
     ap.add_argument("--llamacpp-python", default="/work/peers/llamacpp/bin/python")
+    ap.add_argument("--converter", help="llama.cpp's source dir: write --llamacpp-gguf when missing "
+                    "(benchmarks/gguf_convert.py, bf16, no MTP layers: the slice has none)")  # fmt: skip
+    ap.add_argument("--llamacpp-f32-gguf", help="a float32 GGUF of the slice: greedy tokens of llama.cpp "
+                    "on it and of our engine in float32 are cross-checked too")  # fmt: skip
+    ap.add_argument("--converter-python", default="/work/peers/vllm/bin/python",
+                    help="a Python with torch and transformers for the converter")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds for --llamacpp-gguf")
+    ap.add_argument("--experts", type=int, help="routed experts in the slice (fewer: less memory; "
+                    "top-k and expert width stay published); the checkpoint is cached apart")  # fmt: skip
     args = ap.parse_args()
     if args.quick:
         args.prompt, args.new, args.prefix_rounds = 256, 8, 2
-        args.recurrence_steps = args.recurrence_steps or 4
-    path = make_model(SLICES[args.family], args.cache)
+        args.recurrence_steps = args.recurrence_steps or (0 if args.llamacpp_gguf else 4)
+        args.rounds = min(args.rounds, 2)
+    path = make_model(SLICES[args.family], args.cache, args.experts)
     print(f"{args.family} slice, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     for batch in args.batches if args.recurrence_steps else ():
         recurrence(path, batch, args.recurrence_steps)
@@ -330,8 +483,16 @@ def main() -> None:
     if args.only_recurrence:
         return
     if args.llamacpp_gguf:
+        for out, kind in ((args.llamacpp_gguf, "bf16"), (args.llamacpp_f32_gguf, "f32")):
+            if args.converter and out and not Path(out).exists():
+                import subprocess
+
+                convert = [args.converter_python, str(ROOT / "benchmarks/gguf_convert.py")]
+                subprocess.run([*convert, "--converter", args.converter, path, "--outtype", kind, "--no-mtp",
+                                "--outfile", out], check=True)  # fmt: skip
         prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
-        vs_llamacpp(path, args.llamacpp_gguf, args.llamacpp_python, prompt, args.new, args.rounds)
+        vs_llamacpp(path, args.llamacpp_gguf, args.llamacpp_python, prompt, args.new, args.rounds,
+                    args.llamacpp_f32_gguf)  # fmt: skip
         return
     if args.prefix_rounds:
         prefix_cache(path, args.prompt, args.prefix_rounds)

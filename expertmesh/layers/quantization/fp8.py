@@ -77,6 +77,7 @@ class Fp8Format:
     method: str = "fp8"
     online: bool = False
     holds_compressed = True  # e4m3 bytes and block scales held as stored (quantization/held.py)
+    scale_suffix = SCALE_SUFFIX  # a weight's scale tensor is its key plus this (ModelOpt: `_scale`)
 
     @classmethod
     def from_config(cls, cfg: dict) -> Fp8Format:
@@ -114,7 +115,9 @@ class Fp8Format:
 
 
 class Fp8Tensor(LogicalTensor):
-    def __init__(self, key: str, weight: Any, scale: Any, block: tuple[int, int] | None) -> None:
+    def __init__(
+        self, key: str, weight: Any, scale: Any, block: tuple[int, int] | None, suffix: str = SCALE_SUFFIX
+    ) -> None:
         self.key, self.weight, self.scale = key, weight, scale
         self.shape = tuple(weight.get_shape())
         scale_shape = tuple(scale.get_shape())
@@ -122,14 +125,12 @@ class Fp8Tensor(LogicalTensor):
             raise ValueError(f"fp8 weight {key!r} has shape {self.shape}; only 2-D weights are supported")
         if block is None:
             if scale_shape not in ((), (1,)):
-                raise ValueError(
-                    f"{key}{SCALE_SUFFIX} has shape {scale_shape}; per-tensor fp8 needs one scale"
-                )
+                raise ValueError(f"{key}{suffix} has shape {scale_shape}; per-tensor fp8 needs one scale")
         else:
             want = (_cdiv(self.shape[0], block[0]), _cdiv(self.shape[1], block[1]))
             if scale_shape != want:
                 raise ValueError(
-                    f"{key}{SCALE_SUFFIX} has shape {scale_shape}; weight {self.shape} in blocks of "
+                    f"{key}{suffix} has shape {scale_shape}; weight {self.shape} in blocks of "
                     f"{list(block)} needs {want}"
                 )
         self.block = block
@@ -202,8 +203,10 @@ class Fp8View(CheckpointView):
 
     def __init__(self, handles: dict[str, Any], fmt: Fp8Format) -> None:
         super().__init__(handles)
-        self.fmt = fmt
+        self.fmt, self.suffix = fmt, fmt.scale_suffix
         for key in self.file_of:
+            if self.static_scale(key):
+                continue
             if key.endswith((".input_scale", ".activation_scale")):
                 raise ValueError(
                     f"checkpoint tensor {key!r} is a static activation scale; fp8 activation_scheme "
@@ -220,7 +223,7 @@ class Fp8View(CheckpointView):
                 fp4,
                 FP4_GROUP,
             )
-        if not any(self.scaled_by(k) for k in self.file_of):
+        if not any(self.scaled_by(k) and not self.static_scale(k) for k in self.file_of):
             # e.g. DeepSeek's fp8_cast_bf16.py output, which keeps the config's quantization_config
             log.warning(
                 "quantization_config says fp8, but no checkpoint tensor is e4m3: loading them as stored"
@@ -228,21 +231,26 @@ class Fp8View(CheckpointView):
 
     def scaled_by(self, key: str) -> str | None:
         """The weight a scale tensor scales (X.weight_scale_inv, V4's X.scale -> X.weight), else None."""
-        if key.endswith(SCALE_SUFFIX):
-            return key[: -len(SCALE_SUFFIX)]
+        if key.endswith(self.suffix):
+            return key[: -len(self.suffix)]
         if key.endswith(V4_SCALE) and key[: -len(V4_SCALE)] + ".weight" in self.file_of:
             return key[: -len(V4_SCALE)] + ".weight"
         return None
 
     def scale_of(self, key: str) -> str | None:
         """The scale tensor of a weight (X.weight_scale_inv, or V4's X.scale), None if it has none."""
-        names = [key + SCALE_SUFFIX]
+        names = [key + self.suffix]
         if key.endswith(".weight"):
             names.append(key[: -len(".weight")] + V4_SCALE)
         return next((n for n in names if n in self.file_of), None)
 
+    def static_scale(self, key: str) -> bool:
+        """A tensor the format carries but the engine does not apply (ModelOpt's static activation
+        and KV scales); none in this format."""
+        return False
+
     def keys(self) -> list[tuple[str, str]]:
-        return [(k, p) for k, p in super().keys() if self.scaled_by(k) is None]
+        return [(k, p) for k, p in super().keys() if self.scaled_by(k) is None and not self.static_scale(k)]
 
     def get_slice(self, key: str) -> Any:
         stored = self.stored(key)
@@ -254,5 +262,5 @@ class Fp8View(CheckpointView):
         if dtype not in FP8_DTYPES:
             return stored  # norms, embeddings, the router, lm_head: stored in bf16
         if scale is None:
-            raise ValueError(f"fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} in the checkpoint")
-        return self.serve(key, Fp8Tensor(key, stored, self.stored(scale), self.fmt.block))
+            raise ValueError(f"fp8 weight {key!r} has no {key + self.suffix!r} in the checkpoint")
+        return self.serve(key, Fp8Tensor(key, stored, self.stored(scale), self.fmt.block, self.suffix))

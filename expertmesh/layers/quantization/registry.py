@@ -20,6 +20,7 @@ from expertmesh.layers.quantization.compressed import CompressedTensorsFormat
 from expertmesh.layers.quantization.fp8 import Fp8Format
 from expertmesh.layers.quantization.gguf import GGUFFormat
 from expertmesh.layers.quantization.gptq import GptqFormat
+from expertmesh.layers.quantization.modelopt import ModelOptFormat
 from expertmesh.layers.quantization.mxfp4 import Mxfp4Format
 from expertmesh.layers.quantization.online import OnlineScheme
 
@@ -29,6 +30,7 @@ CHECKPOINT_FORMATS: dict[str, Any] = {
     "compressed-tensors": CompressedTensorsFormat,
     "fp8": Fp8Format,
     "gptq": GptqFormat,
+    "modelopt": ModelOptFormat,
     "mxfp4": Mxfp4Format,
 }
 # written by models/gguf into a GGUF model's config for the block types it holds, never by users
