@@ -16,7 +16,7 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
 `--tool whole-step-ab` builds a second engine whose decode steps stop at the native layer call
 (embedding, final norm and LM head per op, as before decode_model) and alternates blocks of
 `--steps` steps between the two, 15 rounds: medians and the median of the rounds' ratios.
-`--tool huge-pages-ab` does the same against a second engine built with cpu/huge_pages.py off
+`--tool huge-pages-ab` does the same against a second engine built with expertmesh/huge_pages.py off
 (weights and KV cache on 4 KiB pages).
 
 torch.profiler sees torch ops only; `--tool kernels` times each call into expertmesh's compiled CPU
@@ -37,8 +37,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from make_small_moe import DEFAULT_CACHE, SHAPES, make_small_moe  # noqa: E402
 
-from expertmesh import LLM, SamplingParams  # noqa: E402
-from expertmesh.cpu import huge_pages  # noqa: E402
+from expertmesh import (  # noqa: E402
+    LLM,
+    SamplingParams,
+    huge_pages,  # noqa: E402
+)
 
 
 def prefilled_engine(

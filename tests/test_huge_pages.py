@@ -1,4 +1,4 @@
-"""Big CPU weights and the KV cache on transparent huge pages (cpu/huge_pages.py)."""
+"""Big CPU weights and the KV cache on transparent huge pages (expertmesh/huge_pages.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expertmesh.cpu import huge_pages
+from expertmesh import huge_pages
 from expertmesh.cpu.expert_forms import PanelStacks
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -1,7 +1,8 @@
 """The package's import graph, read from the source with `ast` (imports inside functions
 included): no import circle. The list of known circles was a ratchet while issue 34 broke them;
 it is empty now and may only stay so. And, read the same way: no file of layers/ or models/ tests
-which backend runs it (they take their compute from the model's ops, layers/ops.py)."""
+which backend runs it (they take their compute from the model's ops, layers/ops.py), nor imports cpu/
+(but models/build.py, which chooses the backend)."""
 
 from __future__ import annotations
 
@@ -192,4 +193,45 @@ def test_layers_and_models_never_test_which_backend_runs():
     ]
     assert not found, (
         "take the op or weight form from the model's ops (layers/ops.py) instead:\n" + "\n".join(found)
+    )
+
+
+# ---- layers/ and models/ import nothing of cpu/ (issue 34) ------------------------------------------
+# cpu/ implements what layers/ declares (the Ops protocol, the weight interfaces) and imports it; the
+# reverse edge would make the two one package again. The backend is chosen in one module, which may
+# name it; every other module of layers/ and models/ sees the backend's objects only as the protocols
+# of layers/ops.py. Imports under `if TYPE_CHECKING:` count too (the reader walks the whole file).
+CHOOSES_THE_BACKEND = frozenset({"models.build"})
+
+
+def backend_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`module -> cpu module` for each import of cpu/ by layers/ or models/ (but the chooser)."""
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        if a.split(".")[0] in ("layers", "models") and a not in CHOOSES_THE_BACKEND
+        for b in targets
+        if b.split(".")[0] == "cpu"
+    )
+
+
+def test_the_backend_import_finder_sees_one():
+    graph = {
+        "layers.linear": {"cpu.cpu_gemm", "layers.linear_weight"},
+        "layers": {"cpu"},
+        "models.decoder": {"layers.ops"},
+        "models.build": {"cpu.ops"},  # the chooser may
+        "cpu.ops": {"layers.ops"},  # the allowed direction
+        "layers_extra": {"cpu.ops"},  # a name that only starts like the package
+    }
+    assert backend_imports(graph) == ["layers -> cpu", "layers.linear -> cpu.cpu_gemm"]
+    assert "cpu.ops" in import_graph()["models.build"]  # the reader sees the chooser's import
+
+
+def test_layers_and_models_import_nothing_of_cpu():
+    found = backend_imports(import_graph())
+    assert not found, (
+        "layers/ and models/ take the backend from the model's ops (layers/ops.py; chosen in "
+        "models/build.py select_ops): declare a protocol in layers/ops.py, or move the shared part "
+        "below both packages (expertmesh/huge_pages.py, layers/linear_weight.py):\n" + "\n".join(found)
     )

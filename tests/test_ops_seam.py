@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expertmesh.config.rope_config import RopeConfig
-from expertmesh.cpu.ops import CpuOps, ops_for
+from expertmesh.cpu.ops import TORCH_CPU_OPS, CpuOps, ops_for
 from expertmesh.layers.ops import Ops
 from expertmesh.layers.rotary import RotaryEmbedding
 from expertmesh.layers.torch_ops import TORCH_OPS, TorchOps
@@ -18,7 +18,7 @@ from expertmesh.models.build import select_ops
 
 def test_the_backend_is_chosen_from_device_dtype_and_determinism(kernels, monkeypatch):
     assert select_ops("cuda", torch.bfloat16, False) is TORCH_OPS  # no CUDA needed: nothing is built
-    assert select_ops("cpu", torch.float16, False) is TORCH_OPS  # a dtype our kernels do not serve
+    assert select_ops("cpu", torch.float16, False) is TORCH_CPU_OPS  # a dtype our kernels do not serve
     ops = select_ops("cpu", torch.float32, False)
     assert isinstance(ops, CpuOps) and ops.library is not None and ops.runs_codes and ops.native_decode
     assert ops.quant_lanes == kernels.lanes
@@ -29,7 +29,7 @@ def test_the_backend_is_chosen_from_device_dtype_and_determinism(kernels, monkey
     det = select_ops("cpu", torch.bfloat16, True)
     assert isinstance(det, CpuOps) and det.library.onednn_bf16_rows is None
     assert kernels.onednn_bf16_rows == 64
-    assert ops_for(None) is TORCH_OPS and isinstance(ops_for(kernels), CpuOps)  # no library: torch
+    assert ops_for(None) is TORCH_CPU_OPS and isinstance(ops_for(kernels), CpuOps)  # no library: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -31,6 +31,7 @@ import torch
 
 from expertmesh.cpu.cpu_features import onednn_bf16
 from expertmesh.cpu.cpu_kernels import CpuKernels, PanelWeight
+from expertmesh.layers.linear_weight import release  # noqa: F401 -- cpu_gemm.release, for callers
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -123,8 +124,3 @@ def pack_in_place(weight: torch.Tensor, kernels: CpuKernels) -> PanelWeight:
         flat[r0 * in_features : r0 * in_features + block.data.numel()].copy_(block.data.view(-1))
     data = w.view(shape)
     return dataclasses.replace(probe, data=data, out_features=out_features, ptr=data.data_ptr())
-
-
-def release(param: torch.nn.Parameter) -> None:
-    """Drop a parameter's dense storage once a packed copy serves its matmuls."""
-    param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from expertmesh.cpu import cpu_features, cpu_onednn, kernel_library
 from expertmesh.cpu.cpu_attention_kernels import AttentionKernels
 from expertmesh.cpu.kernel_library import SIGNATURES
+from expertmesh.layers.quantization.codes import QUANT_KINDS
 
 log = logging.getLogger("expertmesh")
 
@@ -70,15 +71,6 @@ class PanelWeight:
     def slot_tensors(self) -> list[torch.Tensor]:
         """What EPLB moves of an expert's weight held in this form."""
         return [self.data]
-
-
-# gemm_q's code kinds, a kind's number its index: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and
-# uint4 weights with activations quantized to int8 per row and group (W8A8, W4A8); uint4, int8, fp4 and
-# fp8 weights with activations rounded to bf16, on bf16 pairs (csrc/quant_bf16.c). The one Python
-# declaration: csrc/quant_kinds.h numbers them for C (tests/test_declared_interfaces.py checks they agree).
-QUANT_KINDS = (
-    "int8", "int4", "fp8", "fp4", "w8a8", "w4a8", "int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16"
-)  # fmt: skip
 
 
 class CpuKernels(AttentionKernels):

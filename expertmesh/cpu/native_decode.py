@@ -44,10 +44,10 @@ from expertmesh.cpu.native_desc import (  # noqa: F401 -- the descriptors, re-ex
     QExpertsDesc,
     QWeightDesc,
     StepMeta,
-    bias_ptr,
     c_entry,
     held_struct,
 )
+from expertmesh.layers.linear_weight import bias_ptr
 
 
 def gemm_form(weight: Any, dtype: torch.dtype, keep: list, float32_out: bool = False) -> dict | None:

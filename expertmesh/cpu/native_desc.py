@@ -80,12 +80,3 @@ def held_struct(keep: list, struct: ctypes.Structure) -> int:
     """The address of a descriptor-time struct, held alive by `keep` (as the descriptor's tensors)."""
     keep.append(struct)
     return ctypes.addressof(struct)
-
-
-def bias_ptr(bias: torch.Tensor | None, keep: list) -> int | None:
-    """A float32 copy of a bias (as CpuKernels.linear passes it), held alive by `keep`."""
-    if bias is None:
-        return None
-    b = bias.detach().to(torch.float32).contiguous()
-    keep.append(b)
-    return b.data_ptr()

@@ -1,6 +1,7 @@
 """`CpuOps`: the model's ops (layers/ops.py) on our compiled CPU kernels (cpu/cpu_kernels.py), each
 op falling back to TorchOps (layers/torch_ops.py) where its kernel does not serve the dtype, shape
-or device; and `cpu_ops`, which chooses between them for a CPU model (models/build.py)."""
+or device; `TorchCpuOps`, torch's ops with the weights packed for oneDNN's linear where it serves
+them (cpu/cpu_gemm.py); and `cpu_ops`, which chooses between them for a CPU model (models/build.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,25 @@ from expertmesh.layers.linear_weight import LinearWeight
 from expertmesh.layers.ops import Ops
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 from expertmesh.layers.rotary import RotaryTables
-from expertmesh.layers.torch_ops import TORCH_OPS, TorchOps
+from expertmesh.layers.torch_ops import TorchOps
 
 
-class CpuOps(TorchOps):
+class TorchCpuOps(TorchOps):
+    """TorchOps on the CPU: weights packed for oneDNN's linear where it serves them (or for our
+    panel GEMM where `packer`, CpuOps' kernels, does), else dense."""
+
+    packer: CpuKernels | None = None  # whose panels cpu_gemm.pack may choose (CpuOps: ours)
+
+    def pack(
+        self, weight: torch.Tensor, float32_out: bool = False, in_place: bool = False
+    ) -> LinearWeight | None:
+        return cpu_gemm.pack(weight, self.packer, float32_out=float32_out, in_place=in_place)
+
+
+TORCH_CPU_OPS = TorchCpuOps()  # a CPU model's ops where our kernels do not build or serve its dtype
+
+
+class CpuOps(TorchCpuOps):
     """Our kernels: packed panels (or oneDNN where cpu_gemm.pack prefers it), fused experts,
     gemm_q / moe_q over codes, RMSNorm, rotary + KV store, paged attention, native decode."""
 
@@ -174,8 +190,8 @@ class CpuOps(TorchOps):
 
 
 def ops_for(kernels: CpuKernels | None) -> Ops:
-    """CpuOps over `kernels`, or TorchOps for None (no library: another device, no compiler)."""
-    return TORCH_OPS if kernels is None else CpuOps(kernels)
+    """CpuOps over `kernels`, or TorchCpuOps for None (no library: no compiler, or off)."""
+    return TORCH_CPU_OPS if kernels is None else CpuOps(kernels)
 
 
 def cpu_ops(dtype: torch.dtype, deterministic: bool) -> Ops:
@@ -185,7 +201,7 @@ def cpu_ops(dtype: torch.dtype, deterministic: bool) -> Ops:
     be batch-invariant)."""
     kernels = cpu_kernels.load()
     if kernels is None or not kernels.supports(dtype):
-        return TORCH_OPS
+        return TORCH_CPU_OPS
     if deterministic and kernels.onednn_bf16_rows is not None:
         kernels = copy.copy(kernels)
         kernels.onednn_bf16_rows = None

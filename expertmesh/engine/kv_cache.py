@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from expertmesh.cpu import huge_pages
+from expertmesh import huge_pages
 from expertmesh.layers.cache_spec import KV_CACHE_KINDS, CacheKind, KVCacheSpec, element_size  # noqa: F401
 
 log = logging.getLogger("expertmesh")

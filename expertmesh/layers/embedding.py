@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.cpu import huge_pages
+from expertmesh import huge_pages
 from expertmesh.layers.linear_weight import DenseWeight, LinearWeight
 from expertmesh.layers.ops import Ops
 from expertmesh.layers.weights import copy_into, read, set_loader

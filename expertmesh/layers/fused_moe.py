@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from expertmesh.cpu import cpu_gemm, huge_pages
+from expertmesh import huge_pages
 from expertmesh.distributed.moe_plan import local_slot_map
 from expertmesh.layers.activation import GatedActivation
 from expertmesh.layers.expert_weights import DenseExperts, ExpertsWeight
 from expertmesh.layers.identity_experts import lookup_picks
-from expertmesh.layers.linear_weight import LinearWeight
+from expertmesh.layers.linear_weight import LinearWeight, release
 from expertmesh.layers.ops import Ops
 from expertmesh.layers.quantization.packed import QuantizedWeight
 from expertmesh.layers.weights import copy_into, read, set_loader
@@ -206,8 +206,8 @@ class FusedExperts(nn.Module):
         SwiGLU included), except experts weighted on their input."""
         if self.fixed_chunks:
             raise ValueError("deterministic=True does not serve quantized experts yet")
-        cpu_gemm.release(self.w13)
-        cpu_gemm.release(self.w2)
+        release(self.w13)
+        release(self.w2)
         self.experts_form = ops.quantized_experts_form(self, pairs)
 
     def float_biases(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:

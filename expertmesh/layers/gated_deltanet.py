@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config.linear_attention_config import LinearAttentionConfig
-from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from expertmesh.distributed.fixed_sum import plain, pointwise
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
 from expertmesh.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide
-from expertmesh.layers.ops import Ops
+from expertmesh.layers.ops import Ops, RecurrentSteps
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
 
@@ -154,7 +153,7 @@ class RecurrentMixer(nn.Module):
     # through fixed_sum.pointwise, so an element's bits do not follow the batch or this rank's heads.
     pw: Callable = staticmethod(plain)
 
-    recurrent_steps: RecurrentKernels | None = None  # the ops' in-place steps (use_ops; None: torch path)
+    recurrent_steps: RecurrentSteps | None = None  # the ops' in-place steps (use_ops; None: torch path)
     _conv_w32: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the kernel's float32 weights
 
     def use_fixed_order(self, group: Any) -> None:

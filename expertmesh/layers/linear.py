@@ -13,10 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from expertmesh.cpu import cpu_gemm, huge_pages
-from expertmesh.cpu.native_desc import bias_ptr
+from expertmesh import huge_pages
 from expertmesh.distributed.fixed_sum import chunk_count
-from expertmesh.layers.linear_weight import ChunkedWeight, DenseWeight, LinearWeight
+from expertmesh.layers.linear_weight import ChunkedWeight, DenseWeight, LinearWeight, bias_ptr, release
 from expertmesh.layers.ops import Ops
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
 
@@ -59,7 +58,7 @@ class LinearBase(nn.Module):
     def hold_quantized(self, weight: LinearWeight) -> None:
         """Serve matmuls from a compressed weight (online, or a checkpoint's codes as stored)."""
         self.weight_form = weight
-        cpu_gemm.release(self.weight)
+        release(self.weight)
 
     input_shards = 1  # ranks the input dim is split over (row-parallel: the TP size)
 

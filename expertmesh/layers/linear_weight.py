@@ -107,3 +107,17 @@ class ChunkedWeight:
             return [(self.param.data, "dense")]
         dense = lambda w: [(w, "dense")]  # noqa: E731
         return [t for w in self.chunks for t in (dense(w) if isinstance(w, torch.Tensor) else w.resident())]
+
+
+def release(param: nn.Parameter) -> None:
+    """Drop a parameter's dense storage once another form (packed, compressed) serves its matmuls."""
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def bias_ptr(bias: torch.Tensor | None, keep: list) -> int | None:
+    """A float32 copy of a bias (as a native GEMM adds it), held alive by `keep`: its address."""
+    if bias is None:
+        return None
+    b = bias.detach().to(torch.float32).contiguous()
+    keep.append(b)
+    return b.data_ptr()

@@ -3,11 +3,16 @@
 A layer calls ``self.ops.rms_norm(...)``, ``self.ops.store_kv(...)``, ``self.ops.head_matmul(...)``
 and takes its weight forms from ``self.ops.linear_form(...)`` / ``self.ops.experts_form(...)``; it
 never asks which backend runs it. The backend is chosen in one place, from the device, the dtype
-and the deterministic setting (models/backend.py `select_ops`):
+and the deterministic setting (models/build.py `select_ops`):
 
-- `TorchOps` (layers/torch_ops.py): torch on any device (oneDNN's packed linear on the CPU);
+- `TorchOps` (layers/torch_ops.py): torch on any device, dense weights;
+- `TorchCpuOps` (cpu/ops.py): TorchOps with the weights packed for oneDNN's linear where it serves
+  them (a CPU model our kernels do not serve);
 - `CpuOps` (cpu/ops.py): our compiled CPU kernels, each op falling back to TorchOps where its
   kernel does not serve a dtype, shape or device.
+
+The backend's own objects (its library, recurrent steps, native decoder) appear here only as the
+protocols below: layers/ imports nothing of cpu/ (tests/test_import_graph.py).
 
 Layers start on TorchOps (layers/torch_ops.py `TORCH_OPS`) and take the model's with `use_ops`
 after loading (models/build.py).
@@ -15,18 +20,58 @@ after loading (models/build.py).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from expertmesh.cpu.cpu_kernels import CpuKernels
-from expertmesh.cpu.native_decode import NativeDecoder
-from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from expertmesh.layers.expert_weights import ExpertsWeight
 from expertmesh.layers.linear_weight import LinearWeight
 from expertmesh.layers.quantization.packed import QuantizedProducts, QuantizedWeight
 from expertmesh.layers.rotary import RotaryTables
+
+
+class KernelLibrary(Protocol):
+    """A backend's compiled library (cpu/cpu_kernels.py CpuKernels), opaque to layers: only the
+    engine reads it, to lay out block-table decode metadata for it (engine/model_runner.py)."""
+
+
+class RecurrentSteps(Protocol):
+    """The recurrent mixers' in-place decode steps (cpu/recurrent_kernels.py RecurrentKernels)."""
+
+    def conv_step(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def ssm_step(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        decay: torch.Tensor,
+        d: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        groups: int,
+    ) -> torch.Tensor: ...
+
+
+class NativeDecode(Protocol):
+    """Decode-only steps in one native call (cpu/native_decode.py NativeDecoder)."""
+
+    dtype: torch.dtype
+
+    def serves(self, ctx: Any) -> bool: ...
+
+    def run(self, layers: list, positions: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+    def logits(
+        self, model: Any, head: Any, ids: torch.Tensor, positions: torch.Tensor, ctx: Any
+    ) -> torch.Tensor | None: ...
 
 
 class Ops(QuantizedProducts, Protocol):
@@ -34,7 +79,7 @@ class Ops(QuantizedProducts, Protocol):
 
     # The compiled library the engine lays out block-table decode metadata for
     # (engine/model_runner.py); None on TorchOps. Layers never read it.
-    library: CpuKernels | None
+    library: KernelLibrary | None
     # Whether native decode layers (cpu/native_decode.py) run on this backend's forms.
     native_decode: bool
     # Whether compressed weights multiply from their codes (False: dequantized per product).
@@ -129,10 +174,10 @@ class Ops(QuantizedProducts, Protocol):
         """x [B, H, K] times each head's w[h] ([K, N], or [N, K] transposed) -> [B, H, N]."""
         ...
 
-    def recurrent_steps(self) -> RecurrentKernels | None:
+    def recurrent_steps(self) -> RecurrentSteps | None:
         """The recurrent mixers' in-place decode steps, or None: their torch path."""
         ...
 
-    def native_decoder(self, dtype: torch.dtype) -> NativeDecoder | None:
+    def native_decoder(self, dtype: torch.dtype) -> NativeDecode | None:
         """Decode-only steps in one native call (cpu/native_decode.py), or None."""
         ...

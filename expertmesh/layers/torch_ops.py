@@ -1,41 +1,44 @@
-"""`TorchOps`: the model's ops (layers/ops.py) through torch, on any device. On the CPU the weights
-are packed for oneDNN's linear where it serves them (cpu/cpu_gemm.py; torch's own library); other
-devices keep the dense parameters. Our compiled kernels' ops (cpu/ops.py CpuOps) extend this and
-fall back to it per op."""
+"""`TorchOps`: the model's ops (layers/ops.py) through torch, on any device, the weights dense
+(`pack` serves none). On the CPU, cpu/ops.py extends it: TorchCpuOps packs weights for oneDNN's linear
+where it serves them (cpu/cpu_gemm.py), and our compiled kernels' CpuOps fall back to it per op."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from expertmesh.cpu import cpu_gemm
-from expertmesh.cpu.cpu_kernels import CpuKernels
-from expertmesh.cpu.native_decode import NativeDecoder
-from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from expertmesh.layers.expert_weights import ExpertsWeight, PerExpertWeights
-from expertmesh.layers.linear_weight import ChunkedWeight, DenseWeight, LinearWeight
+from expertmesh.layers.linear_weight import ChunkedWeight, DenseWeight, LinearWeight, release
+from expertmesh.layers.ops import KernelLibrary, NativeDecode, RecurrentSteps
 from expertmesh.layers.quantization.packed import QuantizedWeight, torch_product
 from expertmesh.layers.quantization.permuted import one_form
 from expertmesh.layers.rotary import RotaryTables
 
 
 class TorchOps:
-    """Torch's products and attention; dense (or oneDNN-packed) weights, dequantized codes."""
+    """Torch's products and attention; dense weights (packed where a subclass's `pack` serves
+    them), dequantized codes."""
 
-    library: CpuKernels | None = None
+    library: KernelLibrary | None = None
     native_decode = False
     runs_codes = False
     quant_lanes = 8  # the codes' panel width when no kernel of ours reads them
-    packer: CpuKernels | None = None  # whose panels cpu_gemm.pack may choose (CpuOps: ours)
+
+    def pack(
+        self, weight: torch.Tensor, float32_out: bool = False, in_place: bool = False
+    ) -> LinearWeight | None:
+        """A CPU backend's packed copy of an [out, in] weight (cpu/ops.py), or None: torch's F.linear
+        on the dense weight. ``in_place``: the caller releases the weight afterwards."""
+        return None
 
     # ---- weight forms -------------------------------------------------------------------------------
     def linear_form(self, param: nn.Parameter, float32_out: bool = False) -> LinearWeight:
-        """Packed for its best CPU kernel (cpu_gemm.pack; the dense storage then released: every
-        weight held once), or the parameter itself where none serves it."""
-        packed = cpu_gemm.pack(param, self.packer, float32_out=float32_out, in_place=True)
+        """Packed for its best kernel (`pack`; the dense storage then released: every weight held
+        once), or the parameter itself where none serves it."""
+        packed = self.pack(param, float32_out=float32_out, in_place=True)
         if packed is None:
             return DenseWeight(param)
-        cpu_gemm.release(param)
+        release(param)
         return packed
 
     def chunked_linear_form(self, param: nn.Parameter, count: int) -> LinearWeight:
@@ -48,17 +51,17 @@ class TorchOps:
         chunks = []
         for j in range(count):
             dense = param.data[:, j * width : (j + 1) * width].contiguous()
-            chunks.append(cpu_gemm.pack(dense, self.packer, float32_out=True) or dense)
-        cpu_gemm.release(param)
+            chunks.append(self.pack(dense, float32_out=True) or dense)
+        release(param)
         return ChunkedWeight(param, count, chunks)
 
     def quantized_form(self, param: nn.Parameter, kind: str, group: int) -> QuantizedWeight:
         weight = QuantizedWeight.quantize(param.data, kind, group, self)
-        cpu_gemm.release(param)
+        release(param)
         return weight
 
     def experts_form(self, block: nn.Module) -> ExpertsWeight:
-        """One packed pair a local expert (cpu_gemm.pack) where a kernel serves every one, else the
+        """One packed pair a local expert (`pack`) where a kernel serves every one, else the
         block's form as it is (the dense stacks through torch). Deterministic mode keeps the dense
         stacks (their fixed chunks in pair_sums)."""
         if block.fixed_chunks:
@@ -68,15 +71,15 @@ class TorchOps:
     def per_expert_form(self, block: nn.Module) -> ExpertsWeight:
         pairs = [
             (
-                cpu_gemm.pack(block.w13[e], self.packer),
-                cpu_gemm.pack(block.w2[e], self.packer, float32_out=True),
+                self.pack(block.w13[e]),
+                self.pack(block.w2[e], float32_out=True),
             )
             for e in range(len(block.expert_ids))
         ]
         if not pairs or not all(a is not None and b is not None for a, b in pairs):
             return block.experts_form
-        cpu_gemm.release(block.w13)
-        cpu_gemm.release(block.w2)
+        release(block.w13)
+        release(block.w2)
         return PerExpertWeights(pairs)
 
     def quantized_experts_form(
@@ -164,10 +167,10 @@ class TorchOps:
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         return torch.matmul(x.transpose(0, 1), w.transpose(1, 2) if transposed else w).transpose(0, 1)
 
-    def recurrent_steps(self) -> RecurrentKernels | None:
+    def recurrent_steps(self) -> RecurrentSteps | None:
         return None
 
-    def native_decoder(self, dtype: torch.dtype) -> NativeDecoder | None:
+    def native_decoder(self, dtype: torch.dtype) -> NativeDecode | None:
         return None
 
 

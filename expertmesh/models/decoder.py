@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from expertmesh.config import ModelConfig
-from expertmesh.cpu.native_decode import NativeDecoder
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.compressed_attention import CompressedAttention
 from expertmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -25,7 +24,7 @@ from expertmesh.layers.mla import MLAAttention
 from expertmesh.layers.mlp import GatedMLP, UngatedMLP
 from expertmesh.layers.moe import MoE, MoESpec
 from expertmesh.layers.norm import NORMS
-from expertmesh.layers.ops import Ops
+from expertmesh.layers.ops import NativeDecode, Ops
 from expertmesh.layers.rotary import RotaryEmbedding
 from expertmesh.models.decoder_attention import DecoderAttention, GatedDecoderAttention
 from expertmesh.models.family import Family
@@ -284,7 +283,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer(cfg, i, family, env) for i in self.layer_range})
         norm = lookup(NORMS, family.norm, "norm")
         self.norm = norm(cfg.hidden_size, cfg.norm_eps, cfg.dtype) if self.last else None
-        self.native: NativeDecoder | None = None  # decode steps in one native call, see use_ops
+        self.native: NativeDecode | None = None  # decode steps in one native call, see use_ops
 
     def use_ops(self, ops: Ops) -> None:
         """Where the ops have one (our kernels), decode-only steps run runs of eligible layers in one

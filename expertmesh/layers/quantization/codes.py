@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import torch
 
-from expertmesh.cpu.cpu_kernels import QUANT_KINDS
 from expertmesh.layers.quantization.mxfp4 import E2M1
 
-# A weight kind's gemm_q code (cpu_kernels.QUANT_KINDS numbers them, cpu/csrc/quant_kinds.h for C)
+# gemm_q's code kinds, a kind's number its index: weight-only int8, uint4, fp8 e4m3, fp4 e2m1; int8 and
+# uint4 weights with activations quantized to int8 per row and group (W8A8, W4A8); uint4, int8, fp4 and
+# fp8 weights with activations rounded to bf16, on bf16 pairs (cpu/csrc/quant_bf16.c). The one Python
+# declaration (the weights' interface, which cpu/cpu_kernels.py imports): cpu/csrc/quant_kinds.h numbers
+# them for C (tests/test_declared_interfaces.py checks they agree).
+QUANT_KINDS = (
+    "int8", "int4", "fp8", "fp4", "w8a8", "w4a8", "int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16"
+)  # fmt: skip
+
+# A weight kind's gemm_q code (QUANT_KINDS numbers them, cpu/csrc/quant_kinds.h for C)
 KINDS = {name: QUANT_KINDS.index(name) for name in ("int8", "int4", "fp8", "fp4", "w8a8", "w4a8")}
 # uint4 / int8 / fp4 / fp8 codes (int4's / int8's / fp4's / fp8's) against activations rounded to
 # bf16 (cpu/quantized.py product_kind)

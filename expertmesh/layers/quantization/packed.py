@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from expertmesh.cpu import huge_pages
+from expertmesh import huge_pages
 from expertmesh.layers.quantization.codes import (
     ACTIVATIONS_QUANTIZED,
     NIBBLES,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from expertmesh.cpu import huge_pages
+from expertmesh import huge_pages
 from expertmesh.layers.ops import Ops
 from expertmesh.layers.quantization.held import (
     HeldParam,
