@@ -3,7 +3,7 @@ one float32 `weight_scale` per tensor (W = W8 * weight_scale, the same product a
 case, under another name) and a static per-tensor `input_scale` for the activations.
 
 The format as vLLM reads it (vllm/model_executor/layers/quantization/modelopt.py, and its
-docs/features/quantization/modelopt.md): the config is either hf_quant_config.json's
+features/quantization/modelopt.md in vLLM's docs folder): the config is either hf_quant_config.json's
 `{"quantization": {"quant_algo", "kv_cache_quant_algo", "exclude_modules"}}` or config.json's flat
 `quantization_config` `{"quant_method": "modelopt", "quant_algo", "kv_cache_scheme", "ignore"}`; a
 quantized linear `X` stores `X.weight` (e4m3), `X.weight_scale` and `X.input_scale` (scalars);
