@@ -210,8 +210,8 @@ def test_block_manager_hands_out_one_state_slot_per_sequence():
 # (DP, PP, TP, backend) per family. Mamba2 under TP2: Nemotron-H's shrunk 4 groups split 2 a rank,
 # Granite-4.0-H's one group spans both ranks (its gated norm sums squares over TP).
 LAYOUTS = {
-    "qwen3.5-moe": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
-    "qwen3-next": [(2, 1, 2, "naive"), (1, 2, 2, "allgather_reducescatter")],
+    "qwen3.5-moe": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
+    "qwen3-next": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
     "granite-4.0-h": [(2, 1, 2, "naive"), (2, 2, 1, "alltoall"), (1, 2, 2, "allgather_reducescatter")],
     # under PP2 the pattern ME*- leaves the second stage without a recurrent layer (its state-slot
     # agreement and prefix-caching decision are made over the whole model)
@@ -243,7 +243,7 @@ def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
     """DP2 x TP2 (`naive`, one DP rank idle: its lockstep dummies touch no state) and PP2 x TP2:
     the linear-attention heads, their projections, convolution channels and states split over
     TP like attention heads (Qwen3.5's split projections by default, Qwen3-Next's fused ones with
-    -m slow); Mamba2 heads and groups likewise (Nemotron-H by default, in DP2 x TP2, PP2 x TP2 and
+    -m slow), and DP2 x PP2 with EP `alltoall` (experts split, the recurrent layers replicated); Mamba2 heads and groups likewise (Nemotron-H by default, in DP2 x TP2, PP2 x TP2 and
     DP2 x PP2 with EP `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2,
     with -m slow). On every rank the tokens equal the one-process run."""
     from distributed_utils import run_distributed
