@@ -243,9 +243,10 @@ def test_hybrid_layouts_equal_one_process(family, real_checkpoint):
     """DP2 x TP2 (`naive`, one DP rank idle: its lockstep dummies touch no state) and PP2 x TP2:
     the linear-attention heads, their projections, convolution channels and states split over
     TP like attention heads (Qwen3.5's split projections by default, Qwen3-Next's fused ones with
-    -m slow), and DP2 x PP2 with EP `alltoall` (experts split, the recurrent layers replicated); Mamba2 heads and groups likewise (Nemotron-H by default, in DP2 x TP2, PP2 x TP2 and
-    DP2 x PP2 with EP `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2,
-    with -m slow). On every rank the tokens equal the one-process run."""
+    -m slow), and DP2 x PP2 with EP `alltoall` (experts split, the recurrent layers replicated);
+    Mamba2 heads and groups likewise (Nemotron-H by default, in DP2 x TP2, PP2 x TP2 and DP2 x PP2
+    with EP `alltoall`; Granite-4.0-H's one group spanning the TP ranks, and PP2 x TP2, with -m
+    slow). On every rank the tokens equal the one-process run."""
     from distributed_utils import run_distributed
 
     path = real_checkpoint(_source(family))
