@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one round")
-    ap.add_argument("--baseline-root", help="also load the GGUF with the expertmesh at this root")
+    ap.add_argument("--baseline-root", help="also load both with the expertmesh at this root")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -151,8 +151,9 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         runs = [("gguf", args.file, ROOT), ("safetensors", st, ROOT)]
-        if args.baseline_root:
-            runs.insert(0, ("gguf-baseline", args.file, args.baseline_root))
+        if args.baseline_root:  # both sources with the other tree too (the loaders share code)
+            base = args.baseline_root
+            runs[:0] = [("gguf-baseline", args.file, base), ("safetensors-baseline", st, base)]
         for name, model, root in runs:
             res = _measure(name, model, args, root)
             res["round"] = r
@@ -175,6 +176,11 @@ def main() -> None:
                 b = pair["gguf-baseline"]
                 print(f"# round {r}: gguf-baseline / safetensors load {b['load_s'] / s['load_s']:.2f}x, "
                       f"peak RSS {b['peak_rss_gib'] / s['peak_rss_gib']:.2f}x")  # fmt: skip
+            for src in ("gguf", "safetensors"):
+                b, n = pair.get(src + "-baseline"), pair[src]
+                if b is not None:
+                    print(f"# round {r}: {src} this tree / baseline load {n['load_s'] / b['load_s']:.2f}x, "
+                          f"peak RSS {n['peak_rss_gib'] / b['peak_rss_gib']:.2f}x")  # fmt: skip
             same = g["tokens"] == s["tokens"]
             print(f"# round {r}: gguf / safetensors load {g['load_s'] / s['load_s']:.2f}x, peak RSS "
                   f"{g['peak_rss_gib'] / s['peak_rss_gib']:.2f}x, same tokens: {same}")  # fmt: skip
