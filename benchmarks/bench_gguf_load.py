@@ -105,6 +105,10 @@ def _measure(name: str, model: str, args: argparse.Namespace, root: str = ROOT) 
         return {"source": name, "error": (p.stderr.split("\tCommand being timed")[0] or p.stdout)[-800:]}
     res = json.loads(lines[-1])
     res.update(source=name, peak_rss_gib=int(rss.group(1)) / 2**20 if rss else None)
+    # CPU seconds of the whole process (imports and the first request included): on a shared
+    # machine far steadier than the wall-clock load time
+    cpu = [float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", p.stderr)]
+    res["cpu_s"] = sum(cpu) if len(cpu) == 2 else None
     return res
 
 
@@ -160,12 +164,15 @@ def main() -> None:
             rows.append(res)
             print(json.dumps(res), flush=True)
     print(f"# load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("\n| round | source | load s | peak RSS GiB | first request s |\n| --- | --- | --- | --- | --- |")
+    print("\n| round | source | load s | process CPU s | peak RSS GiB | first request s |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for res in rows:
         if "error" in res:
-            print(f"| {res['round']} | {res['source']} | failed: {res['error'].splitlines()[-1][:80]} | | |")
+            why = res["error"].splitlines()[-1][:80]
+            print(f"| {res['round']} | {res['source']} | failed: {why} | | | |")
         else:
-            print(f"| {res['round']} | {res['source']} | {res['load_s']:.1f} | {res['peak_rss_gib']:.2f} | "
+            print(f"| {res['round']} | {res['source']} | {res['load_s']:.1f} | {res['cpu_s']:.1f} | "
+                  f"{res['peak_rss_gib']:.2f} | "
                   f"{res['first_request_s']:.2f} |")  # fmt: skip
     ok = [r for r in rows if "error" not in r]
     for r in range(args.rounds):
@@ -180,6 +187,7 @@ def main() -> None:
                 b, n = pair.get(src + "-baseline"), pair[src]
                 if b is not None:
                     print(f"# round {r}: {src} this tree / baseline load {n['load_s'] / b['load_s']:.2f}x, "
+                          f"process CPU {n['cpu_s'] / b['cpu_s']:.2f}x, "
                           f"peak RSS {n['peak_rss_gib'] / b['peak_rss_gib']:.2f}x")  # fmt: skip
             same = g["tokens"] == s["tokens"]
             print(f"# round {r}: gguf / safetensors load {g['load_s'] / s['load_s']:.2f}x, peak RSS "
