@@ -105,6 +105,10 @@ def _measure(name: str, model: str, args: argparse.Namespace, root: str = ROOT) 
         return {"source": name, "error": (p.stderr.split("\tCommand being timed")[0] or p.stdout)[-800:]}
     res = json.loads(lines[-1])
     res.update(source=name, peak_rss_gib=int(rss.group(1)) / 2**20 if rss else None)
+    # CPU seconds of the whole process (imports and the first request included): on a shared
+    # machine far steadier than the wall-clock load time
+    cpu = [float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", p.stderr)]
+    res["cpu_s"] = sum(cpu) if len(cpu) == 2 else None
     return res
 
 
@@ -127,7 +131,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one round")
-    ap.add_argument("--baseline-root", help="also load the GGUF with the expertmesh at this root")
+    ap.add_argument("--baseline-root", help="also load both with the expertmesh at this root")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -151,20 +155,24 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         runs = [("gguf", args.file, ROOT), ("safetensors", st, ROOT)]
-        if args.baseline_root:
-            runs.insert(0, ("gguf-baseline", args.file, args.baseline_root))
+        if args.baseline_root:  # both sources with the other tree too (the loaders share code)
+            base = args.baseline_root
+            runs[:0] = [("gguf-baseline", args.file, base), ("safetensors-baseline", st, base)]
         for name, model, root in runs:
             res = _measure(name, model, args, root)
             res["round"] = r
             rows.append(res)
             print(json.dumps(res), flush=True)
     print(f"# load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("\n| round | source | load s | peak RSS GiB | first request s |\n| --- | --- | --- | --- | --- |")
+    print("\n| round | source | load s | process CPU s | peak RSS GiB | first request s |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for res in rows:
         if "error" in res:
-            print(f"| {res['round']} | {res['source']} | failed: {res['error'].splitlines()[-1][:80]} | | |")
+            why = res["error"].splitlines()[-1][:80]
+            print(f"| {res['round']} | {res['source']} | failed: {why} | | | |")
         else:
-            print(f"| {res['round']} | {res['source']} | {res['load_s']:.1f} | {res['peak_rss_gib']:.2f} | "
+            print(f"| {res['round']} | {res['source']} | {res['load_s']:.1f} | {res['cpu_s']:.1f} | "
+                  f"{res['peak_rss_gib']:.2f} | "
                   f"{res['first_request_s']:.2f} |")  # fmt: skip
     ok = [r for r in rows if "error" not in r]
     for r in range(args.rounds):
@@ -175,6 +183,12 @@ def main() -> None:
                 b = pair["gguf-baseline"]
                 print(f"# round {r}: gguf-baseline / safetensors load {b['load_s'] / s['load_s']:.2f}x, "
                       f"peak RSS {b['peak_rss_gib'] / s['peak_rss_gib']:.2f}x")  # fmt: skip
+            for src in ("gguf", "safetensors"):
+                b, n = pair.get(src + "-baseline"), pair[src]
+                if b is not None:
+                    print(f"# round {r}: {src} this tree / baseline load {n['load_s'] / b['load_s']:.2f}x, "
+                          f"process CPU {n['cpu_s'] / b['cpu_s']:.2f}x, "
+                          f"peak RSS {n['peak_rss_gib'] / b['peak_rss_gib']:.2f}x")  # fmt: skip
             same = g["tokens"] == s["tokens"]
             print(f"# round {r}: gguf / safetensors load {g['load_s'] / s['load_s']:.2f}x, peak RSS "
                   f"{g['peak_rss_gib'] / s['peak_rss_gib']:.2f}x, same tokens: {same}")  # fmt: skip

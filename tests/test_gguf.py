@@ -703,6 +703,42 @@ def test_embedding_and_head_dequantized_into_the_model_dtype(k_quant_model):
     assert q.held_kind is not None and q[:].dtype == torch.float32
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K"])
+def test_rows_decoded_into_the_parameter_equal_gguf_and_are_checked(qtype, monkeypatch):
+    """The embedding / head path (weights.copy_rows_into -> GGUFTensor.rows_into): rows decoded a
+    few at a time straight into the parameter equal gguf's values rounded once to its dtype; a block
+    whose fp16 scale is NaN fails naming the parameter (a warning when allowed); a shard outside the
+    tensor fails."""
+    from expertmesh.layers import weights
+    from expertmesh.models.gguf import quants
+
+    monkeypatch.setattr(quants, "DEQUANT_ROWS", 3)
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(1)
+    rows, cols = 10, 512
+    raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    b = raw.reshape(rows, cols // block, size)
+    d = rng.uniform(-0.1, 0.1, b.shape[:2]).astype(np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
+    at = {"Q4_K": 0}.get(qtype, size - 2)  # d: first in Q4_K, last in Q6_K / Q3_K
+    b[..., at : at + 2] = d
+    if qtype == "Q4_K":
+        b[..., 2:4] = d
+    want = torch.from_numpy(gguf.quants.dequantize(raw, t).astype(np.float32)).to(torch.bfloat16)
+    src = GGUFTensor(raw, t, (rows, cols), "model.embed_tokens.weight", out_dtype=torch.bfloat16)
+    dst = torch.full((7, cols), 5.0, dtype=torch.bfloat16)
+    weights.copy_rows_into(dst, src, 2, "vocab shard")
+    assert torch.equal(dst, want[2:9])
+    with pytest.raises(ValueError, match=r"shard \[4, 11\) is outside dim 0"):
+        weights.copy_rows_into(dst, src, 4, "vocab shard")
+    b[5, 0, at : at + 2] = np.array([np.nan], np.float16).view(np.uint8)
+    with pytest.raises(weights.NonFinite, match="vocab shard: .* values are NaN or infinite"):
+        weights.copy_rows_into(dst, src, 2, "vocab shard")
+    with weights.nonfinite_allowed(True):
+        weights.copy_rows_into(dst, src, 2, "vocab shard")
+    assert bool(dst[3].isnan().any()) and torch.equal(dst[:3], want[2:5])
+
+
 def test_phimoe_from_its_published_config(real_checkpoint, tmp_path):
     """Phi-3.5-MoE as llama.cpp's converter writes it (LayerNorm weights and biases, q/k/v/o and head
     biases, LongRoPE factors as rope_factors_long / _short tensors with one attention factor): the

@@ -21,7 +21,7 @@ from torch import nn
 from expertmesh import huge_pages
 from expertmesh.layers.linear_weight import DenseWeight, LinearWeight
 from expertmesh.layers.ops import Ops
-from expertmesh.layers.weights import copy_into, read, set_loader
+from expertmesh.layers.weights import copy_rows_into, set_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         set_loader(self.weight, self._load)
 
     def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        copy_into(param.data[: self.rows], read(src, 0, self.start, self.rows), "vocab shard")
+        copy_rows_into(param.data[: self.rows], src, self.start, "vocab shard")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:

@@ -75,6 +75,20 @@ def read(src: Any, dim: int | None = None, start: int = 0, length: int | None = 
     return src[index]
 
 
+# min and max in one pass propagate NaN and reach +-inf, without isfinite's bool tensor of the size
+# of the weight (that check was most of loading a 150K-row embedding); other dtypes: isfinite
+_MINMAX = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _all_finite(value: torch.Tensor) -> bool:
+    if value.numel() == 0:
+        return True
+    if value.dtype not in _MINMAX:
+        return bool(torch.isfinite(value).all())
+    lo, hi = torch.aminmax(value)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def copy_into(dst: torch.Tensor, value: torch.Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(value.shape):
         raise ShapeMismatch(what, tuple(value.shape), tuple(dst.shape))
@@ -85,12 +99,34 @@ def copy_into(dst: torch.Tensor, value: torch.Tensor, what: str) -> None:
     region = getattr(value, "held_region", None)
     if region is not None:  # codes of a weight held compressed: scales go beside (quantization/held.py)
         region.held.on_copy(dst, region)
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+    _check_finite(value, what)
+    dst.copy_(value.to(dst.dtype))
+
+
+def _check_finite(value: torch.Tensor, what: str) -> None:
+    if value.is_floating_point() and not _all_finite(value):
         bad = int((~torch.isfinite(value)).sum())
         if not _allow_nonfinite:
             raise NonFinite(f"{what}: {bad} of {value.numel()} values are NaN or infinite")
         log.warning("%s: %d values are NaN or infinite (allowed)", what, bad)
-    dst.copy_(value.to(dst.dtype))
+
+
+def copy_rows_into(dst: torch.Tensor, src: Any, start: int, what: str) -> None:
+    """copy_into(dst, read(src, 0, start, len(dst)), what); a source that decodes rows a piece at a
+    time (`rows_into`: a GGUF embedding or head) writes them straight into dst, without a
+    temporary of the whole table, and dst is then checked as copy_into checks the value."""
+    into = getattr(src, "rows_into", None)
+    if into is None or _whole or dst.is_meta or dst.dim() != 2 or not dst.is_floating_point():
+        copy_into(dst, read(src, 0, start, dst.shape[0]), what)
+        return
+    shape = shape_of(src)
+    if len(shape) != 2 or shape[1] != dst.shape[1]:
+        raise ShapeMismatch(what, shape, tuple(dst.shape))
+    if start < 0 or start + dst.shape[0] > shape[0]:
+        stop = start + dst.shape[0]
+        raise ValueError(f"shard [{start}, {stop}) is outside dim 0 of a tensor of shape {shape}")
+    into(dst, start)
+    _check_finite(dst, what)
 
 
 def set_loader(param: torch.nn.Parameter, loader: Any, shards: set | None = None) -> None:

@@ -19,7 +19,7 @@ bits), so the one rounding left is the offset's add, the same one gguf makes:
          2^(e - 127) (exact in float32, subnormal at e = 0), offset 0; e = 255 (ggml: 2^127, OCP:
          NaN) is refused when held
 Every block of a region is decoded at once (numpy over all blocks, no loop per block); the same
-decoding dequantizes these types for float parameters (embedding, head), a few thousand rows a
+decoding dequantizes these types for float parameters (embedding, head), a few hundred rows a
 call. Other types go through gguf.quants.dequantize (the format's own dequantizer).
 """
 
@@ -34,7 +34,9 @@ HELD = {
     "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16), "MXFP4": ("fp4", 32),
 }  # fmt: skip
 FLOAT_TYPES = ("F32", "F16", "BF16")
-DEQUANT_ROWS = 4096  # rows dequantized per call: bounds the float32 temporaries of a large tensor
+# rows dequantized per call: a call's float32 temporaries (~2 MB at hidden 2048) stay in the cache
+# and the allocator reuses them, where thousands of rows took fresh pages every call
+DEQUANT_ROWS = 256
 # parameters the model fuses (qkv, gate+up, an expert's gate/up and down pair): their parts must be
 # held in one kind and group, so a mix (Q4_K_M's Q4_K gate/up with a Q6_K down) is held as int8
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"),

@@ -2,7 +2,7 @@
 safe_open it uses): stacked `[E, out, in]` experts served one expert at a time, so an EP rank
 reads only its experts' bytes; a TP rank reads only its rows (whole heads of a Q/K weight that
 llama.cpp permuted); the HELD types hand out codes + scales + offsets (`quantized`), the rest are
-dequantized a few thousand rows at a time into the model dtype where the target is the embedding
+dequantized a few hundred rows at a time into the model dtype where the target is the embedding
 or the head (no float32 copy of a 150K-row table)."""
 
 from __future__ import annotations
@@ -138,13 +138,26 @@ class GGUFTensor(LogicalTensor):
         name, dtype = self.qtype.name, self.out_dtype or torch.float32
         if raw.ndim < 2:
             return torch.from_numpy(quants.dequantize(raw, name)).to(dtype)
-        # a few thousand rows at a time into the output: the float32 temporaries of a 150K-row
+        # a few hundred rows at a time into the output: the float32 temporaries of a 150K-row
         # embedding would otherwise be gigabytes
         out = torch.empty((len(raw), *self.shape[1:]), dtype=dtype)
         step = quants.DEQUANT_ROWS
         for r in range(0, len(raw), step):
             out[r : r + step] = torch.from_numpy(quants.dequantize(raw[r : r + step], name))
         return out
+
+    def rows_into(self, out: torch.Tensor, start: int) -> None:
+        """Rows [start, start + len(out)) into `out` (the embedding's or head's parameter), decoded
+        a few hundred rows at a time: the same values `materialize` gives, with no temporary of
+        the whole table."""
+        if self.permute or len(self.shape) != 2 or self.held is not None or self.qtype.name in FLOAT_TYPES:
+            out.copy_(self.materialize([(start, start + len(out)), (0, self.shape[1])]))
+            return
+        raw = np.asarray(self.data[start : start + len(out)])
+        dtype, step = self.out_dtype or torch.float32, quants.DEQUANT_ROWS
+        for r in range(0, len(raw), step):
+            values = quants.dequantize(raw[r : r + step], self.qtype.name)
+            out[r : r + step] = torch.from_numpy(values).to(dtype)  # rounded as materialize rounds
 
     def _cols(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """Rows [r0, r1), columns [c0, c1): the blocks covering them read and decoded, then cut."""
