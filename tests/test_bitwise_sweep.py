@@ -52,7 +52,8 @@ def _families() -> list[str]:
 
 # By default: world 4 on OLMoE (its q/k norm over the whole projection sums squares over TP: was
 # 0.0003-inf off one process in every TP layout before fixed_sum reached it); batches on one family
-# per block kind: GQA + sinks + sliding windows (gpt-oss), MLA with a shared expert and grouped sigmoid routing (deepseek-v3), Gated DeltaNet
+# per block kind: GQA + sinks + sliding windows (gpt-oss), MLA with a shared expert and grouped
+# sigmoid routing (deepseek-v3), Gated DeltaNet
 # (qwen3.5-moe), Mamba2 with ungated experts (nemotron-h), chunks / NoPE / dense + MoE layers
 # (llama4-interleaved).
 DEFAULT_WORLD4 = ["olmoe"]
