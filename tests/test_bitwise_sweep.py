@@ -55,9 +55,10 @@ def _families() -> list[str]:
 # per block kind: GQA + sinks + sliding windows (gpt-oss), MLA with a shared expert and grouped
 # sigmoid routing (deepseek-v3), Gated DeltaNet
 # (qwen3.5-moe), Mamba2 with ungated experts (nemotron-h), chunks / NoPE / dense + MoE layers
-# (llama4-interleaved).
+# (llama4-interleaved), DeepSeek Sparse Attention (deepseek-v3.2: a short request's decode took
+# the dense path alone and the sparse one beside a longer request, 1e-5 apart in float32).
 DEFAULT_WORLD4 = ["olmoe"]
-DEFAULT_BATCH = ["gpt-oss", "deepseek-v3", "qwen3.5-moe", "nemotron-h", "llama4-interleaved"]
+DEFAULT_BATCH = ["gpt-oss", "deepseek-v3", "qwen3.5-moe", "nemotron-h", "llama4-interleaved", "deepseek-v3.2"]
 
 
 def _path(real_checkpoint, family: str) -> str:
