@@ -110,7 +110,9 @@ class LatentAttention(nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         index_cache, nd = sparse.indexer.cache, meta.num_decodes
         tables = list(self._decode_tables(meta))
-        if nd and max(n for _, n in tables) <= sparse.indexer.topk:  # every decode keeps all: dense
+        # Every decode keeps all its keys: dense. Not in deterministic mode: whether a request takes
+        # this path would follow the other requests of the step, and the two paths round apart.
+        if nd and not self.fixed_order and max(n for _, n in tables) <= sparse.indexer.topk:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], meta)
             nd, tables = 0, []
         if self.absorbed and nd:

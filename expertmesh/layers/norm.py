@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
 from expertmesh.layers.ops import Ops
 from expertmesh.layers.torch_ops import TORCH_OPS
 from expertmesh.layers.weights import copy_into, default_loader, read, set_loader
@@ -109,11 +110,23 @@ class ProjectionRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (this rank's heads) -> the same shape."""
         x32 = x.reshape(x.shape[0], -1).float()
-        squares = x32.pow(2).sum(-1, keepdim=True)
-        if self.group.world_size > 1:
-            squares = self.group.all_reduce(squares)
+        if self.group.fixed_chunks:
+            squares = self._fixed_squares(x32)
+        else:
+            squares = x32.pow(2).sum(-1, keepdim=True)
+            if self.group.world_size > 1:
+                squares = self.group.all_reduce(squares)
         y = x32 * torch.rsqrt(squares / self.width + self.eps)
         return (self.weight * y.to(x.dtype)).view(x.shape)
+
+    def _fixed_squares(self, x32: torch.Tensor) -> torch.Tensor:
+        """Deterministic mode: the whole width's sum of squares over fixed chunks added by the fixed
+        tree, the ranks' subtree sums by the group's ordered_sum (fixed_sum.py), so one process
+        and every TP degree give the same bits (an all-reduce of per-rank sums does not)."""
+        ranks = self.group.world_size
+        chunks = chunk_count(self.width, ranks, "a whole-projection q/k norm", even=False)
+        parts = x32.view(x32.shape[0], chunks // ranks, self.width // chunks).pow(2).sum(-1)
+        return self.group.ordered_sum(tree_sum(list(parts.unbind(-1))))[:, None]
 
 
 NORMS = {"rms": RMSNorm, "layer": LayerNorm, "rms_offset": OffsetRMSNorm, "rms_float32": Float32RMSNorm}
