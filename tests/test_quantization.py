@@ -448,7 +448,7 @@ def test_unsupported_quant_method_names_it_and_the_supported_ones(real_checkpoin
     with pytest.raises(
         ValueError,
         match=r"quant_method='bitsandbytes'.*supported: "
-        r"\['awq', 'compressed-tensors', 'fp8', 'gptq', 'mxfp4'\]",
+        r"\['awq', 'compressed-tensors', 'fp8', 'gptq', 'modelopt', 'mxfp4'\]",
     ):
         LLM(str(path), max_model_len=32, kv_cache_memory_bytes=1 << 20)
 

@@ -63,7 +63,7 @@ def test_unsupported_config_values_are_named(real_checkpoint, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"quant_method='bitsandbytes', which expertmesh does not load; "
-        r"supported: \['awq', 'compressed-tensors', 'fp8', 'gptq', 'mxfp4'\]",
+        r"supported: \['awq', 'compressed-tensors', 'fp8', 'gptq', 'modelopt', 'mxfp4'\]",
     ):
         LLM(str(path), kv_cache_memory_bytes=1 << 22)
     _edit_config(path, quantization_config=None, layer_types=["linear_attention"] * 4)
