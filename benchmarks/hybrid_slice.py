@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from checkpoint_cache import cached_checkpoint  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
-from expertmesh.layers.gated_deltanet import RecurrentMixer  # noqa: E402
+from expertmesh.layers.recurrent_mixer import RecurrentMixer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

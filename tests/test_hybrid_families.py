@@ -18,8 +18,8 @@ from test_real_families import assert_bf16_bound, hf_logprobs, logprob_errors
 from expertmesh import LLM, SamplingParams
 from expertmesh.engine.block_manager import BlockManager
 from expertmesh.engine.sequence import Sequence
-from expertmesh.layers.gated_deltanet import RecurrentMixer
 from expertmesh.layers.quantization.packed import QuantizedWeight
+from expertmesh.layers.recurrent_mixer import RecurrentMixer
 
 NEW_TOKENS = 12
 TOP = 20

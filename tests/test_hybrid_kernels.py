@@ -14,8 +14,9 @@ from torch import nn
 from expertmesh.cpu.ops import ops_for
 from expertmesh.cpu.recurrent_kernels import RecurrentKernels
 from expertmesh.distributed.fixed_sum import plain
-from expertmesh.layers.gated_deltanet import GatedDeltaNet, RecurrentMixer
+from expertmesh.layers.gated_deltanet import GatedDeltaNet
 from expertmesh.layers.mamba2 import Mamba2Mixer
+from expertmesh.layers.recurrent_mixer import RecurrentMixer
 from expertmesh.layers.torch_ops import TORCH_OPS
 
 U = 2.0**-24  # float32's unit roundoff

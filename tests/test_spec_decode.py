@@ -360,7 +360,7 @@ def assert_every_length_accepted(llm: LLM, k: int) -> None:
 
 def _torch_recurrence(llm: LLM) -> None:
     """The recurrent mixers on their torch path (no compiled kernels), for this engine's life."""
-    from expertmesh.layers.gated_deltanet import RecurrentMixer
+    from expertmesh.layers.recurrent_mixer import RecurrentMixer
 
     mixers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RecurrentMixer)]
     assert mixers

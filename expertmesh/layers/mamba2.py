@@ -28,8 +28,9 @@ from expertmesh.config.linear_attention_config import Mamba2Config
 from expertmesh.distributed.fixed_sum import chunk_count, plain, tree_sum
 from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.cache_spec import StateSpec
-from expertmesh.layers.gated_deltanet import RecurrentMixer, copy_row_parts
+from expertmesh.layers.gated_deltanet import copy_row_parts
 from expertmesh.layers.linear import ReplicatedLinear, RowParallelLinear
+from expertmesh.layers.recurrent_mixer import RecurrentMixer
 from expertmesh.layers.weights import copy_into, read, set_loader
 
 
