@@ -235,3 +235,24 @@ def test_layers_and_models_import_nothing_of_cpu():
         "models/build.py select_ops): declare a protocol in layers/ops.py, or move the shared part "
         "below both packages (expertmesh/huge_pages.py, layers/linear_weight.py):\n" + "\n".join(found)
     )
+
+
+MAX_LINES = 400  # issue 34: a source file longer than this hides a second concept: split it
+
+
+def too_long(paths: list[Path], limit: int = MAX_LINES) -> list[str]:
+    """'path: N lines' for every file over the limit."""
+    return [f"{p}: {n} lines" for p in paths if (n := len(p.read_text().splitlines())) > limit]
+
+
+def test_the_length_check_sees_a_long_file(tmp_path):
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    short.write_text("x = 1\n" * MAX_LINES)
+    assert too_long([long, short]) == [f"{long}: {MAX_LINES + 1} lines"]
+
+
+def test_no_package_source_file_passes_400_lines():
+    sources = sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")])
+    assert len(sources) > 100
+    assert not too_long(sources), f"split these by concept (docs/architecture.md): {too_long(sources)}"
