@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import gguf
@@ -29,6 +30,9 @@ from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "real_configs", "gpt-oss-20b.json")
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from gguf_checkpoints import gpt_oss_metadata  # noqa: E402  (the test writer's keys: one source)
+
 Q = gguf.GGMLQuantizationType
 SCALE = 127 - 7  # e8m0 block scale 2^-7
 
@@ -118,26 +122,7 @@ def write(out: str, n_layers: int | None, vocab: int | None, seed: int = 0) -> d
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(out + ".gguf", "gpt-oss")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(h)
-    w.add_block_count(len(layers))
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    yarn = cfg["rope_scaling"]
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(float(yarn["factor"]))
-    w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
-    w.add_rope_scaling_yarn_beta_fast(float(yarn["beta_fast"]))
-    w.add_rope_scaling_yarn_beta_slow(float(yarn["beta_slow"]))
-    w.add_rope_freq_base(float(cfg["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg["num_local_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_sliding_window(cfg["sliding_window"])
-    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    gpt_oss_metadata(w, cfg, len(layers))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")

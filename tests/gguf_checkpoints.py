@@ -48,6 +48,30 @@ ATTN.update({
 })  # fmt: skip
 
 
+def gpt_oss_metadata(w: gguf.GGUFWriter, cfg: dict, n_layers: int) -> None:
+    """The `gpt-oss.*` keys llama.cpp's converter writes, from a config.json (YaRN as published)."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    yarn = cfg["rope_scaling"]
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(yarn["factor"]))
+    w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(float(yarn["beta_fast"]))
+    w.add_rope_scaling_yarn_beta_slow(float(yarn["beta_slow"]))
+    w.add_rope_freq_base(float(cfg["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+
+
 def _deepseek_tensors(
     piece: str, kind: str, w: np.ndarray, cfg: dict, legacy: bool = False
 ) -> list[tuple[str, str, np.ndarray]]:
@@ -417,27 +441,7 @@ def write_gpt_oss_gguf(hf_dir: str, out: str, qtype: str = "F32", experts: str |
     for n in sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")):
         raw.update(load_file(os.path.join(hf_dir, n)))
     w = gguf.GGUFWriter(out, "gpt-oss")
-    heads = cfg["num_attention_heads"]
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    yarn = cfg["rope_scaling"]
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(float(yarn["factor"]))
-    w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
-    w.add_rope_scaling_yarn_beta_fast(float(yarn["beta_fast"]))
-    w.add_rope_scaling_yarn_beta_slow(float(yarn["beta_slow"]))
-    w.add_rope_freq_base(float(cfg["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg["num_local_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_sliding_window(cfg["sliding_window"])
-    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    gpt_oss_metadata(w, cfg, cfg["num_hidden_layers"])
     _add_tokenizer(w, hf_dir)
 
     def f32(name: str, t: torch.Tensor) -> None:
