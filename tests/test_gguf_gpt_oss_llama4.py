@@ -29,6 +29,7 @@ from gguf_checkpoints import dequantized_state, write_gpt_oss_gguf, write_llama4
 from quantized_checkpoints import to_mxfp4
 from real_checkpoints import Sizes, published
 from safetensors.torch import load_file
+from test_gguf import LLAMA_CPP_GREEDY, LLAMA_CPP_PYTHON  # llama.cpp's greedy decoding script
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.config.rope_config import RopeConfig
@@ -476,24 +477,6 @@ def test_llama4_file_written_by_llama_cpps_converter(llama4, tmp_path, variant):
     assert got[0] == want[0] and np.allclose(got[1], want[1], atol=1e-5, rtol=0)
 
 
-LLAMA_CPP_PYTHON = os.environ.get("EXPERTMESH_LLAMA_CPP_PYTHON")  # a python with llama-cpp-python
-# llama.cpp's own greedy decoding of a file, token ids in and out (run under LLAMA_CPP_PYTHON)
-LLAMA_CPP_DECODE = """
-import json, sys
-from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=128, n_threads=1, verbose=False)
-out = []
-for prompt in json.loads(sys.argv[2]):
-    tokens = []
-    for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-        tokens.append(t)
-        if len(tokens) == int(sys.argv[3]):
-            break
-    out.append(tokens)
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.skipif(not LLAMA_CPP_PYTHON, reason="EXPERTMESH_LLAMA_CPP_PYTHON (llama-cpp-python) is not set")
 @pytest.mark.parametrize("variant", list(LLAMA4_VARIANTS))
 def test_llama_cpp_runs_the_llama4_file_like_we_do(llama4, tmp_path, variant):
@@ -504,7 +487,7 @@ def test_llama_cpp_runs_the_llama4_file_like_we_do(llama4, tmp_path, variant):
     path = write_llama4_gguf(llama4(variant), str(tmp_path / "llama4.gguf"))
     args = [path, json.dumps(PROMPTS), str(GREEDY["max_tokens"])]
     run = subprocess.run(
-        [LLAMA_CPP_PYTHON, "-c", LLAMA_CPP_DECODE, *args], check=True, capture_output=True, text=True
+        [LLAMA_CPP_PYTHON, "-c", LLAMA_CPP_GREEDY, *args], check=True, capture_output=True, text=True
     )
     assert json.loads(run.stdout.strip().splitlines()[-1]) == _run(path)[0]
 
