@@ -15,7 +15,8 @@ decode ms per step ((generate of 1 + N tokens - generate of 1) / N), medians of 
 --layouts: the issue's measured run instead. Phi-mini-MoE at its published width (hidden 4,096,
 16 experts of 960; tests/real_configs/phi-mini-moe.json) with --layers random bf16 layers, 4
 requests of --new-tokens greedy tokens with top-8 logprobs: one process, then TP2, DP2 + EP
-(alltoall) and DP2 x TP2 (naive), all with deterministic=True; per rank, whether the tokens
+(alltoall), PP2, TP4 and DP2 x TP2 (naive, allgather_reducescatter, EP + alltoall), all with
+deterministic=True; per rank, whether the tokens
 equal one process's and the largest |logprob difference| over every position (0: bit-equal).
 
     .venv/bin/python benchmarks/deterministic.py --layouts --layers 8 --new-tokens 32
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8, help="--layouts: Phi-mini-MoE layers")
     ap.add_argument("--cache", default="/tmp/expertmesh-phi-mini-bitwise", help="--layouts: checkpoint dir")
     ap.add_argument("--with-default", action="store_true", help="--layouts: also without the option")
-    ap.add_argument("--worlds", default="2,4", help="--layouts: 2 (TP2, DP2 + EP), 4 (DP2 x TP2)")
+    ap.add_argument("--worlds", default="2,4", help="--layouts: 2 (TP2, DP2+EP, PP2), 4 (TP4, DP2xTP2 by backend)")
     args = ap.parse_args(argv)
     if args.quick and args.layouts:
         args.layers, args.new_tokens = 2, 8
@@ -73,8 +74,13 @@ def timed(llm, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 LAYOUTS = {  # world -> [(DP, PP, TP, expert parallel, backend)]
-    2: [(1, 1, 2, False, "allgather_reducescatter"), (2, 1, 1, True, "alltoall")],
-    4: [(2, 1, 2, False, "naive")],
+    2: [(1, 1, 2, False, "allgather_reducescatter"), (2, 1, 1, True, "alltoall"), (1, 2, 1, False, "naive")],
+    4: [
+        (1, 1, 4, False, "allgather_reducescatter"),
+        (2, 1, 2, False, "naive"),
+        (2, 1, 2, False, "allgather_reducescatter"),
+        (2, 1, 2, True, "alltoall"),
+    ],
 }
 TOP = 8
 
