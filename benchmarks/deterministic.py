@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8, help="--layouts: Phi-mini-MoE layers")
     ap.add_argument("--cache", default="/tmp/expertmesh-phi-mini-bitwise", help="--layouts: checkpoint dir")
     ap.add_argument("--with-default", action="store_true", help="--layouts: also without the option")
-    ap.add_argument("--worlds", default="2,4", help="--layouts: 2 (TP2, DP2+EP, PP2), 4 (TP4, DP2xTP2 by backend)")
+    ap.add_argument(
+        "--worlds", default="2,4", help="--layouts: 2 (TP2, DP2 + EP, PP2), 4 (TP4, DP2 x TP2 per backend)"
+    )
     args = ap.parse_args(argv)
     if args.quick and args.layouts:
         args.layers, args.new_tokens = 2, 8
