@@ -9,6 +9,7 @@ distribution computed in plain torch here), and seeded runs reproduce."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import prompts_of_lengths
@@ -129,6 +130,18 @@ def test_ngram_proposer_equals_a_brute_force_search():
         hi, k = lo + int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
         got = propose_ngram(torch.tensor(tokens).numpy(), k, lo, hi)
         assert got == _brute_force(tokens, k, lo, hi), (trial, tokens, k, lo, hi)
+    # The engine's int32 buffers, token ids whose bytes repeat across token boundaries (the search
+    # runs over bytes: a match straddling two tokens must not count).
+    ids = [0, 1, 256, 65536, 1 << 24, 257, 65537, (1 << 24) + 1]
+    for trial in range(400):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        picks = torch.randint(0, len(ids), (length,), generator=g).tolist()
+        tokens = [ids[i] for i in picks]
+        lo = int(torch.randint(1, 4, (1,), generator=g))
+        hi, k = lo + int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        got = propose_ngram(np.array(tokens, dtype=np.int32), k, lo, hi)
+        assert got == _brute_force(tokens, k, lo, hi), (trial, tokens, k, lo, hi)
+    assert propose_ngram(np.array([256, 0, 5, 1], dtype=np.int32), 2, 1, 1) == []  # 1 only straddles 256, 0
     assert propose_ngram(torch.tensor([5, 6, 7, 5, 6]).numpy(), 3, 2, 2) == [7, 5, 6]
     assert propose_ngram(torch.tensor([1, 2, 3]).numpy(), 3, 1, 2) == []  # no repeat: no draft
 
