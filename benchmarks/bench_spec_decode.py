@@ -93,6 +93,70 @@ def timed(llm, prompts: list[list[int]], params) -> tuple[float, int, list[list[
     return elapsed, sum(len(t) for t in tokens), tokens
 
 
+class KnownOutput:
+    """A proposer drafting the plain engine's greedy output itself (every draft right), exactly
+    `length` tokens a step: the verify steps then have a known row count."""
+
+    def __init__(self, prompt: list[int], out: list[int], length: int) -> None:
+        self.prompt, self.out, self.length = list(prompt), list(out), length
+
+    def propose(self, tokens, limit: int) -> list[int]:
+        done = len(tokens) - len(self.prompt)
+        return self.out[done : done + min(self.length, limit)]
+
+
+def step_timer(llm, record: list) -> None:
+    """Wrap `llm`'s engine step: each decode-only step appends (tokens in it, seconds)."""
+    engine = llm.llm_engine
+    schedule, step = engine.scheduler.schedule, engine.step
+    batch = {}
+
+    def timed_schedule():
+        batch["b"] = schedule()
+        return batch["b"]
+
+    def timed_step():
+        start = time.perf_counter()
+        out = step()
+        b = batch.pop("b", None)
+        if b is not None and b and not b.prefills:
+            record.append((b.num_tokens, time.perf_counter() - start))
+        return out
+
+    engine.scheduler.schedule, engine.step = timed_schedule, timed_step
+
+
+def row_costs(
+    plain_llm, spec_llm, prompts: list[list[int]], max_tokens: int, rounds: int
+) -> dict[int, float]:
+    """Batch-1 decode step time by verify rows (1 + draft length; drafts always right, gate off),
+    interleaved with the plain engine round by round: each row count's median step time over the
+    plain engine's one-row step's."""
+    from expertmesh import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    drafter = spec_llm.llm_engine.drafter
+    saved = drafter.proposer, drafter.gate
+    drafter.gate = None
+    lengths = [d for d in (1, 2, 3, 4, 8, 16) if d <= drafter.config.num_speculative_tokens]
+    plain_steps, spec_steps = [], []
+    step_timer(plain_llm, plain_steps)
+    step_timer(spec_llm, spec_steps)
+    for r in range(rounds):
+        prompt = prompts[r % len(prompts)]
+        outs = plain_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        out = list(outs[0].outputs[0].token_ids)
+        for d in lengths if r % 2 == 0 else lengths[::-1]:
+            drafter.proposer = KnownOutput(prompt, out, d)
+            spec_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    drafter.proposer, drafter.gate = saved
+    base = statistics.median(t for n, t in plain_steps if n == 1)
+    by_rows: dict[int, list[float]] = {}
+    for n, t in spec_steps:
+        by_rows.setdefault(n, []).append(t)
+    return {n: statistics.median(by_rows[n]) / base for n in sorted(by_rows) if len(by_rows[n]) >= rounds}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
@@ -116,6 +180,11 @@ def main() -> None:
     ap.add_argument("--llamacpp-k", type=int, default=4, help="llama.cpp's draft length (it drafts fixed k)")
     ap.add_argument("--threads", type=int, default=None, help="torch's and llama.cpp's threads")
     ap.add_argument("--batches", default="1,8", help="batch sizes to time (comma-separated)")
+    ap.add_argument(
+        "--row-costs",
+        action="store_true",
+        help="also time batch-1 verify steps by row count (drafts always right) against a one-row step",
+    )
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.max_tokens = 6, 64
@@ -264,9 +333,21 @@ def main() -> None:
     )
     if llama is not None:
         print(f"llama.cpp's greedy tokens equal ours in {agree[0]} of {agree[1]} batch-1 calls")
+    costs = None
+    if args.row_costs:
+        costs = row_costs(plain_llm, spec_llm, prompts["copy"], args.max_tokens, args.rounds)
+        print("verify step cost by rows (1 + draft length), over a one-row step (the plain engine's):")
+        print("  " + "  ".join(f"{rows}: {c:.2f}x" for rows, c in costs.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "load": load, "args": vars(args), "results": results}, f, indent=1)
+            dump = {
+                "cpu": cpu_name(),
+                "load": load,
+                "args": vars(args),
+                "results": results,
+                "row_costs": costs,
+            }
+            json.dump(dump, f, indent=1)
 
 
 if __name__ == "__main__":
