@@ -13,7 +13,7 @@ steps); a draft of d tokens then yields 1 + q + ... + q^d tokens in expectation,
 costs about 1 + ROW_COST * d one-row steps, and the gate proposes the d <= k with the most tokens
 per cost. ROW_COST is a fixed guess, not a measurement: replayed offline with the measured step-cost
 curves of an overhead-bound tiny model and of a random Mixtral whose rows route to new experts, the
-lengths it chose were within a few hundredths (in speedup) of those each model's own curve gives
+lengths it chose were within 0.07x (in speedup) of those each model's own curve gives
 (docs/speculative_decoding.md), and a fixed number keeps every rank of a replica deciding alike,
 from the broadcast acceptance only.
 """
