@@ -9,6 +9,7 @@ distribution computed in plain torch here), and seeded runs reproduce."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import prompts_of_lengths
@@ -129,6 +130,18 @@ def test_ngram_proposer_equals_a_brute_force_search():
         hi, k = lo + int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
         got = propose_ngram(torch.tensor(tokens).numpy(), k, lo, hi)
         assert got == _brute_force(tokens, k, lo, hi), (trial, tokens, k, lo, hi)
+    # The engine's int32 buffers, token ids whose bytes repeat across token boundaries (the search
+    # runs over bytes: a match straddling two tokens must not count).
+    ids = [0, 1, 256, 65536, 1 << 24, 257, 65537, (1 << 24) + 1]
+    for trial in range(400):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        picks = torch.randint(0, len(ids), (length,), generator=g).tolist()
+        tokens = [ids[i] for i in picks]
+        lo = int(torch.randint(1, 4, (1,), generator=g))
+        hi, k = lo + int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        got = propose_ngram(np.array(tokens, dtype=np.int32), k, lo, hi)
+        assert got == _brute_force(tokens, k, lo, hi), (trial, tokens, k, lo, hi)
+    assert propose_ngram(np.array([256, 0, 5, 1], dtype=np.int32), 2, 1, 1) == []  # 1 only straddles 256, 0
     assert propose_ngram(torch.tensor([5, 6, 7, 5, 6]).numpy(), 3, 2, 2) == [7, 5, 6]
     assert propose_ngram(torch.tensor([1, 2, 3]).numpy(), 3, 1, 2) == []  # no repeat: no draft
 
@@ -561,3 +574,62 @@ def test_serve_takes_the_same_flag():
 
     args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(NGRAM)])
     assert _engine_kwargs(args, None)["speculative_config"] == NGRAM
+
+
+def test_draft_length_has_the_most_expected_tokens_per_step_cost():
+    """best_length against the acceptance-length distribution written out here: with per-token
+    acceptance q, a draft of d tokens accepts exactly a < d of them with probability q^a (1 - q) and
+    all d with q^d, giving a + 1 tokens, for a step costing 1 + ROW_COST * d."""
+    from expertmesh.spec_decode.adaptive import ROW_COST, best_length
+
+    lengths = set()
+    for q64 in range(65):
+        q = q64 / 64
+        for k in (1, 2, 3, 5, 8, 16, 32):
+            values = []
+            for d in range(1, k + 1):
+                probs = [q**a * (1 - q) for a in range(d)] + [q**d]
+                values.append(sum(p * (a + 1) for a, p in enumerate(probs)) / (1 + ROW_COST * d))
+            got = best_length(q64, k)
+            assert 1 <= got <= k and values[got - 1] >= max(values) - 1e-12, (q, k, got, values)
+            lengths.add(got)
+    assert {1, 2, 5, 16, 32} <= lengths  # short drafts at low acceptance, k at full acceptance
+
+
+class _ScriptedDrafts(KnownDrafts):
+    """KnownDrafts drafting the plain output right throughout (`right`) or wrong at its first
+    token, recording the draft length it is asked for each time."""
+
+    def __init__(self, prompts, outs, k: int, right: bool) -> None:
+        super().__init__(prompts, outs, k)
+        self.right, self.limits = right, []
+
+    def propose(self, tokens, limit: int) -> list[int]:
+        self.limits.append(limit)
+        self.calls = self.k if self.right else 0  # KnownDrafts makes token `calls % (k + 1)` wrong
+        return super().propose(tokens, limit)
+
+
+@pytest.mark.timeout(240)
+def test_draft_length_grows_with_acceptance_and_shrinks_without(checkpoint):
+    """With the adaptive gate on: drafts that are always accepted are asked longer until k, drafts
+    rejected at their first token shorter down to one token, with pauses; outputs equal plain
+    decoding either way."""
+    path, k = checkpoint("mixtral"), 8
+    prompts = prompts_of_lengths([6], seed=77)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain = _generate(LLM(path, **ENGINE), prompts, sp)
+    outs = [list(o.outputs[0].token_ids) for o in plain]
+    spec = LLM(path, **ENGINE, speculative_config={**NGRAM, "num_speculative_tokens": k})
+    drafter = spec.llm_engine.drafter
+    assert drafter.gate is not None
+    drafter.proposer = right = _ScriptedDrafts(prompts, outs, k, right=True)
+    _assert_same(_generate(spec, prompts, sp), plain, "right drafts")
+    assert 1 < right.limits[0] < k and k in right.limits, right.limits
+    assert right.limits.index(k) < 4, right.limits  # a few accepted drafts reach k
+    steps = spec.llm_engine.stats()["steps"]
+    drafter.proposer = wrong = _ScriptedDrafts(prompts, outs, k, right=False)
+    _assert_same(_generate(spec, prompts, sp), plain, "wrong drafts")
+    assert wrong.limits[0] < k and wrong.limits[-1] == 1, wrong.limits
+    assert wrong.limits == sorted(wrong.limits, reverse=True), wrong.limits
+    assert len(wrong.limits) < spec.llm_engine.stats()["steps"] - steps - 1  # paused in between

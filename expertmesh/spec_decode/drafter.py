@@ -64,6 +64,8 @@ class Drafter:
             if draft:
                 self.planned.append((seq, draft))
             return draft
+        if self.gate is not None:  # the length the sequence's recent acceptance pays for
+            limit = min(limit, self.gate.length(state, self.config.num_speculative_tokens))
         return self.proposer.propose(state.tokens.sync(seq), limit)
 
     def fill(self) -> None:

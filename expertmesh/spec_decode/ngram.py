@@ -11,33 +11,47 @@ from __future__ import annotations
 import numpy as np
 
 
+def _aligned(pos: int, width: int) -> bool:
+    return pos % width == 0
+
+
+def _latest(data: bytes, sub: bytes, end: int, width: int) -> int:
+    """Byte offset of the last token-aligned occurrence of `sub` inside data[:end], or -1."""
+    pos = data.rfind(sub, 0, end)
+    while pos > 0 and not _aligned(pos, width):  # a match across token boundaries: look earlier
+        pos = data.rfind(sub, 0, pos + len(sub) - 1)
+    return pos
+
+
+def _earliest(data: bytes, sub: bytes, end: int, width: int) -> int:
+    """Byte offset of the first token-aligned occurrence of `sub` inside data[:end], or -1."""
+    pos = data.find(sub, 0, end)
+    while pos > 0 and not _aligned(pos, width):
+        pos = data.find(sub, pos + 1, end)
+    return pos
+
+
 def propose_ngram(tokens: np.ndarray, k: int, lookup_min: int, lookup_max: int) -> list[int]:
-    """Up to `k` draft tokens continuing `tokens` (1-D int array: prompt + output so far)."""
+    """Up to `k` draft tokens continuing `tokens` (1-D int array: prompt + output so far).
+
+    The search runs over the tokens' bytes (bytes.rfind / find, C loops that need no array built
+    per step): an occurrence of the suffix's bytes counts only at a token boundary."""
     length = len(tokens)
     if k < 1 or length < lookup_min + 1:
         return []
-    # Candidate ends j (< length - 1, so a token follows) of an earlier copy of the suffix; match[j]
-    # counts how many of the suffix's tokens, read backwards, agree there (capped at lookup_max).
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
-    if ends.size == 0:
-        return []
-    match = np.ones(ends.size, dtype=np.int64)
-    alive = np.ones(ends.size, dtype=bool)
-    for m in range(1, min(lookup_max, length - 1)):
-        back = ends - m
-        ok = alive & (back >= 0)
-        ok[ok] = tokens[back[ok]] == tokens[length - 1 - m]
-        match += ok
-        alive = ok
-        if not alive.any():
-            break
-    for n in range(min(lookup_max, int(match.max())), lookup_min - 1, -1):
-        hits = ends[match >= n]
-        if hits.size == 0:
-            continue
-        full = hits[hits + k < length]  # followed by k tokens
-        start = (full[-1] if full.size else hits[0]) + 1
-        return tokens[start : start + k].tolist()
+    data, width = tokens.tobytes(), tokens.itemsize
+    if _earliest(data, data[(length - lookup_min) * width :], (length - 1) * width, width) < 0:
+        return []  # not even the shortest suffix repeats (most steps of text that does not copy)
+    for n in range(min(lookup_max, length - 1), lookup_min - 1, -1):
+        suffix = data[(length - n) * width :]
+        # The latest earlier copy followed by k tokens lies in tokens[: length - k] (k >= 1 keeps it
+        # before the suffix itself); else the earliest copy anywhere before the last token.
+        pos = _latest(data, suffix, max(0, length - k) * width, width)
+        if pos < 0:
+            pos = _earliest(data, suffix, (length - 1) * width, width)
+        if pos >= 0:
+            start = pos // width + n
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -54,10 +68,11 @@ class NgramProposer:
 
 
 class TokenBuffer:
-    """A sequence's tokens as a growing int64 array, appended to rather than rebuilt each step."""
+    """A sequence's tokens as a growing int32 array (half the bytes the lookup searches of int64),
+    appended to rather than rebuilt each step."""
 
     def __init__(self) -> None:
-        self.data = np.empty(64, dtype=np.int64)
+        self.data = np.empty(64, dtype=np.int32)
         self.size = 0
 
     def sync(self, seq) -> np.ndarray:
@@ -65,7 +80,7 @@ class TokenBuffer:
         n = seq.num_tokens
         if n > self.size:
             if n > len(self.data):
-                grown = np.empty(max(n, 2 * len(self.data)), dtype=np.int64)
+                grown = np.empty(max(n, 2 * len(self.data)), dtype=np.int32)
                 grown[: self.size] = self.data[: self.size]
                 self.data = grown
             self.data[self.size : n] = seq.tokens(self.size, n)
