@@ -36,7 +36,7 @@ from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowe
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
 from expertmesh.models.gguf import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
-from expertmesh.spec_decode.mtp_families import QWEN_MTP, qwen_mtp_key
+from expertmesh.spec_decode.mtp_families import QWEN_MTP, mtp_checkpoint_key
 
 # The MTP layer's own pieces (spec_decode/mtp.py MTPLayer); the rest of `model.layers.{n}.*` is its
 # decoder layer, and its `embed_tokens` is a copy of the target's.
@@ -185,9 +185,10 @@ def _load_view(
 
 def canonical_key(key: str, model: Any) -> str:
     """The family's canonical form of `key`; with the MTP layer built, a Qwen3-Next / Qwen3.5 MTP
-    key (`mtp.*`) as DeepSeek's `model.layers.{num_layers}.*` (spec_decode/mtp_families.py)."""
-    if getattr(model, "mtp", None) is not None and model.cfg.architecture in QWEN_MTP:
-        mapped = qwen_mtp_key(key, model.cfg.num_layers)
+    key (`mtp.*`) or a LongCat-Flash one (`model.mtp.*`) as DeepSeek's `model.layers.{num_layers}.*`
+    (spec_decode/mtp_families.py)."""
+    if getattr(model, "mtp", None) is not None:
+        mapped = mtp_checkpoint_key(model.cfg.architecture, key, model.cfg.num_layers)
         if mapped is not None:
             return model.family.names.canonical(mapped)
     return model.family.names.canonical(key)

@@ -87,20 +87,30 @@ class MTPLayer(nn.Module):
         has none of its own; DeepSeek's and GLM's carry shared_head.head)."""
         super().__init__()
         from expertmesh.models.decoder import DecoderLayer  # models import spec_decode's config
-        from expertmesh.spec_decode.mtp_families import QWEN_MTP
+        from expertmesh.spec_decode.mtp_families import LONGCAT_MTP, TARGET_HEAD_MTP
 
         norm = lookup(NORMS, family.norm, "norm")
         h, tp = cfg.hidden_size, env.groups.tp
         self.enorm, self.hnorm = norm(h, cfg.norm_eps, cfg.dtype), norm(h, cfg.norm_eps, cfg.dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, cfg.dtype)
-        self.layer = DecoderLayer(_with_mtp_layer(cfg), cfg.num_layers, family, env)
-        # Qwen's layer (vLLM's qwen3_next_mtp.py): the target's head, and the final norm inside the
-        # layer, so a chained draft step reads the normed output (DeepSeek's reads it before the norm).
-        self.normed_output = cfg.architecture in QWEN_MTP
+        layer_cfg = _with_mtp_layer(cfg)
+        # LongCat-Flash's MTP layer (vLLM's longcat_flash_mtp.py) is a plain decoder layer of the
+        # family's attention (MLA) and one dense MLP, not the target's shortcut-MoE layer.
+        self.own_embedding = cfg.architecture in LONGCAT_MTP
+        if self.own_embedding:
+            layer_cfg = replace(layer_cfg, moe_layers=())
+        self.layer = DecoderLayer(layer_cfg, cfg.num_layers, family, env)
+        # Qwen's and LongCat's layers (vLLM's qwen3_next_mtp.py, longcat_flash_mtp.py): the target's
+        # head, and the final norm inside the layer, so a chained draft step reads the normed output
+        # (DeepSeek's reads it before the norm).
+        self.normed_output = cfg.architecture in TARGET_HEAD_MTP
         self.shared_head = SharedHead(cfg, norm, tp, lm_head if self.normed_output else None)
-        # A later pipeline stage has no target embedding: it loads the MTP layer's copy.
+        # A later pipeline stage has no target embedding: it loads the MTP layer's copy; LongCat's
+        # layer always embeds with its own copy (model.mtp.embed_tokens), as vLLM loads it.
         self.embed_tokens = (
-            None if env.is_first_stage else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
+            None
+            if env.is_first_stage and not self.own_embedding
+            else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
         )
         self.index = cfg.num_layers
         self._scratch: list[torch.Tensor] | None = None  # the K/V rows of lockstep dummies
@@ -218,7 +228,7 @@ class MTPProposer:
     def _compute(self, planned: list[tuple[Sequence, int]]) -> list[list[int]]:
         """The drafts on a last-stage rank; under DP, in lockstep with the other replicas."""
         mtp, inner = self.model.mtp, self.model.model
-        embed = inner.embed_tokens if inner.embed_tokens is not None else mtp.embed_tokens
+        embed = mtp.embed_tokens if mtp.embed_tokens is not None else inner.embed_tokens
         # MTP positions done (their K/V cached) up to n - 2, the last one run again for its output.
         starts = [min(getattr(seq, "mtp_done", 0), seq.num_tokens - 2) for seq, _ in planned]
         sizes = [  # catch-up positions, then one per chained token

@@ -1,0 +1,198 @@
+"""MTP speculative decoding for the 2026 families that publish MTP layers (spec_decode/mtp.py):
+LongCat-Flash's `model.mtp.*` (vLLM's longcat_flash_mtp.py: one MLA block and one dense MLP, its
+own embedding copy, `model.mtp.norm` after the residual, the target's lm_head) on a tiny checkpoint
+built from the published config with those tensors: loaded strictly for method='mtp', greedy
+tokens and logprobs equal decoding without speculation, and every first draft equals a reference
+built on transformers' own LongCat modules. The families still refused say why."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from checkpoints import prompts_of_lengths
+from real_checkpoints import published
+from safetensors.torch import load_file, save_file
+from test_real_families import FAMILIES as REAL
+from test_spec_mtp import _assert_same, _generate
+
+from expertmesh import LLM, SamplingParams
+
+ENGINE = dict(max_model_len=256, kv_cache_memory_bytes=1 << 22, warmup=False)
+LONGCAT_SCALE = -1.25  # the MTP block's tensors: the last layer's first sublayer's, times this
+LONGCAT_SPEC = {"method": "longcat_flash_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}
+
+
+def with_longcat_mtp(src: str, dst: str, seed: int = 0) -> str:
+    """A copy of a LongCat-Flash checkpoint with the MTP tensors the published one carries
+    (transformers drops them), under vLLM's longcat_flash_mtp.py names: the block (`model.mtp.
+    layers.0.{input_layernorm, self_attn, post_attention_layernorm}` and `transformer_layer.mlp`) =
+    the last layer's first attention sublayer and dense MLP times LONGCAT_SCALE; `eh_proj` over
+    [embedding; hidden]; the `enorm.m` / `hnorm.m` norms and the final `model.mtp.norm`; its own
+    embedding copy (a permutation of the target's rows times 0.5, so that embedding with the
+    target's instead shows), in a second file listed by a safetensors index."""
+    shutil.copytree(src, dst)
+    config = json.load(open(os.path.join(dst, "config.json")))
+    main = load_file(os.path.join(dst, "model.safetensors"))
+    last = f"model.layers.{config['num_layers'] - 1}."
+    hidden = config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    extra = {}
+    for key, value in main.items():
+        if not key.startswith(last):
+            continue
+        rest = key[len(last) :]
+        for old, new in (
+            ("input_layernorm.0.", "input_layernorm."),
+            ("post_attention_layernorm.0.", "post_attention_layernorm."),
+            ("self_attn.0.", "self_attn."),
+            ("mlps.0.", "transformer_layer.mlp."),
+        ):
+            if rest.startswith(old):
+                extra["model.mtp.layers.0." + new + rest[len(old) :]] = value * LONGCAT_SCALE
+    extra["model.mtp.layers.0.eh_proj.weight"] = (
+        torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    )
+    for name in ("model.mtp.layers.0.enorm.m", "model.mtp.layers.0.hnorm.m", "model.mtp.norm"):
+        extra[f"{name}.weight"] = 1 + 0.3 * torch.randn(hidden, generator=g)
+    embed = main["model.embed_tokens.weight"]
+    extra["model.mtp.embed_tokens.weight"] = embed[torch.randperm(embed.shape[0], generator=g)] * 0.5
+    os.rename(os.path.join(dst, "model.safetensors"), os.path.join(dst, "model-00001-of-00002.safetensors"))
+    save_file(extra, os.path.join(dst, "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in main}
+    weight_map |= {k: "model-00002-of-00002.safetensors" for k in extra}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return dst
+
+
+def _longcat_path(real_checkpoint, tmp_path) -> str:
+    source, overrides = REAL["longcat-flash"]
+    return with_longcat_mtp(real_checkpoint(source, **overrides), str(tmp_path / "longcat-mtp"))
+
+
+def longcat_reference_drafts(
+    path: str, prompt: list[int], first: int, k: int, swap: bool = False
+) -> list[int]:
+    """The first MTP drafts of a sequence (its prompt, then its first sampled token `first`) by
+    vLLM's longcat_flash_mtp.py data flow on transformers' LongCat modules (float32): h =
+    eh_proj([enorm(E_mtp(t[i+1])); hnorm(h_target[i])]); x = h + MLA(input_layernorm(h)) (causal,
+    RoPE at the target positions); x = x + MLP(post_attention_layernorm(x)); out = norm(x); the
+    target's lm_head; chained k times, each step's input the previous normed output and drafted
+    token. `swap`: the concat order reversed (a mutation the engine must not match)."""
+    import transformers
+    from transformers.models.longcat_flash import modeling_longcat_flash as lc
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = model.config
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    source = model.model.layers[cfg.num_layers - 1]
+    attn = lc.LongcatFlashMLA(cfg, 2 * cfg.num_layers).eval()
+    attn.load_state_dict({k: v * LONGCAT_SCALE for k, v in source.self_attn[0].state_dict().items()})
+    mlp = lc.LongcatFlashMLP(cfg).eval()
+    mlp.load_state_dict({k: v * LONGCAT_SCALE for k, v in source.mlps[0].state_dict().items()})
+    norms = {}
+    for name, key in (
+        ("input", "model.mtp.layers.0.input_layernorm"),
+        ("post", "model.mtp.layers.0.post_attention_layernorm"),
+        ("e", "model.mtp.layers.0.enorm.m"),
+        ("h", "model.mtp.layers.0.hnorm.m"),
+        ("final", "model.mtp.norm"),
+    ):
+        norms[name] = lc.LongcatFlashRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[name].weight.data.copy_(stored[f"{key}.weight"].float())
+    eh, embed = (
+        stored["model.mtp.layers.0.eh_proj.weight"].float(),
+        stored["model.mtp.embed_tokens.weight"].float(),
+    )
+    with torch.no_grad():
+        ids = torch.tensor(prompt + [first])
+        hidden = model.model(input_ids=ids[None, :-1]).last_hidden_state[0]  # normed, positions 0..n-2
+        tokens, drafts = ids[1:], []
+        for _ in range(k):
+            parts = [norms["e"](embed[tokens]), norms["h"](hidden)]
+            x = torch.cat(parts[::-1] if swap else parts, dim=-1) @ eh.T
+            n = x.shape[0]
+            pos = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            rope = model.model.rotary_emb(x[None], pos)
+            x = x + attn(norms["input"](x)[None], position_embeddings=rope, attention_mask=mask)[0][0]
+            out = norms["final"](x + mlp(norms["post"](x)))
+            drafts.append(int(model.lm_head(out[-1]).argmax()))
+            tokens = torch.cat([tokens, torch.tensor(drafts[-1:])])
+            hidden = torch.cat([hidden, out[-1:]])
+    return drafts
+
+
+@pytest.mark.timeout(240)
+def test_longcat_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_path):
+    """LongCat-Flash's MTP layer loads strictly for method='mtp' (its vLLM alias) and is skipped by
+    the family's named rule without; greedy tokens and logprobs equal decoding without speculation
+    at k = 2 (chained drafts); each sequence's first drafts equal the transformers-built reference,
+    and not the reference with the concat order swapped."""
+    from test_spec_layouts import record_drafts
+
+    path = _longcat_path(real_checkpoint, tmp_path)
+    prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 1, 9, 14)
+    ]
+    plain_llm = LLM(path, **ENGINE)
+    assert getattr(plain_llm.llm_engine.runner.model, "mtp", None) is None
+    plain = _generate(plain_llm, prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config=LONGCAT_SPEC)
+    model = spec.llm_engine.runner.model
+    mtp = model.mtp
+    assert mtp.shared_head.head is model.lm_head and mtp.normed_output and not mtp.layer.is_moe
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    eh = stored["model.mtp.layers.0.eh_proj.weight"]
+    torch.testing.assert_close(mtp.eh_proj(torch.eye(eh.shape[1])).T, eh)
+    torch.testing.assert_close(mtp.hnorm.weight, stored["model.mtp.layers.0.hnorm.m.weight"])
+    torch.testing.assert_close(mtp.shared_head.norm.weight, stored["model.mtp.norm.weight"])
+    torch.testing.assert_close(mtp.embed_tokens.weight, stored["model.mtp.embed_tokens.weight"])
+    drafts = record_drafts(spec)
+    _assert_same(_generate(spec, prompts, params), plain, "longcat")
+    s = spec.llm_engine.stats()
+    assert s["spec_decode_num_drafts"] > 0, s
+    checked = swapped_differ = 0
+    for prompt, out in zip(prompts, plain, strict=True):
+        if len(out.outputs[0].token_ids) > 1:
+            first = out.outputs[0].token_ids[0]
+            want = longcat_reference_drafts(path, prompt, first, 2)
+            assert drafts[tuple(prompt)][0] == want, (prompt, drafts[tuple(prompt)], want)
+            swapped_differ += longcat_reference_drafts(path, prompt, first, 2, swap=True) != want
+            checked += 1
+    assert checked == 3 and swapped_differ > 0
+
+
+def test_longcat_mtp_missing_tensor_is_named(real_checkpoint, tmp_path):
+    """A LongCat checkpoint missing one MTP tensor is refused for method='mtp', naming the parameter;
+    it loads without speculation (the family's rule skips model.mtp.*)."""
+    path = _longcat_path(real_checkpoint, tmp_path)
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    del stored["model.mtp.layers.0.hnorm.m.weight"]
+    save_file(stored, os.path.join(path, "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    index = json.loads(open(os.path.join(path, "model.safetensors.index.json")).read())
+    del index["weight_map"]["model.mtp.layers.0.hnorm.m.weight"]
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    with pytest.raises(Exception, match="mtp.hnorm.weight"):
+        LLM(path, **ENGINE, speculative_config=LONGCAT_SPEC)
+
+
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        ("2026/minimax-m2.5", "no public reference fixes its MTP modules"),
+        ("2026/deepseek-v4-flash", "reads the hc_mult residual streams"),
+    ],
+)
+def test_mtp_refusals_say_why(tmp_path, source, why):
+    """The families that ship MTP layers we do not build are refused by name, with the reason."""
+    config = {k: v for k, v in published(source).items() if k != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=f"{config['architectures'][0]} model is not implemented yet: .*{why}"
+    ):
+        LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
