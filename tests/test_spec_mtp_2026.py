@@ -181,18 +181,157 @@ def test_longcat_mtp_missing_tensor_is_named(real_checkpoint, tmp_path):
         LLM(path, **ENGINE, speculative_config=LONGCAT_SPEC)
 
 
-@pytest.mark.parametrize(
-    "source, why",
-    [
-        ("2026/minimax-m2.5", "no public reference fixes its MTP modules"),
-        ("2026/deepseek-v4-flash", "reads the hc_mult residual streams"),
-    ],
-)
-def test_mtp_refusals_say_why(tmp_path, source, why):
-    """The families that ship MTP layers we do not build are refused by name, with the reason."""
-    config = {k: v for k, v in published(source).items() if k != "quantization_config"}
+def test_minimax_mtp_refusal_says_why(tmp_path):
+    """MiniMax-M2.5 ships 3 MTP modules that no public reference describes: refused by name, with
+    the reason."""
+    config = {k: v for k, v in published("2026/minimax-m2.5").items() if k != "quantization_config"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=f"{config['architectures'][0]} model is not implemented yet: .*{why}"
+        ValueError,
+        match="MiniMaxM2ForCausalLM model is not implemented yet: no public reference fixes its MTP modules",
     ):
         LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+# ---- DeepSeek-V4: mtp.0.* over the hyper-connection streams -------------------------------------
+V4_SCALE = 1.25  # the MTP block's tensors: the last layer's (its compressor dropped), times this
+V4_SPEC = {"method": "deepseek_mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}
+
+
+def with_v4_mtp(src: str, dst: str, seed: int = 0) -> str:
+    """A copy of a DeepSeek-V4 checkpoint whose second file holds the MTP layer as published
+    (`mtp.0.*`, DeepSeek's MTPBlock names) in place of the DeepSeek-V3-shaped one the test writer
+    adds: the block = the last layer's tensors times V4_SCALE without its compressor (the MTP
+    layer is sliding-window only), e_proj / h_proj, enorm / hnorm, the final norm and the layer's
+    own hc_head_fn / _base / _scale; no embedding or head copy."""
+    shutil.copytree(src, dst)
+    config = json.load(open(os.path.join(dst, "config.json")))
+    index = json.load(open(os.path.join(dst, "model.safetensors.index.json")))
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    main = load_file(os.path.join(dst, first))
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    hidden, hc = config["hidden_size"], config["hc_mult"]
+    g = torch.Generator().manual_seed(seed)
+    extra = {
+        "mtp.0." + k[len(last) :]: v * V4_SCALE
+        for k, v in main.items()
+        if k.startswith(last) and ".compressor." not in k and ".indexer." not in k
+    }
+    for name in ("e_proj", "h_proj"):
+        extra[f"mtp.0.{name}.weight"] = torch.randn(hidden, hidden, generator=g) / hidden**0.5
+    for name in ("enorm", "hnorm", "norm"):
+        extra[f"mtp.0.{name}.weight"] = 1 + 0.3 * torch.randn(hidden, generator=g)
+    extra["mtp.0.hc_head_fn"] = torch.randn(hc, hc * hidden, generator=g) * 0.5
+    extra["mtp.0.hc_head_base"] = torch.randn(hc, generator=g)
+    extra["mtp.0.hc_head_scale"] = torch.rand(1, generator=g) + 0.5
+    save_file(extra, os.path.join(dst, second), metadata={"format": "pt"})
+    weight_map = {k: f for k, f in index["weight_map"].items() if f == first} | {k: second for k in extra}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return dst
+
+
+def _v4_path(real_checkpoint, tmp_path) -> str:
+    from test_deepseek_v4 import OVERRIDES, SOURCE
+
+    return with_v4_mtp(real_checkpoint(SOURCE, **OVERRIDES), str(tmp_path / "v4-mtp"))
+
+
+def v4_reference_drafts(path: str, prompt: list[int], first: int, k: int, swap: bool = False) -> list[int]:
+    """The first MTP drafts of a sequence by DeepSeek's MTPBlock data flow on transformers' V4
+    modules (float32): S = the target's streams before its hc_head (captured there), e =
+    enorm(embed(t[i+1])), x = e_proj(e)[:, None] + h_proj(hnorm(S[i])); a DeepseekV4DecoderLayer
+    at index num_hidden_layers (sliding attention, score-routed MoE) with the MTP tensors; logits =
+    lm_head(norm(hc_head(x))) with the layer's own hc_head; chained k times on the layer's output
+    streams. `swap`: e_proj and h_proj exchanged (a mutation the engine must not match)."""
+    import copy
+
+    import transformers
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    layer_cfg = copy.deepcopy(cfg)
+    layer_cfg.layer_types = [*cfg.layer_types[:n], "sliding_attention"]
+    layer_cfg.mlp_layer_types = [*cfg.mlp_layer_types[:n], "moe"]
+    layer_cfg.num_hidden_layers = n + 1
+    layer = v4.DeepseekV4DecoderLayer(layer_cfg, n).eval()
+    source = model.model.layers[n - 1].state_dict()
+    kept = {k: v * V4_SCALE for k, v in source.items() if "compressor" not in k and "indexer" not in k}
+    layer.load_state_dict(kept)
+    norms = {}
+    for name in ("enorm", "hnorm", "norm"):
+        norms[name] = v4.DeepseekV4RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name].weight.data.copy_(stored[f"mtp.0.{name}.weight"])
+    head = v4.DeepseekV4HyperHead(cfg)
+    for name in ("fn", "base", "scale"):
+        getattr(head, f"hc_{name}").data.copy_(stored[f"mtp.0.hc_head_{name}"])
+    e_proj, h_proj = stored["mtp.0.e_proj.weight"], stored["mtp.0.h_proj.weight"]
+    if swap:
+        e_proj, h_proj = h_proj, e_proj
+    captured = []
+    hook = model.model.hc_head.register_forward_pre_hook(lambda mod, args: captured.append(args[0][0]))
+    with torch.no_grad():
+        ids = torch.tensor(prompt + [first])
+        model.model(input_ids=ids[None, :-1])
+        hook.remove()
+        streams = captured[0]  # [positions 0..n-2, hc, D]
+        tokens, drafts = ids[1:], []
+        for _ in range(k):
+            e = norms["enorm"](model.model.embed_tokens(tokens)) @ e_proj.T
+            x = (norms["hnorm"](streams) @ h_proj.T + e[:, None]).contiguous()
+            m = x.shape[0]
+            pos = torch.arange(m)[None]
+            mask = torch.full((m, m), float("-inf")).triu(1)
+            window = torch.ones(m, m, dtype=torch.bool).tril(-cfg.sliding_window)
+            mask = mask.masked_fill(window, float("-inf"))[None, None]
+            rope = {kind: model.model.rotary_emb(x[None, :, 0], position_ids=pos, layer_type=kind)
+                    for kind in ("main", "compress")}  # fmt: skip
+            out = layer(x[None], position_embeddings=rope, position_ids=pos, attention_mask=mask,
+                        input_ids=tokens[None])[0]  # fmt: skip
+            drafts.append(int(model.lm_head(norms["norm"](head(out[None]))[0, -1]).argmax()))
+            tokens = torch.cat([tokens, torch.tensor(drafts[-1:])])
+            streams = torch.cat([streams, out[-1:]])
+    return drafts
+
+
+@pytest.mark.timeout(240)
+def test_v4_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_path):
+    """DeepSeek-V4's MTP layer (mtp.0.*) loads strictly for method='mtp' and is skipped by the
+    family's rule without; greedy tokens and logprobs equal decoding without speculation at k = 2
+    (chained on the output streams); each sequence's first drafts equal the transformers-built
+    reference of DeepSeek's MTPBlock, and not the one with e_proj and h_proj exchanged."""
+    from test_spec_layouts import record_drafts
+
+    path = _v4_path(real_checkpoint, tmp_path)
+    prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 1, 9, 14)
+    ]
+    plain_llm = LLM(path, **ENGINE)
+    assert getattr(plain_llm.llm_engine.runner.model, "mtp", None) is None
+    plain = _generate(plain_llm, prompts, params)
+    spec = LLM(path, **ENGINE, speculative_config=V4_SPEC)
+    model = spec.llm_engine.runner.model
+    mtp = model.mtp
+    assert mtp.head is model.lm_head and mtp.layer.attn.compressor is None and mtp.layer.attn.indexer is None
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    eye = torch.eye(stored["mtp.0.e_proj.weight"].shape[1])
+    torch.testing.assert_close(mtp.e_proj(eye).T, stored["mtp.0.e_proj.weight"])
+    torch.testing.assert_close(mtp.hc_head.hc_fn, stored["mtp.0.hc_head_fn"])
+    torch.testing.assert_close(mtp.shared_head.norm.weight, stored["mtp.0.norm.weight"])
+    drafts = record_drafts(spec)
+    _assert_same(_generate(spec, prompts, params), plain, "deepseek-v4")
+    s = spec.llm_engine.stats()
+    assert s["spec_decode_num_drafts"] > 0, s
+    checked = swapped_differ = 0
+    for prompt, out in zip(prompts, plain, strict=True):
+        if len(out.outputs[0].token_ids) > 1:
+            first = out.outputs[0].token_ids[0]
+            want = v4_reference_drafts(path, prompt, first, 2)
+            assert drafts[tuple(prompt)][0] == want, (prompt, drafts[tuple(prompt)], want)
+            swapped_differ += v4_reference_drafts(path, prompt, first, 2, swap=True) != want
+            checked += 1
+    assert checked == 3 and swapped_differ > 0

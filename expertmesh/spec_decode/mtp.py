@@ -113,7 +113,16 @@ class MTPLayer(nn.Module):
             else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
         )
         self.index = cfg.num_layers
+        self.row_width, self.dtype = h, cfg.dtype  # a hidden row the runner keeps per position
         self._scratch: list[torch.Tensor] | None = None  # the K/V rows of lockstep dummies
+
+    def attach(self, model: nn.Module) -> None:
+        """Called once the target is built (a family whose MTP layer reads more than its final
+        hidden states asks the target to keep them)."""
+
+    def rows(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """What the runner keeps per computed position: the target's final hidden states."""
+        return hidden
 
     def cache_for(self, seq: Any, tokens: int, block_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """`seq`'s MTP cache, one tensor per cache slot of the layer (MLA's latent, DSA's index keys
@@ -146,27 +155,36 @@ class MTPLayer(nn.Module):
         hidden[j] = h[context+j]), each attending to the cached positions before `context` and to the
         new ones up to its own; their K/V rows are stored in `cache` (slot = position). `counts`: the
         tokens of this forward on every DP rank (their MoE dispatch sizes), [m] in one replica."""
-        m = ids.shape[0]
+        x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
+        pos, ctx = self._context(cache, x, context, block_size, counts, rotary)
+        h = self.layer(pos, x, ctx)
+        return self.shared_head.norm(h) if self.normed_output else h
+
+    def _context(
+        self, cache: list[torch.Tensor], x: torch.Tensor, context: int, block_size: int,
+        counts: list[int] | None, rotary: Any,
+    ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
+        """The positions and forward context of m = len(x) new MTP positions from `context` on, over
+        `cache` (bound to the layer; slot = position)."""
+        m, dev = x.shape[0], x.device
         for layer, tensor in zip(self.layer.kv_layers(), cache, strict=True):
             layer.bind_kv_cache(tensor)
-        x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
-        dev = x.device
         pos = torch.arange(context, context + m, device=dev)
         table = torch.arange(-(-(context + m) // block_size), device=dev) if context else None
         meta = AttentionMetadata(pos.clone(), 0, [], [PrefillChunk(0, m, context, table)])
         meta.seq_lens = torch.full((m,), context + m, device=dev)
         ctx = ForwardContext(meta, list(counts) if counts is not None else [m], count_load=False)
-        ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
-        h = self.layer(pos, x, ctx)
-        return self.shared_head.norm(h) if self.normed_output else h
+        if rotary is not None:  # None: the layer rotates by itself (DeepSeek-V4)
+            ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
+        return pos, ctx
 
     def dummy(self, embed: nn.Module, rotary: Any, block_size: int, counts: list[int]) -> None:
         """A one-token forward that keeps a DP replica with no draft to compute in lockstep."""
-        dtype = self.enorm.weight.dtype
+        dtype = self.dtype
         if self._scratch is None:
             self._scratch = self.cache_for(nn.Module(), 1, block_size, dtype)
         dev = self.enorm.weight.device
-        hidden = torch.zeros(1, self.enorm.weight.shape[0], dtype=dtype, device=dev)
+        hidden = torch.zeros(1, self.row_width, dtype=dtype, device=dev)
         token = torch.zeros(1, dtype=torch.long, device=dev)
         self(embed, rotary, token, hidden, 0, self._scratch, block_size, counts)
 
@@ -229,6 +247,7 @@ class MTPProposer:
         """The drafts on a last-stage rank; under DP, in lockstep with the other replicas."""
         mtp, inner = self.model.mtp, self.model.model
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else inner.embed_tokens
+        rotary = getattr(inner, "rotary", None)  # DeepSeek-V4's attention rotates by itself
         # MTP positions done (their K/V cached) up to n - 2, the last one run again for its output.
         starts = [min(getattr(seq, "mtp_done", 0), seq.num_tokens - 2) for seq, _ in planned]
         sizes = [  # catch-up positions, then one per chained token
@@ -255,7 +274,7 @@ class MTPProposer:
             draft: list[int] = []
             for j in range(k):
                 context = done if j == 0 else n - 2 + j
-                h = mtp(embed, inner.rotary, ids, h_in, context, cache, self.block_size, counts())
+                h = mtp(embed, rotary, ids, h_in, context, cache, self.block_size, counts())
                 call += 1
                 if j == 0:
                     seq.mtp_done = n - 1  # rows past it (chained drafts) are overwritten later
@@ -264,6 +283,6 @@ class MTPProposer:
                 ids, h_in = torch.tensor([token], device=h.device), h[-1:]
             drafts.append(draft)
         while table is not None and call < max(len(row) for row in table):
-            mtp.dummy(embed, inner.rotary, self.block_size, counts())
+            mtp.dummy(embed, rotary, self.block_size, counts())
             call += 1
         return drafts

@@ -7,6 +7,8 @@ QWEN_MTP = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForCondi
 # LongCat-Flash (model.mtp.*, vLLM's longcat_flash_mtp.py): one MLA block and one dense MLP (not the
 # target's two-attention shortcut-MoE layer), its own embedding copy, the target's head.
 LONGCAT_MTP = ("LongcatFlashForCausalLM",)
+# DeepSeek-V4 (mtp.0.*, DeepSeek's inference/model.py MTPBlock): spec_decode/mtp_v4.py.
+V4_MTP = ("DeepseekV4ForCausalLM",)
 # MTP layers that predict through the target's lm_head and end in their own norm, which a chained
 # draft step reads (DeepSeek's and GLM's carry shared_head.head and chain the un-normed output).
 TARGET_HEAD_MTP = (*QWEN_MTP, *LONGCAT_MTP)
@@ -18,7 +20,11 @@ MTP_ARCHITECTURES = (
     "GlmMoeDsaForCausalLM",  # GLM-5: DeepSeek-V3.2's blocks
     *QWEN_MTP,
     *LONGCAT_MTP,
+    *V4_MTP,
 )
+# MTP layers whose checkpoint has no copy of the embedding: on a later pipeline stage (no target
+# embedding there) the layer loads the target's.
+NO_EMBEDDING_COPY = (*QWEN_MTP, *V4_MTP)
 
 # Why a family that ships MTP layers has none built (named in the refusal).
 MTP_NOT_BUILT = {
@@ -26,9 +32,6 @@ MTP_NOT_BUILT = {
         "no public reference fixes its MTP modules' tensor names or data flow: transformers and vLLM "
         "skip them, and the one third-party reader assumes DeepSeek's layout without a published head "
         "to check it against"
-    ),
-    "DeepseekV4ForCausalLM": (
-        "not built yet (its MTP layer reads the hc_mult residual streams before hc_head)"
     ),
 }
 
@@ -50,6 +53,16 @@ LONGCAT_MTP_NAMES = (
     ("model.mtp.embed_tokens.", "embed_tokens."),
 )
 
+# DeepSeek-V4's published names (mtp.0.*; vLLM's deepseek_v4_mtp.py reads the same), first match wins;
+# the block's own names (attn.*, ffn.*, hc_attn_fn, ...) are the family's layer names.
+V4_MTP_NAMES = (
+    ("mtp.0.norm.", "shared_head.norm."),
+    ("mtp.0.hc_head_fn", "hc_head.hc_fn"),
+    ("mtp.0.hc_head_base", "hc_head.hc_base"),
+    ("mtp.0.hc_head_scale", "hc_head.hc_scale"),
+    ("mtp.0.", ""),
+)
+
 
 def qwen_mtp_key(key: str, num_layers: int) -> str | None:
     """A Qwen3-Next / Qwen3.5 `mtp.*` key as `model.layers.{num_layers + i}.*`; None for any other."""
@@ -63,19 +76,16 @@ def qwen_mtp_key(key: str, num_layers: int) -> str | None:
     return None
 
 
-def longcat_mtp_key(key: str, num_layers: int) -> str | None:
-    """A LongCat-Flash `model.mtp.*` key as `model.layers.{num_layers}.*`; None for any other."""
-    for old, new in LONGCAT_MTP_NAMES:
-        if key.startswith(old):
-            return f"model.layers.{num_layers}.{new}{key[len(old) :]}"
-    return None
-
-
 def mtp_checkpoint_key(architecture: str, key: str, num_layers: int) -> str | None:
-    """A family's own MTP key as DeepSeek's `model.layers.{num_layers}.*`; None where the family
-    stores its MTP layer that way already, or `key` is not an MTP key."""
+    """A family's own MTP key (Qwen's `mtp.*`, LongCat's `model.mtp.*`, DeepSeek-V4's `mtp.0.*`) as
+    DeepSeek-V3's `model.layers.{num_layers}.*`; None where the family stores its MTP layer that way
+    already, or `key` is not an MTP key."""
     if architecture in QWEN_MTP:
         return qwen_mtp_key(key, num_layers)
-    if architecture in LONGCAT_MTP:
-        return longcat_mtp_key(key, num_layers)
+    names = (
+        LONGCAT_MTP_NAMES if architecture in LONGCAT_MTP else V4_MTP_NAMES if architecture in V4_MTP else ()
+    )
+    for old, new in names:
+        if key.startswith(old):
+            return f"model.layers.{num_layers}.{new}{key[len(old) :]}"
     return None
