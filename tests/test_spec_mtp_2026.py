@@ -3,7 +3,8 @@ LongCat-Flash's `model.mtp.*` (vLLM's longcat_flash_mtp.py: one MLA block and on
 own embedding copy, `model.mtp.norm` after the residual, the target's lm_head) on a tiny checkpoint
 built from the published config with those tensors: loaded strictly for method='mtp', greedy
 tokens and logprobs equal decoding without speculation, and every first draft equals a reference
-built on transformers' own LongCat modules. The families still refused say why."""
+built on transformers' own LongCat modules. DeepSeek-V4's `mtp.0.*` (DeepSeek's MTPBlock over the
+hyper-connection streams) the same way. The families still refused say why."""
 
 import json
 import os
@@ -181,15 +182,22 @@ def test_longcat_mtp_missing_tensor_is_named(real_checkpoint, tmp_path):
         LLM(path, **ENGINE, speculative_config=LONGCAT_SPEC)
 
 
-def test_minimax_mtp_refusal_says_why(tmp_path):
-    """MiniMax-M2.5 ships 3 MTP modules that no public reference describes: refused by name, with
-    the reason."""
-    config = {k: v for k, v in published("2026/minimax-m2.5").items() if k != "quantization_config"}
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (
+            "2026/minimax-m2.5",
+            "MiniMaxM2ForCausalLM model is not implemented yet: no public reference fixes its MTP modules",
+        ),
+        ("2026/nemotron-3-nano-30b-a3b", "NemotronHForCausalLM model has none"),
+    ],
+)
+def test_mtp_refusals_say_why(tmp_path, source, message):
+    """MiniMax-M2.5 ships 3 MTP modules that no public reference describes; Nemotron-3-Nano's
+    published config declares none: both refused by name, with the reason, before any weight."""
+    config = {k: v for k, v in published(source).items() if k != "quantization_config"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ValueError,
-        match="MiniMaxM2ForCausalLM model is not implemented yet: no public reference fixes its MTP modules",
-    ):
+    with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
