@@ -16,8 +16,8 @@ Checkpoint: DeepSeek's names (attn.wq_a, attn.compressor.ape, ffn.experts.<e>.w1
 hc_attn_fn, head.weight, ...), at the top level as published (embed.weight, layers.<i>.*,
 hc_head_fn) or as transformers saves them (model.embed_tokens, model.layers.<i>.*,
 model.hc_head.hc_fn); the MTP layer (mtp.0.* published) loads for speculative decoding
-(spec_decode/mtp_v4.py) and is skipped by a named rule otherwise. Pipeline parallelism is refused (a
-stage would send hc_mult x hidden values per token).
+(spec_decode/mtp_v4.py) and is skipped by a named rule otherwise. Pipeline stages hand each other
+the hc_mult streams (stage_shape).
 """
 
 from __future__ import annotations

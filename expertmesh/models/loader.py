@@ -38,17 +38,10 @@ from expertmesh.models.gguf import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
 from expertmesh.spec_decode.mtp_families import NO_EMBEDDING_COPY, mtp_checkpoint_key
 
-# The MTP layer's own pieces (spec_decode/mtp.py MTPLayer); the rest of `model.layers.{n}.*` is its
-# decoder layer, and its `embed_tokens` is a copy of the target's.
-HEAD_PIECES = (
-    "enorm.",
-    "hnorm.",
-    "eh_proj.",
-    "shared_head.",
-    "e_proj.",
-    "h_proj.",
-    "hc_head.",
-)  # V4: e/h_proj
+# The MTP layer's own pieces (spec_decode/mtp.py MTPLayer; DeepSeek-V4's e_proj / h_proj / hc_head:
+# mtp_v4.py); the rest of `model.layers.{n}.*` is its decoder layer, and its `embed_tokens` is a copy
+# of the target's (LongCat-Flash's its own).
+HEAD_PIECES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "e_proj.", "h_proj.", "hc_head.")
 SHARED_EMBEDDING = "embed_tokens."
 
 log = logging.getLogger("expertmesh")
