@@ -84,9 +84,10 @@ def _decode_per_token(llm, prompt: list[int], n: int) -> float:
     return (run(n) - run(1)) / (n - 1)
 
 
-def _draft(model, n: int, block_size: int, seq) -> float:
+def _draft(model, n: int, block_size: int, seq, repeats: int = 1) -> float:
     """One steady-state draft step (k=1) at context n: the MTP layer over the one new position, its
-    n - 1 earlier positions cached (filled once per context, outside the timing), and its head."""
+    n - 1 earlier positions cached (filled once per context, outside the timing), and its head; the
+    median of `repeats` timings (a single sub-millisecond step is noise on a loaded machine)."""
     mtp, inner = model.mtp, model.model
     embed = mtp.embed_tokens if mtp.embed_tokens is not None else inner.embed_tokens  # LongCat: its own
     rotary = getattr(inner, "rotary", None)  # DeepSeek-V4's attention rotates by itself
@@ -96,10 +97,13 @@ def _draft(model, n: int, block_size: int, seq) -> float:
     if getattr(seq, "filled", 0) < n:
         mtp(embed, rotary, ids, hidden, 0, cache, block_size)
         seq.filled = n
-    t = time.perf_counter()
-    h = mtp(embed, rotary, ids[-1:], hidden[-1:], n - 1, cache, block_size)
-    int(mtp.logits(h[-1:]).argmax())
-    return time.perf_counter() - t
+    times = []
+    for _ in range(repeats):  # the same position again: it rewrites the same cache row
+        t = time.perf_counter()
+        h = mtp(embed, rotary, ids[-1:], hidden[-1:], n - 1, cache, block_size)
+        int(mtp.logits(h[-1:]).argmax())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _synthetic(plain, path: str, root: str, rounds: int) -> str:
@@ -158,6 +162,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="16,128,512")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 16 tokens")
     ap.add_argument("--synthetic", action="store_true", help="also time generation, drafts all right")
+    ap.add_argument("--draft-repeats", type=int, default=7, help="timings per draft step (median)")
     ap.add_argument("--family", choices=FAMILIES, default="deepseek-v3", help="whose MTP layer")
     a = ap.parse_args()
     if a.synthetic and a.family != "deepseek-v3":
@@ -186,7 +191,7 @@ def main() -> None:
             for n in contexts:
                 d = _decode_per_token(plain, prompts[n], a.max_tokens)
                 decodes[n].append(d)
-                x = _draft(model, n, bs, seqs[n])
+                x = _draft(model, n, bs, seqs[n], a.draft_repeats)
                 drafts[n].append(x)
                 ratios[n].append(x / d)
         if a.synthetic:
