@@ -9,6 +9,7 @@ hyper-connection streams) the same way. The families still refused say why."""
 import functools
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -353,3 +354,37 @@ def test_v4_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_pat
                 swapped_differ += v4_reference_drafts(path, prompt, first, 2, swap=True) != want
             checked += 1
     assert checked == 3 and swapped_differ > 0
+
+
+@pytest.mark.timeout(240)
+def test_v4_mtp_in_the_published_fp8_and_fp4_formats(real_checkpoint, tmp_path):
+    """The V4 checkpoint with its MTP layer written in the published formats (attention, shared
+    expert, e_proj and h_proj in block FP8 with e8m0 `X.scale`, routed experts FP4, published
+    names): greedy tokens equal decoding without speculation, and every draft equals the drafts of
+    the same weights dequantized to float32 (test_published_formats' reference writer)."""
+    from quantized_checkpoints import to_block_fp8
+    from test_deepseek_v4 import published_names
+    from test_published_formats import V4_FP4, V4_FP8
+    from test_spec_layouts import record_drafts
+
+    src = published_names(_v4_path(real_checkpoint, tmp_path), tmp_path / "published")
+    fp8 = re.compile(V4_FP8.pattern + r"|^mtp\.0\.[eh]_proj\.weight$")
+    config = published("2026/deepseek-v4-flash")["quantization_config"]
+    path = to_block_fp8(
+        src, str(tmp_path / "fp8"), str(tmp_path / "ref"), config,
+        lambda k, t: fp8.search(k) is not None, torch.float8_e8m0fnu, ".scale",
+        fp4=lambda k, t: V4_FP4.search(k) is not None,
+    )  # fmt: skip
+    stored = load_file(os.path.join(path, "model-00002-of-00002.safetensors"))
+    assert stored["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn and "mtp.0.e_proj.scale" in stored
+    assert stored["mtp.0.ffn.experts.0.w1.weight"].dtype == torch.int8
+    prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 1, 9, 14)]
+    plain = _generate(LLM(path, **ENGINE), prompts, params)
+    runs = {}
+    for name, p in (("fp8", path), ("ref", str(tmp_path / "ref"))):
+        spec = LLM(p, **ENGINE, speculative_config=V4_SPEC)
+        drafts = record_drafts(spec)
+        runs[name] = (_generate(spec, prompts, params), drafts)
+    _assert_same(runs["fp8"][0], plain, "deepseek-v4 fp8")
+    assert runs["fp8"][1] == runs["ref"][1] and any(runs["fp8"][1].values())
