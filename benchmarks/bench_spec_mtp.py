@@ -1,7 +1,8 @@
 """The cost of one MTP draft step relative to one decode step, measured with the same engine.
 
-Builds a DeepSeek-V3-shaped random checkpoint (the published config, shrunk to --layers / --hidden,
-with its MTP layer), loads it with speculative_config method="mtp", and interleaves, round by round:
+Builds a random checkpoint of --family (DeepSeek-V3, LongCat-Flash or DeepSeek-V4: the published
+config, shrunk to --layers / --hidden, with its MTP layer in the family's names), loads it with
+speculative_config method="mtp", and interleaves, round by round:
 - a decode step: batch-1 greedy generation of --max-tokens tokens minus that of 1 token (the prefill),
   per token, through the engine with speculation off (`Drafter` absent: a plain engine, same weights);
 - a draft step (k=1) at each context length: the MTP layer over one new position with the earlier
@@ -18,6 +19,7 @@ draft is accepted, so this is the speed-up at acceptance 1.0 on this shape.
     .venv/bin/python benchmarks/bench_spec_mtp.py --quick     # under a minute
     .venv/bin/python benchmarks/bench_spec_mtp.py --quick --synthetic
     .venv/bin/python benchmarks/bench_spec_mtp.py --layers 16 --hidden 512 --rounds 7
+    .venv/bin/python benchmarks/bench_spec_mtp.py --quick --family longcat-flash   # or deepseek-v4
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
-def _checkpoint(root: str, layers: int, hidden: int) -> str:
+FAMILIES = ("deepseek-v3", "longcat-flash", "deepseek-v4")
+
+
+def _checkpoint(root: str, layers: int, hidden: int, family: str = "deepseek-v3") -> str:
+    """The family's published config shrunk to `layers` x `hidden`, with its MTP layer in the
+    family's own names (tests/test_spec_mtp_2026.py writes LongCat's and V4's)."""
     from checkpoints import train_tokenizer
     from real_checkpoints import Sizes, build, published, shrink
 
@@ -49,7 +56,20 @@ def _checkpoint(root: str, layers: int, hidden: int) -> str:
         dense_inter=2 * hidden, shared_inter=half, positions=4096, kv_lora_rank=hidden // 4,
         q_lora_rank=half, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     )  # fmt: skip
-    return build(shrink(published("deepseek-v3"), sizes), os.path.join(root, "v3"), tok)
+    if family == "deepseek-v3":
+        return build(shrink(published("deepseek-v3"), sizes), os.path.join(root, "v3"), tok)
+    from test_spec_mtp_2026 import with_longcat_mtp, with_v4_mtp
+
+    if family == "longcat-flash":
+        config = shrink(published("2026/longcat-flash-chat"), sizes, head_dim=sizes.qk_rope_head_dim)
+        src = build(config, os.path.join(root, "longcat"), tok)
+        return with_longcat_mtp(src, os.path.join(root, "longcat-mtp"))
+    from test_deepseek_v4 import OVERRIDES
+
+    src = build(
+        shrink(published("2026/deepseek-v4-flash"), sizes, **OVERRIDES), os.path.join(root, "v4"), tok
+    )
+    return with_v4_mtp(src, os.path.join(root, "v4-mtp"))
 
 
 def _decode_per_token(llm, prompt: list[int], n: int) -> float:
@@ -64,20 +84,26 @@ def _decode_per_token(llm, prompt: list[int], n: int) -> float:
     return (run(n) - run(1)) / (n - 1)
 
 
-def _draft(model, n: int, block_size: int, seq) -> float:
+def _draft(model, n: int, block_size: int, seq, repeats: int = 1) -> float:
     """One steady-state draft step (k=1) at context n: the MTP layer over the one new position, its
-    n - 1 earlier positions cached (filled once per context, outside the timing), and its head."""
+    n - 1 earlier positions cached (filled once per context, outside the timing), and its head; the
+    median of `repeats` timings (a single sub-millisecond step is noise on a loaded machine)."""
     mtp, inner = model.mtp, model.model
+    embed = mtp.embed_tokens if mtp.embed_tokens is not None else inner.embed_tokens  # LongCat: its own
+    rotary = getattr(inner, "rotary", None)  # DeepSeek-V4's attention rotates by itself
     ids = torch.randint(0, model.cfg.vocab_size, (n,))
-    hidden = torch.randn(n, model.cfg.hidden_size).to(model.cfg.dtype)
+    hidden = torch.randn(n, mtp.row_width).to(model.cfg.dtype)  # V4: the hc streams, flattened
     cache = mtp.cache_for(seq, n, block_size, hidden.dtype)
     if getattr(seq, "filled", 0) < n:
-        mtp(inner.embed_tokens, inner.rotary, ids, hidden, 0, cache, block_size)
+        mtp(embed, rotary, ids, hidden, 0, cache, block_size)
         seq.filled = n
-    t = time.perf_counter()
-    h = mtp(inner.embed_tokens, inner.rotary, ids[-1:], hidden[-1:], n - 1, cache, block_size)
-    int(mtp.logits(h[-1:]).argmax())
-    return time.perf_counter() - t
+    times = []
+    for _ in range(repeats):  # the same position again: it rewrites the same cache row
+        t = time.perf_counter()
+        h = mtp(embed, rotary, ids[-1:], hidden[-1:], n - 1, cache, block_size)
+        int(mtp.logits(h[-1:]).argmax())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _synthetic(plain, path: str, root: str, rounds: int) -> str:
@@ -136,7 +162,11 @@ def main() -> None:
     ap.add_argument("--contexts", default="16,128,512")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 16 tokens")
     ap.add_argument("--synthetic", action="store_true", help="also time generation, drafts all right")
+    ap.add_argument("--draft-repeats", type=int, default=7, help="timings per draft step (median)")
+    ap.add_argument("--family", choices=FAMILIES, default="deepseek-v3", help="whose MTP layer")
     a = ap.parse_args()
+    if a.synthetic and a.family != "deepseek-v3":
+        ap.error("--synthetic builds DeepSeek-V3's successor head only")
     if a.quick:
         a.rounds, a.max_tokens = 3, 16
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -144,7 +174,7 @@ def main() -> None:
 
     contexts = [int(c) for c in a.contexts.split(",")]
     with tempfile.TemporaryDirectory() as root:
-        path = _checkpoint(root, a.layers, a.hidden)
+        path = _checkpoint(root, a.layers, a.hidden, a.family)
         engine = dict(max_model_len=1024, kv_cache_memory_bytes=1 << 26, warmup=False)
         plain = LLM(path, **engine)
         spec = LLM(path, **engine, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
@@ -161,12 +191,12 @@ def main() -> None:
             for n in contexts:
                 d = _decode_per_token(plain, prompts[n], a.max_tokens)
                 decodes[n].append(d)
-                x = _draft(model, n, bs, seqs[n])
+                x = _draft(model, n, bs, seqs[n], a.draft_repeats)
                 drafts[n].append(x)
                 ratios[n].append(x / d)
         if a.synthetic:
             synthetic = _synthetic(plain, path, root, a.rounds)
-    print(f"DeepSeek-V3 shape: {a.layers} layers + 1 MTP layer, hidden {a.hidden}, {model.cfg.dtype}")
+    print(f"{a.family} shape: {a.layers} layers + 1 MTP layer, hidden {a.hidden}, {model.cfg.dtype}")
     print(
         f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}"
     )

@@ -3,9 +3,10 @@ step (lockstep agrees on the token counts, as for chunked prefill), TP ranks and
 accepted tokens from the sampling rank; greedy output on every rank equals one process without
 speculation, and every rank of a replica counts the same drafts.
 
-MTP cells (DeepSeek-V3's MTP layer, k = 2): the layer runs on the last pipeline stage, its MoE block
-dispatches over the EP group, DP replicas run their MTP forwards in lockstep (a replica with fewer
-drafts runs dummies); every draft token of every request equals the one-process MTP draft.
+MTP cells (DeepSeek-V3's MTP layer, k = 2; slow: GLM-4.5, Qwen3.5, LongCat-Flash, DeepSeek-V4):
+the layer runs on the last pipeline stage, its MoE block dispatches over the EP group, DP replicas
+run their MTP forwards in lockstep (a replica with fewer drafts runs dummies); every draft token of
+every request equals the one-process MTP draft.
 
 Hybrid cells (Qwen3.5-MoE, the same three layouts: Gated DeltaNet layers split over TP): drafts of
 known acceptance lengths (test_spec_decode.KnownDrafts), the recurrent state rolled back on every
@@ -160,3 +161,18 @@ def test_qwen_mtp_across_layouts(real_checkpoint, tmp_path):
 
     path = with_qwen_mtp(real_checkpoint(_source("qwen3.5-moe")), str(tmp_path / "qwen3.5-mtp"))
     _check(path, CASES, MTP, base=dict(ENGINE, kv_cache_memory_bytes=1 << 23, max_num_seqs=8))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["longcat-flash", "deepseek-v4"])
+def test_2026_mtp_across_layouts(real_checkpoint, tmp_path, family):
+    """LongCat-Flash's MTP layer (model.mtp.*: its own embedding, the target's lm_head) and
+    DeepSeek-V4's (mtp.0.*: over the target's hc streams; on the last PP stage it loads the target's
+    embedding) at DP2 x TP2 + EP (alltoall) and PP2 x TP2 + EP: tokens and every draft equal one
+    process (the cache holds every request at once, as in test_qwen_mtp_across_layouts)."""
+    from test_spec_mtp_2026 import _longcat_path, _v4_path
+
+    path = (_longcat_path if family == "longcat-flash" else _v4_path)(real_checkpoint, tmp_path)
+    cases = [(2, 1, 2, True, "alltoall"), (1, 2, 2, True, "allgather_reducescatter")]
+    _check(path, cases, MTP, base=dict(ENGINE, kv_cache_memory_bytes=1 << 23, max_num_seqs=8))

@@ -358,8 +358,9 @@ def _mlp_fields(hf: Any) -> dict:
                 "num_mtp_layers",
                 "num_mtp_modules",
                 "mtp_num_hidden_layers",  # Qwen3.5
-                # Qwen3-Next's config states none; its checkpoints ship one (vLLM's default, 1)
-                default=1 if getattr(hf, "model_type", None) == "qwen3_next" else 0,
+                # Qwen3-Next's and LongCat-Flash's configs state none; their checkpoints ship one
+                # (vLLM's default for both, 1)
+                default=1 if getattr(hf, "model_type", None) in ("qwen3_next", "longcat_flash") else 0,
             )
         ),
     )

@@ -55,7 +55,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         mc = self.config.model_config
-        kept = self.block_size * mc.hidden_size * mc.dtype.itemsize if self.keep_hidden else 0
+        kept = self.block_size * self.model.mtp.row_width * mc.dtype.itemsize if self.keep_hidden else 0
         return kv_cache.bytes_per_block(self.kv_specs(), self.block_size, mc.dtype) + kept
 
     def describe_kv(self) -> str:
@@ -133,7 +133,7 @@ class ModelRunner:
             from expertmesh.spec_decode.mtp import HiddenStore
 
             self.hidden = HiddenStore(
-                num_blocks, self.block_size, mc.hidden_size, mc.dtype, self.config.device
+                num_blocks, self.block_size, self.model.mtp.row_width, mc.dtype, self.config.device
             )
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -286,7 +286,7 @@ class ModelRunner:
             hidden = pp.recv(torch.empty(ids.shape[0], *shape, dtype=mc.dtype), pp.rank_in_group - 1)
         hidden = self.model(ids, pos, ctx, hidden)
         if self.keep_hidden:  # the last stage: what the MTP layer reads at these positions
-            self.hidden.write(ctx.attn.slot_mapping, hidden)
+            self.hidden.write(ctx.attn.slot_mapping, self.model.mtp.rows(self.model, hidden))
         if pp.rank_in_group < pp.world_size - 1:
             pp.send(hidden, pp.rank_in_group + 1)
             return None

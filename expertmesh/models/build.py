@@ -49,9 +49,10 @@ def build_model(
     with torch.device(device):
         model = cls(cfg, env)
         if mtp and env.is_last_stage:  # beside the final hidden states and the head
-            from expertmesh.spec_decode.mtp import MTPLayer
+            from expertmesh.spec_decode.mtp_v4 import mtp_layer_class
 
-            model.mtp = MTPLayer(cfg, model.family, env, model.lm_head)
+            model.mtp = mtp_layer_class(cfg.architecture)(cfg, model.family, env, model.lm_head)
+            model.mtp.attach(model)
     ops = select_ops(device, cfg.dtype, bool(env.groups.world.fixed_chunks))
     model.cpu_kernels = ops.library  # the runner lays out decode metadata for it (or not: None)
     # Compressed weights are quantized or packed as they load (one pass); the rest after.

@@ -15,9 +15,9 @@
 Checkpoint: DeepSeek's names (attn.wq_a, attn.compressor.ape, ffn.experts.<e>.w1/w3/w2,
 hc_attn_fn, head.weight, ...), at the top level as published (embed.weight, layers.<i>.*,
 hc_head_fn) or as transformers saves them (model.embed_tokens, model.layers.<i>.*,
-model.hc_head.hc_fn); the MTP layer (mtp.* published, model.layers.<n> in transformers' save) is
-skipped by a named rule until speculative decoding serves it. Pipeline parallelism is refused (a
-stage would send hc_mult x hidden values per token).
+model.hc_head.hc_fn); the MTP layer (mtp.0.* published) loads for speculative decoding
+(spec_decode/mtp_v4.py) and is skipped by a named rule otherwise. Pipeline stages hand each other
+the hc_mult streams (stage_shape).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ NAMES = DeepseekV4Names(
         (".hc_attn_", ".hc_attn."),
         (".hc_ffn_", ".hc_ffn."),
     ),
-    skip=(("mtp layer (published as mtp.*; speculative decoding does not serve it yet)", r"^mtp\."),),
+    skip=(("mtp layer (published as mtp.*; loaded for speculative method mtp only)", r"^mtp\."),),
 )
 
 
@@ -129,6 +129,8 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(c.hc_mult, cfg.hidden_size, c.hc_eps, cfg.norm_eps)
         self.norm = Float32RMSNorm(cfg.hidden_size, cfg.norm_eps, torch.float32) if self.last else None
         self.native = None  # no native decode form
+        # With the MTP layer (spec_decode/mtp_v4.py): the last stage keeps its streams before hc_head.
+        self.keep_streams, self.streams = False, None
 
     def forward(
         self,
@@ -144,6 +146,8 @@ class DeepseekV4Model(nn.Module):
             x = hidden  # the previous stage's streams
         for layer in self.layers.values():
             x = layer(positions, x, ctx)
+        if self.last and self.keep_streams:
+            self.streams = x
         return self.norm(self.hc_head(x)) if self.last else x
 
 

@@ -36,11 +36,12 @@ from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowe
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
 from expertmesh.models.gguf import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
-from expertmesh.spec_decode.mtp_families import QWEN_MTP, qwen_mtp_key
+from expertmesh.spec_decode.mtp_families import NO_EMBEDDING_COPY, mtp_checkpoint_key
 
-# The MTP layer's own pieces (spec_decode/mtp.py MTPLayer); the rest of `model.layers.{n}.*` is its
-# decoder layer, and its `embed_tokens` is a copy of the target's.
-HEAD_PIECES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+# The MTP layer's own pieces (spec_decode/mtp.py MTPLayer; DeepSeek-V4's e_proj / h_proj / hc_head:
+# mtp_v4.py); the rest of `model.layers.{n}.*` is its decoder layer, and its `embed_tokens` is a copy
+# of the target's (LongCat-Flash's its own).
+HEAD_PIECES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "e_proj.", "h_proj.", "hc_head.")
 SHARED_EMBEDDING = "embed_tokens."
 
 log = logging.getLogger("expertmesh")
@@ -185,9 +186,10 @@ def _load_view(
 
 def canonical_key(key: str, model: Any) -> str:
     """The family's canonical form of `key`; with the MTP layer built, a Qwen3-Next / Qwen3.5 MTP
-    key (`mtp.*`) as DeepSeek's `model.layers.{num_layers}.*` (spec_decode/mtp_families.py)."""
-    if getattr(model, "mtp", None) is not None and model.cfg.architecture in QWEN_MTP:
-        mapped = qwen_mtp_key(key, model.cfg.num_layers)
+    key (`mtp.*`) or a LongCat-Flash one (`model.mtp.*`) as DeepSeek's `model.layers.{num_layers}.*`
+    (spec_decode/mtp_families.py)."""
+    if getattr(model, "mtp", None) is not None:
+        mapped = mtp_checkpoint_key(model.cfg.architecture, key, model.cfg.num_layers)
         if mapped is not None:
             return model.family.names.canonical(mapped)
     return model.family.names.canonical(key)
@@ -330,10 +332,11 @@ def _load_key(f: Any, key: str, params, loaded, local_layers, experts, model, ti
 
 
 def _mtp_needs_target_embedding(model: Any) -> bool:
-    """A Qwen3-Next / Qwen3.5 MTP layer on a later pipeline stage: its checkpoint has no copy of the
-    embedding under the MTP layer (mtp_use_dedicated_embeddings false), so it loads the target's."""
+    """A Qwen3-Next / Qwen3.5 / DeepSeek-V4 MTP layer on a later pipeline stage: its checkpoint has no
+    copy of the embedding under the MTP layer (Qwen's mtp_use_dedicated_embeddings false), so it
+    loads the target's."""
     mtp = getattr(model, "mtp", None)
-    return mtp is not None and mtp.embed_tokens is not None and model.cfg.architecture in QWEN_MTP
+    return mtp is not None and mtp.embed_tokens is not None and model.cfg.architecture in NO_EMBEDDING_COPY
 
 
 def _owned_elsewhere(name: str, model: Any) -> bool:

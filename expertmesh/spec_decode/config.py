@@ -96,11 +96,12 @@ class SpeculativeConfig:
                 f"speculative_config method='mtp' needs multi-token-prediction layers, and this "
                 f"{architecture} model has none (num_nextn_predict_layers=0); use method='ngram'"
             )
-        from expertmesh.spec_decode.mtp_families import MTP_ARCHITECTURES
+        from expertmesh.spec_decode.mtp_families import MTP_ARCHITECTURES, MTP_NOT_BUILT
 
         if architecture not in MTP_ARCHITECTURES:
+            why = MTP_NOT_BUILT.get(architecture, "not built")
             raise ValueError(
                 f"speculative_config method='mtp': drafting with the {num_mtp_layers} MTP layer(s) of this "
-                f"{architecture} model is not implemented yet (built for {list(MTP_ARCHITECTURES)}); "
+                f"{architecture} model is not implemented yet: {why} (built for {list(MTP_ARCHITECTURES)}); "
                 "use method='ngram'"
             )

@@ -87,23 +87,42 @@ class MTPLayer(nn.Module):
         has none of its own; DeepSeek's and GLM's carry shared_head.head)."""
         super().__init__()
         from expertmesh.models.decoder import DecoderLayer  # models import spec_decode's config
-        from expertmesh.spec_decode.mtp_families import QWEN_MTP
+        from expertmesh.spec_decode.mtp_families import LONGCAT_MTP, TARGET_HEAD_MTP
 
         norm = lookup(NORMS, family.norm, "norm")
         h, tp = cfg.hidden_size, env.groups.tp
         self.enorm, self.hnorm = norm(h, cfg.norm_eps, cfg.dtype), norm(h, cfg.norm_eps, cfg.dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, cfg.dtype)
-        self.layer = DecoderLayer(_with_mtp_layer(cfg), cfg.num_layers, family, env)
-        # Qwen's layer (vLLM's qwen3_next_mtp.py): the target's head, and the final norm inside the
-        # layer, so a chained draft step reads the normed output (DeepSeek's reads it before the norm).
-        self.normed_output = cfg.architecture in QWEN_MTP
+        layer_cfg = _with_mtp_layer(cfg)
+        # LongCat-Flash's MTP layer (vLLM's longcat_flash_mtp.py) is a plain decoder layer of the
+        # family's attention (MLA) and one dense MLP, not the target's shortcut-MoE layer.
+        self.own_embedding = cfg.architecture in LONGCAT_MTP
+        if self.own_embedding:
+            layer_cfg = replace(layer_cfg, moe_layers=())
+        self.layer = DecoderLayer(layer_cfg, cfg.num_layers, family, env)
+        # Qwen's and LongCat's layers (vLLM's qwen3_next_mtp.py, longcat_flash_mtp.py): the target's
+        # head, and the final norm inside the layer, so a chained draft step reads the normed output
+        # (DeepSeek's reads it before the norm).
+        self.normed_output = cfg.architecture in TARGET_HEAD_MTP
         self.shared_head = SharedHead(cfg, norm, tp, lm_head if self.normed_output else None)
-        # A later pipeline stage has no target embedding: it loads the MTP layer's copy.
+        # A later pipeline stage has no target embedding: it loads the MTP layer's copy; LongCat's
+        # layer always embeds with its own copy (model.mtp.embed_tokens), as vLLM loads it.
         self.embed_tokens = (
-            None if env.is_first_stage else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
+            None
+            if env.is_first_stage and not self.own_embedding
+            else VocabParallelEmbedding(cfg.vocab_size, h, tp, cfg.dtype)
         )
         self.index = cfg.num_layers
+        self.row_width, self.dtype = h, cfg.dtype  # a hidden row the runner keeps per position
         self._scratch: list[torch.Tensor] | None = None  # the K/V rows of lockstep dummies
+
+    def attach(self, model: nn.Module) -> None:
+        """Called once the target is built (a family whose MTP layer reads more than its final
+        hidden states asks the target to keep them)."""
+
+    def rows(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """What the runner keeps per computed position: the target's final hidden states."""
+        return hidden
 
     def cache_for(self, seq: Any, tokens: int, block_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """`seq`'s MTP cache, one tensor per cache slot of the layer (MLA's latent, DSA's index keys
@@ -136,27 +155,36 @@ class MTPLayer(nn.Module):
         hidden[j] = h[context+j]), each attending to the cached positions before `context` and to the
         new ones up to its own; their K/V rows are stored in `cache` (slot = position). `counts`: the
         tokens of this forward on every DP rank (their MoE dispatch sizes), [m] in one replica."""
-        m = ids.shape[0]
+        x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
+        pos, ctx = self._context(cache, x, context, block_size, counts, rotary)
+        h = self.layer(pos, x, ctx)
+        return self.shared_head.norm(h) if self.normed_output else h
+
+    def _context(
+        self, cache: list[torch.Tensor], x: torch.Tensor, context: int, block_size: int,
+        counts: list[int] | None, rotary: Any,
+    ) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
+        """The positions and forward context of m = len(x) new MTP positions from `context` on, over
+        `cache` (bound to the layer; slot = position)."""
+        m, dev = x.shape[0], x.device
         for layer, tensor in zip(self.layer.kv_layers(), cache, strict=True):
             layer.bind_kv_cache(tensor)
-        x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
-        dev = x.device
         pos = torch.arange(context, context + m, device=dev)
         table = torch.arange(-(-(context + m) // block_size), device=dev) if context else None
         meta = AttentionMetadata(pos.clone(), 0, [], [PrefillChunk(0, m, context, table)])
         meta.seq_lens = torch.full((m,), context + m, device=dev)
         ctx = ForwardContext(meta, list(counts) if counts is not None else [m], count_load=False)
-        ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
-        h = self.layer(pos, x, ctx)
-        return self.shared_head.norm(h) if self.normed_output else h
+        if rotary is not None:  # None: the layer rotates by itself (DeepSeek-V4)
+            ctx.rope = rotary.lookup(pos, x.dtype, meta.seq_lens if rotary.length_dependent else None)
+        return pos, ctx
 
     def dummy(self, embed: nn.Module, rotary: Any, block_size: int, counts: list[int]) -> None:
         """A one-token forward that keeps a DP replica with no draft to compute in lockstep."""
-        dtype = self.enorm.weight.dtype
+        dtype = self.dtype
         if self._scratch is None:
             self._scratch = self.cache_for(nn.Module(), 1, block_size, dtype)
         dev = self.enorm.weight.device
-        hidden = torch.zeros(1, self.enorm.weight.shape[0], dtype=dtype, device=dev)
+        hidden = torch.zeros(1, self.row_width, dtype=dtype, device=dev)
         token = torch.zeros(1, dtype=torch.long, device=dev)
         self(embed, rotary, token, hidden, 0, self._scratch, block_size, counts)
 
@@ -218,7 +246,8 @@ class MTPProposer:
     def _compute(self, planned: list[tuple[Sequence, int]]) -> list[list[int]]:
         """The drafts on a last-stage rank; under DP, in lockstep with the other replicas."""
         mtp, inner = self.model.mtp, self.model.model
-        embed = inner.embed_tokens if inner.embed_tokens is not None else mtp.embed_tokens
+        embed = mtp.embed_tokens if mtp.embed_tokens is not None else inner.embed_tokens
+        rotary = getattr(inner, "rotary", None)  # DeepSeek-V4's attention rotates by itself
         # MTP positions done (their K/V cached) up to n - 2, the last one run again for its output.
         starts = [min(getattr(seq, "mtp_done", 0), seq.num_tokens - 2) for seq, _ in planned]
         sizes = [  # catch-up positions, then one per chained token
@@ -245,7 +274,7 @@ class MTPProposer:
             draft: list[int] = []
             for j in range(k):
                 context = done if j == 0 else n - 2 + j
-                h = mtp(embed, inner.rotary, ids, h_in, context, cache, self.block_size, counts())
+                h = mtp(embed, rotary, ids, h_in, context, cache, self.block_size, counts())
                 call += 1
                 if j == 0:
                     seq.mtp_done = n - 1  # rows past it (chained drafts) are overwritten later
@@ -254,6 +283,6 @@ class MTPProposer:
                 ids, h_in = torch.tensor([token], device=h.device), h[-1:]
             drafts.append(draft)
         while table is not None and call < max(len(row) for row in table):
-            mtp.dummy(embed, inner.rotary, self.block_size, counts())
+            mtp.dummy(embed, rotary, self.block_size, counts())
             call += 1
         return drafts
