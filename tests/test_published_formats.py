@@ -176,6 +176,13 @@ def test_deepseek_v4_fp8_and_fp4_experts_give_the_dequantized_reference(
     kinds = {p.kind for p in held.params.values()} if held is not None else set()
     assert "fp4" in kinds, kinds
     assert "weights in fp4 (e2m1 two a byte" in engine_log.text
+    # The FP4 experts run in one moe_q_ex call, its clamped SiLU in the kernel (where it builds).
+    from expertmesh.cpu import cpu_kernels
+
+    if cpu_kernels.load() is not None:
+        experts = [m for m in llm.llm_engine.runner.model.modules() if hasattr(m, "experts_form")]
+        forms = {(type(m.experts_form).__name__, m.experts_form.act) for m in experts}
+        assert experts and forms == {("QuantizedStacks", "silu_clamped")}, forms
     # wo_a (grouped) and the indexer's wq_b take their FP8 codes as stored: fewer resident bytes
     # than the same modules loaded from the dequantized checkpoint, nothing dequantized at load.
     assert "dequantized at load" not in engine_log.text
