@@ -38,18 +38,17 @@ def _logprobs(llm, batch: list[list[int]]) -> list[list[dict[int, float]]]:
 
 
 def _indexers(llm) -> list:
-    return [layer.self_attn.indexer for layer in llm.llm_engine.runner.model.model.layers.values()]
+    return [m for name, m in llm.llm_engine.runner.model.named_modules() if name.endswith(".indexer")]
 
 
 def _probe(llm) -> tuple[list[tuple[int, ...]], list[list[torch.Tensor]]]:
-    """Per layer: the indexer's (heads held, wq_b rows, weights_proj rows, wk rows) and its
+    """Per layer: the indexer's (heads held, wq_b rows, weights_proj rows, key projection rows) and its
     [wq_b, weights_proj] outputs on fixed inputs."""
     g = torch.Generator().manual_seed(1)
     shapes, outputs = [], []
     for ix in _indexers(llm):
-        shapes.append(
-            (ix.local_heads, ix.wq_b.out_features, ix.weights_proj.out_features, ix.wk.out_features)
-        )
+        key = ix.wk.out_features if hasattr(ix, "wk") else ix.compressor.wkv.out_features  # replicated
+        shapes.append((ix.local_heads, ix.wq_b.out_features, ix.weights_proj.out_features, key))
         x_q = torch.randn(3, ix.wq_b.in_features, generator=g).to(llm.llm_engine.config.model_config.dtype)
         x = torch.randn(3, ix.weights_proj.in_features, generator=g).to(x_q.dtype)
         outputs.append([ix.wq_b(x_q).float(), ix.weights_proj(x).float()])
@@ -85,7 +84,7 @@ def _check(path: str, layouts: list[tuple], world: int) -> None:
             where = f"rank {rank}, (DP, PP, TP, EP, backend, det, dtype)={layout}"
             # This rank's heads alone (half of wq_b's and weights_proj's rows, their rows of the
             # outputs); the key projection whole.
-            assert shapes == [(h // 2, q // 2, w // 2, k) for h, q, w, k in ref_shapes], where
+            assert shapes and shapes == [(h // 2, q // 2, w // 2, k) for h, q, w, k in ref_shapes], where
             for mine, whole in zip(outputs, ref_outputs, strict=True):
                 for out, full in zip(mine, whole, strict=True):
                     assert torch.equal(out, full.chunk(2, dim=-1)[tp_rank]), where
@@ -106,6 +105,15 @@ def test_indexer_heads_split_over_tp2(family, real_checkpoint):
     bf16 deterministic bit-equal)."""
     source, overrides = FAMILIES[family]
     _check(real_checkpoint(source, sizes=WIDE, **overrides), SINGLE, 2)
+
+
+@pytest.mark.timeout(300)
+def test_deepseek_v4_indexer_heads_split_over_tp2(real_checkpoint):
+    """DeepSeek-V4's compressed sparse layer's indexer (layers/compressor.py) splits its heads the
+    same way; its compressor stays whole on each rank."""
+    from test_deepseek_v4 import OVERRIDES, SOURCE
+
+    _check(real_checkpoint(SOURCE, **OVERRIDES), SINGLE, 2)
 
 
 @pytest.mark.slow

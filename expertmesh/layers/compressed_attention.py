@@ -28,7 +28,8 @@ A step's decodes attend together (each its window and its completed entries, pad
 most entries); each prefill chunk attends by itself, QUERY_BLOCK queries at a time.
 
 Tensor parallel: query heads, sinks and output groups split over TP (o_groups a multiple of
-the TP size); the K=V row, the compressors and the indexer are replicated.
+the TP size), and the indexer's heads (their scores summed over TP before top-k); the K=V row
+and the compressors are replicated.
 
 The compressor and the indexer are in layers/compressor.py, wo_a in layers/grouped_output.py.
 """
@@ -125,7 +126,7 @@ class CompressedAttention(nn.Module):
             self.compressor = Compressor(hidden, d, self.rate, self.kind == CSA, eps, dt)
         if self.kind == CSA:
             self.indexer = Indexer(
-                hidden, c.q_lora_rank, c.index_heads, c.index_head_dim, c.index_topk, self.rate, eps, dt
+                hidden, c.q_lora_rank, c.index_heads, c.index_head_dim, c.index_topk, self.rate, eps, dt, tp
             )
         # The cache row: [K=V | compressor projections | entry | indexer projections | index entry]
         self.offsets, width = {}, d
@@ -174,7 +175,7 @@ class CompressedAttention(nn.Module):
         index_q = index_w = None
         if self.indexer is not None:
             ix = self.indexer
-            index_q = rotate_tail(ix.wq_b(q_resid).view(t, ix.heads, ix.dim), rope)
+            index_q = rotate_tail(ix.wq_b(q_resid).view(t, ix.local_heads, ix.dim), rope)
             index_w = ix.weights_proj(x).float() * ix.heads**-0.5
         out = torch.empty_like(q)
         nd = meta.num_decodes
