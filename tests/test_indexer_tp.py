@@ -1,6 +1,7 @@
-"""DeepSeek Sparse Attention's lightning indexer under tensor parallelism (layers/sparse_indexer.py):
-each TP rank holds its share of the index heads (wq_b's and weights_proj's rows; wk and its norm
-replicated), scores with them, and the per-key scores are summed over the group before top-k.
+"""DeepSeek Sparse Attention's lightning indexer under tensor parallelism (layers/sparse_indexer.py;
+DeepSeek-V4's, layers/compressor.py, the same way): each TP rank holds its share of the index heads
+(wq_b's and weights_proj's rows; the key projection and its norm, or V4's compressor, replicated),
+scores with them, and the per-key scores are summed over the group before top-k.
 
 References: one process. float32 without deterministic mode: the same greedy tokens, logprobs
 within float32 noise (the partial sums cross an all-reduce); bf16 with deterministic=True: every
