@@ -11,13 +11,19 @@ resident weight bytes of each, then prefill time of one `--prompt`-token prompt 
 tokens/s over `--new` tokens (greedy, batch 1), the two engines in turns (`--rounds`, interleaved:
 the machine's load moves both alike; read the ratios), and whether their greedy tokens agree.
 
+`--variants held,per-expert` compares instead the routed FP4 experts in one moe_q_ex call (the
+default, its clamped SiLU in the kernel) against the per-expert path they took before (gemm_q per
+expert, the clamped SiLU in torch), both held as stored.
+
     .venv/bin/python benchmarks/dsv4_published.py --prompt 256 --new 16 --rounds 3
     .venv/bin/python benchmarks/dsv4_published.py --quick   # --prompt 64 --new 4 --rounds 2
+    .venv/bin/python benchmarks/dsv4_published.py --quick --variants held,per-expert
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -33,6 +39,7 @@ from dsv4_slice import ROOT, make_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from expertmesh import LLM, SamplingParams  # noqa: E402
+from expertmesh.layers.activation import ClampedGatedActivation  # noqa: E402
 from expertmesh.layers.quantization.accounting import resident_weight_bytes  # noqa: E402
 from expertmesh.layers.quantization.mxfp4 import E2M1  # noqa: E402
 
@@ -87,6 +94,24 @@ def make_published(src: str, cache: str) -> str:
     return str(dst)
 
 
+@contextlib.contextmanager
+def _per_expert():
+    """Engines built inside run V4's clamped experts on the per-expert path (no fused kernel form)."""
+    saved = ClampedGatedActivation.moe_q_form
+    ClampedGatedActivation.moe_q_form = property(lambda self: None)
+    try:
+        yield
+    finally:
+        ClampedGatedActivation.moe_q_form = saved
+
+
+def _engine(variant: str, path: str, common: dict) -> LLM:
+    if variant == "dequantized":
+        return LLM(path, quantization="dequantize", **common)
+    with _per_expert() if variant == "per-expert" else contextlib.nullcontext():
+        return LLM(path, **common)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=256)
@@ -94,18 +119,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="--prompt 64 --new 4 --rounds 2")
     ap.add_argument("--cache", default="/tmp/expertmesh-bench")
+    ap.add_argument("--variants", default="held,dequantized", help="two of held, dequantized, per-expert")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if len(variants) != 2 or not set(variants) <= {"held", "dequantized", "per-expert"}:
+        ap.error(f"--variants: two of held, dequantized, per-expert, not {args.variants!r}")
     if args.quick:
         args.prompt, args.new, args.rounds = 64, 4, 2
     path = make_published(make_model(args.cache), args.cache)
     prompt = torch.randint(3, 512, (args.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     common = dict(dtype="bfloat16", max_model_len=args.prompt + args.new + 8, enable_prefix_caching=False)
-    engines = {"held": LLM(path, **common), "dequantized": LLM(path, quantization="dequantize", **common)}
+    engines = {v: _engine(v, path, common) for v in variants}
     tokens = {}
     for name, llm in engines.items():
         counts = resident_weight_bytes(llm.llm_engine.runner.model)
         total, quantized = counts["total"] / 1e6, counts["quantized"] / 1e6
-        print(f"{name:12s} resident weights {total:.1f} MB ({quantized:.1f} MB quantized)")
+        forms = sorted({type(m.experts_form).__name__ for m in llm.llm_engine.runner.model.modules()
+                        if hasattr(m, "experts_form")})  # fmt: skip
+        print(f"{name:12s} resident weights {total:.1f} MB ({quantized:.1f} MB quantized); experts {forms}")
         sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
         tokens[name] = (
             llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
@@ -127,9 +158,10 @@ def main() -> None:
     for name in engines:
         print(f"{name:12s} prefill {args.prompt} tokens {p[name]:.3f} s; decode {d[name]:.2f} tokens/s "
               f"(median of {args.rounds}, {torch.get_num_threads()} threads)")  # fmt: skip
-    same, load = tokens["held"] == tokens["dequantized"], os.getloadavg()[0]
-    print(f"held / dequantized: prefill time {p['held'] / p['dequantized']:.2f}x, decode speed "
-          f"{d['held'] / d['dequantized']:.2f}x; greedy tokens equal: {same}; load {load:.1f}")  # fmt: skip
+    a, b = variants
+    same, load = tokens[a] == tokens[b], os.getloadavg()[0]
+    print(f"{a} / {b}: prefill time {p[a] / p[b]:.2f}x, decode speed "
+          f"{d[a] / d[b]:.2f}x; greedy tokens equal: {same}; load {load:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from test_chunked_prefill import SHORT, compare
 from test_real_families import FAMILIES, hf_logprobs, hf_model, logprob_errors, prompts_for
 
 from expertmesh import LLM, SamplingParams
+from expertmesh.distributed.group import Group
 from expertmesh.layers.norm import ProjectionRMSNorm
 
 CHUNKED_AND_CACHED = ["minimax-m2.7", "kimi-k2.5", "longcat-flash", "deepseek-v3.2"]
@@ -261,7 +262,9 @@ def test_deepseek_v32_selection_is_what_makes_it_equal_transformers(real_checkpo
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
     assert logprob_errors(out, hf_logprobs(model, prompt, out.outputs[0].token_ids)).max() < 2e-4
     monkeypatch.setattr(
-        sparse_indexer.IndexerStep, "keep", lambda self, rows, keys, q, k: k[None, :] <= q[:, None]
+        sparse_indexer.IndexerStep,
+        "select",
+        lambda self, requests: [k[None, :] <= q[:, None] for *_, q, k in requests],
     )
     dense = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
     out = dense.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
@@ -306,7 +309,7 @@ def test_indexer_selection_in_query_slices_equals_one_pass(monkeypatch):
 
     g = torch.Generator().manual_seed(0)
     indexer = sparse_indexer.LightningIndexer(
-        16, 8, heads=4, head_dim=8, rope_dim=4, topk=5, dtype=torch.float32
+        16, 8, heads=4, head_dim=8, rope_dim=4, topk=5, dtype=torch.float32, group=Group((0,), 0)
     )
     t = 23
     q, k, w = (torch.randn(*s, generator=g) for s in ((t, 4, 8), (t, 8), (t, 4)))

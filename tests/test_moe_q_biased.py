@@ -1,6 +1,7 @@
-"""moe_q_ex: held quantized experts with biases and GPT-OSS's clamped SwiGLU in one kernel call,
-against the per-expert path (gemm_q per expert, the biases and the activation in torch) on the same
-codes: uneven shapes, experts with no rows, one row, top-4, biases on and off, the clamp hit."""
+"""moe_q_ex: held quantized experts with biases and GPT-OSS's clamped SwiGLU (or DeepSeek-V4's
+clamped SiLU) in one kernel call, against the per-expert path (gemm_q per expert, the biases and the
+activation in torch) on the same codes: uneven shapes, experts with no rows, one row, top-4, biases
+on and off, the clamp hit."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from expertmesh.cpu import cpu_kernels
 from expertmesh.cpu.expert_forms import PanelStacks, QuantizedStacks
 from expertmesh.cpu.ops import ops_for
 from expertmesh.cpu.quantized import QuantizedMoE
-from expertmesh.layers.activation import ClampedSwiGLU, GatedActivation
+from expertmesh.layers.activation import ClampedGatedActivation, ClampedSwiGLU, GatedActivation
 from expertmesh.layers.expert_weights import PerExpertWeights
 from expertmesh.layers.fused_moe import FusedExperts
 from expertmesh.layers.quantization.packed import QuantizedWeight
@@ -48,17 +49,24 @@ def _both(fe: FusedExperts, pairs, x, ids, weights):
         fe.experts_form = saved
 
 
+CLAMPED = {
+    "swiglu_clamped": ClampedSwiGLU(LIMIT, 1.702),
+    "silu_clamped": ClampedGatedActivation("silu", LIMIT),
+}
+
+
 @pytest.mark.parametrize("kind", ["fp4", "int4", "int8", "w8a8"])
 @pytest.mark.parametrize("bias,shard_rank", [(True, 0), (True, 1), (False, 0)])
-def test_biased_clamped_experts_in_one_call_equal_the_per_expert_path(kind, bias, shard_rank):
+@pytest.mark.parametrize("act", sorted(CLAMPED))
+def test_biased_clamped_experts_in_one_call_equal_the_per_expert_path(kind, bias, shard_rank, act):
     kernels = cpu_kernels.load()
     if kernels is None:
         no_kernels()
     torch.manual_seed(3)
-    fe, pairs = _experts(kind, ClampedSwiGLU(LIMIT, 1.702), bias, shard_rank, kernels)
+    fe, pairs = _experts(kind, CLAMPED[act], bias, shard_rank, kernels)
     form = fe.experts_form
     assert isinstance(form, QuantizedStacks) and isinstance(form.runner, QuantizedMoE)
-    assert form.act == "swiglu_clamped" and fe.native_form([]) is None  # never native decode
+    assert form.act == act and fe.native_form([]) is None  # never native decode
     assert (form.runner.b2 is not None) == (bias and shard_rank == 0)  # the down bias once: shard 0
     # experts 1 and 4 (another rank's) and 6 get no rows; top-4 of 8
     for n in (0, 1, 2, 9):
@@ -115,7 +123,9 @@ def _float_pair(dtype, act, bias, shard_rank, e=8, local=(0, 2, 3, 5, 6, 7), hid
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", [ClampedSwiGLU(LIMIT, 1.702), GatedActivation("silu")])
+@pytest.mark.parametrize(
+    "act", [ClampedSwiGLU(LIMIT, 1.702), ClampedGatedActivation("silu", LIMIT), GatedActivation("silu")]
+)
 @pytest.mark.parametrize("bias,shard_rank", [(True, 0), (True, 1), (False, 0)])
 def test_float_biased_clamped_experts_in_one_call_equal_the_torch_path(dtype, act, bias, shard_rank):
     kernels = cpu_kernels.load()

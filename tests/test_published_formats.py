@@ -176,6 +176,32 @@ def test_deepseek_v4_fp8_and_fp4_experts_give_the_dequantized_reference(
     kinds = {p.kind for p in held.params.values()} if held is not None else set()
     assert "fp4" in kinds, kinds
     assert "weights in fp4 (e2m1 two a byte" in engine_log.text
+    # The FP4 experts run in one moe_q_ex call, its clamped SiLU in the kernel (where it builds).
+    from expertmesh.cpu import cpu_kernels
+
+    if cpu_kernels.load() is not None:
+        experts = [m for m in llm.llm_engine.runner.model.modules() if hasattr(m, "experts_form")]
+        forms = {(type(m.experts_form).__name__, m.experts_form.act) for m in experts}
+        assert experts and forms == {("QuantizedStacks", "silu_clamped")}, forms
+    # wo_a (grouped) and the indexer's wq_b take their FP8 codes as stored: fewer resident bytes
+    # than the same modules loaded from the dequantized checkpoint, nothing dequantized at load.
+    assert "dequantized at load" not in engine_log.text
+    dense = LLM(str(tmp_path / "ref"), max_model_len=128, kv_cache_memory_bytes=1 << 23)
+    held_fp8, dequantized = (_v4_fp8_modules(e) for e in (llm, dense))
+    assert len(held_fp8) == len(dequantized) == 5  # four layers' wo_a, the CSA layer's indexer wq_b
+    for name, (form, nbytes) in held_fp8.items():
+        assert form in ("GroupedWeights", "QuantizedWeight") and nbytes < dequantized[name][1] / 2, name
+
+
+def _v4_fp8_modules(llm: LLM) -> dict[str, tuple[str, int]]:
+    """{module name: (its weight form's class, resident bytes)} of wo_a and the indexer's wq_b."""
+    from expertmesh.layers.quantization.accounting import resident_weight_bytes
+
+    return {
+        name: (type(m.weight_form).__name__, resident_weight_bytes(m)["total"])
+        for name, m in llm.llm_engine.runner.model.named_modules()
+        if name.endswith((".wo_a", ".indexer.wq_b"))
+    }
 
 
 def _v4_checkpoint(real_checkpoint, out: Path) -> str:
@@ -307,3 +333,39 @@ def test_published_formats_pp2_tp2_and_dp2_tp2_ep_equal_one_process(real_checkpo
         for path, results in zip(paths, per_path, strict=True):
             for case, idx, tokens in results:
                 assert tokens == [expected[path][i] for i in idx], f"rank {rank}, {path}, {case}"
+
+
+@pytest.mark.parametrize("ops_name", ["torch", "cpu"])
+def test_grouped_output_runs_each_group_on_its_rows_of_the_codes(ops_name):
+    """DeepSeek-V4's wo_a given a compressed weight (FP8 codes, int8 online) multiplies each group's
+    inputs by that group's rows of the codes, as the dense grouped product does on the weight the
+    codes stand for; an o_lora_rank that cuts a panel of codes falls back to that weight, dense."""
+    from types import SimpleNamespace
+
+    from expertmesh.layers.grouped_output import GroupedOutput, GroupedWeights
+    from expertmesh.layers.quantization.packed import QuantizedWeight
+    from expertmesh.layers.torch_ops import TORCH_OPS
+    from expertmesh.models.build import select_ops
+
+    ops = TORCH_OPS if ops_name == "torch" else select_ops("cpu", torch.float32, False)
+    tp = SimpleNamespace(world_size=1, rank_in_group=0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4 * 40, generator=g)
+    for rank, kind in (
+        (2 * ops.quant_lanes, "fp8"),
+        (2 * ops.quant_lanes, "int8"),
+        (ops.quant_lanes + 4, "fp8"),
+    ):
+        module = GroupedOutput(4, rank, 40, tp, torch.float32)
+        module.weight.data = torch.randn(4 * rank, 40, generator=g)
+        codes = QuantizedWeight.quantize(module.weight.data, kind, 32, ops)
+        w = codes.dequantize().view(4, rank, 40)
+        expected = torch.einsum("tgi,gri->tgr", x.view(5, 4, 40), w).reshape(5, -1)
+        if kind == "int8":  # online quantization: use_quantized compresses the loaded weight
+            module.use_quantized(SimpleNamespace(kind=kind, group_size=32, check_split=lambda *a: None), ops)
+        else:
+            module.hold_quantized(codes)
+        whole_panels = rank % ops.quant_lanes == 0
+        assert isinstance(module.weight_form, GroupedWeights) == whole_panels
+        assert (module.weight.numel() == 0) == whole_panels  # the dense weight released
+        torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-5)

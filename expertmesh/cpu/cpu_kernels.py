@@ -77,8 +77,9 @@ class CpuKernels(AttentionKernels):
     """Typed entry points of the compiled library."""
 
     MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
-    # moe_q_ex's: the gated ones and GPT-OSS's clamped SwiGLU (not in moe_* nor native decode)
-    MOE_Q_ACTIVATIONS = {**MOE_ACTIVATIONS, "swiglu_clamped": 3}
+    # moe_q_ex's (and moe_*_ex's): the gated ones, GPT-OSS's clamped SwiGLU and DeepSeek-V4's clamped
+    # SiLU (not in moe_* nor native decode)
+    MOE_Q_ACTIVATIONS = {**MOE_ACTIVATIONS, "swiglu_clamped": 3, "silu_clamped": 4}
     MOE_CHUNK = 512
 
     def __init__(self, lib: ctypes.CDLL, path: Path, onednn_bf16_rows: int | None = None) -> None:

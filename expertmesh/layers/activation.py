@@ -77,16 +77,20 @@ class ClampedSwiGLU:
 @dataclass(frozen=True)
 class ClampedGatedActivation:
     """DeepSeek-V4: act(gate clamped above at `limit`) * (up clamped to [-limit, limit]) (its
-    swiglu_limit). The torch expert path (kernel_name None), not native decode."""
+    swiglu_limit). With SiLU (V4's) in moe_q_ex and moe_*_ex ("silu_clamped"), not in the plain
+    experts kernel (kernel_name None) nor native decode; another act: the torch expert path."""
 
     act: str
     limit: float
     kernel_name = None
-    moe_q_form = None  # in no fused kernel of ours
     parts = (0, 1)
 
     def __post_init__(self) -> None:
         get_act(self.act)
+
+    @property
+    def moe_q_form(self) -> tuple[str, float, float] | None:
+        return ("silu_clamped", self.limit, 0.0) if self.act == "silu" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2

@@ -28,9 +28,10 @@ A step's decodes attend together (each its window and its completed entries, pad
 most entries); each prefill chunk attends by itself, QUERY_BLOCK queries at a time.
 
 Tensor parallel: query heads, sinks and output groups split over TP (o_groups a multiple of
-the TP size); the K=V row, the compressors and the indexer are replicated.
+the TP size), and the indexer's heads (their scores summed over TP before top-k); the K=V row
+and the compressors are replicated.
 
-The compressor and the indexer are in layers/compressor.py.
+The compressor and the indexer are in layers/compressor.py, wo_a in layers/grouped_output.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from expertmesh.forward_context import ForwardContext
 from expertmesh.layers.attention import QUERY_BLOCK, AttentionMetadata
 from expertmesh.layers.cache_spec import KVCacheSpec
 from expertmesh.layers.compressor import Compressor, Indexer
+from expertmesh.layers.grouped_output import GroupedOutput
 from expertmesh.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from expertmesh.layers.norm import Float32RMSNorm
 from expertmesh.layers.rotary import RotaryEmbedding, RotaryTables
@@ -66,31 +68,6 @@ def inverse(rope: RotaryTables) -> RotaryTables:
 
 def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-class GroupedOutput(nn.Module):
-    """wo_a: o_groups blocks [o_lora_rank, heads * head_dim / o_groups], this rank's groups."""
-
-    def __init__(self, groups: int, rank: int, per_group: int, tp: Any, dtype) -> None:
-        super().__init__()
-        if groups % tp.world_size:
-            raise ValueError(f"o_groups={groups} is not divisible by tensor_parallel_size={tp.world_size}")
-        self.groups, self.rank, self.per_group = groups // tp.world_size, rank, per_group
-        self.start = tp.rank_in_group * self.groups * rank
-        self.weight = nn.Parameter(
-            torch.empty(self.groups * rank, per_group, dtype=dtype), requires_grad=False
-        )
-        set_loader(self.weight, self._load)
-
-    def _load(self, param: nn.Parameter, src: Any, shard_id: Any = None) -> None:
-        copy_into(param.data, read(src, 0, self.start, param.shape[0]), "grouped output projection")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, groups * per_group] -> [T, groups * rank]."""
-        t = x.shape[0]
-        w = self.weight.view(self.groups, self.rank, self.per_group).transpose(1, 2)
-        y = torch.bmm(x.view(t, self.groups, self.per_group).transpose(0, 1), w)  # [g, T, rank]
-        return y.transpose(0, 1).reshape(t, -1)
 
 
 def _table_slots(tables: torch.Tensor, block_size: int):
@@ -149,7 +126,7 @@ class CompressedAttention(nn.Module):
             self.compressor = Compressor(hidden, d, self.rate, self.kind == CSA, eps, dt)
         if self.kind == CSA:
             self.indexer = Indexer(
-                hidden, c.q_lora_rank, c.index_heads, c.index_head_dim, c.index_topk, self.rate, eps, dt
+                hidden, c.q_lora_rank, c.index_heads, c.index_head_dim, c.index_topk, self.rate, eps, dt, tp
             )
         # The cache row: [K=V | compressor projections | entry | indexer projections | index entry]
         self.offsets, width = {}, d
@@ -198,7 +175,7 @@ class CompressedAttention(nn.Module):
         index_q = index_w = None
         if self.indexer is not None:
             ix = self.indexer
-            index_q = rotate_tail(ix.wq_b(q_resid).view(t, ix.heads, ix.dim), rope)
+            index_q = rotate_tail(ix.wq_b(q_resid).view(t, ix.local_heads, ix.dim), rope)
             index_w = ix.weights_proj(x).float() * ix.heads**-0.5
         out = torch.empty_like(q)
         nd = meta.num_decodes

@@ -1,14 +1,22 @@
 """DeepSeek-V4 attention's key compression (layers/compressed_attention.py uses them): the compressor
 that sums each window of tokens' projections into one softmax-gated entry, and the lightning indexer
-of a compressed sparse layer, which keeps each query's top index_topk entries."""
+of a compressed sparse layer, which keeps each query's top index_topk entries.
+
+Under TP the indexer's heads are split over the group (wq_b's and weights_proj's rows), its
+compressor replicated: each rank scores its heads and the per-entry scores are summed over the
+group before top-k (float32; deterministic mode: fixed chunks of heads added by the fixed tree and
+`Group.ordered_sum`, as layers/sparse_indexer.py does)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.layers.linear import ReplicatedLinear
+from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
+from expertmesh.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from expertmesh.layers.norm import Float32RMSNorm
 from expertmesh.layers.weights import default_loader, set_loader
 
@@ -53,27 +61,46 @@ class Indexer(nn.Module):
     index_head_dim, queries wq_b(q LoRA output), per-head weights from the hidden state."""
 
     def __init__(
-        self, hidden: int, q_lora: int, heads: int, dim: int, topk: int, rate: int, eps, dtype
+        self, hidden: int, q_lora: int, heads: int, dim: int, topk: int, rate: int, eps, dtype, group: Any
     ) -> None:
         super().__init__()
         if topk < 1 or heads < 1 or dim < 1:
             raise ValueError(
                 f"indexer: index_n_heads={heads}, index_head_dim={dim}, index_topk={topk} must be >= 1"
             )
+        if heads % group.world_size:
+            raise ValueError(
+                f"index_n_heads={heads} is not divisible by tensor_parallel_size={group.world_size}"
+            )
         self.heads, self.dim, self.topk = heads, dim, topk
+        self.local_heads, self.group = heads // group.world_size, group
+        self.chunks = 0  # deterministic mode: this rank's fixed chunks of the heads
+        if getattr(group, "fixed_chunks", 0):
+            self.chunks = chunk_count(heads, group.world_size, "the indexer's heads", even=False)
+            self.chunks //= group.world_size
         self.compressor = Compressor(hidden, dim, rate, True, eps, dtype)
-        self.wq_b = ReplicatedLinear(q_lora, heads * dim, False, dtype)
-        self.weights_proj = ReplicatedLinear(hidden, heads, False, dtype)
+        self.wq_b = ColumnParallelLinear(q_lora, heads * dim, False, group, dtype)
+        self.weights_proj = ColumnParallelLinear(hidden, heads, False, group, dtype)
 
     def select(
         self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        """q [L, heads, dim], w [L, heads] float32, keys [S, dim] (or each query's [L, S, dim]),
-        visible [L, S] -> kept [L, S]."""
-        scores = (
-            F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * self.dim**-0.5
-        )  # [L, heads, S]
-        index = (scores * w.unsqueeze(-1)).sum(dim=1)  # [L, S]
+        """q [L, h, dim], w [L, h] float32 (this rank's heads), keys [S, dim] (or each query's
+        [L, S, dim]), visible [L, S] -> kept [L, S]; every TP rank calls it with the same shapes."""
+        keys_t = keys.float().transpose(-1, -2)
+        parts = (
+            [(q, w)]
+            if not self.chunks
+            else list(zip(q.chunk(self.chunks, 1), w.chunk(self.chunks, 1), strict=True))
+        )
+        sums = []
+        for qc, wc in parts:  # deterministic mode: each chunk the same shape in every layout
+            scores = F.relu(torch.matmul(qc.float(), keys_t)) * self.dim**-0.5  # [L, h, S]
+            sums.append((scores * wc.unsqueeze(-1)).sum(dim=1))  # [L, S]
+        index = tree_sum(sums)
+        if self.group.world_size > 1:  # float32 whatever the group's reduce dtype
+            plain = not self.chunks and self.group.reduce_dtype == torch.float32
+            index = self.group.all_reduce(index) if plain else self.group.ordered_sum(index)
         index = index.masked_fill(~visible, float("-inf"))
         top = index.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(-1, top, True) & visible

@@ -115,13 +115,21 @@ class LatentAttention(nn.Module):
         if nd and not self.fixed_order and max(n for _, n in tables) <= sparse.indexer.topk:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], meta)
             nd, tables = 0, []
+        # Every request's selection first: their partial index scores cross TP together.
+        requests = []
+        for i, (table, n) in enumerate(tables):
+            positions = torch.arange(n, device=q.device)
+            requests.append((slice(i, i + 1), self._rows(index_cache, table, n), positions[-1:], positions))
+        for chunk in meta.prefills:
+            r = chunk.rows
+            keys = chunk.gather(index_cache).view(-1, index_cache.shape[-1]) if chunk.context else sparse.k[r]
+            requests.append((r, keys, *chunk.positions(q.device)))
+        keeps = sparse.select(requests)
         if self.absorbed and nd:
             q_abs = torch.cat((self._per_head(q_nope[:nd], self.w_uk), q_pe[:nd]), dim=-1)  # [B, H, r + rope]
             latent = q.new_empty(nd, self.num_heads, self.rank)
         for i, (table, n) in enumerate(tables):
-            keys = self._rows(index_cache, table, n)
-            positions = torch.arange(n, device=q.device)
-            keep = sparse.keep(slice(i, i + 1), keys.view(n, -1), positions[-1:], positions)
+            keep = keeps[i]
             if self.absorbed:
                 kept = keep[0].nonzero().squeeze(1)  # at most index_topk positions
                 bs = self.cache.shape[1]
@@ -135,15 +143,12 @@ class LatentAttention(nn.Module):
             out[i] = self._attend(q[i : i + 1], k, v, causal=False, mask=keep)[0]
         if self.absorbed and nd:
             out[:nd] = self._per_head(latent, self.w_uv, transposed=True)
-        for chunk in meta.prefills:
+        for chunk, keep in zip(meta.prefills, keeps[len(tables) :], strict=True):
             r = chunk.rows
             if chunk.context:
                 rows = chunk.gather(self.cache).view(-1, self.width)
-                keys = chunk.gather(index_cache).view(rows.shape[0], -1)
             else:
-                rows, keys = torch.cat((c[r], k_pe[r]), dim=-1), sparse.k[r]
-            q_pos, k_pos = chunk.positions(q.device)
-            keep = sparse.keep(r, keys, q_pos, k_pos)
+                rows = torch.cat((c[r], k_pe[r]), dim=-1)
             k, v = self.expand(rows[:, : self.rank], rows[:, self.rank :])
             out[r] = self._attend(q[r], k, v, causal=False, mask=keep)
         return out

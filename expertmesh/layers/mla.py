@@ -11,7 +11,8 @@ scaled rope (DeepSeek's YaRN correction).
 
 Tensor parallel: the query heads (q_proj / q_b_proj, kv_b_proj, o_proj) are split over TP; the
 latent projections are replicated, so every TP rank keeps the whole latent cache
-(docs/deepseek.md says what that costs).
+(docs/deepseek.md says what that costs). A sparse-attention indexer splits its own heads over TP
+(layers/sparse_indexer.py).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class MLAAttention(nn.Module):
                 raise ValueError(f"{cfg.architecture}: the sparse-attention indexer needs q_lora_rank")
             self.indexer = LightningIndexer(
                 hidden, m.q_lora_rank, m.index_heads, m.index_head_dim, m.qk_rope_head_dim, m.index_topk, dt,
-                rope_interleaved=m.index_rope_interleaved,
+                tp, rope_interleaved=m.index_rope_interleaved,
             )  # fmt: skip
         scale = mla_softmax_scale(cfg.rope, m.qk_head_dim)
         self.attn = LatentAttention(

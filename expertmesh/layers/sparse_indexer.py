@@ -13,25 +13,37 @@ index_topk keeps every key: dense attention.
 
 The index keys have their own cache slot (KV-cache kind "index_key", one row of index_head_dim a
 token, engine/kv_cache.py), in the same blocks as the layer's latent rows: the layer offers both
-(`kv_layers`). The indexer is replicated over TP (every rank selects the same tokens).
+(`kv_layers`).
+
+Tensor parallel: the heads are split over the TP group (wq_b's and weights_proj's rows); the key
+projection wk and its norm serve every head, so they are replicated, as is the key cache. Each
+rank scores its heads, and the per-key scores are summed over the group before top-k, so every
+rank selects the same keys. The partial scores of one step's requests travel together (one
+collective a layer for a decode batch). Deterministic mode (the group's fixed_chunks): the heads
+are cut into fixed chunks whatever the layout, each chunk scored by the same products on the same
+shapes, the chunks added by the fixed tree and the ranks' subtree sums by `Group.ordered_sum`
+(distributed/fixed_sum.py), so one process and every TP degree select from the same bits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
 from expertmesh.layers.attention import AttentionMetadata, prefill_mask
 from expertmesh.layers.cache_spec import KVCacheSpec
-from expertmesh.layers.linear import ReplicatedLinear
+from expertmesh.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from expertmesh.layers.norm import LayerNorm
 from expertmesh.layers.rotary import RotaryTables
 
 INDEX_NORM_EPS = 1e-6  # the reference's LayerNorm epsilon, whatever the config's
 SCORE_VALUES = 1 << 24  # float32 index scores held at once while selecting (64 MiB)
+SUM_VALUES = 1 << 22  # per-key partial scores (float32) sent over TP in one collective, at most
 
 
 class LightningIndexer(nn.Module):
@@ -44,6 +56,7 @@ class LightningIndexer(nn.Module):
         rope_dim: int,
         topk: int,
         dtype,
+        group: Any,
         rope_interleaved: bool = False,
     ) -> None:
         super().__init__()
@@ -51,12 +64,22 @@ class LightningIndexer(nn.Module):
             raise ValueError(
                 f"indexer: index_head_dim={head_dim} < qk_rope_head_dim={rope_dim} or index_topk={topk}"
             )
+        if heads % group.world_size:
+            raise ValueError(
+                f"index_n_heads={heads} is not divisible by tensor_parallel_size={group.world_size}"
+            )
         self.heads, self.head_dim, self.rope_dim, self.topk = heads, head_dim, rope_dim, topk
+        self.local_heads, self.group = heads // group.world_size, group
         self.rope_interleaved = rope_interleaved
-        self.wq_b = ReplicatedLinear(q_lora_rank, heads * head_dim, False, dtype)
+        # Deterministic mode: this rank's fixed chunks of the heads (0: one product over its heads).
+        self.chunks = 0
+        if getattr(group, "fixed_chunks", 0):
+            self.chunks = chunk_count(heads, group.world_size, "the indexer's heads", even=False)
+            self.chunks //= group.world_size
+        self.wq_b = ColumnParallelLinear(q_lora_rank, heads * head_dim, False, group, dtype)
         self.wk = ReplicatedLinear(hidden, head_dim, False, dtype)
         self.k_norm = LayerNorm(head_dim, INDEX_NORM_EPS, dtype)
-        self.weights_proj = ReplicatedLinear(hidden, heads, False, dtype)
+        self.weights_proj = ColumnParallelLinear(hidden, heads, False, group, dtype)
         self.scale = head_dim**-0.5
         self.cache = torch.empty(0)  # [num_blocks, block_size, 1, head_dim], set by the runner
 
@@ -73,7 +96,7 @@ class LightningIndexer(nn.Module):
     ) -> IndexerStep:
         """This step's index queries and weights; the new tokens' index keys go into the cache."""
         t = x.shape[0]
-        q = self.wq_b(q_resid).view(t, self.heads, self.head_dim)
+        q = self.wq_b(q_resid).view(t, self.local_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).view(t, 1, self.head_dim)
         rope = rope.laid_out(self.rope_interleaved)
         q, k = rope.rotate(q), rope.rotate(k)
@@ -83,10 +106,34 @@ class LightningIndexer(nn.Module):
         weights = self.weights_proj(x).float() * self.heads**-0.5
         return IndexerStep(self, q, k, weights)
 
+    def partial_scores(self, q: torch.Tensor, weights: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
+        """q [l, h, D] and weights [l, h] of this rank's heads, keys_t [D, S] (float32) -> this rank's
+        share of the scores, [l, S] float32."""
+        if not self.chunks:
+            scores = F.relu(torch.matmul(q, keys_t) * self.scale)  # [l, h, S]
+            return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+        parts = []
+        for qc, wc in zip(q.chunk(self.chunks, 1), weights.chunk(self.chunks, 1), strict=True):
+            scores = F.relu(torch.matmul(qc, keys_t) * self.scale)  # the same shape in every layout
+            parts.append(torch.matmul(wc.unsqueeze(-2), scores).squeeze(-2))
+        return tree_sum(parts)
+
+    def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """The whole scores from every rank's share (float32 whatever the group's reduce dtype)."""
+        if self.group.world_size == 1:
+            return partial
+        if self.chunks or self.group.reduce_dtype != torch.float32:
+            return self.group.ordered_sum(partial)  # an all-gather, added in group order
+        return self.group.all_reduce(partial)
+
+
+Request = tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, keys [S, D], q_pos, k_pos)
+
 
 @dataclass
 class IndexerStep:
-    """One step's index queries [T, H, D], new keys [T, D] and head weights [T, H] float32."""
+    """One step's index queries [T, h, D] and head weights [T, h] float32 (this rank's heads), and
+    the new keys [T, D]."""
 
     indexer: LightningIndexer
     q: torch.Tensor
@@ -94,24 +141,45 @@ class IndexerStep:
     weights: torch.Tensor
 
     def keep(self, rows: slice, keys: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Boolean [L, S]: the keys (a sequence's index keys [S, D] at k_pos) each query of `rows`
-        (at q_pos) attends to: its top index_topk visible keys, or every visible key."""
-        visible = prefill_mask(q_pos, k_pos, None, None)
-        topk = self.indexer.topk
-        if keys.shape[0] <= topk:
-            return visible
-        q, weights, keys_t = (
-            self.q[rows].float(),
-            self.weights[rows],
-            keys.float().t(),
-        )  # [L, H, D], [L, H], [D, S]
-        keep = torch.zeros_like(visible)
-        # Queries in slices, so the [slice, H, S] scores stay near SCORE_VALUES (a long prefill).
-        step = max(1, SCORE_VALUES // (q.shape[1] * keys.shape[0]))
-        for a in range(0, q.shape[0], step):
-            b = min(a + step, q.shape[0])
-            scores = F.relu(torch.matmul(q[a:b], keys_t) * self.indexer.scale)  # [l, H, S]
-            index = torch.matmul(weights[a:b].unsqueeze(-2), scores).squeeze(-2)  # [l, S]
-            index = index.masked_fill(~visible[a:b], float("-inf"))
-            keep[a:b].scatter_(-1, index.topk(topk, dim=-1).indices, True)
-        return keep & visible
+        """One request's `select`."""
+        return self.select([(rows, keys, q_pos, k_pos)])[0]
+
+    def select(self, requests: list[Request]) -> list[torch.Tensor]:
+        """Per request, boolean [L, S]: the keys (a sequence's index keys [S, D] at k_pos) each
+        query of `rows` (at q_pos) attends to: its top index_topk visible keys, or every visible
+        key. Every TP rank passes the same requests (shapes): their partial scores are summed
+        over the group in batches of up to SUM_VALUES."""
+        ix = self.indexer
+        keeps, pending, size = [], [], 0
+        for i, (rows, keys, q_pos, k_pos) in enumerate(requests):
+            visible = prefill_mask(q_pos, k_pos, None, None)
+            keeps.append(visible)
+            if keys.shape[0] <= ix.topk:
+                continue
+            q, weights, keys_t = self.q[rows].float(), self.weights[rows], keys.float().t()
+            # Queries in slices, so the [slice, h, S] scores stay near SCORE_VALUES (a long prefill);
+            # the slices follow the whole head count, so every layout cuts them alike.
+            step = max(1, SCORE_VALUES // (ix.heads * keys.shape[0]))
+            for a in range(0, q.shape[0], step):
+                b = min(a + step, q.shape[0])
+                pending.append((i, a, b, ix.partial_scores(q[a:b], weights[a:b], keys_t)))
+                size += pending[-1][3].numel()
+                if size >= SUM_VALUES:
+                    self._pick(pending, keeps)
+                    pending, size = [], 0
+        if pending:
+            self._pick(pending, keeps)
+        return keeps
+
+    def _pick(self, pending: list, keeps: list[torch.Tensor]) -> None:
+        """Sum the pending partial scores over the group (one collective), then each query's top-k
+        among its visible keys (torch.topk over the rows transformers builds: ties alike)."""
+        flat = self.indexer.sum_over_ranks(torch.cat([p.reshape(-1) for *_, p in pending]))
+        topk, at = self.indexer.topk, 0
+        for i, a, b, part in pending:
+            index = flat[at : at + part.numel()].view(part.shape)
+            at += part.numel()
+            visible = keeps[i][a:b]
+            index = index.masked_fill(~visible, float("-inf"))
+            chosen = torch.zeros_like(visible).scatter_(-1, index.topk(topk, dim=-1).indices, True)
+            keeps[i][a:b] = chosen & visible

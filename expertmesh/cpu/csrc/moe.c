@@ -88,10 +88,19 @@ static inline void gated_row(const float* h, float* a, int64_t I, int act) {
 }
 
 /* gated_row, or act 3: GPT-OSS's clamped SwiGLU, gate clamped above at limit and up to [-limit,
- * limit], then (up + 1) * gate * sigmoid(alpha * gate) (layers/activation.py ClampedSwiGLU). */
+ * limit], then (up + 1) * gate * sigmoid(alpha * gate) (layers/activation.py ClampedSwiGLU); act 4:
+ * DeepSeek-V4's, silu(gate clamped above at limit) * (up clamped to [-limit, limit])
+ * (ClampedGatedActivation; alpha unused). */
 static inline void act_row(const float* h, float* a, int64_t I, int act, float limit, float alpha) {
-  if (act != 3) {
+  if (act < 3) {
     gated_row(h, a, I, act);
+    return;
+  }
+  if (act == 4) {
+    _Pragma("omp simd") for (int64_t i = 0; i < I; i++) {
+      const float g = fminf(h[i], limit), u = fminf(fmaxf(h[I + i], -limit), limit);
+      a[i] = g / (1.f + exp_vec(-g)) * u;
+    }
     return;
   }
   _Pragma("omp simd") for (int64_t i = 0; i < I; i++) {
