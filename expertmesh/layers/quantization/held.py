@@ -228,11 +228,18 @@ def hold(model: Any, held: HeldWeights, ops: Ops) -> set[int]:
 
 
 def _weight(
-    codes: torch.Tensor, h: HeldParam, ops: Ops, e: int | None = None, zeros: dict | None = None
+    codes: torch.Tensor,
+    h: HeldParam,
+    ops: Ops,
+    e: int | None = None,
+    zeros: dict | None = None,
+    into: Any = None,
 ) -> QuantizedWeight:
+    """The held codes with their scales as a QuantizedWeight (`into`: where its panels go, as
+    QuantizedWeight.from_rows takes it)."""
     scales = h.scales if e is None else h.scales[e]
     offsets = h.offsets if e is None else h.offsets[e]
-    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, ops)
+    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, ops, into)
     if h.exponents and zeros is not None:  # offsets all 0: one tensor serves every expert alike
         w.offsets = zeros.setdefault(tuple(w.offsets.shape), w.offsets)
         w.shared_offsets = True

@@ -66,6 +66,18 @@ class ExpertStacks:
         self.experts, self.stacks, self.slots = experts, None, [None] * experts
         self.parts = ("codes", "scales") if shared_offsets else ("codes", "scales", "offsets")
 
+    def into(self, e: int) -> Any:
+        """QuantizedWeight.from_rows' `into` for slot e: the panels written straight into the stacks
+        (allocated at the first expert), no copy of the expert's own."""
+
+        def slot(shapes: dict) -> dict:
+            if self.stacks is None:
+                self.stacks = {a: huge_pages.empty((self.experts, *shapes[a][0]), shapes[a][1])
+                               for a in self.parts}  # fmt: skip
+            return {a: stack[e] for a, stack in self.stacks.items()}
+
+        return slot
+
     def put(self, e: int, w: Any) -> None:
         if not isinstance(w, QuantizedWeight):  # desc_act's PermutedInputs: held per expert as is
             self.slots[e] = w
@@ -75,7 +87,8 @@ class ExpertStacks:
                            for a in self.parts}  # fmt: skip
         views = {"offsets": w.offsets}
         for a, stack in self.stacks.items():
-            stack[e].copy_(getattr(w, a))
+            if getattr(w, a).data_ptr() != stack[e].data_ptr():  # built elsewhere (online quantization)
+                stack[e].copy_(getattr(w, a))
             views[a] = stack[e]
         self.slots[e] = QuantizedWeight(
             w.kind, views["codes"], views["scales"], views["offsets"], w.out_features, w.in_features,
@@ -91,7 +104,7 @@ class _Experts:
     param: torch.nn.Parameter
     slots: list[int]  # local slot -> global expert id
     shards: set  # shard ids per expert: (0, 1) halves for w13, (None,) for w2
-    convert: Any  # (staging buffer [O, I], slot) -> QuantizedWeight
+    convert: Any  # (staging buffer [O, I], slot's HeldParam, ExpertStacks.into(slot)) -> QuantizedWeight
     dense: torch.Tensor | None = None  # the parameter's own (never filled) storage
     staging: dict[int, torch.Tensor] = field(default_factory=dict)
     seen: dict[int, set] = field(default_factory=dict)
@@ -139,11 +152,11 @@ class Streaming:
     def _converter(self, name: str, h: HeldParam | None) -> Any:
         if h is None:
             kind, group = self.scheme.kind, self.scheme.group_size
-            return lambda buf, sh: QuantizedWeight.quantize(buf, kind, group, self.ops)
+            return lambda buf, sh, into: QuantizedWeight.quantize(buf, kind, group, self.ops)
 
-        def held(buf: torch.Tensor, sh: HeldParam) -> Any:
+        def held(buf: torch.Tensor, sh: HeldParam, into: Any) -> Any:
             codes = split_exponents(buf, sh) if sh.exponents else buf
-            return _weight(codes, sh, self.ops, None, self.zeros)
+            return _weight(codes, sh, self.ops, None, self.zeros, into)
 
         return held
 
@@ -196,13 +209,17 @@ class Streaming:
         sh = getattr(buf, "slot_held", None)
         if sh is not None:
             del self.held.by_storage[buf.untyped_storage().data_ptr()]
-        w = ex.convert(buf, sh)
         if ex.out is None:
             ex.out = ExpertStacks(len(ex.slots), shared_offsets=sh is not None and sh.exponents)
+        w = ex.convert(buf, sh, ex.out.into(slot))
         ex.out.put(slot, w)
         ex.param.data = ex.dense
         del buf, w
-        release_freed()
+        if None not in ex.out.slots:
+            # once a parameter's experts are all in, not per expert: a trim hands the freed
+            # temporaries' pages back, and the next expert's first touch of them costs page faults
+            # (system time several times the decoding's)
+            release_freed()
 
     def finish(self) -> set[int]:
         """Hand every experts module its stacks (after all keys: biases are in by then)."""

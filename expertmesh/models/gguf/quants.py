@@ -69,10 +69,14 @@ def _half(raw: np.ndarray, at: int) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
-    """[..., n] bytes -> [..., 2n] codes: each run of `width` bytes gives its low nibbles, then its high."""
+    """[..., n] bytes -> [..., 2n] codes: each run of `width` bytes gives its low nibbles, then its high.
+    Written with `out=` into the halves of one array: two passes, no broadcast temporaries."""
     lead = qs.shape[:-1]
-    q = qs.reshape(*lead, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(2, 1)
-    return (q & 0x0F).reshape(*lead, -1)
+    q = qs.reshape(*lead, -1, 1, width)
+    out = np.empty((*q.shape[:-2], 2, width), np.uint8)
+    np.bitwise_and(q, 15, out=out[..., 0:1, :])
+    np.right_shift(q, 4, out=out[..., 1:2, :])
+    return out.reshape(*lead, -1)
 
 
 def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,11 +113,18 @@ def decode_blocks(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
             codes = _nibbles(raw[..., 48:176], 32) | ((qh & 1) << 4).reshape(*lead, 256)
         return codes.reshape(flat), scales.reshape(flat), offsets.reshape(flat)
     if qtype == "Q6_K":
-        ql = _nibbles(raw[..., :128], 64)
-        qh = raw[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-        q = ((ql | ((qh & 3).reshape(*lead, 256) << 4)) - np.uint8(32)).view(np.int8)  # wraps to q - 32
+        q = _nibbles(raw[..., :128], 64)
+        # the high 2 bits of value 32 s + k of each half (s = 0..3): bits 2 s of qh's byte k, in place
+        qh = raw[..., 128:192].reshape(*lead, 2, 1, 32)
+        hi = np.empty((*lead, 2, 4, 32), np.uint8)
+        for s in range(4):
+            np.right_shift(qh, 2 * s, out=hi[..., s : s + 1, :])
+        hi &= 3
+        hi <<= 4
+        q |= hi.reshape(*lead, 256)
+        q -= np.uint8(32)  # wraps to q - 32 as int8
         scales = _half(raw, 208)[..., None] * raw[..., 192:208].view(np.int8).astype(np.float32)
-        return q.view(np.uint8).reshape(flat), scales.reshape(flat), None
+        return q.reshape(flat), scales.reshape(flat), None
     if qtype == "MXFP4":
         e = raw[..., 0]
         scales = np.ldexp(np.float32(1.0), e.astype(np.int32) - 127).astype(np.float32)
