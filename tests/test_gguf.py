@@ -254,17 +254,17 @@ def _logged(fn, *args) -> tuple:
 
 
 def test_k_quant_files_hold_codes_and_run_like_their_dequantized_values(k_quant_model):
-    """Q4_K_M (Q4_K with Q6_K attn_v / down: each layer's experts and qkv held alike in int8 groups
-    of 16) and Q5_K files: every matrix but the embedding and head held as stored, and greedy
-    tokens equal our float run of the same values (an F32 file of gguf's dequantization)."""
+    """Q4_K_M (Q4_K with Q6_K attn_v / down: each layer's qkv held in int8 groups of 16, its experts
+    in int8 with gate/up in groups of 32 and down in 16) and Q5_K files: every matrix but the
+    embedding and head held as stored, and greedy tokens equal our float run of the same values
+    (an F32 file of gguf's dequantization)."""
     path, ref = k_quant_model["Q4_K_M"]
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert {types["blk.0.ffn_gate_exps.weight"], types["blk.0.ffn_down_exps.weight"]} == {"Q4_K", "Q6_K"}
     widened = held_kinds(types)
-    assert widened["blk.1.ffn_up_exps.weight"] == ("int8", 16) and widened["blk.0.attn_q.weight"] == (
-        "int8",
-        16,
-    )
+    assert widened["blk.1.ffn_up_exps.weight"] == widened["blk.1.ffn_gate_exps.weight"] == ("int8", 32)
+    assert widened["blk.1.ffn_down_exps.weight"] == ("int8", 16)  # w2: its own group, w13's kind
+    assert widened["blk.0.attn_q.weight"] == widened["blk.0.attn_v.weight"] == ("int8", 16)
     assert "blk.0.attn_output.weight" not in widened  # a parameter of its own keeps Q4_K's int4
     for qtype in ("Q4_K_M", "Q5_K"):
         path, ref = k_quant_model[qtype]

@@ -41,11 +41,16 @@ DEQUANT_ROWS = 256
 # held in one kind and group, so a mix (Q4_K_M's Q4_K gate/up with a Q6_K down) is held as int8
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"),
          ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))  # fmt: skip
+# ... except the experts' down projection: a parameter of its own (w2), which one fused MoE call
+# takes in the kind of gate/up (w13) but with its own group
+OWN_GROUP = ("ffn_down_exps",)
 
 
 def held_kinds(tensors: dict[str, str]) -> dict[str, tuple[str, int]]:
     """{tensor name: (kind, group)} for the held tensors of a fused parameter whose parts' types map
-    onto different kinds or groups: all in int8 with the smallest group (codes and scales exact)."""
+    onto different kinds or groups: all in int8 (codes and scales exact), each parameter in the
+    smallest group of its parts (Q4_K_M's Q4_K gate/up with a Q6_K down: w13 int8 groups of 32,
+    w2 int8 groups of 16)."""
     out: dict[str, tuple[str, int]] = {}
     layers: dict[str, dict[str, str]] = {}
     for name, qtype in tensors.items():
@@ -58,8 +63,11 @@ def held_kinds(tensors: dict[str, str]) -> dict[str, tuple[str, int]]:
             kinds = {HELD.get(t) for t in types.values()}
             # fp4 codes have no int8 form: a mix with fp4 is left to held.plan (dequantized, logged)
             if len(kinds) > 1 and None not in kinds and "fp4" not in {k for k, _ in kinds}:
-                widened = ("int8", min(g for _, g in kinds))
-                out.update({f"blk.{layer}.{p}.weight": widened for p in types})
+                for own in (True, False):
+                    part = [p for p in types if (p in OWN_GROUP) == own]
+                    if part:
+                        widened = ("int8", min(HELD[types[p]][1] for p in part))
+                        out.update({f"blk.{layer}.{p}.weight": widened for p in part})
     return out
 
 
