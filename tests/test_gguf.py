@@ -275,6 +275,29 @@ def test_k_quant_files_hold_codes_and_run_like_their_dequantized_values(k_quant_
         assert _greedy(ref) == got
 
 
+def test_q6_k_down_stacks_share_one_zero_offsets_tensor(k_quant_model):
+    """A Q6_K down projection has no offsets (W = code * scale): its experts' stacks share one zero
+    tensor, every layer alike, where the Q4_K ones hold their own; the tokens are those of our
+    float run of the same values."""
+    from expertmesh.layers.fused_moe import FusedExperts
+
+    path, ref = k_quant_model["Q4_K_M"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    shared = set()
+    for i, m in enumerate(blocks):
+        w13, w2 = m.experts_form.w13, m.experts_form.w2
+        assert not w13.shared_offsets and bool(w13.offsets.any())  # Q4_K gate / up: dmin * m offsets
+        assert w2.shared_offsets == (types[f"blk.{i}.ffn_down_exps.weight"] == "Q6_K"), i
+        if w2.shared_offsets:
+            assert not w2.offsets.any()
+            shared.add(w2.offsets.untyped_storage().data_ptr())
+    assert len(shared) == 1  # one zero stack for every Q6_K-down layer
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _greedy(ref)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
     """Families transformers does not read from GGUF here: an F32 file holds the checkpoint's

@@ -170,7 +170,14 @@ class Streaming:
             buf = ex.staging[slot] = torch.empty(ex.dense.shape[1:], dtype=ex.dense.dtype)
             h = self.held.params.get(name) if self.held is not None else None
             if h is not None:  # the codes' scales land beside this expert's buffer (held.place)
-                sh = HeldParam(name, h.kind, h.group, tuple(buf.shape), exponents=h.exponents)
+                sh = HeldParam(
+                    name,
+                    h.kind,
+                    h.group,
+                    tuple(buf.shape),
+                    exponents=h.exponents,
+                    zero_offsets=h.zero_offsets,
+                )
                 self.held.by_storage[buf.untyped_storage().data_ptr()] = sh
                 buf.slot_held = sh
         ex.param.data = buf.unsqueeze(0).expand(len(ex.slots), *buf.shape)
@@ -210,7 +217,8 @@ class Streaming:
         if sh is not None:
             del self.held.by_storage[buf.untyped_storage().data_ptr()]
         if ex.out is None:
-            ex.out = ExpertStacks(len(ex.slots), shared_offsets=sh is not None and sh.exponents)
+            shared = sh is not None and (sh.exponents or sh.zero_offsets)  # one zero tensor for all
+            ex.out = ExpertStacks(len(ex.slots), shared_offsets=shared)
         w = ex.convert(buf, sh, ex.out.into(slot))
         ex.out.put(slot, w)
         ex.param.data = ex.dense

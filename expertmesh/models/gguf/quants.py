@@ -34,6 +34,7 @@ HELD = {
     "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16), "MXFP4": ("fp4", 32),
 }  # fmt: skip
 FLOAT_TYPES = ("F32", "F16", "BF16")
+ZERO_OFFSETS = ("Q8_0", "Q6_K")  # W = code * scale: decode_blocks' offsets None
 # rows dequantized per call: a call's float32 temporaries (~2 MB at hidden 2048) stay in the cache
 # and the allocator reuses them, where thousands of rows took fresh pages every call
 DEQUANT_ROWS = 256
