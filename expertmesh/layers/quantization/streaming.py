@@ -51,6 +51,7 @@ def _libc_trim() -> Any:
 
 
 _TRIM = _libc_trim()
+TRIM_EVERY = 16  # experts converted between two trims of the heap
 
 
 def release_freed() -> None:
@@ -109,6 +110,7 @@ class _Experts:
     staging: dict[int, torch.Tensor] = field(default_factory=dict)
     seen: dict[int, set] = field(default_factory=dict)
     out: ExpertStacks | None = None
+    converted: int = 0  # experts converted so far (a trim every TRIM_EVERY)
 
 
 class Streaming:
@@ -223,10 +225,11 @@ class Streaming:
         ex.out.put(slot, w)
         ex.param.data = ex.dense
         del buf, w
-        if None not in ex.out.slots:
-            # once a parameter's experts are all in, not per expert: a trim hands the freed
-            # temporaries' pages back, and the next expert's first touch of them costs page faults
-            # (system time several times the decoding's)
+        ex.converted += 1
+        if ex.converted % TRIM_EVERY == 0 or None not in ex.out.slots:
+            # every few experts, not per expert: a trim hands the freed temporaries' pages back, and
+            # the next expert's first touch of them costs page faults (system time several times
+            # the decoding's); never trimming lets fragments of the heap pile up (peak RSS)
             release_freed()
 
     def finish(self) -> set[int]:
