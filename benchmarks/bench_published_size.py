@@ -172,13 +172,13 @@ def estimate_expertmesh(path: str, dtype_bytes: int = 2) -> dict:
     as stored; then the KV budget and the runtime."""
     import numpy as np
 
-    from expertmesh.models.gguf.quants import FLOAT_TYPES, HELD, held_kinds
+    from expertmesh.models.gguf.quants import FLOAT_TYPES, HELD, ZERO_OFFSETS, held_kinds
     from expertmesh.models.gguf.reader import GGUFFile
 
     f = GGUFFile(path)
     tensors = {t.name: t for t in f.tensors}
     widened = held_kinds({n: t.tensor_type.name for n, t in tensors.items()})
-    weights = 0
+    weights = zero_stack = 0  # zero_stack: the one zero offsets stack the shared ones point at
     for name, t in tensors.items():
         n, qtype = int(np.prod(t.shape)), t.tensor_type.name
         if name.startswith(("token_embd.", "output.")) or len(t.shape) < 2:
@@ -188,10 +188,16 @@ def estimate_expertmesh(path: str, dtype_bytes: int = 2) -> dict:
         elif qtype in HELD:
             kind, group = widened.get(name, HELD[qtype])
             code = 0.5 if kind in ("int4", "fp4") else 1.0
-            weights += n * (code + (4 if kind == "fp4" else 8) / group)
+            # offsets zero by the format: one shared zero tensor for an experts stack (held.py _weight)
+            shared = "_exps." in name and (
+                kind == "fp4" or (qtype in ZERO_OFFSETS and kind == HELD[qtype][0])
+            )
+            weights += n * (code + (4 if shared else 8) / group)
+            zero_stack = max(zero_stack, n * 4 / group if shared and kind != "fp4" else 0)
         else:
             weights += n * dtype_bytes
     f.close()
+    weights += zero_stack
     total = weights + KV_BYTES + RUNTIME_BYTES
     return {"weights_gib": weights / GIB, "peak_gib": total / GIB}
 

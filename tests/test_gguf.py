@@ -298,6 +298,30 @@ def test_q6_k_down_stacks_share_one_zero_offsets_tensor(k_quant_model):
     assert [o.outputs[0].token_ids for o in outs] == _greedy(ref)
 
 
+def test_published_size_estimate_equals_the_resident_weights(k_quant_model):
+    """benchmarks/bench_published_size.py's estimate of what expertmesh holds for a GGUF file (it
+    decides whether the 48-layer file is loaded at all) against the bytes the loaded model holds:
+    codes, scales, offsets of the held experts and attention, the float rest."""
+    import importlib.util
+
+    from expertmesh.layers.quantization.accounting import resident_weight_bytes
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "bps", os.path.join(root, "benchmarks", "bench_published_size.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for qtype in ("Q4_K_M", "Q5_K"):
+        path, _ = k_quant_model[qtype]
+        llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+        model = llm.llm_engine.runner.model
+        held = resident_weight_bytes(model)["total"]
+        want = bench.estimate_expertmesh(path, dtype_bytes=model.cfg.dtype.itemsize)["weights_gib"] * 2**30
+        print(qtype, held, want)
+        assert abs(want - held) <= 0.02 * held, (qtype, held, want)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_float_gguf_runs_like_its_checkpoint(gguf_model, checkpoint, family):
     """Families transformers does not read from GGUF here: an F32 file holds the checkpoint's
