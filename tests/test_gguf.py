@@ -254,17 +254,17 @@ def _logged(fn, *args) -> tuple:
 
 
 def test_k_quant_files_hold_codes_and_run_like_their_dequantized_values(k_quant_model):
-    """Q4_K_M (Q4_K with Q6_K attn_v / down: each layer's experts and qkv held alike in int8 groups
-    of 16) and Q5_K files: every matrix but the embedding and head held as stored, and greedy
-    tokens equal our float run of the same values (an F32 file of gguf's dequantization)."""
+    """Q4_K_M (Q4_K with Q6_K attn_v / down: each layer's qkv held in int8 groups of 16, its experts
+    in int8 with gate/up in groups of 32 and down in 16) and Q5_K files: every matrix but the
+    embedding and head held as stored, and greedy tokens equal our float run of the same values
+    (an F32 file of gguf's dequantization)."""
     path, ref = k_quant_model["Q4_K_M"]
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert {types["blk.0.ffn_gate_exps.weight"], types["blk.0.ffn_down_exps.weight"]} == {"Q4_K", "Q6_K"}
     widened = held_kinds(types)
-    assert widened["blk.1.ffn_up_exps.weight"] == ("int8", 16) and widened["blk.0.attn_q.weight"] == (
-        "int8",
-        16,
-    )
+    assert widened["blk.1.ffn_up_exps.weight"] == widened["blk.1.ffn_gate_exps.weight"] == ("int8", 32)
+    assert widened["blk.1.ffn_down_exps.weight"] == ("int8", 16)  # w2: its own group, w13's kind
+    assert widened["blk.0.attn_q.weight"] == widened["blk.0.attn_v.weight"] == ("int8", 16)
     assert "blk.0.attn_output.weight" not in widened  # a parameter of its own keeps Q4_K's int4
     for qtype in ("Q4_K_M", "Q5_K"):
         path, ref = k_quant_model[qtype]
@@ -273,6 +273,53 @@ def test_k_quant_files_hold_codes_and_run_like_their_dequantized_values(k_quant_
         unheld = [line for line in text.splitlines() if "not held compressed" in line]
         assert unheld and all("embedding / head" in line for line in unheld), unheld
         assert _greedy(ref) == got
+
+
+def test_q6_k_down_stacks_share_one_zero_offsets_tensor(k_quant_model):
+    """A Q6_K down projection has no offsets (W = code * scale): its experts' stacks share one zero
+    tensor, every layer alike, where the Q4_K ones hold their own; the tokens are those of our
+    float run of the same values."""
+    from expertmesh.layers.fused_moe import FusedExperts
+
+    path, ref = k_quant_model["Q4_K_M"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    blocks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    shared = set()
+    for i, m in enumerate(blocks):
+        w13, w2 = m.experts_form.w13, m.experts_form.w2
+        assert not w13.shared_offsets and bool(w13.offsets.any())  # Q4_K gate / up: dmin * m offsets
+        assert w2.shared_offsets == (types[f"blk.{i}.ffn_down_exps.weight"] == "Q6_K"), i
+        if w2.shared_offsets:
+            assert not w2.offsets.any()
+            shared.add(w2.offsets.untyped_storage().data_ptr())
+    assert len(shared) == 1  # one zero stack for every Q6_K-down layer
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _greedy(ref)
+
+
+def test_published_size_estimate_equals_the_resident_weights(k_quant_model):
+    """benchmarks/bench_published_size.py's estimate of what expertmesh holds for a GGUF file (it
+    decides whether the 48-layer file is loaded at all) against the bytes the loaded model holds:
+    codes, scales, offsets of the held experts and attention, the float rest."""
+    import importlib.util
+
+    from expertmesh.layers.quantization.accounting import resident_weight_bytes
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "bps", os.path.join(root, "benchmarks", "bench_published_size.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for qtype in ("Q4_K_M", "Q5_K"):
+        path, _ = k_quant_model[qtype]
+        llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
+        model = llm.llm_engine.runner.model
+        held = resident_weight_bytes(model)["total"]
+        want = bench.estimate_expertmesh(path, dtype_bytes=model.cfg.dtype.itemsize)["weights_gib"] * 2**30
+        print(qtype, held, want)
+        assert abs(want - held) <= 0.02 * held, (qtype, held, want)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

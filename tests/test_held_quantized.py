@@ -204,3 +204,39 @@ def test_gptq_desc_act_codes_in_group_order_rebuild_the_weights_and_refuse_cut_g
             torch.testing.assert_close(w(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match=r"gptq x: inputs \[8, 24\) cut a desc_act group"):
             t._perm(8, 24)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp4", "w8a8", "w4a8"])
+@pytest.mark.parametrize("out_f", [48, 37])
+def test_panels_written_into_a_stack_slot_equal_the_plain_layout(kind, out_f):
+    """QuantizedWeight.from_rows written straight into a slot of the experts' stacks (one-pass
+    loading's `into`) holds what plain torch lays out: codes and scales in panels of `lanes` rows
+    (rows past the weight zero), nibble kinds' lanes 2j / 2j + 1 in byte j's low / high nibble."""
+    from expertmesh.layers.quantization.packed import QuantizedWeight
+    from expertmesh.layers.quantization.streaming import ExpertStacks
+
+    lanes, in_f, group = TORCH_OPS.quant_lanes, 64, 16
+    torch.manual_seed(5)
+    codes = torch.randint(0, 16 if kind in ("int4", "fp4", "w4a8") else 255, (out_f, in_f), dtype=torch.uint8)
+    codes[codes == 128] = 0  # int8 -128: outside w8a8's codes
+    scales, offsets = torch.randn(out_f, in_f // group), torch.randn(out_f, in_f // group)
+    p = -(-out_f // lanes)
+    pad = lambda t: torch.cat([t, t.new_zeros(p * lanes - out_f, t.shape[1])])  # noqa: E731
+    panel = lambda t: pad(t).view(p, lanes, t.shape[1]).transpose(1, 2)  # noqa: E731 [P, C, lanes]
+    stacks = ExpertStacks(3, shared_offsets=False)
+    w = QuantizedWeight.from_rows(codes, scales, offsets, kind, group, TORCH_OPS, stacks.into(1))
+    assert w.codes.data_ptr() == stacks.stacks["codes"][1].data_ptr()  # in the slot, not a copy of it
+    assert torch.equal(w.scales, panel(scales)) and torch.equal(w.offsets, panel(offsets))
+    if kind in ("int8", "int4", "fp4"):
+        want = panel(codes)
+        if kind != "int8":
+            want = want[..., 0::2] | (want[..., 1::2] << 4)
+        assert torch.equal(w.codes, want)
+    # every kind: the weight it holds is the rows' code * scale + offset
+    values = codes.view(torch.int8).float() if kind in ("int8", "w8a8") else decode_codes(codes, kind)
+    want_w = values * scales.repeat_interleave(group, 1) + offsets.repeat_interleave(group, 1)
+    assert torch.equal(
+        QuantizedWeight.from_rows(codes, scales, offsets, kind, group, TORCH_OPS).dequantize(), want_w
+    )
+    stacks.put(1, w)
+    assert torch.equal(stacks.slots[1].dequantize(), want_w)

@@ -110,6 +110,32 @@ def to_panels(t: torch.Tensor, lanes: int) -> torch.Tensor:
     return padded.view(p, lanes, c).transpose(1, 2).contiguous()
 
 
+def panels_into(t: torch.Tensor, dst: torch.Tensor) -> None:
+    """to_panels(t, lanes) written into dst [P, C, lanes] (no padded temporary; rows past O zero)."""
+    p, c, lanes = dst.shape
+    out_f = t.shape[0]
+    full = out_f // lanes
+    if full:
+        dst[:full].copy_(t[: full * lanes].view(full, lanes, c).transpose(1, 2))
+    if full < p:
+        dst[full:].zero_()
+        dst[full, :, : out_f - full * lanes].copy_(t[full * lanes :].t())
+
+
+def nibble_panels_into(codes: torch.Tensor, dst: torch.Tensor) -> None:
+    """Codes [O, I] (values 0-15) into nibble panels dst [P, I, lanes / 2]: byte j of a panel's
+    input holds lane 2j in its low nibble, lane 2j + 1 in its high one."""
+    p, in_f, half = dst.shape
+    if codes.shape[0] != p * 2 * half:  # a last panel part-filled: its missing rows are zeros
+        padded = torch.zeros(p * 2 * half, in_f, dtype=torch.uint8)
+        padded[: codes.shape[0]] = codes
+        codes = padded
+    v = codes.view(p, half, 2, in_f)
+    pairs = torch.bitwise_left_shift(v[:, :, 1], 4)  # [P, lanes / 2, I]
+    pairs |= v[:, :, 0]
+    dst.copy_(pairs.transpose(1, 2))
+
+
 def from_panels(t: torch.Tensor, out_f: int) -> torch.Tensor:
     """[P, C, lanes] -> [O, C]."""
     p, c, lanes = t.shape

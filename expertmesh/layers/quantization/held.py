@@ -54,6 +54,7 @@ class HeldParam:
     offsets: torch.Tensor | None = None
     local_group: int = 0
     exponents: bool = False  # int16 storage: code | e8m0 exponent << 4 (MXFP4, quantization/mxfp4.py)
+    zero_offsets: bool = False  # every source's offsets zero by its format (GGUF Q6_K): shared zeros
     perms: dict[int, torch.Tensor] = field(default_factory=dict)  # desc_act: input order per expert
 
     def place(
@@ -101,6 +102,7 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
     params = dict(model.named_parameters())
     kinds: dict[str, set] = {}
     storage: dict[str, torch.dtype] = {}
+    zero: dict[str, bool] = {}  # parameter -> every held source's offsets zero by its format
     orders: dict[tuple, set] = {}  # (parameter, expert): the input orders its parts are held in
     reasons: Counter = Counter()
     fills: dict[str, list[str]] = {}
@@ -124,6 +126,7 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
             kinds.setdefault(name, set()).add(kind if as_is and not cut else None)
             if kind is not None:
                 storage[name] = src.held_storage
+                zero[name] = zero.get(name, True) and src.held_zero_offsets
             if kind is not None and name in params:
                 order = src.held_input_order(params[name].shape[-1])
                 if order is None:
@@ -149,8 +152,9 @@ def plan(model: Any, view: Any, targets_of: Any) -> HeldWeights:
         dtype = storage.get(name, torch.uint8)
         param.data = torch.empty(param.shape, dtype=dtype, device=param.device)
         held.params[name] = HeldParam(
-            name, kind[0], kind[1], tuple(param.shape), exponents=dtype == torch.int16
-        )
+            name, kind[0], kind[1], tuple(param.shape), exponents=dtype == torch.int16,
+            zero_offsets=zero.get(name, False),
+        )  # fmt: skip
         held.by_storage[param.data.untyped_storage().data_ptr()] = held.params[name]
     _pair_experts(model, held, params)
     held.keys = {key for key, names in fills.items() if all(n in held.params for n in names)}
@@ -228,12 +232,21 @@ def hold(model: Any, held: HeldWeights, ops: Ops) -> set[int]:
 
 
 def _weight(
-    codes: torch.Tensor, h: HeldParam, ops: Ops, e: int | None = None, zeros: dict | None = None
+    codes: torch.Tensor,
+    h: HeldParam,
+    ops: Ops,
+    e: int | None = None,
+    zeros: dict | None = None,
+    into: Any = None,
 ) -> QuantizedWeight:
+    """The held codes with their scales as a QuantizedWeight (`into`: where its panels go, as
+    QuantizedWeight.from_rows takes it)."""
     scales = h.scales if e is None else h.scales[e]
     offsets = h.offsets if e is None else h.offsets[e]
-    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, ops)
-    if h.exponents and zeros is not None:  # offsets all 0: one tensor serves every expert alike
+    w = QuantizedWeight.from_rows(codes, scales, offsets, h.kind, h.local_group, ops, into)
+    if h.zero_offsets and bool(w.offsets.any()):
+        raise RuntimeError(f"{h.name}: offsets of a format without offsets are not zero")
+    if (h.exponents or h.zero_offsets) and zeros is not None:  # offsets all 0: one tensor serves all
         w.offsets = zeros.setdefault(tuple(w.offsets.shape), w.offsets)
         w.shared_offsets = True
     perm = h.perms.get(0 if e is None else e)

@@ -27,14 +27,16 @@ from expertmesh import huge_pages
 from expertmesh.layers.quantization.codes import (
     ACTIVATIONS_QUANTIZED,
     NIBBLES,
+    cdiv,
     decode_codes,
     from_octs,
     from_panels,
     from_quads,
+    nibble_panels_into,
+    panels_into,
     quantize_activations,
     quantize_rows,
     to_octs,
-    to_panels,
     to_quads,
 )
 
@@ -111,20 +113,39 @@ class QuantizedWeight:
 
     @classmethod
     def from_rows(
-        cls, codes, scales, offsets, kind: str, group: int, ops: QuantizedProducts
+        cls, codes, scales, offsets, kind: str, group: int, ops: QuantizedProducts, into=None
     ) -> QuantizedWeight:
-        """Row-major codes [O, I] uint8 and scales / offsets [O, G] laid out in panels."""
+        """Row-major codes [O, I] uint8 and scales / offsets [O, G] laid out in panels. `into`:
+        {part: (shape, dtype)} -> {part: tensor}, where the panels are written (a slot of the
+        experts' stacks: streaming.ExpertStacks); a part it leaves out is allocated here."""
         lanes = ops.quant_lanes
         out_f, in_f = codes.shape
-        panels = to_panels(codes, lanes)  # [P, I, lanes]
-        if kind in NIBBLES:  # lane 2j in the low nibble of byte j
-            panels = (panels[..., 0::2] | (panels[..., 1::2] << 4)).contiguous()
+        p = cdiv(out_f, lanes)
         if kind == "w8a8":
             panels = to_quads(codes, group, lanes)
-        if kind == "w4a8":
+        elif kind == "w4a8":
             panels = to_octs(codes, group, lanes)
-        s, m = to_panels(scales.float(), lanes), to_panels(offsets.float(), lanes)
-        return cls(kind, huge_pages.adopt(panels), s, m, out_f, in_f, group, lanes, ops)
+        else:
+            panels = None
+        code_shape = (p, in_f, lanes // 2 if kind in NIBBLES else lanes) if panels is None else panels.shape
+        shapes = {
+            "codes": (tuple(code_shape), torch.uint8),
+            "scales": ((p, scales.shape[1], lanes), torch.float32),
+            "offsets": ((p, offsets.shape[1], lanes), torch.float32),
+        }  # fmt: skip
+        dst = dict(into(shapes)) if into is not None else {"codes": huge_pages.empty(*shapes["codes"])}
+        for part, (shape, dtype) in shapes.items():
+            if part not in dst:
+                dst[part] = torch.empty(shape, dtype=dtype)
+        if panels is not None:
+            dst["codes"].copy_(panels)
+        elif kind in NIBBLES:  # lane 2j in the low nibble of byte j
+            nibble_panels_into(codes, dst["codes"])
+        else:
+            panels_into(codes, dst["codes"])
+        panels_into(scales.float(), dst["scales"])
+        panels_into(offsets.float(), dst["offsets"])
+        return cls(kind, dst["codes"], dst["scales"], dst["offsets"], out_f, in_f, group, lanes, ops)
 
     @property
     def nbytes(self) -> int:

@@ -51,6 +51,7 @@ def _libc_trim() -> Any:
 
 
 _TRIM = _libc_trim()
+TRIM_EVERY = 16  # experts converted between two trims of the heap
 
 
 def release_freed() -> None:
@@ -66,6 +67,18 @@ class ExpertStacks:
         self.experts, self.stacks, self.slots = experts, None, [None] * experts
         self.parts = ("codes", "scales") if shared_offsets else ("codes", "scales", "offsets")
 
+    def into(self, e: int) -> Any:
+        """QuantizedWeight.from_rows' `into` for slot e: the panels written straight into the stacks
+        (allocated at the first expert), no copy of the expert's own."""
+
+        def slot(shapes: dict) -> dict:
+            if self.stacks is None:
+                self.stacks = {a: huge_pages.empty((self.experts, *shapes[a][0]), shapes[a][1])
+                               for a in self.parts}  # fmt: skip
+            return {a: stack[e] for a, stack in self.stacks.items()}
+
+        return slot
+
     def put(self, e: int, w: Any) -> None:
         if not isinstance(w, QuantizedWeight):  # desc_act's PermutedInputs: held per expert as is
             self.slots[e] = w
@@ -75,7 +88,8 @@ class ExpertStacks:
                            for a in self.parts}  # fmt: skip
         views = {"offsets": w.offsets}
         for a, stack in self.stacks.items():
-            stack[e].copy_(getattr(w, a))
+            if getattr(w, a).data_ptr() != stack[e].data_ptr():  # built elsewhere (online quantization)
+                stack[e].copy_(getattr(w, a))
             views[a] = stack[e]
         self.slots[e] = QuantizedWeight(
             w.kind, views["codes"], views["scales"], views["offsets"], w.out_features, w.in_features,
@@ -91,11 +105,12 @@ class _Experts:
     param: torch.nn.Parameter
     slots: list[int]  # local slot -> global expert id
     shards: set  # shard ids per expert: (0, 1) halves for w13, (None,) for w2
-    convert: Any  # (staging buffer [O, I], slot) -> QuantizedWeight
+    convert: Any  # (staging buffer [O, I], slot's HeldParam, ExpertStacks.into(slot)) -> QuantizedWeight
     dense: torch.Tensor | None = None  # the parameter's own (never filled) storage
     staging: dict[int, torch.Tensor] = field(default_factory=dict)
     seen: dict[int, set] = field(default_factory=dict)
     out: ExpertStacks | None = None
+    converted: int = 0  # experts converted so far (a trim every TRIM_EVERY)
 
 
 class Streaming:
@@ -139,11 +154,11 @@ class Streaming:
     def _converter(self, name: str, h: HeldParam | None) -> Any:
         if h is None:
             kind, group = self.scheme.kind, self.scheme.group_size
-            return lambda buf, sh: QuantizedWeight.quantize(buf, kind, group, self.ops)
+            return lambda buf, sh, into: QuantizedWeight.quantize(buf, kind, group, self.ops)
 
-        def held(buf: torch.Tensor, sh: HeldParam) -> Any:
+        def held(buf: torch.Tensor, sh: HeldParam, into: Any) -> Any:
             codes = split_exponents(buf, sh) if sh.exponents else buf
-            return _weight(codes, sh, self.ops, None, self.zeros)
+            return _weight(codes, sh, self.ops, None, self.zeros, into)
 
         return held
 
@@ -157,7 +172,14 @@ class Streaming:
             buf = ex.staging[slot] = torch.empty(ex.dense.shape[1:], dtype=ex.dense.dtype)
             h = self.held.params.get(name) if self.held is not None else None
             if h is not None:  # the codes' scales land beside this expert's buffer (held.place)
-                sh = HeldParam(name, h.kind, h.group, tuple(buf.shape), exponents=h.exponents)
+                sh = HeldParam(
+                    name,
+                    h.kind,
+                    h.group,
+                    tuple(buf.shape),
+                    exponents=h.exponents,
+                    zero_offsets=h.zero_offsets,
+                )
                 self.held.by_storage[buf.untyped_storage().data_ptr()] = sh
                 buf.slot_held = sh
         ex.param.data = buf.unsqueeze(0).expand(len(ex.slots), *buf.shape)
@@ -196,13 +218,19 @@ class Streaming:
         sh = getattr(buf, "slot_held", None)
         if sh is not None:
             del self.held.by_storage[buf.untyped_storage().data_ptr()]
-        w = ex.convert(buf, sh)
         if ex.out is None:
-            ex.out = ExpertStacks(len(ex.slots), shared_offsets=sh is not None and sh.exponents)
+            shared = sh is not None and (sh.exponents or sh.zero_offsets)  # one zero tensor for all
+            ex.out = ExpertStacks(len(ex.slots), shared_offsets=shared)
+        w = ex.convert(buf, sh, ex.out.into(slot))
         ex.out.put(slot, w)
         ex.param.data = ex.dense
         del buf, w
-        release_freed()
+        ex.converted += 1
+        if ex.converted % TRIM_EVERY == 0 or None not in ex.out.slots:
+            # every few experts, not per expert: a trim hands the freed temporaries' pages back, and
+            # the next expert's first touch of them costs page faults (system time several times
+            # the decoding's); never trimming lets fragments of the heap pile up (peak RSS)
+            release_freed()
 
     def finish(self) -> set[int]:
         """Hand every experts module its stacks (after all keys: biases are in by then)."""

@@ -59,6 +59,8 @@ class LogicalTensor:
     held_through_picks: bool = False
     held_storage: torch.dtype = torch.uint8  # the held parameter's storage (mxfp4: int16)
     held_in: int | None = None  # inputs of the held weight when not the last dim's size (mxfp4)
+    # the offsets are zero by the format (GGUF Q8_0 / Q6_K): a stack of experts shares one zero tensor
+    held_zero_offsets: bool = False
     # Why a tensor with no held_kind is dequantized (logged once a reason); None: a float, say nothing
     unheld_reason: str | None = "groups out of input order (desc_act's g_idx)"
     held: Any = None

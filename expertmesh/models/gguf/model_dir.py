@@ -20,6 +20,9 @@ from expertmesh.models.gguf.tokenizer import write_tokenizer
 
 log = logging.getLogger("expertmesh")
 MARKER = "gguf.json"
+# in the cache key: a directory written by an engine that planned the held kinds otherwise is not
+# reused (2: the experts' down projection in its own group, quants.held_kinds)
+INFO_VERSION = 2
 
 
 def _cache_root() -> str:
@@ -34,7 +37,7 @@ def _cache_root() -> str:
 def gguf_model_dir(model: str) -> str:
     """A directory the engine loads like a checkpoint: config.json, tokenizer, gguf.json."""
     files = [os.path.abspath(p) for p in gguf_files(model)]
-    stamp = json.dumps([(p, os.path.getsize(p), os.path.getmtime(p)) for p in files])
+    stamp = json.dumps([INFO_VERSION, *((p, os.path.getsize(p), os.path.getmtime(p)) for p in files)])
     out = os.path.join(_cache_root(), hashlib.sha256(stamp.encode()).hexdigest()[:16])
     if os.path.exists(os.path.join(out, MARKER)):
         return out

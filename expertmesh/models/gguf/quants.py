@@ -34,6 +34,7 @@ HELD = {
     "Q4_K": ("int4", 32), "Q5_K": ("int8", 32), "Q6_K": ("int8", 16), "MXFP4": ("fp4", 32),
 }  # fmt: skip
 FLOAT_TYPES = ("F32", "F16", "BF16")
+ZERO_OFFSETS = ("Q8_0", "Q6_K")  # W = code * scale: decode_blocks' offsets None
 # rows dequantized per call: a call's float32 temporaries (~2 MB at hidden 2048) stay in the cache
 # and the allocator reuses them, where thousands of rows took fresh pages every call
 DEQUANT_ROWS = 256
@@ -41,11 +42,16 @@ DEQUANT_ROWS = 256
 # held in one kind and group, so a mix (Q4_K_M's Q4_K gate/up with a Q6_K down) is held as int8
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"),
          ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))  # fmt: skip
+# ... except the experts' down projection: a parameter of its own (w2), which one fused MoE call
+# takes in the kind of gate/up (w13) but with its own group
+OWN_GROUP = ("ffn_down_exps",)
 
 
 def held_kinds(tensors: dict[str, str]) -> dict[str, tuple[str, int]]:
     """{tensor name: (kind, group)} for the held tensors of a fused parameter whose parts' types map
-    onto different kinds or groups: all in int8 with the smallest group (codes and scales exact)."""
+    onto different kinds or groups: all in int8 (codes and scales exact), each parameter in the
+    smallest group of its parts (Q4_K_M's Q4_K gate/up with a Q6_K down: w13 int8 groups of 32,
+    w2 int8 groups of 16)."""
     out: dict[str, tuple[str, int]] = {}
     layers: dict[str, dict[str, str]] = {}
     for name, qtype in tensors.items():
@@ -58,8 +64,11 @@ def held_kinds(tensors: dict[str, str]) -> dict[str, tuple[str, int]]:
             kinds = {HELD.get(t) for t in types.values()}
             # fp4 codes have no int8 form: a mix with fp4 is left to held.plan (dequantized, logged)
             if len(kinds) > 1 and None not in kinds and "fp4" not in {k for k, _ in kinds}:
-                widened = ("int8", min(g for _, g in kinds))
-                out.update({f"blk.{layer}.{p}.weight": widened for p in types})
+                for own in (True, False):
+                    part = [p for p in types if (p in OWN_GROUP) == own]
+                    if part:
+                        widened = ("int8", min(HELD[types[p]][1] for p in part))
+                        out.update({f"blk.{layer}.{p}.weight": widened for p in part})
     return out
 
 
@@ -69,10 +78,14 @@ def _half(raw: np.ndarray, at: int) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
-    """[..., n] bytes -> [..., 2n] codes: each run of `width` bytes gives its low nibbles, then its high."""
+    """[..., n] bytes -> [..., 2n] codes: each run of `width` bytes gives its low nibbles, then its high.
+    Written with `out=` into the halves of one array: two passes, no broadcast temporaries."""
     lead = qs.shape[:-1]
-    q = qs.reshape(*lead, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(2, 1)
-    return (q & 0x0F).reshape(*lead, -1)
+    q = qs.reshape(*lead, -1, 1, width)
+    out = np.empty((*q.shape[:-2], 2, width), np.uint8)
+    np.bitwise_and(q, 15, out=out[..., 0:1, :])
+    np.right_shift(q, 4, out=out[..., 1:2, :])
+    return out.reshape(*lead, -1)
 
 
 def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,11 +122,18 @@ def decode_blocks(qtype: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
             codes = _nibbles(raw[..., 48:176], 32) | ((qh & 1) << 4).reshape(*lead, 256)
         return codes.reshape(flat), scales.reshape(flat), offsets.reshape(flat)
     if qtype == "Q6_K":
-        ql = _nibbles(raw[..., :128], 64)
-        qh = raw[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-        q = ((ql | ((qh & 3).reshape(*lead, 256) << 4)) - np.uint8(32)).view(np.int8)  # wraps to q - 32
+        q = _nibbles(raw[..., :128], 64)
+        # the high 2 bits of value 32 s + k of each half (s = 0..3): bits 2 s of qh's byte k, in place
+        qh = raw[..., 128:192].reshape(*lead, 2, 1, 32)
+        hi = np.empty((*lead, 2, 4, 32), np.uint8)
+        for s in range(4):
+            np.right_shift(qh, 2 * s, out=hi[..., s : s + 1, :])
+        hi &= 3
+        hi <<= 4
+        q |= hi.reshape(*lead, 256)
+        q -= np.uint8(32)  # wraps to q - 32 as int8
         scales = _half(raw, 208)[..., None] * raw[..., 192:208].view(np.int8).astype(np.float32)
-        return q.view(np.uint8).reshape(flat), scales.reshape(flat), None
+        return q.reshape(flat), scales.reshape(flat), None
     if qtype == "MXFP4":
         e = raw[..., 0]
         scales = np.ldexp(np.float32(1.0), e.astype(np.int32) - 127).astype(np.float32)

@@ -18,7 +18,7 @@ import expertmesh.models.gguf.quants as quants
 from expertmesh.layers.quantization.view import LogicalTensor
 from expertmesh.models.gguf.families import CONFIG_TENSORS
 from expertmesh.models.gguf.names import BLOCK, FUSED_BIAS, KV_B, PIECES, TOP, mtp_block, piece_of, pieces_of
-from expertmesh.models.gguf.quants import FLOAT_TYPES, HELD, decode_blocks
+from expertmesh.models.gguf.quants import FLOAT_TYPES, HELD, ZERO_OFFSETS, decode_blocks
 from expertmesh.models.gguf.reader import GGUFError, TensorInfo, open_file
 
 log = logging.getLogger("expertmesh")
@@ -64,6 +64,7 @@ class GGUFTensor(LogicalTensor):
                 self.unheld_reason = f"GGUF {name} Q/K rows permuted by llama.cpp: dequantized"
             else:
                 self.held_kind, self.unheld_reason = tuple(kind or HELD[name]), None
+                self.held_zero_offsets = name in ZERO_OFFSETS
                 if name == "MXFP4":  # as a safetensors MXFP4 checkpoint: int16 code | exponent << 4
                     self.held_storage = torch.int16
 
