@@ -321,6 +321,9 @@ def server_cmd(args, server: str, port: int) -> tuple[list[str], dict]:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     p = str(port)
     if server.startswith("expertmesh"):
+        server, _, tree = server.partition("@")
+        if tree:  # expertmesh@DIR: the package imported from that source tree (before/after a change)
+            env["PYTHONPATH"] = tree
         exe = str(Path(sys.executable).with_name("expertmesh"))
         cmd = [exe, "serve", args.model, "--port", p, "--max-model-len", str(args.max_model_len)]
         cmd += ["--dtype", args.dtype, "--served-model-name", "bench"]
@@ -366,7 +369,7 @@ def bench_server(args, server: str, tokenizer, round_no: int) -> list[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd, env = server_cmd(args, server, port)
-    log = open(Path(args.log_dir) / f"{server}-server.log", "a")  # noqa: SIM115 -- lives with the server
+    log = open(Path(args.log_dir) / f"{server.replace('/', '_')}-server.log", "a")  # noqa: SIM115 -- lives with the server
     t0 = time.perf_counter()
     # Its own process group: vLLM's engine-core and worker processes go down with it.
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -600,7 +603,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--workload", default="fixed", choices=["fixed", "sharegpt"], help="see the docstring")
-    ap.add_argument("--servers", default="expertmesh,vllm,llama.cpp", help="also: expertmesh-nowarmup")
+    ap.add_argument(
+        "--servers",
+        default="expertmesh,vllm,llama.cpp",
+        help="also: expertmesh-nowarmup; expertmesh@DIR imports expertmesh from the source tree DIR "
+        "(e.g. expertmesh@/path/to/main,expertmesh: before and after a change, interleaved)",
+    )
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(
         "--offline-nowarmup", action="store_true", help="also offline generate with LLM(warmup=False)"
@@ -646,9 +654,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         flags = "--input-len + --output-len" if args.workload == "fixed" else "--max-prompt + --max-output"
         ap.error(f"--shared-prefix + {flags} must fit --max-model-len={args.max_model_len}")
     args.servers = [s for s in args.servers.split(",") if s]
-    unknown = set(args.servers) - {"expertmesh", "expertmesh-nowarmup", "vllm", "llama.cpp"}
+    unknown = {s.partition("@")[0] for s in args.servers} - {
+        "expertmesh",
+        "expertmesh-nowarmup",
+        "vllm",
+        "llama.cpp",
+    }
     if unknown:
         ap.error(f"--servers: unknown {sorted(unknown)}")
+    for s in args.servers:
+        name, _, tree = s.partition("@")
+        if tree and (not name.startswith("expertmesh") or not (Path(tree) / "expertmesh").is_dir()):
+            ap.error(f"--servers {s}: NAME@DIR is for expertmesh, with DIR a source tree holding expertmesh/")
     return args
 
 
