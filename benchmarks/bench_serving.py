@@ -435,7 +435,9 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 OFFLINE_SCRIPT = r"""
-import json, sys, time
+import json, os, sys, time
+from expertmesh.entrypoints.openmp_pool import bound_waiting
+bound_waiting(os.environ)  # before torch loads: OpenMP waits as in the `expertmesh` command's servers
 from expertmesh import LLM, SamplingParams
 spec = json.loads(sys.argv[1])
 llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
