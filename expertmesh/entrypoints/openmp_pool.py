@@ -76,6 +76,6 @@ def describe_waiting() -> str:
     if _bounded:
         chosen = ", ".join(f"{k}={v}" for k, v in _bounded.items())
         own = " or ".join(WAIT_SETTINGS)
-        return f"OpenMP: {chosen} (expertmesh's default: waiting workers spin briefly, then sleep; set {own} to choose)"
+        return f"OpenMP: {chosen} (expertmesh's default: waiting workers spin briefly, then sleep; {own} chooses)"
     chosen = ", ".join(f"{k}={os.environ[k]}" for k in WAIT_SETTINGS if k in os.environ)
     return f"OpenMP: {chosen or 'libgomp defaults (waiting workers spin)'}"
