@@ -76,6 +76,7 @@ def describe_waiting() -> str:
     if _bounded:
         chosen = ", ".join(f"{k}={v}" for k, v in _bounded.items())
         own = " or ".join(WAIT_SETTINGS)
-        return f"OpenMP: {chosen} (expertmesh's default: waiting workers spin briefly, then sleep; {own} chooses)"
+        why = f"expertmesh's default: waiting workers spin briefly, then sleep; {own} chooses"
+        return f"OpenMP: {chosen} ({why})"
     chosen = ", ".join(f"{k}={os.environ[k]}" for k in WAIT_SETTINGS if k in os.environ)
     return f"OpenMP: {chosen or 'libgomp defaults (waiting workers spin)'}"
