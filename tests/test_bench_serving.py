@@ -122,3 +122,47 @@ def test_a_request_stopped_short_is_a_failure(usage: bool) -> None:
     assert not short.ok and short.output_tokens == 3 and "stopped after 3 of 8" in short.error, short
     s = bs.summarize([full, short], duration=1.0)
     assert s["failed"] == 1 and s["output_tok_s"] == 8 and "stopped after 3 of 8" in s["first_error"]
+
+
+@pytest.mark.parametrize("limit", [0, 1, 3])
+def test_max_concurrency_bounds_the_requests_in_flight(limit: int) -> None:
+    import asyncio
+    import json
+
+    import httpx
+
+    live, peak = 0, 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        await asyncio.sleep(0.01)  # let the other due requests start, if they may
+        live -= 1
+        chunks = [
+            {"choices": [{"text": "t", "finish_reason": "length"}]},
+            {"usage": {"completion_tokens": 1}},
+        ]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    jobs = [bs.Job("x", 1)] * 6
+    load = bs.run_load(
+        "http://bench", "expertmesh", jobs, math.inf, 0, True, limit, httpx.MockTransport(handler)
+    )
+    results, _ = asyncio.run(load)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert peak == (limit or len(jobs)), peak  # all six at once without a limit
+
+
+def test_a_server_from_another_source_tree(tmp_path, capsys) -> None:
+    (tmp_path / "expertmesh").mkdir()
+    args = bs.parse_args(["--servers", f"expertmesh@{tmp_path},expertmesh", "--model", "m"])
+    cmd, env = bs.server_cmd(args, args.servers[0], 8000)
+    assert env["PYTHONPATH"] == str(tmp_path) and cmd[1:3] == ["serve", "m"], cmd
+    cmd, env = bs.server_cmd(args, args.servers[1], 8000)
+    assert env.get("PYTHONPATH") == bs.os.environ.get("PYTHONPATH") and cmd[1:3] == ["serve", "m"]
+    for bad in (f"expertmesh@{tmp_path / 'none'}", f"vllm@{tmp_path}"):
+        with pytest.raises(SystemExit):
+            bs.parse_args(["--servers", bad])
+        assert "--servers" in capsys.readouterr().err

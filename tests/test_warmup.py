@@ -1,11 +1,14 @@
 """Start-up warm-up (LLMEngine.warmup): it runs (a forward count and its log line, on every rank of
-an mp layout, of `serve` under torchrun and with the mp executor), it is opt-in for offline `LLM`,
+an mp layout, of `serve` under torchrun and with the mp executor, whose workers also start with the
+command's OpenMP spin bound), it is opt-in for offline `LLM`,
 and it leaves nothing a request can see: the same tokens and logprobs as an engine started
 without it, an empty prefix cache, zeroed counters."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,6 +17,7 @@ from serve_utils import ServeProcess, torchrun
 from expertmesh import LLM, SamplingParams
 from expertmesh.entrypoints.api_server import DEFAULT_SERVED_NAME
 from expertmesh.entrypoints.cli import build_parser
+from expertmesh.entrypoints.openmp_pool import DEFAULT_WAIT, WAIT_SETTINGS
 
 ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, max_num_seqs=16, max_num_batched_tokens=256)
 SHARED = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # more than a block: cacheable
@@ -120,6 +124,10 @@ def test_serve_with_the_mp_executor_warms_every_rank_before_health(tmp_path):
         server.wait_healthy(120)
         ranks = re.findall(r"\[?rank ?(\d)\]?.*warm-up: (\d+) forwards", server.output())
         assert sorted(r for r, _ in ranks) == ["0", "1"] and len({n for _, n in ranks}) == 1, server.output()
+        if not any(k in os.environ for k in WAIT_SETTINGS):  # the command's OpenMP spin bound, inherited
+            for pid in server.worker_pids().values():
+                start_env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                assert all(f"{k}={v}".encode() in start_env for k, v in DEFAULT_WAIT.items()), pid
         body = {"model": DEFAULT_SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
         got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         assert got["usage"]["completion_tokens"] == 3, got

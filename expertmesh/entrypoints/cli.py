@@ -8,10 +8,17 @@ import os
 import sys
 import time
 
-from expertmesh.config import ParallelConfig
-from expertmesh.config.engine_args import add_cli_args, from_cli
-from expertmesh.config.model_source import DEFAULT_MODEL_DIR
-from expertmesh.entrypoints import stats_cli
+from expertmesh.entrypoints.openmp_pool import bound_waiting
+
+# Before the imports below load torch, whose libgomp reads its wait settings once, when it loads: the
+# command's OpenMP workers (and those of the ranks it spawns, which inherit the environment) spin
+# only briefly before they sleep, unless the user chose otherwise (openmp_pool.py, docs/server.md).
+WAIT_SET = bound_waiting(os.environ)
+
+from expertmesh.config import ParallelConfig  # noqa: E402
+from expertmesh.config.engine_args import add_cli_args, from_cli  # noqa: E402
+from expertmesh.config.model_source import DEFAULT_MODEL_DIR  # noqa: E402
+from expertmesh.entrypoints import stats_cli  # noqa: E402
 
 # Engine defaults a command changes: a server warms every rank before /health answers (its first
 # requests would pay the first-use costs); offline, the first generate measured as fast without.

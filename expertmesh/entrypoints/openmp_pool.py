@@ -10,17 +10,25 @@ CPUs, and every served step ran throttled, slower than the same step offline (do
 has the measurement). Freeing the loading thread's pool before the engine thread starts
 (`omp_pause_resource_all`, OpenMP 5.0) leaves one pool, as offline has.
 
-On a shared, oversubscribed machine `GOMP_SPINCOUNT` (a few thousand) or `OMP_WAIT_POLICY=PASSIVE`
-protects served and offline runs alike: a worker spinning for a partner that is not scheduled
-burns the time the partner needs.
+On a shared, oversubscribed machine a worker spinning for a partner that is not scheduled burns
+the time the partner needs (the whole process's share, under the kernel's per-session CPU
+groups), and a served step collapsed there. `bound_waiting` (called by the `expertmesh` command
+before torch loads libgomp, which reads its environment once) caps the spin at DEFAULT_WAIT, long
+enough to bridge the gaps between a step's parallel regions, unless the user chose a wait policy
+or spin count.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # libgomp's: what the user may have chosen
+DEFAULT_WAIT = {"GOMP_SPINCOUNT": "3000"}  # the `expertmesh` command's choice (docs/server.md)
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the calling thread's pool (libgomp: its threads exit)
+_bounded: dict[str, str] = {}  # what bound_waiting set in this process
 
 
 def loaded_libgomp() -> str | None:
@@ -51,3 +59,24 @@ def release_thread_pool() -> bool:
         return False
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return pause(OMP_PAUSE_HARD) == 0
+
+
+def bound_waiting(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Set DEFAULT_WAIT in `environ` unless it holds a WAIT_SETTINGS key or libgomp is already
+    loaded (it read its environment then: too late). Returns what was set ({} when nothing)."""
+    if any(key in environ for key in WAIT_SETTINGS) or loaded_libgomp() is not None:
+        return {}
+    environ.update(DEFAULT_WAIT)
+    _bounded.update(DEFAULT_WAIT)
+    return dict(DEFAULT_WAIT)
+
+
+def describe_waiting() -> str:
+    """One log line: how this process's OpenMP workers wait, and who chose it."""
+    if _bounded:
+        chosen = ", ".join(f"{k}={v}" for k, v in _bounded.items())
+        own = " or ".join(WAIT_SETTINGS)
+        why = f"expertmesh's default: waiting workers spin briefly, then sleep; {own} chooses"
+        return f"OpenMP: {chosen} ({why})"
+    chosen = ", ".join(f"{k}={os.environ[k]}" for k in WAIT_SETTINGS if k in os.environ)
+    return f"OpenMP: {chosen or 'libgomp defaults (waiting workers spin)'}"

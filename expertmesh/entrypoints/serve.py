@@ -18,6 +18,7 @@ from expertmesh.engine.builder import build_engine
 from expertmesh.entrypoints.api_server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SERVED_NAME, build_app
 from expertmesh.entrypoints.async_engine import AsyncEngine
 from expertmesh.entrypoints.llm import LLM
+from expertmesh.entrypoints.openmp_pool import describe_waiting
 from expertmesh.executor.driver_client import DriverClient
 from expertmesh.executor.torchrun_executor import DRIVER, TorchrunExecutor
 from expertmesh.logger import setup_logging
@@ -93,6 +94,7 @@ def _run(
             server.should_exit = True
 
         engine.on_failure = stop
+    log.info("%s", describe_waiting())
     log.info("serving %s on http://%s:%d%s", names, host, port, " (API key required)" if api_key else "")
     try:
         server.run()
