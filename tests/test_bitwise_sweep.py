@@ -99,10 +99,8 @@ def _diff(ref: list[dict[int, float]], got: list[dict[int, float]]) -> tuple[int
 ENGINE = dict(dtype=BF16, max_model_len=128)
 
 
-# Room for every request (no preemption): a preempted request is prefilled again whole, which on a
-# recurrent layer rounds apart from the steps it decoded (docs/layouts.md), and the KV budget left
-# beside the per-sequence states differs by layout (granite-4.0-h: 13 blocks in one process, 9 a
-# TP4 rank at 16 MiB), so layouts preempted differently.
+# Room for every request: no layout preempts, so every request runs at the same steps. (Preemption
+# keeps the bits too, recomputed as first computed: tests/test_bitwise_preemption.py.)
 ROOMY = dict(ENGINE, kv_cache_memory_bytes=1 << 26, max_num_seqs=8)
 
 
