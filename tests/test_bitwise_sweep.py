@@ -3,7 +3,7 @@
 
 - Layouts, one spawned world of four ranks per family running them in sequence: TP4, PP2 x TP2,
   DP2 x PP2 + EP (`alltoall`), DP2 x TP2 with `naive`, with `allgather_reducescatter` and with EP
-  over `alltoall`.
+  over `alltoall`; and PP2 alone on two ranks.
 - Batches: one process, a request alone, inside a batch of 7 and inside one of 32 mixed-length
   requests (chunked prefill for the attention families).
 
@@ -23,6 +23,7 @@ from real_checkpoints import deepseek_v2
 from sweeps import sweep
 from test_bitwise_families import BF16, WIDE, engine
 from test_bitwise_layouts import ASKED, prompts
+from test_deepseek_v4 import OVERRIDES as V4_OVERRIDES
 
 from expertmesh import SamplingParams
 
@@ -41,6 +42,11 @@ EXTRA = {  # families not in test_real_families' table: (published config name o
     "deepseek-v2-lite": ("deepseek-v2-lite", {}),
     "deepseek-v3": ("deepseek-v3", {}),
     "qwen3-moe": ("qwen3-30b-a3b", {}),
+    # published model_type kimi_k2 needs remote code in transformers (the checkpoint writer): its
+    # auto_map's DeepseekV3Config, as test_families_2026 writes it
+    "kimi-k2-instruct": ("2026/kimi-k2-instruct", {"model_type": "deepseek_v3"}),
+    # test_deepseek_v4's shrink: a window, entries and top-k the prompts reach
+    "deepseek-v4": ("2026/deepseek-v4-flash", V4_OVERRIDES),
 }
 
 
@@ -56,9 +62,12 @@ def _families() -> list[str]:
 # sigmoid routing (deepseek-v3), Gated DeltaNet
 # (qwen3.5-moe), Mamba2 with ungated experts (nemotron-h), chunks / NoPE / dense + MoE layers
 # (llama4-interleaved), DeepSeek Sparse Attention (deepseek-v3.2: a short request's decode took
-# the dense path alone and the sparse one beside a longer request, 1e-5 apart in float32).
+# the dense path alone and the sparse one beside a longer request, 1e-5 apart in float32),
+# hyper-connections (deepseek-v4: their float32 F.linear and sigmoid followed the row count, 27 of
+# 32 positions off inside a batch, a top-8 token changed, before they took our GEMM and pointwise).
 DEFAULT_WORLD4 = ["olmoe"]
 DEFAULT_BATCH = ["gpt-oss", "deepseek-v3", "qwen3.5-moe", "nemotron-h", "llama4-interleaved", "deepseek-v3.2"]
+DEFAULT_BATCH.append("deepseek-v4")
 
 
 def _path(real_checkpoint, family: str) -> str:
@@ -104,9 +113,9 @@ ENGINE = dict(dtype=BF16, max_model_len=128)
 ROOMY = dict(ENGINE, kv_cache_memory_bytes=1 << 26, max_num_seqs=8)
 
 
-def _world4_rank(rank, world, path, batch):
+def _layouts_rank(rank, world, path, batch, layouts):
     results = []
-    for dp, pp, tp, ep, backend in LAYOUTS:
+    for dp, pp, tp, ep, backend in layouts:
         llm = engine(path, dp, pp, tp, ep, backend, **ROOMY)
         dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
         mine = list(range(len(batch)))[dp_rank::dp]
@@ -116,12 +125,15 @@ def _world4_rank(rank, world, path, batch):
     return results
 
 
-def world4_table(path: str, n: int = 4) -> dict[tuple, tuple[int, float, bool]]:
+def layouts_table(
+    path: str, layouts: list[tuple] = LAYOUTS, world: int = 4, n: int = 4
+) -> dict[tuple, tuple[int, float, bool]]:
     """Per layout, over every rank and request: (positions off, largest difference, tokens equal)."""
     batch = prompts(n)
     ref = _logprobs(engine(path, **ROOMY), batch)
     table: dict[tuple, tuple[int, float, bool]] = {}
-    for per_rank in run_distributed(_world4_rank, 4, path, batch, timeout=580, gloo_timeout=200):
+    runs = run_distributed(_layouts_rank, world, path, batch, layouts, timeout=580, gloo_timeout=200)
+    for per_rank in runs:
         for layout, got in per_rank:
             off, worst, same = table.get(layout, (0, 0.0, True))
             for i, lps in got.items():
@@ -142,8 +154,23 @@ def _report(family: str, table: dict) -> list[str]:
 @pytest.mark.parametrize("family", sweep(_families(), DEFAULT_WORLD4))
 def test_world4_layouts_bitwise(family, real_checkpoint):
     """TP4, PP2 x TP2, DP2 x PP2 + EP, DP2 x TP2 with each backend: bf16 logprobs == one process."""
-    table = world4_table(_path(real_checkpoint, family))
+    table = layouts_table(_path(real_checkpoint, family))
     assert len(table) == len(LAYOUTS)
+    bad = _report(family, table)
+    assert not bad, "\n".join(bad)
+
+
+PP2 = [(1, 2, 1, False, "allgather_reducescatter")]
+# PP2 alone on two ranks: each stage runs half the layers whole (no TP); DeepSeek-V4 hands the
+# next stage its 4-stream residual, Qwen3.5-MoE its Gated DeltaNet layers' outputs.
+DEFAULT_PP2 = ["deepseek-v4"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sweep(_families(), DEFAULT_PP2))
+def test_pp2_bitwise(family, real_checkpoint):
+    """PP2 on two ranks: bf16 logprobs == one process."""
+    table = layouts_table(_path(real_checkpoint, family), PP2, world=2)
     bad = _report(family, table)
     assert not bad, "\n".join(bad)
 
