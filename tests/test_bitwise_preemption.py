@@ -1,4 +1,4 @@
-"""deterministic=True with preemption: a request preempted (its KV blocks and recurrent state
+"""deterministic=True with preemption and prefix hits: a request preempted (its KV blocks and recurrent state
 freed, the sequence computed again later) gives the logprobs it gives when the cache has room for
 every request, bit for bit, bf16, top-8 at every one of 32 generated positions.
 
@@ -9,7 +9,9 @@ engine recomputes a preempted sequence the way it first computed it (its prompt 
 was prefilled in, its decoded positions one at a time in the recurrent layers).
 
 The roomy run is the reference (nothing preempted: asserted); the small cache must preempt
-(asserted), so `==` can fail.
+(asserted), so `==` can fail. And a chat's next turn (a prompt holding the previous answer) gives
+on the engine that cached the first turn what it gives on a fresh engine: only prompt blocks are
+cached in deterministic mode (decoded blocks were computed by decode steps).
 """
 
 from __future__ import annotations
@@ -181,3 +183,41 @@ def test_preempting_layouts_bit_equal_one_roomy_process(real_checkpoint):
             bad += [f"{layout} rank {rank} {line}" for line in _off([ref[i] for i in mine], got)]
     assert not quiet, f"no preemption (the test shows nothing there): {quiet}"
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", ["olmoe", pytest.param("qwen3.5-moe", marks=pytest.mark.slow)])
+def test_next_turn_hits_only_prompt_blocks(family, real_checkpoint):
+    """The first turn's prompt + answer + 3 tokens as the next prompt: bit-equal on the engine
+    that ran the first turn (a prefix hit) and on a fresh one. Blocks of decoded positions offered
+    to the cache made OLMoE 32 of 32 positions off."""
+    path = _path(real_checkpoint, family)
+    first = prompts(1, seed=7)[0][:20]
+    llm = engine(path, kv_cache_memory_bytes=ROOM, **TIGHT)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    answer = llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)[0].outputs[0].token_ids
+    turn = first + list(answer) + [5, 6, 7]
+    hit = _generate(llm, [turn])
+    fresh = _generate(engine(path, kv_cache_memory_bytes=ROOM, **TIGHT), [turn])
+    bad = _off(fresh, hit)
+    assert not bad, "\n".join(bad)
+    assert llm.llm_engine.stats()["prefix_cache_hits"] == 16  # the first prompt's one full block
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3.5-moe", "granite-4.0-h"])
+def test_prompt_split_keeps_recurrent_bits(family, real_checkpoint):
+    """A 100-token prompt prefilled whole and split by a 7- and a 37-token budget: bit-equal (the
+    recurrent layers step a prefill chunk token by token on our kernels)."""
+    path = _path(real_checkpoint, family)
+    prompt = prompts(1, seed=1)[0] * 4
+    prompt = (prompt * (100 // len(prompt) + 1))[:100]
+    whole = _generate(engine(path, kv_cache_memory_bytes=ROOM, **TIGHT), [prompt])
+    for budget in (7, 37):
+        llm = engine(
+            path, kv_cache_memory_bytes=ROOM, max_num_batched_tokens=budget, **{**TIGHT, "max_num_seqs": 1}
+        )
+        bad = _off(whole, _generate(llm, [prompt]))
+        assert llm.llm_engine.stats()["steps"] > len(whole[0]) + 1  # the prompt took several steps
+        assert not bad, f"split by {budget}: " + "\n".join(bad)

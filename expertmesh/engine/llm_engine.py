@@ -80,6 +80,7 @@ class LLMEngine(WarmUp):
         self.drafter = build_drafter(config, runner, self.blocks.block_size)
         # deterministic mode: a preempted sequence recomputed as it was first computed (scheduler.py)
         exact = bool(getattr(groups.world, "fixed_chunks", 0))
+        self.blocks.prompt_blocks_only = exact
         self.scheduler = Scheduler(config.scheduler_config, self.blocks, self.drafter, exact)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
