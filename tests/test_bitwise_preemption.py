@@ -1,12 +1,13 @@
-"""deterministic=True with preemption and prefix hits: a request preempted (its KV blocks and recurrent state
-freed, the sequence computed again later) gives the logprobs it gives when the cache has room for
-every request, bit for bit, bf16, top-8 at every one of 32 generated positions.
+"""deterministic=True with preemption and prefix hits: a request preempted (its KV blocks and
+recurrent state freed, the sequence computed again later) gives the logprobs it gives when the
+cache has room for every request, bit for bit, bf16, top-8 at every one of 32 generated positions.
 
-A cache too small for the batch preempts requests mid-decode; their tokens so far are prefilled
-again. On a recurrent layer (Gated DeltaNet, Mamba2) a chunked scan over positions that were
-decoded one at a time rounds differently; attention layers downstream then cache other K/V. The
-engine recomputes a preempted sequence the way it first computed it (its prompt in the chunks it
-was prefilled in, its decoded positions one at a time in the recurrent layers).
+A cache too small for the batch preempts requests mid-decode; their tokens so far were prefilled
+again, and a prefill rounds apart from decode steps: a recurrent layer's (Gated DeltaNet, Mamba2)
+convolution sums in another order, an attention layer's prefill path apart from its paged decode;
+layers downstream then cache other K/V. The engine recomputes a preempted sequence the way it
+first computed it (its prompt in the chunks it was prefilled in, its decoded positions as decode
+rows: one at a time in the recurrent layers).
 
 The roomy run is the reference (nothing preempted: asserted); the small cache must preempt
 (asserted), so `==` can fail. And a chat's next turn (a prompt holding the previous answer) gives

@@ -13,9 +13,9 @@ With `exact_recompute` (deterministic mode) a preempted sequence is computed aga
 first computed, so its logprobs keep their bits: its prompt in the chunks it was first prefilled
 in (`Sequence.prompt_chunk_ends`; a chunk that does not fit this step's budget waits for one that
 does), its decoded positions as decode rows (`ScheduledBatch.replays`: one decode row a position,
-each seeing the positions up to its own, as the speculative verify rows do). A chunked scan of a
-recurrent layer rounds apart from the position-by-position steps decoding took, and the prefill
-attention kernel apart from the paged decode one.
+each seeing the positions up to its own, as the speculative verify rows do). A recurrent layer's
+prefill rounds apart from its decode steps (its convolution sums in another order; off our
+kernels the chunked scan too), and an attention layer's prefill path apart from its paged decode.
 
 The samples of an `n > 1` request share its prompt: with prefix caching, samples 1..n-1 wait
 until sample 0 has computed the prompt, then start from its cached full blocks and compute only
