@@ -3,9 +3,9 @@
 
 - Layouts, one spawned world of four ranks per family running them in sequence: TP4, PP2 x TP2,
   DP2 x PP2 + EP (`alltoall`), DP2 x TP2 with `naive`, with `allgather_reducescatter` and with EP
-  over `alltoall`.
+  over `alltoall`; and PP2 alone on two ranks.
 - Batches: one process, a request alone, inside a batch of 7 and inside one of 32 mixed-length
-  requests (chunked prefill for the attention families).
+  requests (chunked prefill).
 
 The checkpoints are the published configs shrunk (tests/real_checkpoints.py) but widened to hidden
 512, as in test_bitwise_families (where the default path is shown NOT bit-equal on the same kind of
@@ -23,6 +23,7 @@ from real_checkpoints import deepseek_v2
 from sweeps import sweep
 from test_bitwise_families import BF16, WIDE, engine
 from test_bitwise_layouts import ASKED, prompts
+from test_deepseek_v4 import OVERRIDES as V4_OVERRIDES
 
 from expertmesh import SamplingParams
 
@@ -41,6 +42,11 @@ EXTRA = {  # families not in test_real_families' table: (published config name o
     "deepseek-v2-lite": ("deepseek-v2-lite", {}),
     "deepseek-v3": ("deepseek-v3", {}),
     "qwen3-moe": ("qwen3-30b-a3b", {}),
+    # published model_type kimi_k2 needs remote code in transformers (the checkpoint writer): its
+    # auto_map's DeepseekV3Config, as test_families_2026 writes it
+    "kimi-k2-instruct": ("2026/kimi-k2-instruct", {"model_type": "deepseek_v3"}),
+    # test_deepseek_v4's shrink: a window, entries and top-k the prompts reach
+    "deepseek-v4": ("2026/deepseek-v4-flash", V4_OVERRIDES),
 }
 
 
@@ -56,9 +62,12 @@ def _families() -> list[str]:
 # sigmoid routing (deepseek-v3), Gated DeltaNet
 # (qwen3.5-moe), Mamba2 with ungated experts (nemotron-h), chunks / NoPE / dense + MoE layers
 # (llama4-interleaved), DeepSeek Sparse Attention (deepseek-v3.2: a short request's decode took
-# the dense path alone and the sparse one beside a longer request, 1e-5 apart in float32).
+# the dense path alone and the sparse one beside a longer request, 1e-5 apart in float32),
+# hyper-connections (deepseek-v4: their float32 F.linear and sigmoid followed the row count, 27 of
+# 32 positions off inside a batch, a top-8 token changed, before they took our GEMM and pointwise).
 DEFAULT_WORLD4 = ["olmoe"]
 DEFAULT_BATCH = ["gpt-oss", "deepseek-v3", "qwen3.5-moe", "nemotron-h", "llama4-interleaved", "deepseek-v3.2"]
+DEFAULT_BATCH.append("deepseek-v4")
 
 
 def _path(real_checkpoint, family: str) -> str:
@@ -99,16 +108,14 @@ def _diff(ref: list[dict[int, float]], got: list[dict[int, float]]) -> tuple[int
 ENGINE = dict(dtype=BF16, max_model_len=128)
 
 
-# Room for every request (no preemption): a preempted request is prefilled again whole, which on a
-# recurrent layer rounds apart from the steps it decoded (docs/layouts.md), and the KV budget left
-# beside the per-sequence states differs by layout (granite-4.0-h: 13 blocks in one process, 9 a
-# TP4 rank at 16 MiB), so layouts preempted differently.
+# Room for every request: no layout preempts, so every request runs at the same steps. (Preemption
+# keeps the bits too, recomputed as first computed: tests/test_bitwise_preemption.py.)
 ROOMY = dict(ENGINE, kv_cache_memory_bytes=1 << 26, max_num_seqs=8)
 
 
-def _world4_rank(rank, world, path, batch):
+def _layouts_rank(rank, world, path, batch, layouts):
     results = []
-    for dp, pp, tp, ep, backend in LAYOUTS:
+    for dp, pp, tp, ep, backend in layouts:
         llm = engine(path, dp, pp, tp, ep, backend, **ROOMY)
         dp_rank = llm.llm_engine.vllm_config.parallel_config.data_parallel_rank
         mine = list(range(len(batch)))[dp_rank::dp]
@@ -118,12 +125,15 @@ def _world4_rank(rank, world, path, batch):
     return results
 
 
-def world4_table(path: str, n: int = 4) -> dict[tuple, tuple[int, float, bool]]:
+def layouts_table(
+    path: str, layouts: list[tuple] = LAYOUTS, world: int = 4, n: int = 4
+) -> dict[tuple, tuple[int, float, bool]]:
     """Per layout, over every rank and request: (positions off, largest difference, tokens equal)."""
     batch = prompts(n)
     ref = _logprobs(engine(path, **ROOMY), batch)
     table: dict[tuple, tuple[int, float, bool]] = {}
-    for per_rank in run_distributed(_world4_rank, 4, path, batch, timeout=580, gloo_timeout=200):
+    runs = run_distributed(_layouts_rank, world, path, batch, layouts, timeout=580, gloo_timeout=200)
+    for per_rank in runs:
         for layout, got in per_rank:
             off, worst, same = table.get(layout, (0, 0.0, True))
             for i, lps in got.items():
@@ -144,8 +154,23 @@ def _report(family: str, table: dict) -> list[str]:
 @pytest.mark.parametrize("family", sweep(_families(), DEFAULT_WORLD4))
 def test_world4_layouts_bitwise(family, real_checkpoint):
     """TP4, PP2 x TP2, DP2 x PP2 + EP, DP2 x TP2 with each backend: bf16 logprobs == one process."""
-    table = world4_table(_path(real_checkpoint, family))
+    table = layouts_table(_path(real_checkpoint, family))
     assert len(table) == len(LAYOUTS)
+    bad = _report(family, table)
+    assert not bad, "\n".join(bad)
+
+
+PP2 = [(1, 2, 1, False, "allgather_reducescatter")]
+# PP2 alone on two ranks: each stage runs half the layers whole (no TP); DeepSeek-V4 hands the
+# next stage its 4-stream residual, Qwen3.5-MoE its Gated DeltaNet layers' outputs.
+DEFAULT_PP2: list[str] = []  # -m slow (about 35 s a family)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sweep(_families(), DEFAULT_PP2))
+def test_pp2_bitwise(family, real_checkpoint):
+    """PP2 on two ranks: bf16 logprobs == one process."""
+    table = layouts_table(_path(real_checkpoint, family), PP2, world=2)
     bad = _report(family, table)
     assert not bad, "\n".join(bad)
 
@@ -154,11 +179,10 @@ def test_world4_layouts_bitwise(family, real_checkpoint):
 @pytest.mark.parametrize("family", sweep(_families(), DEFAULT_BATCH))
 def test_batch_invariance_1_7_32(family, real_checkpoint):
     """One process, bf16: a request's 32 tokens' logprobs alone == inside a batch of 7 and of 32
-    mixed-length requests (attention families prefill in chunks of a 40-token budget, which fall
-    differently in each batch; recurrent ones prefill whole prompts: docs/layouts.md)."""
+    mixed-length requests (prompts prefilled in chunks of a 40-token budget, which fall
+    differently in each batch)."""
     path = _path(real_checkpoint, family)
-    chunked = {} if family in RECURRENT else dict(max_num_batched_tokens=40, enable_chunked_prefill=True)
-    llm = engine(path, max_num_seqs=32, **ENGINE, **chunked)
+    llm = engine(path, max_num_seqs=32, max_num_batched_tokens=40, enable_chunked_prefill=True, **ENGINE)
     target = prompts(1, seed=5)[0]
     alone = _logprobs(llm, [target])[0]
     others = prompts(31, seed=11)

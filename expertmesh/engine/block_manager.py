@@ -54,6 +54,10 @@ class BlockManager:
         self.snapshots = snapshots if enable_prefix_caching else None
         self.snapshot_of: OrderedDict[bytes, int] = OrderedDict()
         self.free_snapshots: list[int] = list(range(snapshots.count - 1, -1, -1)) if self.snapshots else []
+        # Deterministic mode: only blocks of prompt tokens are offered to the cache. A decoded
+        # position's KV (and a recurrent state after it) came from decode steps, whose bits a
+        # request prefilling the same tokens (a chat's next turn) would not compute.
+        self.prompt_blocks_only = False
 
     @property
     def num_free(self) -> int:
@@ -155,6 +159,8 @@ class BlockManager:
         """Key `seq`'s blocks that are now full of computed tokens (called after each step). A
         block whose prefix another block already holds stays keyless (both were computed at once)."""
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if self.prompt_blocks_only:
+            full = min(full, len(seq.prompt_token_ids) // self.block_size)
         if not self.enable_prefix_caching or full <= seq.num_keyed_blocks:
             return
         keys = self.keys(seq, full)

@@ -78,7 +78,10 @@ class LLMEngine(WarmUp):
             num_blocks, config.cache_config.block_size, prefix_caching, slots, runner.snapshots
         )
         self.drafter = build_drafter(config, runner, self.blocks.block_size)
-        self.scheduler = Scheduler(config.scheduler_config, self.blocks, self.drafter)
+        # deterministic mode: a preempted sequence recomputed as it was first computed (scheduler.py)
+        exact = bool(getattr(groups.world, "fixed_chunks", 0))
+        self.blocks.prompt_blocks_only = exact
+        self.scheduler = Scheduler(config.scheduler_config, self.blocks, self.drafter, exact)
         self.detok = Detokenizer(tokenizer, config.model_config.eos_token_ids)
         runner.sampler.eos_ids = self.detok.eos_ids  # min_tokens masks them
         self.requests: dict[str, Request] = {}

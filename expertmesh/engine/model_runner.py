@@ -151,16 +151,18 @@ class ModelRunner:
         for seq in batch.decodes:
             p = seq.num_computed_tokens
             draft = batch.drafts.get(seq.seq_id, [])
-            # A draft's tokens are decode rows of the same sequence, each seeing the positions up to
-            # its own: every KV row is stored before attention reads any, so they are causal.
-            ids.extend(seq.tokens(p, p + 1) + draft)
-            for q in range(p, p + 1 + len(draft)):
+            # A draft's tokens (and the positions a preempted sequence replays: batch.replays) are
+            # decode rows of the same sequence, each seeing the positions up to its own: every KV
+            # row is stored before attention reads any, so they are causal.
+            end = p + batch.num_new[seq.seq_id]
+            ids.extend(seq.tokens(p, end - len(draft)) + draft)
+            for q in range(p, end):
                 pos.append(q)
                 slots.append(blocks.slot(seq, q))
                 lens.append(q + 1)
                 rows.append((seq, q + 1))
-                if draft or batch.completes(seq):
-                    last.append(len(ids) - (p + len(draft) - q) - 1)
+                if draft or (q == end - 1 and batch.completes(seq)):
+                    last.append(len(ids) - (end - q))
         prefills = []
         for seq in batch.prefills:
             c, n = seq.num_computed_tokens, batch.num_new[seq.seq_id]
@@ -178,8 +180,8 @@ class ModelRunner:
         ctx = ForwardContext(meta, [len(ids)])
         if self.state_layers:
             ctx.state_slots = torch.tensor([s.state_slot for s in batch.decodes + batch.prefills])
-            if batch.drafts:  # the recurrent layers step a verify step's rows position by position
-                ctx.state_rows = [1 + len(batch.drafts.get(s.seq_id, ())) for s in batch.decodes]
+            if batch.drafts or batch.replays:  # the recurrent layers step these rows position by position
+                ctx.state_rows = [batch.num_new[s.seq_id] for s in batch.decodes]
         return self._on_device(ids, pos, ctx, last)
 
     def _on_device(

@@ -9,6 +9,14 @@ When a running sequence needs a block and none is free, the newest running seque
 the step is preempted: its blocks are freed and it returns to the front of the queue, to be
 recomputed (from whatever of it the prefix cache still holds).
 
+With `exact_recompute` (deterministic mode) a preempted sequence is computed again the way it was
+first computed, so its logprobs keep their bits: its prompt in the chunks it was first prefilled
+in (`Sequence.prompt_chunk_ends`; a chunk that does not fit this step's budget waits for one that
+does), its decoded positions as decode rows (`ScheduledBatch.replays`: one decode row a position,
+each seeing the positions up to its own, as the speculative verify rows do). A recurrent layer's
+prefill rounds apart from its decode steps (its convolution sums in another order; off our
+kernels the chunked scan too), and an attention layer's prefill path apart from its paged decode.
+
 The samples of an `n > 1` request share its prompt: with prefix caching, samples 1..n-1 wait
 until sample 0 has computed the prompt, then start from its cached full blocks and compute only
 the last partial block (without it each would compute the whole prompt again).
@@ -32,12 +40,19 @@ class ScheduledBatch:
     # seq_id -> the draft tokens a decoding sequence is verified with (spec_decode/): its
     # num_new counts them; it stays a decode, one decode row per token (model_runner.prepare).
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # seq_ids of decodes that recompute positions a preempted sequence had decoded: num_new decode
+    # rows, the last sampled if it is the sequence's last token (exact_recompute)
+    replays: set[int] = field(default_factory=set)
 
-    def add(self, seq: Sequence, num_tokens: int, draft: list[int] | None = None) -> None:
-        (self.decodes if num_tokens == 1 or draft else self.prefills).append(seq)
+    def add(
+        self, seq: Sequence, num_tokens: int, draft: list[int] | None = None, replay: bool = False
+    ) -> None:
+        (self.decodes if num_tokens == 1 or draft or replay else self.prefills).append(seq)
         self.num_new[seq.seq_id] = num_tokens
         if draft:
             self.drafts[seq.seq_id] = draft
+        if replay:
+            self.replays.add(seq.seq_id)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -62,8 +77,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, drafter=None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, blocks: BlockManager, drafter=None, exact_recompute: bool = False
+    ) -> None:
         self.config, self.blocks = config, blocks
+        self.exact_recompute = exact_recompute
         self.drafter = drafter  # spec_decode.drafter.Drafter, or None: no speculation
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -101,6 +119,28 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
+    def _next(self, seq: Sequence, start: int, budget: int) -> tuple[int, bool]:
+        """(tokens of `seq` to compute from `start` this step, whether they are replayed decode rows)."""
+        prompt = len(seq.prompt_token_ids)
+        if not self.exact_recompute or seq.num_tokens - start <= 1:
+            return self.blocks.chunk_end(seq, start, self._chunk(seq.num_tokens - start, budget)), False
+        if start >= prompt:  # positions it decoded before it was preempted
+            return self._chunk(seq.num_tokens - start, budget), True
+        n = self._chunk(prompt - start, budget)  # the prompt's chunks first, then decode rows
+        later = [e for e in seq.prompt_chunk_ends if e > start]
+        if later:  # one first chunk a step, whole (two merged would scan differently)
+            if later[0] <= start + n:
+                return later[0] - start, False
+            if later[0] - start <= self.config.max_num_batched_tokens:
+                return 0, False  # it waits for a step with room for the chunk
+        return self.blocks.chunk_end(seq, start, n), False
+
+    def _note_chunk(self, seq: Sequence, start: int, n: int, replay: bool) -> None:
+        """Keep where a scheduled prompt chunk starts and ends (exact_recompute): a recompute
+        after preemption cuts the prompt at the same places."""
+        if self.exact_recompute and not replay and start < len(seq.prompt_token_ids):
+            seq.prompt_chunk_ends = sorted({*seq.prompt_chunk_ends, *([start] if start else []), start + n})
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         # Decodes first (stable sort), so a long prompt's chunks never delay them.
         self._num_decoding = sum(s.num_uncomputed == 1 for s in self.running)
@@ -109,12 +149,13 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one in this loop
-            n = self.blocks.chunk_end(seq, seq.num_computed_tokens, self._chunk(seq.num_uncomputed, budget))
+            n, replay = self._next(seq, seq.num_computed_tokens, budget)
             if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n, batch):
                 continue
             draft = self._draft(seq, budget) if drafting and seq.num_uncomputed == 1 else []
             self.blocks.grow(seq, seq.num_computed_tokens + n + len(draft))
-            batch.add(seq, n + len(draft), draft)
+            self._note_chunk(seq, seq.num_computed_tokens, n, replay)
+            batch.add(seq, n + len(draft), draft, replay)
             budget -= n + len(draft)
         return budget
 
@@ -146,7 +187,7 @@ class Scheduler:
                 continue
             hits = self.blocks.cached_prefix(seq)
             start = len(hits) * self.blocks.block_size
-            n = self.blocks.chunk_end(seq, start, self._chunk(seq.num_tokens - start, budget))
+            n, replay = self._next(seq, start, budget)
             if n == 0 or not self.blocks.can_allocate(seq, hits, start + n):
                 break
             self.waiting.popleft()
@@ -154,7 +195,8 @@ class Scheduler:
             if not seq.scheduled_once:
                 seq.num_cached_tokens, seq.scheduled_once = start, True
             seq.status = SequenceStatus.RUNNING
-            batch.add(seq, n)
+            self._note_chunk(seq, start, n, replay)
+            batch.add(seq, n, replay=replay)
             budget -= n
             self.running.append(seq)
         self.waiting.extendleft(reversed(held))

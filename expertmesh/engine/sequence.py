@@ -53,6 +53,9 @@ class Sequence:
             [None] if params.prompt_logprobs is not None else None
         )
         self.num_preemptions = 0
+        # Where its prompt's prefill chunks ended (and a prefix hit started it) when first computed:
+        # a recompute after preemption cuts there too (deterministic mode, engine/scheduler.py).
+        self.prompt_chunk_ends: list[int] = []
         # A per-request generator makes seeded sampling independent of the rest of the batch.
         self.generator: torch.Generator | None = None
         if params.seed is not None:

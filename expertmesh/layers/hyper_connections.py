@@ -9,6 +9,11 @@ Sinkhorn-Knopp normalisations towards a doubly-stochastic matrix) mixes the stre
 residual: streams' = post * out + comb^T @ streams. `HyperHead` collapses the streams once more
 (its own pre mix) before the final norm. All of it in float32, as the reference keeps these
 modules; the weights are replicated over TP (every rank holds the whole streams).
+
+Deterministic mode (`fixed`): torch's float32 F.linear and sigmoid give a row other bits beside
+other rows (the BLAS and the vector tail follow the row count), so `fn` is multiplied on the
+ops' packed form (our panel GEMM: a row's product does not follow the rows) and the sigmoids go
+through fixed_sum.pointwise.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertmesh.distributed.fixed_sum import plain, pointwise
+from expertmesh.layers.linear_weight import DenseWeight, LinearWeight
+from expertmesh.layers.ops import Ops
 from expertmesh.layers.weights import default_loader, set_loader
 
 
@@ -32,7 +40,32 @@ def _flat_norm(streams: torch.Tensor, eps: float) -> torch.Tensor:
     return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
 
 
-class HyperConnection(nn.Module):
+class _Mixes(nn.Module):
+    """The float32 product of the normed streams with a mix weight: F.linear, or in deterministic
+    mode (`fixed`) the ops' packed form and pointwise sigmoids (module docstring)."""
+
+    fixed = False
+    pw = staticmethod(plain)
+    form: LinearWeight | None = None
+
+    def use_fixed_order(self, fixed: bool) -> None:
+        self.fixed = fixed
+        self.pw = pointwise if fixed else plain
+
+    def use_ops(self, ops: Ops) -> None:
+        if self.fixed:
+            self.form = ops.linear_form(self._weight())
+
+    def _weight(self) -> nn.Parameter:
+        raise NotImplementedError
+
+    def _mix(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.form is None or isinstance(self.form, DenseWeight):
+            return F.linear(flat, self._weight())
+        return self.form.apply(flat, None, torch.float32)
+
+
+class HyperConnection(_Mixes):
     def __init__(self, hc: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
         self.hc, self.iters, self.hc_eps, self.norm_eps = hc, sinkhorn_iters, hc_eps, norm_eps
@@ -40,15 +73,18 @@ class HyperConnection(nn.Module):
         self.base = _param((2 + hc) * hc)
         self.scale = _param(3)
 
+    def _weight(self) -> nn.Parameter:
+        return self.fn
+
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, D] -> post [T, hc], comb [T, hc, hc] (float32) and the block input [T, D]."""
         hc, eps = self.hc, self.hc_eps
-        mixes = F.linear(_flat_norm(streams, self.norm_eps), self.fn)
+        mixes = self._mix(_flat_norm(streams, self.norm_eps))
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
         pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        pre = self.pw(torch.sigmoid, pre_w * pre_s + pre_b) + eps
+        post = 2 * self.pw(torch.sigmoid, post_w * post_s + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * comb_s + comb_b.view(hc, hc), dim=-1) + eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
         for _ in range(self.iters - 1):
@@ -68,7 +104,7 @@ class HyperConnection(nn.Module):
         )
 
 
-class HyperHead(nn.Module):
+class HyperHead(_Mixes):
     """The last collapse of the streams (model.hc_head), before the final norm."""
 
     def __init__(self, hc: int, hidden: int, hc_eps: float, norm_eps: float) -> None:
@@ -78,7 +114,10 @@ class HyperHead(nn.Module):
         self.hc_base = _param(hc)
         self.hc_scale = _param(1)
 
+    def _weight(self) -> nn.Parameter:
+        return self.hc_fn
+
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(_flat_norm(streams, self.norm_eps), self.hc_fn)
-        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.hc_eps
+        mixes = self._mix(_flat_norm(streams, self.norm_eps))
+        pre = self.pw(torch.sigmoid, mixes * self.hc_scale + self.hc_base) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -147,7 +147,8 @@ class RecurrentMixer(nn.Module):
                 out = y.new_empty(sum(counts), *y.shape[1:])
             out[rows] = y
             later = [i for i in here if counts[i] > j + 1]  # sequences with a row after this one
-            if later and self.draft_rec is not None:
+            # (a preempted sequence's replayed rows may pass k: the draft rows keep the first k)
+            if later and self.draft_rec is not None and j < self.draft_rec.shape[1]:
                 keep = slots[later]
                 self.draft_conv[keep, j] = self.conv_state[keep]
                 self.draft_rec[keep, j] = self.rec_state[keep]

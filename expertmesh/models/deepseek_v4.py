@@ -85,6 +85,9 @@ class DeepseekV4Layer(nn.Module):
         c, hidden = cfg.compressed, cfg.hidden_size
         self.hc_attn = HyperConnection(c.hc_mult, hidden, c.hc_sinkhorn_iters, c.hc_eps, cfg.norm_eps)
         self.hc_ffn = HyperConnection(c.hc_mult, hidden, c.hc_sinkhorn_iters, c.hc_eps, cfg.norm_eps)
+        fixed = bool(getattr(env.groups.tp, "fixed_chunks", 0))  # deterministic mode
+        self.hc_attn.use_fixed_order(fixed)
+        self.hc_ffn.use_fixed_order(fixed)
         self.attn_norm = Float32RMSNorm(hidden, cfg.norm_eps, torch.float32)
         self.ffn_norm = Float32RMSNorm(hidden, cfg.norm_eps, torch.float32)
         self.attn = CompressedAttention(cfg, index, family, env.groups.tp)
@@ -127,6 +130,7 @@ class DeepseekV4Model(nn.Module):
         )
         self.layers = nn.ModuleDict({str(i): DeepseekV4Layer(cfg, i, family, env) for i in self.layer_range})
         self.hc_head = HyperHead(c.hc_mult, cfg.hidden_size, c.hc_eps, cfg.norm_eps)
+        self.hc_head.use_fixed_order(bool(getattr(tp, "fixed_chunks", 0)))
         self.norm = Float32RMSNorm(cfg.hidden_size, cfg.norm_eps, torch.float32) if self.last else None
         self.native = None  # no native decode form
         # With the MTP layer (spec_decode/mtp_v4.py): the last stage keeps its streams before hc_head.
