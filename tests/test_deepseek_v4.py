@@ -437,8 +437,8 @@ def _check_layouts(path: str, world: int, layouts: list, timeout: float, pp: int
 
 @pytest.mark.timeout(240)
 def test_deepseek_v4_tp2_and_dp2_ep_alltoall_equal_one_process(real_checkpoint):
-    """TP2 (query heads, sinks and output groups split; K=V rows, compressors and indexer
-    replicated), DP2 with EP over alltoall (7 experts over 2 ranks; hash-routed picks dispatched
+    """TP2 (query heads, sinks, output groups and the indexer's heads split; K=V rows and
+    compressors replicated), DP2 with EP over alltoall (7 experts over 2 ranks; hash-routed picks dispatched
     like scored ones) and TP2 with EP (each rank its experts, every token): every rank's tokens
     equal the one-process run."""
     from real_checkpoints import Sizes

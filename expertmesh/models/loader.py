@@ -36,7 +36,7 @@ from expertmesh.layers.weights import NonFinite, ShapeMismatch, nonfinite_allowe
 from expertmesh.models.checkpoint import READ_AS_IS, checkpoint_targets, layer_index
 from expertmesh.models.gguf import GGUFError, GGUFTensorFile, gguf_info
 from expertmesh.models.tensor_file import TensorFile
-from expertmesh.spec_decode.mtp_families import NO_EMBEDDING_COPY, mtp_checkpoint_key
+from expertmesh.spec_decode.mtp_families import mtp_checkpoint_key, mtp_family
 
 # The MTP layer's own pieces (spec_decode/mtp.py MTPLayer; DeepSeek-V4's e_proj / h_proj / hc_head:
 # mtp_v4.py); the rest of `model.layers.{n}.*` is its decoder layer, and its `embed_tokens` is a copy
@@ -344,7 +344,9 @@ def _mtp_needs_target_embedding(model: Any) -> bool:
     copy of the embedding under the MTP layer (Qwen's mtp_use_dedicated_embeddings false), so it
     loads the target's."""
     mtp = getattr(model, "mtp", None)
-    return mtp is not None and mtp.embed_tokens is not None and model.cfg.architecture in NO_EMBEDDING_COPY
+    if mtp is None or mtp.embed_tokens is None:
+        return False
+    return not mtp_family(model.cfg.architecture).embedding_copy
 
 
 def _owned_elsewhere(name: str, model: Any) -> bool:

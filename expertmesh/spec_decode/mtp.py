@@ -87,23 +87,24 @@ class MTPLayer(nn.Module):
         has none of its own; DeepSeek's and GLM's carry shared_head.head)."""
         super().__init__()
         from expertmesh.models.decoder import DecoderLayer  # models import spec_decode's config
-        from expertmesh.spec_decode.mtp_families import LONGCAT_MTP, TARGET_HEAD_MTP
+        from expertmesh.spec_decode.mtp_families import mtp_family
 
         norm = lookup(NORMS, family.norm, "norm")
         h, tp = cfg.hidden_size, env.groups.tp
         self.enorm, self.hnorm = norm(h, cfg.norm_eps, cfg.dtype), norm(h, cfg.norm_eps, cfg.dtype)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, cfg.dtype)
         layer_cfg = _with_mtp_layer(cfg)
+        declared = mtp_family(cfg.architecture)
         # LongCat-Flash's MTP layer (vLLM's longcat_flash_mtp.py) is a plain decoder layer of the
         # family's attention (MLA) and one dense MLP, not the target's shortcut-MoE layer.
-        self.own_embedding = cfg.architecture in LONGCAT_MTP
+        self.own_embedding = declared.dense_layer
         if self.own_embedding:
             layer_cfg = replace(layer_cfg, moe_layers=())
         self.layer = DecoderLayer(layer_cfg, cfg.num_layers, family, env)
         # Qwen's and LongCat's layers (vLLM's qwen3_next_mtp.py, longcat_flash_mtp.py): the target's
         # head, and the final norm inside the layer, so a chained draft step reads the normed output
         # (DeepSeek's reads it before the norm).
-        self.normed_output = cfg.architecture in TARGET_HEAD_MTP
+        self.normed_output = declared.target_head
         self.shared_head = SharedHead(cfg, norm, tp, lm_head if self.normed_output else None)
         # A later pipeline stage has no target embedding: it loads the MTP layer's copy; LongCat's
         # layer always embeds with its own copy (model.mtp.embed_tokens), as vLLM loads it.

@@ -30,7 +30,7 @@ from expertmesh.layers.hyper_connections import HyperHead
 from expertmesh.layers.linear import ReplicatedLinear
 from expertmesh.layers.norm import Float32RMSNorm
 from expertmesh.spec_decode.mtp import MTPLayer
-from expertmesh.spec_decode.mtp_families import V4_MTP
+from expertmesh.spec_decode.mtp_families import mtp_family
 
 
 def _with_mtp_layer(cfg: ModelConfig) -> ModelConfig:
@@ -107,6 +107,10 @@ class DeepseekV4MTPLayer(MTPLayer):
         return self.head(self.shared_head.norm(self.hc_head(streams))).float()
 
 
+# The MTP layer classes a family declares by name (spec_decode/mtp_families.py MTPFamily.layer).
+MTP_LAYERS: dict[str, type[MTPLayer]] = {"decoder": MTPLayer, "hyper_connections": DeepseekV4MTPLayer}
+
+
 def mtp_layer_class(architecture: str) -> type[MTPLayer]:
-    """The MTP layer class of a family: DeepSeek-V4's runs over its hyper-connection streams."""
-    return DeepseekV4MTPLayer if architecture in V4_MTP else MTPLayer
+    """The MTP layer class a family declares: DeepSeek-V4's runs over its hyper-connection streams."""
+    return MTP_LAYERS[mtp_family(architecture).layer]
