@@ -439,7 +439,7 @@ import json, os, sys, time
 from expertmesh.entrypoints.openmp_pool import bound_waiting
 bound_waiting(os.environ)  # before torch loads: OpenMP waits as in the `expertmesh` command's servers
 from expertmesh import LLM, SamplingParams
-spec = json.loads(sys.argv[1])
+spec = json.loads(sys.stdin.read())  # not argv: 64 prompts x 3 runs pass its 128 KiB an argument
 llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
           kv_cache_memory_bytes=spec["kv_cache_bytes"], warmup=spec["warmup"])
 for name, prompts, max_tokens in spec["runs"]:
@@ -464,7 +464,11 @@ def bench_offline(args, tokenizer, round_no: int, warmup: bool) -> list[dict]:
     spec.update(runs=runs, warmup=warmup, kv_cache_bytes=args.kv_cache_bytes)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", OFFLINE_SCRIPT, json.dumps(spec)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", OFFLINE_SCRIPT],
+        input=json.dumps(spec),
+        env=env,
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         raise RuntimeError(f"offline generate failed:\n{done.stderr[-3000:]}")
