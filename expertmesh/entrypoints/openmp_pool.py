@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -31,34 +32,54 @@ OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the calling thread's pool (libg
 _bounded: dict[str, str] = {}  # what bound_waiting set in this process
 
 
-def loaded_libgomp() -> str | None:
-    """The path of the libgomp this process has loaded (torch's), or None (another OpenMP
-    runtime, none yet, or no /proc)."""
+def loaded_libgomps() -> list[str]:
+    """The paths of every libgomp this process has loaded, in address order: torch's, and any a
+    wheel bundles for itself (sentencepiece ships `sentencepiece.libs/libgomp-*.so`, loaded when a
+    tokenizer imports it). [] with another OpenMP runtime, none yet, or no /proc."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
+        return []
+    paths: list[str] = []
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path
         if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp") and ".so" in fields[5]:
-            return fields[5]
-    return None
+            if fields[5] not in paths:
+                paths.append(fields[5])
+    return paths
+
+
+def loaded_libgomp() -> str | None:
+    """torch's libgomp (the one inside torch's package when there is one: a bundled copy of another
+    wheel may be mapped first), else the first loaded, or None."""
+    paths = loaded_libgomps()
+    torch_dir = _torch_dir()
+    ours = [p for p in paths if torch_dir is not None and p.startswith(torch_dir)]
+    return (ours or paths or [None])[0]
+
+
+def _torch_dir() -> str | None:
+    torch = sys.modules.get("torch")
+    path = getattr(torch, "__file__", None)
+    return os.path.dirname(path) + os.sep if path else None
 
 
 def release_thread_pool() -> bool:
-    """Free the calling thread's libgomp worker pool (its workers exit; the next parallel region
-    on this thread builds a new one). Must not be called inside a parallel region. True when a
-    libgomp was found and agreed."""
-    path = loaded_libgomp()
-    if path is None:
-        return False
-    try:
-        lib = ctypes.CDLL(path)  # already loaded: the same handle, no second runtime
-        pause = lib.omp_pause_resource_all
-    except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0
-        return False
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    return pause(OMP_PAUSE_HARD) == 0
+    """Free the calling thread's worker pools (their workers exit; the next parallel region on this
+    thread builds a new one), in every libgomp loaded: pausing only the first found missed torch's
+    whenever sentencepiece's bundled copy was mapped before it. Must not be called inside a
+    parallel region. True when torch's libgomp was found and agreed."""
+    target, agreed = loaded_libgomp(), False
+    for path in loaded_libgomps():
+        try:
+            lib = ctypes.CDLL(path)  # already loaded: the same handle, no second runtime
+            pause = lib.omp_pause_resource_all
+        except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        ok = pause(OMP_PAUSE_HARD) == 0
+        agreed = agreed or (ok and path == target)
+    return agreed
 
 
 def bound_waiting(environ: MutableMapping[str, str]) -> dict[str, str]:
