@@ -345,9 +345,15 @@ def add_mtp_layers(path: str, num_layers: int, count: int) -> None:
             extra[prefix + f"{norm}.weight"] = 1 + 0.1 * torch.randn(hidden)
         extra[prefix + "shared_head.head.weight"] = main["model.embed_tokens.weight"].clone()
         extra[prefix + "embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
-    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
-    save_file(extra, os.path.join(path, "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
-    weight_map = {k: "model-00001-of-00002.safetensors" for k in main}
-    weight_map.update({k: "model-00002-of-00002.safetensors" for k in extra})
+    add_second_shard(path, main, extra)
+
+
+def add_second_shard(path: str, main: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> None:
+    """`path`'s model.safetensors (holding `main`) becomes the first of two shards, `extra` the
+    second, listed by a safetensors index: how published checkpoints carry their MTP layers."""
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, first))
+    save_file(extra, os.path.join(path, second), metadata={"format": "pt"})
+    weight_map = {k: first for k in main} | {k: second for k in extra}
     index = {"metadata": {}, "weight_map": weight_map}
     (Path(path) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from checkpoints import prompts_of_lengths
 from expect import assert_tokens_equal
-from real_checkpoints import Sizes, published
+from real_checkpoints import Sizes, add_second_shard, published
 from safetensors.torch import load_file, save_file
 
 from expertmesh import LLM, SamplingParams
@@ -353,12 +353,7 @@ def with_qwen_mtp(src: str, dst: str, seed: int = 0) -> str:
     extra["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         extra[f"mtp.{name}.weight"] = torch.randn(hidden, generator=g)  # (1 + w): far from a plain RMSNorm
-    os.rename(os.path.join(dst, "model.safetensors"), os.path.join(dst, "model-00001-of-00002.safetensors"))
-    save_file(extra, os.path.join(dst, "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
-    weight_map = {k: "model-00001-of-00002.safetensors" for k in main}
-    weight_map |= {k: "model-00002-of-00002.safetensors" for k in extra}
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    add_second_shard(dst, main, extra)
     return dst
 
 

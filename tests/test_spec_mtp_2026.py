@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import prompts_of_lengths
-from real_checkpoints import published
+from real_checkpoints import add_second_shard, published
 from safetensors.torch import load_file, save_file
 from test_real_families import FAMILIES as REAL
 from test_spec_mtp import _assert_same, _generate
@@ -61,12 +61,7 @@ def with_longcat_mtp(src: str, dst: str, seed: int = 0) -> str:
         extra[f"{name}.weight"] = 1 + 0.3 * torch.randn(hidden, generator=g)
     embed = main["model.embed_tokens.weight"]
     extra["model.mtp.embed_tokens.weight"] = embed[torch.randperm(embed.shape[0], generator=g)] * 0.5
-    os.rename(os.path.join(dst, "model.safetensors"), os.path.join(dst, "model-00001-of-00002.safetensors"))
-    save_file(extra, os.path.join(dst, "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
-    weight_map = {k: "model-00001-of-00002.safetensors" for k in main}
-    weight_map |= {k: "model-00002-of-00002.safetensors" for k in extra}
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    add_second_shard(dst, main, extra)
     return dst
 
 
@@ -136,22 +131,48 @@ def longcat_reference_drafts(
     return drafts
 
 
-@pytest.mark.timeout(240)
-def test_longcat_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_path):
-    """LongCat-Flash's MTP layer loads strictly for method='mtp' (its vLLM alias) and is skipped by
-    the family's named rule without; greedy tokens and logprobs equal decoding without speculation
-    at k = 2 (chained drafts); each sequence's first drafts equal the transformers-built reference,
-    and not the reference with the concat order swapped."""
-    from test_spec_layouts import record_drafts
-
-    path = _longcat_path(real_checkpoint, tmp_path)
+def _plain_run(path: str) -> tuple[list, list, list]:
+    """Four uneven greedy requests (one of a single token) decoded without speculation, which
+    leaves the MTP layer unbuilt."""
     prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 1, 9, 14)
     ]
     plain_llm = LLM(path, **ENGINE)
     assert getattr(plain_llm.llm_engine.runner.model, "mtp", None) is None
-    plain = _generate(plain_llm, prompts, params)
+    return prompts, params, _generate(plain_llm, prompts, params)
+
+
+def _assert_drafts_are_the_reference(spec, path, prompts, params, plain, reference, what: str) -> None:
+    """`spec`'s greedy tokens and logprobs equal `plain`'s; each sequence's first drafts (k = 2)
+    equal `reference(path, prompt, first, 2)` and not the swapped-order mutation's (`swap=True`),
+    checked until one prompt tells the two apart."""
+    from test_spec_layouts import record_drafts
+
+    drafts = record_drafts(spec)
+    _assert_same(_generate(spec, prompts, params), plain, what)
+    s = spec.llm_engine.stats()
+    assert s["spec_decode_num_drafts"] > 0, s
+    checked = swapped_differ = 0
+    for prompt, out in zip(prompts, plain, strict=True):
+        if len(out.outputs[0].token_ids) > 1:
+            first = out.outputs[0].token_ids[0]
+            want = reference(path, prompt, first, 2)
+            assert drafts[tuple(prompt)][0] == want, (prompt, drafts[tuple(prompt)], want)
+            if not swapped_differ:  # the mutation, until one prompt tells it apart
+                swapped_differ += reference(path, prompt, first, 2, swap=True) != want
+            checked += 1
+    assert checked == 3 and swapped_differ > 0
+
+
+@pytest.mark.timeout(240)
+def test_longcat_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_path):
+    """LongCat-Flash's MTP layer loads strictly for method='mtp' (its vLLM alias) and is skipped by
+    the family's named rule without; greedy tokens and logprobs equal decoding without speculation
+    at k = 2 (chained drafts); each sequence's first drafts equal the transformers-built reference,
+    and not the reference with the concat order swapped."""
+    path = _longcat_path(real_checkpoint, tmp_path)
+    prompts, params, plain = _plain_run(path)
     spec = LLM(path, **ENGINE, speculative_config=LONGCAT_SPEC)
     model = spec.llm_engine.runner.model
     mtp = model.mtp
@@ -162,20 +183,7 @@ def test_longcat_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tm
     torch.testing.assert_close(mtp.hnorm.weight, stored["model.mtp.layers.0.hnorm.m.weight"])
     torch.testing.assert_close(mtp.shared_head.norm.weight, stored["model.mtp.norm.weight"])
     torch.testing.assert_close(mtp.embed_tokens.weight, stored["model.mtp.embed_tokens.weight"])
-    drafts = record_drafts(spec)
-    _assert_same(_generate(spec, prompts, params), plain, "longcat")
-    s = spec.llm_engine.stats()
-    assert s["spec_decode_num_drafts"] > 0, s
-    checked = swapped_differ = 0
-    for prompt, out in zip(prompts, plain, strict=True):
-        if len(out.outputs[0].token_ids) > 1:
-            first = out.outputs[0].token_ids[0]
-            want = longcat_reference_drafts(path, prompt, first, 2)
-            assert drafts[tuple(prompt)][0] == want, (prompt, drafts[tuple(prompt)], want)
-            if not swapped_differ:  # the mutation, until one prompt tells it apart
-                swapped_differ += longcat_reference_drafts(path, prompt, first, 2, swap=True) != want
-            checked += 1
-    assert checked == 3 and swapped_differ > 0
+    _assert_drafts_are_the_reference(spec, path, prompts, params, plain, longcat_reference_drafts, "longcat")
 
 
 def test_longcat_mtp_missing_tensor_is_named(real_checkpoint, tmp_path):
@@ -321,16 +329,8 @@ def test_v4_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_pat
     family's rule without; greedy tokens and logprobs equal decoding without speculation at k = 2
     (chained on the output streams); each sequence's first drafts equal the transformers-built
     reference of DeepSeek's MTPBlock, and not the one with e_proj and h_proj exchanged."""
-    from test_spec_layouts import record_drafts
-
     path = _v4_path(real_checkpoint, tmp_path)
-    prompts = prompts_of_lengths([5, 9, 3, 14], seed=3)
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 1, 9, 14)
-    ]
-    plain_llm = LLM(path, **ENGINE)
-    assert getattr(plain_llm.llm_engine.runner.model, "mtp", None) is None
-    plain = _generate(plain_llm, prompts, params)
+    prompts, params, plain = _plain_run(path)
     spec = LLM(path, **ENGINE, speculative_config=V4_SPEC)
     model = spec.llm_engine.runner.model
     mtp = model.mtp
@@ -340,20 +340,7 @@ def test_v4_mtp_equals_plain_decoding_and_its_reference(real_checkpoint, tmp_pat
     torch.testing.assert_close(mtp.e_proj(eye).T, stored["mtp.0.e_proj.weight"])
     torch.testing.assert_close(mtp.hc_head.hc_fn, stored["mtp.0.hc_head_fn"])
     torch.testing.assert_close(mtp.shared_head.norm.weight, stored["mtp.0.norm.weight"])
-    drafts = record_drafts(spec)
-    _assert_same(_generate(spec, prompts, params), plain, "deepseek-v4")
-    s = spec.llm_engine.stats()
-    assert s["spec_decode_num_drafts"] > 0, s
-    checked = swapped_differ = 0
-    for prompt, out in zip(prompts, plain, strict=True):
-        if len(out.outputs[0].token_ids) > 1:
-            first = out.outputs[0].token_ids[0]
-            want = v4_reference_drafts(path, prompt, first, 2)
-            assert drafts[tuple(prompt)][0] == want, (prompt, drafts[tuple(prompt)], want)
-            if not swapped_differ:  # the mutation, until one prompt tells it apart
-                swapped_differ += v4_reference_drafts(path, prompt, first, 2, swap=True) != want
-            checked += 1
-    assert checked == 3 and swapped_differ > 0
+    _assert_drafts_are_the_reference(spec, path, prompts, params, plain, v4_reference_drafts, "deepseek-v4")
 
 
 @pytest.mark.timeout(240)
