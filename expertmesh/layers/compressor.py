@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.distributed.fixed_sum import chunk_count, tree_sum
+from expertmesh.distributed.fixed_sum import tree_sum
 from expertmesh.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from expertmesh.layers.norm import Float32RMSNorm
+from expertmesh.layers.sparse_indexer import split_heads, sum_over_group
 from expertmesh.layers.weights import default_loader, set_loader
 
 
@@ -68,16 +69,9 @@ class Indexer(nn.Module):
             raise ValueError(
                 f"indexer: index_n_heads={heads}, index_head_dim={dim}, index_topk={topk} must be >= 1"
             )
-        if heads % group.world_size:
-            raise ValueError(
-                f"index_n_heads={heads} is not divisible by tensor_parallel_size={group.world_size}"
-            )
         self.heads, self.dim, self.topk = heads, dim, topk
-        self.local_heads, self.group = heads // group.world_size, group
-        self.chunks = 0  # deterministic mode: this rank's fixed chunks of the heads
-        if getattr(group, "fixed_chunks", 0):
-            self.chunks = chunk_count(heads, group.world_size, "the indexer's heads", even=False)
-            self.chunks //= group.world_size
+        self.local_heads, self.chunks = split_heads(heads, group)  # chunks: deterministic mode's
+        self.group = group
         self.compressor = Compressor(hidden, dim, rate, True, eps, dtype)
         self.wq_b = ColumnParallelLinear(q_lora, heads * dim, False, group, dtype)
         self.weights_proj = ColumnParallelLinear(hidden, heads, False, group, dtype)
@@ -97,10 +91,7 @@ class Indexer(nn.Module):
         for qc, wc in parts:  # deterministic mode: each chunk the same shape in every layout
             scores = F.relu(torch.matmul(qc.float(), keys_t)) * self.dim**-0.5  # [L, h, S]
             sums.append((scores * wc.unsqueeze(-1)).sum(dim=1))  # [L, S]
-        index = tree_sum(sums)
-        if self.group.world_size > 1:  # float32 whatever the group's reduce dtype
-            plain = not self.chunks and self.group.reduce_dtype == torch.float32
-            index = self.group.all_reduce(index) if plain else self.group.ordered_sum(index)
+        index = sum_over_group(tree_sum(sums), self.group, self.chunks)
         index = index.masked_fill(~visible, float("-inf"))
         top = index.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(-1, top, True) & visible

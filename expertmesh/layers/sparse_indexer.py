@@ -46,6 +46,29 @@ SCORE_VALUES = 1 << 24  # float32 index scores held at once while selecting (64 
 SUM_VALUES = 1 << 22  # per-key partial scores (float32) sent over TP in one collective, at most
 
 
+def split_heads(heads: int, group: Any) -> tuple[int, int]:
+    """A lightning indexer's heads on this TP rank, and in deterministic mode (the group's
+    fixed_chunks) the fixed chunks it scores them in (0: one product over its heads). DeepSeek-V4's
+    indexer (layers/compressor.py) splits its heads the same way."""
+    if heads % group.world_size:
+        raise ValueError(f"index_n_heads={heads} is not divisible by tensor_parallel_size={group.world_size}")
+    chunks = 0
+    if getattr(group, "fixed_chunks", 0):
+        chunks = chunk_count(heads, group.world_size, "the indexer's heads", even=False) // group.world_size
+    return heads // group.world_size, chunks
+
+
+def sum_over_group(partial: torch.Tensor, group: Any, chunks: int) -> torch.Tensor:
+    """The whole per-key scores from every rank's share, float32 whatever the group's reduce dtype:
+    in deterministic mode (or a group reducing in another dtype) an all-gather added in group order
+    (`Group.ordered_sum`), else an all-reduce."""
+    if group.world_size == 1:
+        return partial
+    if chunks or group.reduce_dtype != torch.float32:
+        return group.ordered_sum(partial)
+    return group.all_reduce(partial)
+
+
 class LightningIndexer(nn.Module):
     def __init__(
         self,
@@ -64,18 +87,10 @@ class LightningIndexer(nn.Module):
             raise ValueError(
                 f"indexer: index_head_dim={head_dim} < qk_rope_head_dim={rope_dim} or index_topk={topk}"
             )
-        if heads % group.world_size:
-            raise ValueError(
-                f"index_n_heads={heads} is not divisible by tensor_parallel_size={group.world_size}"
-            )
         self.heads, self.head_dim, self.rope_dim, self.topk = heads, head_dim, rope_dim, topk
-        self.local_heads, self.group = heads // group.world_size, group
+        self.local_heads, self.chunks = split_heads(heads, group)
+        self.group = group
         self.rope_interleaved = rope_interleaved
-        # Deterministic mode: this rank's fixed chunks of the heads (0: one product over its heads).
-        self.chunks = 0
-        if getattr(group, "fixed_chunks", 0):
-            self.chunks = chunk_count(heads, group.world_size, "the indexer's heads", even=False)
-            self.chunks //= group.world_size
         self.wq_b = ColumnParallelLinear(q_lora_rank, heads * head_dim, False, group, dtype)
         self.wk = ReplicatedLinear(hidden, head_dim, False, dtype)
         self.k_norm = LayerNorm(head_dim, INDEX_NORM_EPS, dtype)
@@ -120,11 +135,7 @@ class LightningIndexer(nn.Module):
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         """The whole scores from every rank's share (float32 whatever the group's reduce dtype)."""
-        if self.group.world_size == 1:
-            return partial
-        if self.chunks or self.group.reduce_dtype != torch.float32:
-            return self.group.ordered_sum(partial)  # an all-gather, added in group order
-        return self.group.all_reduce(partial)
+        return sum_over_group(partial, self.group, self.chunks)
 
 
 Request = tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, keys [S, D], q_pos, k_pos)
