@@ -56,6 +56,8 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def _vocab(path: str) -> int:
+    if os.path.isdir(path):  # a checkpoint directory: its config's vocabulary
+        return int(json.load(open(os.path.join(path, "config.json")))["vocab_size"])
     from expertmesh.models.gguf.reader import open_file
 
     meta = open_file(path).metadata
@@ -74,11 +76,11 @@ def child_expertmesh(args: argparse.Namespace) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(
-        args.file, dtype=args.dtype, max_model_len=_ctx(args), kv_cache_memory_bytes=KV_BYTES,
-        max_num_seqs=max(args.batch),
+        args.expertmesh_model or args.file, dtype=args.dtype, max_model_len=_ctx(args),
+        kv_cache_memory_bytes=KV_BYTES, max_num_seqs=max(args.batch),
     )  # fmt: skip
     out = {"load_s": time.perf_counter() - t0}
-    vocab = _vocab(args.file)
+    vocab = _vocab(args.expertmesh_model or args.file)
 
     def gen(prompts: list[list[int]], n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -202,6 +204,32 @@ def estimate_expertmesh(path: str, dtype_bytes: int = 2) -> dict:
     return {"weights_gib": weights / GIB, "peak_gib": total / GIB}
 
 
+def estimate_checkpoint(path: str, dtype_bytes: int = 2) -> dict:
+    """The same for a compressed-tensors int checkpoint directory (benchmarks/write_qwen3_int4.py):
+    each packed linear held as codes plus a float32 scale and offset per group, every other tensor
+    in the model dtype."""
+    import glob
+
+    from safetensors import safe_open
+
+    weights = 0
+    for shard in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(shard, "np") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 -- not a dict
+        for name, shape in shapes.items():
+            if name.endswith(".weight_packed"):
+                rows, words = shape
+                groups = shapes[name.replace("_packed", "_scale")][1]
+                weights += rows * words * 4 + rows * groups * 8  # int32 words of codes; scale, offset
+            elif not name.endswith((".weight_scale", ".weight_shape", ".weight_zero_point")):
+                n = 1
+                for d in shape:
+                    n *= d
+                weights += n * (dtype_bytes if len(shape) >= 2 else 4)
+    total = weights + KV_BYTES + RUNTIME_BYTES
+    return {"weights_gib": weights / GIB, "peak_gib": total / GIB}
+
+
 def _available_gib() -> float:
     for line in open("/proc/meminfo"):
         if line.startswith("MemAvailable:"):
@@ -211,7 +239,12 @@ def _available_gib() -> float:
 
 # ---- the parent -----------------------------------------------------------------------------------
 def _page_cache(path: str, warm: bool) -> None:
-    """The file dropped from the page cache (cold), or read through it (warm)."""
+    """The file (or every file of a directory) dropped from the page cache (cold), or read through
+    it (warm)."""
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            _page_cache(os.path.join(path, name), warm)
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         if warm:
@@ -227,8 +260,11 @@ def _measure(engine: str, python: str, args: argparse.Namespace, warm: bool) -> 
     cmd = ["/usr/bin/time", "-v", python, HERE, "--child", engine, "--file", args.file, "--decode",
            str(args.decode), "--dtype", args.dtype, "--prefill", *map(str, args.prefill), "--batch",
            *map(str, args.batch)] + (["--warm-only"] if warm else [])  # fmt: skip
+    own = args.expertmesh_model if engine == "expertmesh" else None
+    if own:
+        cmd += ["--expertmesh-model", own]
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
-    _page_cache(args.file, warm)
+    _page_cache(own or args.file, warm)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
@@ -238,6 +274,12 @@ def _measure(engine: str, python: str, args: argparse.Namespace, warm: bool) -> 
     out = json.loads(lines[-1])
     out.update(engine=engine, peak_rss_gib=int(rss.group(1)) / 2**20 if rss else None)
     return out
+
+
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    return os.path.getsize(path)
 
 
 def _cpu() -> str:
@@ -284,6 +326,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtype", default="bfloat16", help="expertmesh's model dtype (float parts: head, norms)")
     ap.add_argument("--engines", default="expertmesh,llama.cpp")
+    ap.add_argument(
+        "--expertmesh-model", help="what expertmesh loads instead of --file: a checkpoint of the same "
+        "weights in another format (benchmarks/write_qwen3_int4.py's compressed-tensors directory)"
+    )  # fmt: skip
     ap.add_argument("--llama-python", default="/work/peers/llamacpp/bin/python")
     ap.add_argument("--quick", action="store_true", help="prefill 128, decode 8 (batch 1 and 8)")
     ap.add_argument("--no-warm", action="store_true", help="the cold run only")
@@ -295,7 +341,10 @@ def main() -> None:
         fn = child_expertmesh if args.child == "expertmesh" else child_llama_cpp
         print(json.dumps(fn(args)))
         return
-    est = estimate_expertmesh(args.file)
+    if args.expertmesh_model:
+        est = estimate_checkpoint(args.expertmesh_model)
+    else:
+        est = estimate_expertmesh(args.file)
     avail = _available_gib()
     print(f"# expertmesh's estimated peak RSS: {est['peak_gib']:.1f} GiB (weights {est['weights_gib']:.1f}); "
           f"MemAvailable now {avail:.1f} GiB")  # fmt: skip
@@ -304,8 +353,9 @@ def main() -> None:
     if args.quick:
         args.prefill, args.decode = [128], 8
     pythons = {"expertmesh": sys.executable, "llama.cpp": args.llama_python}
-    size = os.path.getsize(args.file) / GIB
-    print(f"# {os.path.basename(args.file)} ({size:.2f} GiB); CPU: {_cpu()}; load average at start: "
+    files = [p for p in (args.file, args.expertmesh_model) if p and os.path.exists(p)]
+    sizes = ", ".join(f"{os.path.basename(p.rstrip('/'))} {_size(p) / GIB:.2f} GiB" for p in files)
+    print(f"# {sizes}; CPU: {_cpu()}; load average at start: "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")  # fmt: skip
     results = []
     for engine in args.engines.split(","):
