@@ -134,10 +134,10 @@ def quantization_config() -> dict:
 
 
 # ---- the two files -------------------------------------------------------------------------------
-def write(out: str, n_layers: int | None, seed: int = 0, only: str = "both") -> dict:
+def write(out: str, n_layers: int | None, seed: int = 0, only: str = "both", cfg: dict | None = None) -> dict:
     """Both files, or one (`only`: ct, gguf; the other's bytes go to /dev/null, the random stream
     is the same, so two runs with one each give the two files of a run with both)."""
-    cfg = json.load(open(CONFIG))
+    cfg = cfg or json.load(open(CONFIG))  # another config: the tests' shrunk one
     total = cfg["num_hidden_layers"]
     n = n_layers or total
     h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]

@@ -302,16 +302,9 @@ def test_published_size_estimate_equals_the_resident_weights(k_quant_model):
     """benchmarks/bench_published_size.py's estimate of what expertmesh holds for a GGUF file (it
     decides whether the 48-layer file is loaded at all) against the bytes the loaded model holds:
     codes, scales, offsets of the held experts and attention, the float rest."""
-    import importlib.util
-
     from expertmesh.layers.quantization.accounting import resident_weight_bytes
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "bps", os.path.join(root, "benchmarks", "bench_published_size.py")
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_published_size")
     for qtype in ("Q4_K_M", "Q5_K"):
         path, _ = k_quant_model[qtype]
         llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=1 << 22)
@@ -884,3 +877,76 @@ def test_tp_rank_columns_read_only_their_bytes(tmp_path, monkeypatch):
             else:
                 values = _held_values(src, (0, rows), (cols // 2, cols), group)
             assert torch.equal(values, want[:, cols // 2 :]), t.name
+
+
+def _benchmark(name: str):
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_published_int4_writer_gives_both_formats_the_same_weights(tmp_path):
+    """benchmarks/write_qwen3_int4.py (Qwen3-30B-A3B at its published size for expertmesh and
+    llama.cpp side by side): its compressed-tensors W4A16 checkpoint and its Q4_0 GGUF, each read
+    back by the format's own package (compressed-tensors' unpacking, gguf's dequantizer), hold
+    the same values, its `--only` runs write the same bytes, expertmesh loads the checkpoint holding
+    the int4 codes, and bench_published_size's estimate of that checkpoint is what it holds."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    from expertmesh.layers.quantization.accounting import resident_weight_bytes
+
+    writer, bench = _benchmark("write_qwen3_int4"), _benchmark("bench_published_size")
+    cfg = json.load(open(writer.CONFIG))  # the published config, shrunk in size with every flag kept
+    cfg.update(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=512)  # fmt: skip
+    out = str(tmp_path / "w4a16")
+    writer.write(out, 2, seed=3, cfg=cfg)
+    writer.write(str(tmp_path / "ct-only"), 2, seed=3, only="ct", cfg=cfg)
+    writer.write(str(tmp_path / "gguf-only"), 2, seed=3, only="gguf", cfg=cfg)
+    with open(out + ".gguf", "rb") as a, open(str(tmp_path / "gguf-only.gguf"), "rb") as b:
+        assert a.read() == b.read()
+    shard = "model-00003-of-00003.safetensors"
+    with open(f"{out}/{shard}", "rb") as a, open(str(tmp_path / "ct-only" / shard), "rb") as b:
+        assert a.read() == b.read()
+
+    index = json.load(open(f"{out}/model.safetensors.index.json"))["weight_map"]
+
+    def ct(name: str) -> np.ndarray:
+        with safe_open(f"{out}/{index[name + '.weight_packed']}", "pt") as f:
+            packed, scale = f.get_tensor(name + ".weight_packed"), f.get_tensor(name + ".weight_scale")
+            shape = torch.Size(f.get_tensor(name + ".weight_shape").tolist())
+        q = unpack_from_int32(packed, 4, shape).float()
+        return (q.view(shape[0], -1, 128) * scale.float().unsqueeze(-1)).view(shape).numpy()
+
+    reader = gguf.GGUFReader(out + ".gguf")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def gg(name: str) -> np.ndarray:
+        return gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+
+    for layer in (0, 1):
+        g, m = f"blk.{layer}.", f"model.layers.{layer}."
+        for short, proj in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_output", "o_proj")):
+            assert np.array_equal(gg(g + short + ".weight"), ct(m + "self_attn." + proj))
+        for short, proj in (("ffn_gate_exps", "gate_proj"), ("ffn_down_exps", "down_proj")):
+            stack = gg(g + short + ".weight")
+            for e in (0, 7):
+                assert np.array_equal(stack[e], ct(f"{m}mlp.experts.{e}.{proj}"))
+    with safe_open(f"{out}/{index['lm_head.weight']}", "pt") as f:
+        assert np.array_equal(
+            gg("output.weight").reshape(-1), f.get_tensor("lm_head.weight").float().numpy().reshape(-1)
+        )
+
+    llm = LLM(out, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    model = llm.llm_engine.runner.model
+    assert len(model.held_weights.params) == 8  # 2 layers: qkv, o, w13, w2 held as int4
+    held = resident_weight_bytes(model)["total"]
+    want = bench.estimate_checkpoint(out, dtype_bytes=model.cfg.dtype.itemsize)["weights_gib"] * 2**30
+    assert abs(want - held) <= 0.02 * held, (held, want)
+    out_ids = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out_ids[0].outputs[0].token_ids) == 4
