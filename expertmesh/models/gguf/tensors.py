@@ -25,6 +25,7 @@ from expertmesh.models.gguf.reader import GGUFError, TensorInfo, open_file
 
 log = logging.getLogger("expertmesh")
 FLOAT_TARGETS = ("lm_head", "model.embed_tokens")  # parameters in the model dtype, never held
+STORED_AS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # float types' dtypes
 
 
 def _undo_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -109,7 +110,11 @@ class GGUFTensor(LogicalTensor):
             return super().held_region(bounds)
         (o0, o1), (i0, i1) = bounds
         b0, b1 = i0 // MXFP4_BLOCK, -(-i1 // MXFP4_BLOCK)
-        raw = self._columns(o0, o1, b0 * BLOCK_BYTES, b1 * BLOCK_BYTES).reshape(o1 - o0, b1 - b0, BLOCK_BYTES)
+        if (i0, i1) == (0, self.shape[1]) and hasattr(self.data, "mapped"):  # whole rows: mapped, no copy
+            raw = self.data.mapped(o0, o1)
+        else:
+            raw = self._columns(o0, o1, b0 * BLOCK_BYTES, b1 * BLOCK_BYTES)
+        raw = raw.reshape(o1 - o0, b1 - b0, BLOCK_BYTES)
         if bool((raw[..., 0] == 255).any()):
             raise ValueError(
                 f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
@@ -148,7 +153,11 @@ class GGUFTensor(LogicalTensor):
     def rows_into(self, out: torch.Tensor, start: int) -> None:
         """Rows [start, start + len(out)) into `out` (the embedding's or head's parameter), decoded
         a few hundred rows at a time: the same values `materialize` gives, with no temporary of
-        the whole table."""
+        the whole table; one stored in out's dtype is read straight into it."""
+        same = STORED_AS.get(self.qtype.name) == out.dtype and out.is_contiguous() and out.dim() == 2
+        if same and not self.permute and self.held is None and hasattr(self.data, "read_into"):
+            self.data.read_into(start, out.view(torch.uint8).numpy())
+            return
         if self.permute or len(self.shape) != 2 or self.held is not None or self.qtype.name in FLOAT_TYPES:
             out.copy_(self.materialize([(start, start + len(out)), (0, self.shape[1])]))
             return
