@@ -5,8 +5,8 @@ outside by /usr/bin/time -v), never two engines at once.
 Per engine, two children:
 - cold: the file dropped from the page cache first (posix_fadvise DONTNEED: no root needed), then
   load, time to first token (load + the first 1-token request), prefill of 512 and 2,000 tokens
-  (the faster of two prompts), decode tokens/s at batch 1 and batch 8 (greedy, token ids as
-  prompts; `--batch` for others);
+  (the faster of two prompts), decode tokens/s at batch 1, 8 and 32 (greedy, token ids as
+  prompts);
 - warm: the file read into the page cache first, then load and time to first token only.
 
 Before expertmesh loads, its peak RSS is estimated from the file's tensor table (the held codes,
@@ -17,9 +17,9 @@ would otherwise kill whatever runs beside it). `--estimate` prints the estimate 
 The file comes from benchmarks/write_published_size.py (random weights at the published shape, or
 a slice of its layers). Prompts are token ids, so the placeholder vocabulary does not matter.
 
-    # quick (a few minutes on a 1-layer slice): prefill 128, decode 8, batch 1 and 8
+    # quick (a few minutes on a 1-layer slice): prefill 128, decode 8, batch 1, 8 and 32
     python benchmarks/bench_published_size.py --file /work/bigfiles/qwen3-1of48.gguf --quick
-    # the table (prefill 512 and 2,000, decode 32 at batch 1 and 8, cold and warm)
+    # the table (prefill 512 and 2,000, decode 32 at batch 1, 8 and 32, cold and warm)
     python benchmarks/bench_published_size.py --file /work/bigfiles/qwen3-48of48.gguf
     python benchmarks/bench_published_size.py --file /work/bigfiles/qwen3-48of48.gguf --estimate
 
@@ -325,7 +325,7 @@ def main() -> None:
     ap.add_argument("--file", required=True)
     ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2000])
     ap.add_argument("--decode", type=int, default=32, help="tokens decoded a run")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--dtype", default="bfloat16", help="expertmesh's model dtype (float parts: head, norms)")
     ap.add_argument("--engines", default="expertmesh,llama.cpp")
     ap.add_argument(
@@ -333,7 +333,7 @@ def main() -> None:
         "weights in another format (benchmarks/write_qwen3_int4.py's compressed-tensors directory)"
     )  # fmt: skip
     ap.add_argument("--llama-python", default="/work/peers/llamacpp/bin/python")
-    ap.add_argument("--quick", action="store_true", help="prefill 128, decode 8 (batch 1 and 8)")
+    ap.add_argument("--quick", action="store_true", help="prefill 128, decode 8")
     ap.add_argument("--no-warm", action="store_true", help="the cold run only")
     ap.add_argument("--estimate", action="store_true", help="expertmesh's estimated peak RSS, nothing run")
     ap.add_argument("--child", help=argparse.SUPPRESS)

@@ -779,6 +779,48 @@ def test_rows_decoded_into_the_parameter_equal_gguf_and_are_checked(qtype, monke
     assert bool(dst[3].isnan().any()) and torch.equal(dst[:3], want[2:5])
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F32"])
+def test_float_rows_read_straight_into_the_parameter(qtype, tmp_path):
+    """An embedding / head stored in the parameter's dtype is read from the file straight into it
+    (reader.FileRows.read_into, as the reader lays out each type): the stored bits, as the
+    decoding path gives them; a NaN still fails naming the parameter. FileRows.mapped: the rows'
+    bytes as a read gives them."""
+    from expertmesh.layers import weights
+    from expertmesh.models.gguf.reader import FileRows
+
+    dtype = {"BF16": torch.bfloat16, "F32": torch.float32}[qtype]
+    rows, cols = 10, 48
+    want = torch.randn(rows, cols, generator=torch.Generator().manual_seed(2)).to(dtype)
+    for bad in (False, True):
+        stored = want.clone()
+        if bad:
+            stored[4, 7] = float("nan")
+        path = tmp_path / f"rows-{bad}.bin"
+        path.write_bytes(b"\0" * 16 + stored.view(torch.uint8).numpy().tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = (
+                FileRows(fd, 16, (rows, cols), np.float32)
+                if qtype == "F32"
+                else FileRows(fd, 16, (rows, 2 * cols), np.uint8)
+            )
+            t = gguf.GGMLQuantizationType[qtype]
+            src = GGUFTensor(data, t, (rows, cols), "model.embed_tokens.weight", out_dtype=dtype)
+            dst = torch.zeros(7, cols, dtype=dtype)
+            if bad:
+                with pytest.raises(weights.NonFinite, match="vocab shard: 1 of"):
+                    weights.copy_rows_into(dst, src, 2, "vocab shard")
+                continue
+            weights.copy_rows_into(dst, src, 2, "vocab shard")
+            assert torch.equal(dst.view(torch.uint8), want[2:9].view(torch.uint8))
+            assert torch.equal(src.materialize([(2, 9), (0, cols)]).view(torch.uint8), dst.view(torch.uint8))
+            # whole rows on a mapping of their pages (GGUF MXFP4 experts' blocks): the same bytes
+            assert np.array_equal(data.mapped(2, 9), data[2:9])
+            assert np.array_equal(data.mapped(0, 1), data[0:1])
+        finally:
+            os.close(fd)
+
+
 def test_phimoe_from_its_published_config(real_checkpoint, tmp_path):
     """Phi-3.5-MoE as llama.cpp's converter writes it (LayerNorm weights and biases, q/k/v/o and head
     biases, LongRoPE factors as rope_factors_long / _short tensors with one attention factor): the

@@ -33,6 +33,7 @@ from test_gguf import LLAMA_CPP_GREEDY, LLAMA_CPP_PYTHON  # llama.cpp's greedy d
 
 from expertmesh import LLM, SamplingParams
 from expertmesh.config.rope_config import RopeConfig
+from expertmesh.layers.quantization.mxfp4_blocks import int16_of
 from expertmesh.layers.rotary import ROPE_TYPES
 from expertmesh.models.build import log_weight_bytes
 from expertmesh.models.gguf import GGUFTensor, GGUFTensorFile, gguf_model_dir
@@ -126,11 +127,16 @@ def test_mxfp4_blocks_dequantize_and_hold_like_gguf():
             assert signed_zero.any() and torch.equal(
                 values[~signed_zero].view(torch.int32), ref[~signed_zero].view(torch.int32)
             )
-        # loaded as a safetensors MXFP4 checkpoint is: int16 code | exponent << 4 per weight
+        # loaded as a safetensors MXFP4 checkpoint is: int16 code | exponent << 4 per weight (whole
+        # blocks travel as their bytes, written as int16 where they land: test_mxfp4_blocks.py)
         assert src.held_storage == torch.int16
-        packed = src.held_region([(2, 5), (32, 96)])
-        scale = torch.ldexp(torch.ones(packed.shape), (packed >> 4).to(torch.int32) - 127)
-        assert torch.equal(torch.from_numpy(E2M1)[(packed & 15).long()] * scale, want[e, 2:5, 32:96])
+        for (i0, i1), region in (((32, 96), src.held_region([(2, 5), (32, 96)])), ((40, 90), None)):
+            if region is None:
+                packed = src.held_region([(2, 5), (i0, i1)])
+            else:
+                packed = torch.from_numpy(int16_of(region.held_region.raw, 0, i1 - i0))
+            scale = torch.ldexp(torch.ones(packed.shape), (packed >> 4).to(torch.int32) - 127)
+            assert torch.equal(torch.from_numpy(E2M1)[(packed & 15).long()] * scale, want[e, 2:5, i0:i1])
     raw.reshape(experts, rows, -1, 17)[1, 2, 3, 0] = 255
     src = GGUFTensor(raw[1], MX, (rows, cols), "blk.0.ffn_up_exps.weight[1]")
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight\[1\]: GGUF MXFP4 block scale 255"):

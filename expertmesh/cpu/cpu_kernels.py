@@ -118,6 +118,10 @@ class CpuKernels(AttentionKernels):
         for fn, sig in [(self.moe_q_ex, "moe_q_ex")] + [(f, "moe_ex") for f in self.moe_ex.values()]:
             if fn is not None:
                 fn.restype, fn.argtypes = None, SIGNATURES[sig]
+        # loading: GGUF MXFP4 blocks into fp4 panels (quantization/mxfp4_blocks.py); older builds lack it
+        repack = getattr(lib, "mxfp4_gguf_panels", None)
+        if repack is not None:
+            repack.restype, repack.argtypes = None, SIGNATURES["mxfp4_gguf_panels"]
         # code kinds gemm_q / moe_q know, in their numbering (codes.KINDS); older builds: the first 4
         lib_kinds = getattr(lib, "q_kinds", None)
         if lib_kinds is not None:

@@ -105,4 +105,6 @@ SIGNATURES = {
     "moe_q_ex": [_INT, _c, _i64, _i64, _c, _c, _i64]
     + [_c, _c, _c, _i64] * 2
     + [_i64, _i64, _INT, _F32, _F32, _c, _c, _c, _INT],
+    # loading: GGUF MXFP4 blocks, their row stride, O, G, lanes, codes out, scales out, threads
+    "mxfp4_gguf_panels": [_c, _i64, _i64, _i64, _i64, _c, _c, _INT],
 }

@@ -46,9 +46,11 @@ Placement = Literal["contiguous", "round_robin"]
 
 def local_slot_map(num_experts: int, local: list[int]) -> torch.Tensor:
     """[E] int64: global expert id -> its index in `local`, -1 for experts held elsewhere."""
-    mapping = torch.full((num_experts,), -1, dtype=torch.int64)
-    mapping[torch.tensor(local, dtype=torch.int64)] = torch.arange(len(local), dtype=torch.int64)
-    return mapping
+    # made as a list: an index_put on meta (the loader's twin) runs torch's Python decompositions
+    mapping = [-1] * num_experts
+    for i, e in enumerate(local):
+        mapping[e] = i
+    return torch.tensor(mapping, dtype=torch.int64)
 
 
 def expert_owners(num_experts: int, ep_size: int, placement: Placement = "contiguous") -> list[int]:

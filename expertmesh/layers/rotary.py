@@ -18,6 +18,7 @@ crossing (docs/architectures.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -180,8 +181,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rope = rope
         self.kind = ROPE_TYPES[rope.rope_type]
-        inv, self.scale = self.kind(rope, None)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        device = torch.get_default_device()
+        # on meta (the loader's twin), computed on the CPU and moved: elementwise math on meta runs
+        # torch's Python decompositions, whose first use imports torch._dynamo (a second a load)
+        with torch.device("cpu") if device.type == "meta" else contextlib.nullcontext():
+            inv, self.scale = self.kind(rope, None)
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)
         self.length_dependent = rope.rope_type in LENGTH_DEPENDENT
         self._table: dict[torch.dtype, RotaryTables] = {}  # positions [0, n), grown by doubling
 

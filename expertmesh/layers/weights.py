@@ -94,11 +94,15 @@ def copy_into(dst: torch.Tensor, value: torch.Tensor, what: str) -> None:
         raise ShapeMismatch(what, tuple(value.shape), tuple(dst.shape))
     if dst.is_floating_point() and not value.is_floating_point():
         raise ValueError(f"{what}: checkpoint tensor has dtype {value.dtype}, not a floating-point type")
-    if dst.is_meta or value.is_meta:
+    if dst.is_meta:
         return  # the twin's shape check: nothing to copy
     region = getattr(value, "held_region", None)
     if region is not None:  # codes of a weight held compressed: scales go beside (quantization/held.py)
         region.held.on_copy(dst, region)
+        if getattr(region, "written", False):  # GGUF MXFP4 blocks (a meta value): placed by the region
+            return
+    if value.is_meta:
+        return
     _check_finite(value, what)
     dst.copy_(value.to(dst.dtype))
 

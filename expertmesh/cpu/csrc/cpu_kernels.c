@@ -26,6 +26,7 @@
  *   quant_dispatch.c   gemm_q / moe_q: the quantized entry points over the tiles above
  *   decode_layers.c    decode steps: whole decoder layers in one call
  *   recurrent.c        decode steps of the recurrent mixers (Gated DeltaNet, Mamba2) on their states
+ *   mxfp4_panels.c     loading: GGUF MXFP4 blocks laid straight into the fp4 kind's panels
  */
 #include "common.h"
 
@@ -48,3 +49,4 @@
 #include "quant_dispatch.c"
 #include "decode_layers.c"
 #include "recurrent.c"
+#include "mxfp4_panels.c"

@@ -56,6 +56,9 @@ class HeldParam:
     exponents: bool = False  # int16 storage: code | e8m0 exponent << 4 (MXFP4, quantization/mxfp4.py)
     zero_offsets: bool = False  # every source's offsets zero by its format (GGUF Q6_K): shared zeros
     perms: dict[int, torch.Tensor] = field(default_factory=dict)  # desc_act: input order per expert
+    # GGUF MXFP4 blocks of a streamed expert as read, (first row, [rows, G, 17]) a region
+    # (mxfp4_blocks.py); None: not collected (written as int16)
+    blocks: list[tuple[int, Any]] | None = None
 
     def place(
         self, dst: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, perm=None
@@ -89,6 +92,9 @@ class HeldWeights:
         held = self.by_storage.get(dst.untyped_storage().data_ptr())
         if held is None:
             raise RuntimeError("held codes copied into a parameter that is not held")
+        if hasattr(region, "place_into"):  # MXFP4 blocks: written by the region itself
+            region.place_into(held, dst)
+            return
         held.place(dst, region.scales, region.offsets, region.group, region.perm)
 
 

@@ -30,6 +30,7 @@ import torch
 
 from expertmesh import huge_pages
 from expertmesh.layers.ops import Ops
+from expertmesh.layers.quantization import mxfp4_blocks
 from expertmesh.layers.quantization.held import (
     HeldParam,
     HeldWeights,
@@ -38,6 +39,7 @@ from expertmesh.layers.quantization.held import (
     _weight,
     split_exponents,
 )
+from expertmesh.layers.quantization.mxfp4_blocks import BLOCK, int16_of
 from expertmesh.layers.quantization.packed import QuantizedWeight
 
 
@@ -119,6 +121,7 @@ class Streaming:
 
     def __init__(self, model: Any, held: HeldWeights | None, scheme: Any, ops: Ops) -> None:
         self.model, self.held, self.scheme, self.ops = model, held, scheme, ops
+        self.blocks_direct = mxfp4_blocks.collects_blocks(ops, ops.quant_lanes)
         self.params = dict(model.named_parameters())
         self.linear: dict[str, set] = {}  # parameter -> shards still to come
         self.experts: dict[str, _Experts] = {}
@@ -157,10 +160,28 @@ class Streaming:
             return lambda buf, sh, into: QuantizedWeight.quantize(buf, kind, group, self.ops)
 
         def held(buf: torch.Tensor, sh: HeldParam, into: Any) -> Any:
+            pieces, sh.blocks = sh.blocks or [], None
+            if pieces and sum(len(raw) for _, raw in pieces) == buf.shape[0]:
+                return self._from_blocks(buf, pieces, into)  # every row came as GGUF MXFP4 blocks
+            for row, raw in pieces:  # some rows did: their int16 values, as the others'
+                buf[row : row + len(raw)] = torch.from_numpy(int16_of(raw, 0, buf.shape[1]))
             codes = split_exponents(buf, sh) if sh.exponents else buf
             return _weight(codes, sh, self.ops, None, self.zeros, into)
 
         return held
+
+    def _from_blocks(self, buf: torch.Tensor, pieces: list, into: Any) -> QuantizedWeight:
+        """An expert's GGUF MXFP4 blocks laid straight into its panels (mxfp4_blocks.py): the
+        weight split_exponents and _weight make of the same values, offsets the shared zeros."""
+        out_f, in_f = buf.shape
+        # the load's torch threads (one, loader.load_weights): a call lasts a few milliseconds, and
+        # with the other core busy a second thread held up its end (twice the time, measured)
+        codes, scales = mxfp4_blocks.panels(pieces, out_f, self.ops, into, torch.get_num_threads())
+        zero = self.zeros.get(tuple(scales.shape))
+        if zero is None:
+            zero = self.zeros[tuple(scales.shape)] = torch.zeros(scales.shape)
+        lanes = self.ops.quant_lanes
+        return QuantizedWeight("fp4", codes, scales, zero, out_f, in_f, BLOCK, lanes, self.ops, True)
 
     def before(self, name: str, shard: Any) -> None:
         ex = self.experts.get(name)
@@ -180,6 +201,8 @@ class Streaming:
                     exponents=h.exponents,
                     zero_offsets=h.zero_offsets,
                 )
+                if h.exponents and self.blocks_direct and buf.dim() == 2:
+                    sh.blocks = []  # GGUF MXFP4 regions leave their blocks here, buf untouched
                 self.held.by_storage[buf.untyped_storage().data_ptr()] = sh
                 buf.slot_held = sh
         ex.param.data = buf.unsqueeze(0).expand(len(ex.slots), *buf.shape)

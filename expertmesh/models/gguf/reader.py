@@ -87,13 +87,35 @@ class FileRows:
 
     def _read(self, at: int, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(shape, self.dtype)
+        self._fill(at, out)
+        return out
+
+    def _fill(self, at: int, out: np.ndarray) -> None:
         view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
         while done < len(view):  # one call reads at most ~2 GiB
             n = os.preadv(self.fd, [view[done:]], at + done)
             if n <= 0:
                 raise GGUFError(f"short read at byte {at + done} (the file shrank?)")
             done += n
-        return out
+
+    def mapped(self, a: int, b: int) -> np.ndarray:
+        """Outer rows [a, b), read-only, on a mapping of just their pages (populated at once): a
+        kernel reads them from the page cache with no copy into an array of ours (first touch of
+        fresh memory is what a load spends most on); unmapped when the array is dropped."""
+        at = self.offset + a * self.stride
+        start = at - at % mmap.ALLOCATIONGRANULARITY
+        size = at - start + (b - a) * self.stride
+        m = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ, offset=start)  # fmt: skip
+        count = (b - a) * self.stride // self.dtype.itemsize
+        return np.frombuffer(m, self.dtype, count, at - start).reshape(b - a, *self.shape[1:])
+
+    def read_into(self, a: int, out: np.ndarray) -> None:
+        """Outer rows [a, a + len(out)) straight into `out` (contiguous, writable, their bytes'
+        size): an embedding or head stored in the model dtype, with no array of its own between."""
+        if out.nbytes != len(out) * self.stride or not out.flags.c_contiguous or a + len(out) > self.shape[0]:
+            raise ValueError(f"read_into: rows [{a}, {a + len(out)}) of {self.shape} into {out.shape}")
+        self._fill(self.offset + a * self.stride, out)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, (int, np.integer)):

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 import expertmesh.models.gguf.quants as quants
+from expertmesh.layers.quantization.mxfp4_blocks import BLOCK as MXFP4_BLOCK
+from expertmesh.layers.quantization.mxfp4_blocks import BLOCK_BYTES, Mxfp4Blocks, int16_of
 from expertmesh.layers.quantization.view import LogicalTensor
 from expertmesh.models.gguf.families import CONFIG_TENSORS
 from expertmesh.models.gguf.names import BLOCK, FUSED_BIAS, KV_B, PIECES, TOP, mtp_block, piece_of, pieces_of
@@ -23,6 +25,7 @@ from expertmesh.models.gguf.reader import GGUFError, TensorInfo, open_file
 
 log = logging.getLogger("expertmesh")
 FLOAT_TARGETS = ("lm_head", "model.embed_tokens")  # parameters in the model dtype, never held
+STORED_AS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # float types' dtypes
 
 
 def _undo_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -101,24 +104,24 @@ class GGUFTensor(LogicalTensor):
     def held_region(self, bounds: list[tuple[int, int]]) -> torch.Tensor:
         """MXFP4: the region [o, i] as int16 code | e8m0 exponent << 4 per weight, the held storage of
         layers/quantization/mxfp4.py (split after loading into codes and one scale 2^(e - 127) per
-        block, offsets one shared zero tensor); the other held types: codes with their scales."""
+        block, offsets one shared zero tensor), whole blocks as their raw bytes until copy_into gives
+        them a destination (mxfp4_blocks.py); the other held types: codes with their scales."""
         if self.qtype.name != "MXFP4":
             return super().held_region(bounds)
         (o0, o1), (i0, i1) = bounds
-        b0, b1 = i0 // 32, -(-i1 // 32)
-        raw = self._columns(o0, o1, b0 * 17, b1 * 17).reshape(o1 - o0, b1 - b0, 17)
+        b0, b1 = i0 // MXFP4_BLOCK, -(-i1 // MXFP4_BLOCK)
+        if (i0, i1) == (0, self.shape[1]) and hasattr(self.data, "mapped"):  # whole rows: mapped, no copy
+            raw = self.data.mapped(o0, o1)
+        else:
+            raw = self._columns(o0, o1, b0 * BLOCK_BYTES, b1 * BLOCK_BYTES)
+        raw = raw.reshape(o1 - o0, b1 - b0, BLOCK_BYTES)
         if bool((raw[..., 0] == 255).any()):
             raise ValueError(
                 f"{self.base}: GGUF MXFP4 block scale 255 (e8m0 NaN); load with quantization='dequantize'"
             )
-        # in place into one int16 array: value j of a block is byte j's low nibble (j < 16), byte
-        # j - 16's high one (quants.decode_blocks' order), each with its block's exponent
-        out = np.empty((*raw.shape[:-1], 32), np.int16)
-        np.bitwise_and(raw[..., 1:], 15, out=out[..., :16], casting="unsafe")
-        np.right_shift(raw[..., 1:], 4, out=out[..., 16:], casting="unsafe")
-        out |= raw[..., :1].astype(np.int16) << 4
-        out = out.reshape(o1 - o0, -1)[:, i0 - b0 * 32 : i1 - b0 * 32]
-        return torch.from_numpy(np.ascontiguousarray(out))
+        if i0 % MXFP4_BLOCK == 0 and i1 % MXFP4_BLOCK == 0:  # whole blocks: as read (mxfp4_blocks.py)
+            return Mxfp4Blocks(self.held, raw).value()
+        return torch.from_numpy(int16_of(raw, i0 - b0 * MXFP4_BLOCK, i1 - b0 * MXFP4_BLOCK))
 
     def _columns(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
         """Rows [r0, r1), stored entries [c0, c1) (bytes for block types): from the file, only those
@@ -150,7 +153,11 @@ class GGUFTensor(LogicalTensor):
     def rows_into(self, out: torch.Tensor, start: int) -> None:
         """Rows [start, start + len(out)) into `out` (the embedding's or head's parameter), decoded
         a few hundred rows at a time: the same values `materialize` gives, with no temporary of
-        the whole table."""
+        the whole table; one stored in out's dtype is read straight into it."""
+        same = STORED_AS.get(self.qtype.name) == out.dtype and out.is_contiguous() and out.dim() == 2
+        if same and not self.permute and self.held is None and hasattr(self.data, "read_into"):
+            self.data.read_into(start, out.view(torch.uint8).numpy())
+            return
         if self.permute or len(self.shape) != 2 or self.held is not None or self.qtype.name in FLOAT_TYPES:
             out.copy_(self.materialize([(start, start + len(out)), (0, self.shape[1])]))
             return
