@@ -8,6 +8,7 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool kernels --prompt-len 384
     .venv/bin/python benchmarks/profile_decode.py --quantization w8a8 --threads 1 --cpu-time --tool kernels
     .venv/bin/python benchmarks/profile_decode.py --threads 1 --cpu-time --tool whole-step-ab --steps 40
+    .venv/bin/python benchmarks/profile_decode.py --model /tmp/gpt-oss-2of24-v --dtype bfloat16 --tool kernels
     .venv/bin/python benchmarks/profile_decode.py --threads 1 --cpu-time --tool huge-pages-ab --steps 40
     mkfifo /tmp/ctl; perf record -D -1 --control fifo:/tmp/ctl -F 4999 -o perf.data -- \
         .venv/bin/python benchmarks/profile_decode.py --quantization int8 --threads 1 --tool perf \
@@ -102,6 +103,7 @@ def profile_kernels(engine, steps: int) -> None:
     import collections
 
     from expertmesh.cpu.cpu_kernels import CpuKernels
+    from expertmesh.cpu.quantized import QuantizedMoE
 
     spent, calls = collections.defaultdict(float), collections.Counter()
     originals = {}
@@ -130,15 +132,29 @@ def profile_kernels(engine, steps: int) -> None:
             try:
                 return _fn(self, *args, **kwargs)
             finally:
-                spent[_name] += CLOCK() - start
-                calls[_name] += 1
+                label = _name if _name != "linear" else f"linear {args[1].out_features}x{args[1].in_features}"
+                spent[label] += CLOCK() - start
+                calls[label] += 1
 
         setattr(CpuKernels, name, timed)
+    # quantized routed experts (moe_q / moe_q_ex) go through QuantizedMoE, not CpuKernels.moe
+    originals_q = {"moe": QuantizedMoE.moe}
+
+    def timed_q(self, *args, _fn=QuantizedMoE.moe, **kwargs):
+        start = CLOCK()
+        try:
+            return _fn(self, *args, **kwargs)
+        finally:
+            spent["moe (quantized)"] += CLOCK() - start
+            calls["moe (quantized)"] += 1
+
+    QuantizedMoE.moe = timed_q
     try:
         total = sum(time_steps(engine, steps))
     finally:
         for name, fn in originals.items():
             setattr(CpuKernels, name, fn)
+        QuantizedMoE.moe = originals_q["moe"]
     if not calls:
         print("no CPU-kernel calls: the kernels are off (no compiler, or EXPERTMESH_DISABLE_CPU_KERNELS)")
     print(f"{'part':<28}{'ms/step':>10}{'calls/step':>12}{'share':>8}")
@@ -227,6 +243,7 @@ def main() -> None:
     ap.add_argument("--perf-rounds", type=int, default=10, help="--tool perf: rounds of fresh requests")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--model", default=None, help="a model directory or GGUF file instead of --shape's")
     ap.add_argument("--cpu-time", action="store_true", help="CPU time, not wall time (see CLOCK)")
     ap.add_argument("--native-decode", default="on", choices=["on", "off"], help="EngineArgs.native_decode")
     ap.add_argument(
@@ -236,7 +253,7 @@ def main() -> None:
     global CLOCK
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
-    model = make_small_moe(args.cache_dir, args.dtype, args.shape)
+    model = args.model or make_small_moe(args.cache_dir, args.dtype, args.shape)
     warm = 3
     native = args.native_decode == "on"
     rounds = 15 if args.tool in ("whole-step-ab", "huge-pages-ab") else 1
