@@ -8,6 +8,9 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
     .venv/bin/python benchmarks/profile_decode.py --batch 32 --tool kernels --prompt-len 384
     .venv/bin/python benchmarks/profile_decode.py --quantization w8a8 --threads 1 --cpu-time --tool kernels
     .venv/bin/python benchmarks/profile_decode.py --threads 1 --cpu-time --tool whole-step-ab --steps 40
+    .venv/bin/python benchmarks/profile_decode.py --model /tmp/gpt-oss-2of24-v --dtype bfloat16 --tool kernels
+    .venv/bin/python benchmarks/profile_decode.py --model /work/bigfiles/gpt-oss-20b.gguf --dtype bfloat16 \
+        --tool native-ab --steps 8 --rounds 8
     .venv/bin/python benchmarks/profile_decode.py --threads 1 --cpu-time --tool huge-pages-ab --steps 40
     mkfifo /tmp/ctl; perf record -D -1 --control fifo:/tmp/ctl -F 4999 -o perf.data -- \
         .venv/bin/python benchmarks/profile_decode.py --quantization int8 --threads 1 --tool perf \
@@ -17,7 +20,8 @@ then profiles the same number again with pyinstrument (Python call tree) or torc
 (embedding, final norm and LM head per op, as before decode_model) and alternates blocks of
 `--steps` steps between the two, 15 rounds: medians and the median of the rounds' ratios.
 `--tool huge-pages-ab` does the same against a second engine built with expertmesh/huge_pages.py off
-(weights and KV cache on 4 KiB pages).
+(weights and KV cache on 4 KiB pages). `--tool native-ab` alternates one engine's steps with its
+native decoders on and off (the per-op path), `--rounds` rounds: one copy of the weights.
 
 torch.profiler sees torch ops only; `--tool kernels` times each call into expertmesh's compiled CPU
 kernels (matmuls, routed experts, decode attention, norms, rotary) and attributes the rest of a
@@ -102,6 +106,7 @@ def profile_kernels(engine, steps: int) -> None:
     import collections
 
     from expertmesh.cpu.cpu_kernels import CpuKernels
+    from expertmesh.cpu.quantized import QuantizedMoE
 
     spent, calls = collections.defaultdict(float), collections.Counter()
     originals = {}
@@ -130,15 +135,29 @@ def profile_kernels(engine, steps: int) -> None:
             try:
                 return _fn(self, *args, **kwargs)
             finally:
-                spent[_name] += CLOCK() - start
-                calls[_name] += 1
+                label = _name if _name != "linear" else f"linear {args[1].out_features}x{args[1].in_features}"
+                spent[label] += CLOCK() - start
+                calls[label] += 1
 
         setattr(CpuKernels, name, timed)
+    # quantized routed experts (moe_q / moe_q_ex) go through QuantizedMoE, not CpuKernels.moe
+    originals_q = {"moe": QuantizedMoE.moe}
+
+    def timed_q(self, *args, _fn=QuantizedMoE.moe, **kwargs):
+        start = CLOCK()
+        try:
+            return _fn(self, *args, **kwargs)
+        finally:
+            spent["moe (quantized)"] += CLOCK() - start
+            calls["moe (quantized)"] += 1
+
+    QuantizedMoE.moe = timed_q
     try:
         total = sum(time_steps(engine, steps))
     finally:
         for name, fn in originals.items():
             setattr(CpuKernels, name, fn)
+        QuantizedMoE.moe = originals_q["moe"]
     if not calls:
         print("no CPU-kernel calls: the kernels are off (no compiler, or EXPERTMESH_DISABLE_CPU_KERNELS)")
     print(f"{'part':<28}{'ms/step':>10}{'calls/step':>12}{'share':>8}")
@@ -174,6 +193,33 @@ def whole_step_ab(engine, other, steps: int, rounds: int = 15) -> None:
     a, b, ratio = alternate(engine, other, steps, rounds)
     print(
         f"whole step {a * 1e3:.3f} ms, layer call only {b * 1e3:.3f} ms: whole step {ratio:.3f}x as fast"
+        " (median of the rounds' ratios)"
+    )
+
+
+def native_ab(engine, steps: int, rounds: int = 15) -> None:
+    """One engine, its native decoders taken off and put back in turn: blocks of `steps` steps each
+    way, the order swapped every round (the machine's bandwidth drifts between runs; one process
+    and one copy of the weights compare the two paths on the same memory)."""
+    from expertmesh.cpu.native_decode import NativeDecoder
+
+    held = [
+        (m, m.native)
+        for m in engine.runner.model.modules()
+        if isinstance(getattr(m, "native", None), NativeDecoder)
+    ]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for native in (True, False) if r % 2 == 0 else (False, True):
+            for module, dec in held:
+                module.native = dec if native else None
+            times[native].append(sum(time_steps(engine, steps)) / steps)
+    for module, dec in held:
+        module.native = dec
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    ratio = statistics.median(b / a for a, b in zip(times[True], times[False], strict=True))
+    print(
+        f"native {on * 1e3:.2f} ms, per-op {off * 1e3:.2f} ms a step: native {ratio:.3f}x as fast"
         " (median of the rounds' ratios)"
     )
 
@@ -219,7 +265,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--tool", default="pyinstrument",
-        choices=["pyinstrument", "torch", "kernels", "perf", "whole-step-ab", "huge-pages-ab", "none"],
+        choices=[
+            "pyinstrument", "torch", "kernels", "perf", "whole-step-ab", "huge-pages-ab", "native-ab", "none"
+        ],
     )  # fmt: skip
     ap.add_argument(
         "--perf-fifo", default=None, help="--tool perf: perf record's control fifo (see profile_perf)"
@@ -227,7 +275,9 @@ def main() -> None:
     ap.add_argument("--perf-rounds", type=int, default=10, help="--tool perf: rounds of fresh requests")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--model", default=None, help="a model directory or GGUF file instead of --shape's")
     ap.add_argument("--cpu-time", action="store_true", help="CPU time, not wall time (see CLOCK)")
+    ap.add_argument("--rounds", type=int, default=15, help="--tool native-ab: rounds of both paths")
     ap.add_argument("--native-decode", default="on", choices=["on", "off"], help="EngineArgs.native_decode")
     ap.add_argument(
         "--quantization", default=None, help="EngineArgs.quantization: int8, int4, w8a8, w4a8, ..."
@@ -236,10 +286,16 @@ def main() -> None:
     global CLOCK
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
-    model = make_small_moe(args.cache_dir, args.dtype, args.shape)
+    model = args.model or make_small_moe(args.cache_dir, args.dtype, args.shape)
     warm = 3
     native = args.native_decode == "on"
-    rounds = 15 if args.tool in ("whole-step-ab", "huge-pages-ab") else 1
+    rounds = (
+        15
+        if args.tool in ("whole-step-ab", "huge-pages-ab")
+        else 2 * args.rounds
+        if args.tool == "native-ab"
+        else 1
+    )
     engine = prefilled_engine(
         model,
         args.dtype,
@@ -260,6 +316,8 @@ def main() -> None:
         profile_torch(engine, args.steps)
     elif args.tool == "kernels":
         profile_kernels(engine, args.steps)
+    elif args.tool == "native-ab":
+        native_ab(engine, args.steps, args.rounds)
     elif args.tool in ("whole-step-ab", "huge-pages-ab"):
         huge_pages.ENABLED = args.tool == "whole-step-ab"  # the second engine's weights: 4 KiB pages
         other = prefilled_engine(

@@ -10,6 +10,9 @@ other processes' turns.
     .venv/bin/python benchmarks/quant_kernel_bench.py --source /tmp/base/cpu_kernels.c --rows 1,4,32 --moe
     # weights read from memory, not cache (a decode step's weights exceed L3):
     .venv/bin/python benchmarks/quant_kernel_bench.py --rows 1 --only w13,w2,qkv --cold-mb 96
+    # gpt-oss-20b's MXFP4 experts at one row, two threads, wall time:
+    .venv/bin/python benchmarks/quant_kernel_bench.py --shape gpt-oss-20b --moe --only moe --kinds fp4-bf16 \
+        --rows 1 --threads 2 --wall --cold-mb 1
 """
 
 from __future__ import annotations
@@ -28,8 +31,12 @@ from expertmesh.cpu.quantized import QuantizedMoE
 from expertmesh.layers.quantization.codes import BF16_PAIRS, KINDS
 from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWeight
 
-PRODUCTS = {"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}  # the small MoE's shapes
-MOE = (512, 1024, 8, 2)  # hidden, inter, experts, top-k
+# products (out, in) and the routed experts (hidden, inter, experts, top-k) by model
+SHAPES = {
+    "small": ({"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}, (512, 1024, 8, 2)),
+    "gpt-oss-20b": ({"w13": (5760, 2880), "w2": (2880, 2880), "qkv": (5120, 2880)}, (2880, 2880, 32, 4)),
+}
+PRODUCTS, MOE = SHAPES["small"]
 # "int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16": the weights times bf16 activations (a bf16
 # model's: code kinds 6-9, on bf16 pairs)
 CODES = {**KINDS, **{f"{kind}-bf16": code for kind, code in BF16_PAIRS.items()}}
@@ -121,8 +128,11 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                     out.setdefault((name, m, kind), {})[src] = (fn, q.nbytes, (held, x, y))
     if moe:
         hidden, inter, experts, top_k = MOE
-        w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
-        w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+        # fp4's codes are random (quantized() reads the shape only): no float copy of the experts
+        fp4_only = all(weight_kind(kind) == "fp4" for kind in kinds)
+        device = "meta" if fp4_only else "cpu"
+        w13 = torch.randn(experts, 2 * inter, hidden, device=device) * hidden**-0.5
+        w2 = torch.randn(experts, hidden, inter, device=device) * inter**-0.5
         for m in rows:
             x = torch.randn(m, hidden, generator=g)
             ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)]).int()
@@ -137,7 +147,12 @@ def cases(kernels: dict, kinds: list[str], rows: list[int], moe: bool, cold_mb: 
                     b = QuantizedExperts.stack([quantized(w2[e], wk, 128, k, g) for e in range(experts)])
                     nbytes = touched * (a.nbytes + b.nbytes) // experts
                     xk = x.bfloat16() if kind.endswith("-bf16") else x  # QuantizedMoE picks kinds 6-9 for it
-                    fn = partial(QuantizedMoE(k).moe, xk, ids, wts, a, b, inter, "silu")
+                    # cold: every call routes to the next experts (ids shifted), so that a cycle reads
+                    # all of them and experts larger than the cache come from memory, as in decode
+                    shifts = range(experts) if cold_mb else range(1)
+                    run = QuantizedMoE(k).moe
+                    routed = [((ids + s) % experts).int() for s in shifts]
+                    fn = Rotating([partial(run, xk, r, wts, a, b, inter, "silu") for r in routed])
                     out.setdefault(("moe", m, kind), {})[src] = (fn, nbytes, None)
     if "fp4" in kinds:
         fp4_products(kernels, rows, "int4" in kinds, out)
@@ -187,6 +202,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-s", type=float, default=0.05, help="seconds of calls per timing")
     ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES), help="products' and experts' shapes")
     ap.add_argument("--only", default=None, help="comma-separated products (w13,w2,qkv,moe)")
     ap.add_argument("--wall", action="store_true", help="wall time instead of process CPU time")
     ap.add_argument(
@@ -194,6 +210,8 @@ def main() -> None:
         help="products cycle through copies of their weight, this many MB a cycle (64: past a 32 MB L3)",
     )  # fmt: skip
     args = ap.parse_args()
+    global PRODUCTS, MOE
+    PRODUCTS, MOE = SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall else time.process_time
     kernels = {"ours": cpu_kernels.load()}

@@ -157,7 +157,8 @@ def test_float_biased_clamped_experts_in_one_call_equal_the_torch_path(dtype, ac
 
 def test_gpt_oss_float_experts_run_in_one_call_and_never_natively(real_checkpoint):
     """gpt-oss's biased, clamped experts in float (its checkpoint dtype): moe_*_ex, not per expert,
-    and no native decode form (the native layers' shims take neither biases nor the clamp)."""
+    and no native decode form (the float panels' native form takes neither biases nor the clamp;
+    held as MXFP4 they are native: test_native_decode.py)."""
     if cpu_kernels.load() is None:
         no_kernels()
     llm = LLM(

@@ -299,3 +299,23 @@ def test_eligibility_from_blocks(checkpoint):
 def test_switch_off(checkpoint):
     llm = _llm(checkpoint("mixtral"), "float32", native=False)
     assert decoders(llm.llm_engine.runner.model) == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mxfp4_gpt_oss_native_decode_matches_per_op_path(real_checkpoint, tmp_path, monkeypatch, dtype):
+    """gpt-oss held as MXFP4: attention sinks, the sliding window, q/k/v/o and router biases, softmax
+    over the top-k logits (renormalize 2 in the descriptor), biased experts with the clamped SwiGLU
+    (moe_q_ex through its shim): every layer native, whole steps, the per-op path's tokens and logprobs."""
+    from quantized_checkpoints import to_mxfp4
+    from real_checkpoints import Sizes
+
+    path = to_mxfp4(real_checkpoint("gpt-oss-20b", sizes=Sizes(layers=2)), str(tmp_path / "mxfp4"))
+    ref = _generate(_llm(path, dtype, native=False))
+    llm = _llm(path, dtype, native=True)
+    assert all(native for native, _ in _plan_after_build(llm)), "every layer native"
+    calls = Calls(monkeypatch, llm)
+    got = _generate(llm)
+    assert calls.native >= sum(MAX_TOKENS) // 4 and calls.fallback <= calls.native
+    assert calls.whole == calls.native
+    _assert_same(ref, got, atol=1e-4 if dtype == "float32" else 2e-2)

@@ -99,12 +99,12 @@ class QuantizedStacks(_OneCall):
         self.runner, self.w13, self.w2, self.act = runner, w13, w2, act
 
     def native_form(self, block: Any, keep: list) -> dict | None:
-        """moe_q's shim and descriptor: plain gated experts only, as for PanelStacks."""
-        if not block.all_local or block.w13_bias is not None or self.act not in CpuKernels.MOE_ACTIVATIONS:
+        """moe_q_ex's shim and descriptor, with the runner's biases and clamped activation."""
+        if not block.all_local or self.act not in CpuKernels.MOE_Q_ACTIVATIONS:
             return None
         kernels = self.runner.kernels
-        form = experts_native_form(kernels, self.w13, self.w2, block.model_dtype, keep)
-        act = kernels.MOE_ACTIVATIONS[self.act]
+        form = experts_native_form(kernels, self.w13, self.w2, block.model_dtype, keep, self.runner)
+        act = kernels.MOE_Q_ACTIVATIONS[self.act]
         return None if form is None else dict(form, w13=None, w2=None, inter=block.inter, act=act)
 
     def slot_tensors(self, slot: int) -> list[torch.Tensor]:

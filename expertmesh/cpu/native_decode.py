@@ -8,11 +8,13 @@ KV store, paged attention, o_proj, residual; norm, router, softmax/top-k, routed
 
 Eligibility comes from the blocks: each block's `native_form()` returns its part of the
 descriptor, or None when it has no native form (LayerNorm, MLA, a projection or L2 q/k norm,
-clamped or biased experts, oneDNN weights, a shared expert, other routing rules,
-EP dispatch, TP or SP collectives). A layer is native when all its blocks are; the others keep
-their torch path, which stays the reference (tests/test_native_decode.py). Quantized weights
-(layers/quantization/packed.py) take their GEMM and experts slots through C shims over gemm_q /
-moe_q that convert where QuantizedWeight / QuantizedMoE do, so they give the per-op path's roundings.
+clamped or biased experts held in float panels, oneDNN weights, a shared expert, routing rules
+other than softmax-then-top-k and top-k-then-softmax, EP dispatch, TP or SP collectives). A
+layer is native when all its blocks are; the others keep their torch path, which stays the
+reference (tests/test_native_decode.py). Quantized weights (layers/quantization/packed.py) take
+their GEMM and experts slots through C shims over gemm_q / moe_q_ex that convert where
+QuantizedWeight / QuantizedMoE do, so they give the per-op path's roundings; quantized experts
+bring their biases and clamped SwiGLU (gpt-oss held as MXFP4).
 
 The descriptor (pointers, sizes) is built once, at the first decode step after the KV cache is
 bound; per step only the metadata (rotary tables, slots, block tables) is built, once for all

@@ -44,6 +44,7 @@ class QExpertsDesc(ctypes.Structure):
         ("kind", _I),
         ("w13_codes", _P), ("w13_scales", _P), ("w13_offsets", _P), ("w13_group", _I),
         ("w2_codes", _P), ("w2_scales", _P), ("w2_offsets", _P), ("w2_group", _I),
+        ("limit", _D), ("alpha", _D), ("b13", _P), ("b2", _P),
     ]  # fmt: skip
 
 

@@ -60,23 +60,33 @@ def gemm_q_native(
 
 
 def experts_native_form(
-    kernels: CpuKernels, w13: QuantizedExperts, w2: QuantizedExperts, dtype: torch.dtype, keep: list
+    kernels: CpuKernels,
+    w13: QuantizedExperts,
+    w2: QuantizedExperts,
+    dtype: torch.dtype,
+    keep: list,
+    runner: QuantizedMoE | None = None,
 ) -> dict | None:
-    """moe_q's shim and q_experts_desc for a native decode layer's experts slot, None where there
-    is none (no shim for the model dtype, an older build)."""
+    """moe_q_ex's shim and q_experts_desc for a native decode layer's experts slot (with `runner`'s
+    biases, limit and alpha), None where there is none (no shim for the model dtype, an older build)."""
     suffix = nd.SHIM_SUFFIX.get(dtype)
     fn = None if suffix is None else nd.c_entry(kernels, f"moe_q_desc_{suffix}")
     if fn is None or w13.kind != w2.kind:
         return None
     t13, t2 = (w13.codes, w13.scales, w13.offsets), (w2.codes, w2.scales, w2.offsets)
+    extras = (0.0, 0.0, None, None)  # limit, alpha, b13, b2: plain gated experts
+    if runner is not None:
+        biases = (None if b is None else b.data_ptr() for b in (runner.b13, runner.b2))
+        extras = (runner.limit, runner.alpha, *biases)
     desc = nd.QExpertsDesc(
         product_kind(w13.kind, dtype, kernels),
         *(t.data_ptr() for t in t13),
         w13.group,
         *(t.data_ptr() for t in t2),
         w2.group,
+        *extras,
     )
-    keep += [w13, w2]
+    keep += [w13, w2, runner]
     return {"experts_fn": fn, "experts_w": nd.held_struct(keep, desc)}
 
 

@@ -219,7 +219,9 @@ class Router(ReplicatedLinear):
             set_loader(self.e_score_correction_bias, default_loader)
 
     pw: Callable = staticmethod(plain)  # deterministic mode: fixed_sum.pointwise (for sigmoids)
-    NATIVE_RULES = ("softmax_topk",)  # rules decode_layers computes (cpu/csrc/cpu_kernels.c)
+    # rules decode_layers computes (cpu/csrc/decode_layers.c), by its renormalize field: softmax_topk
+    # (0 or 1: renormalised), topk_softmax (2)
+    NATIVE_RULES = ("softmax_topk", "topk_softmax")
 
     def native_form(self, keep: list) -> dict | None:
         gemm = super().native_form(keep) if self.rule in self.NATIVE_RULES and not self.fp32 else None
@@ -227,7 +229,8 @@ class Router(ReplicatedLinear):
             return None
         return dict(
             router_fn=gemm[0], router_w=gemm[1], router_bias=gemm[2], experts=self.out_features,
-            top_k=self.top_k, renormalize=int(bool(self.params.get("renormalize"))),
+            top_k=self.top_k,
+            renormalize=2 if self.rule == "topk_softmax" else int(bool(self.params.get("renormalize"))),
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,7 +72,8 @@ void gemm_q_desc_bf16(const void* x, const void* wp, void* y, int64_t M, int64_t
   free(yf);
 }
 
-/* QuantizedExperts' w13 and w2 (packed.py) for moe_q, in a descriptor's experts slot. */
+/* QuantizedExperts' w13 and w2 (packed.py) for moe_q_ex, in a descriptor's experts slot, with the
+ * experts' biases and the clamped activations' limit and alpha (QuantizedMoE's). */
 typedef struct {
   int64_t kind;
   const uint8_t* w13_codes;
@@ -83,13 +84,17 @@ typedef struct {
   const float* w2_scales;
   const float* w2_offsets;
   int64_t w2_group;
+  double limit, alpha;   /* moe_q_ex's for the clamped activations (3, 4); else unused */
+  const float* b13;      /* float32 biases [E, 2I] and [E, H], or NULL */
+  const float* b2;
 } q_experts_desc;
 
 void moe_q_desc_f32(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
                     const void* ew, int64_t E, int64_t I, int act, float* out, int threads) {
   const q_experts_desc* q = (const q_experts_desc*)ew;
-  moe_q((int)q->kind, (const float*)x, n, H, slot, w, k, q->w13_codes, q->w13_scales, q->w13_offsets, q->w13_group,
-        q->w2_codes, q->w2_scales, q->w2_offsets, q->w2_group, E, I, act, out, threads);
+  moe_q_ex((int)q->kind, (const float*)x, n, H, slot, w, k, q->w13_codes, q->w13_scales, q->w13_offsets,
+           q->w13_group, q->w2_codes, q->w2_scales, q->w2_offsets, q->w2_group, E, I, act, (float)q->limit,
+           (float)q->alpha, q->b13, q->b2, out, threads);
 }
 
 void moe_q_desc_bf16(const void* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
@@ -124,7 +129,7 @@ typedef struct {
   gemm_fn_t router_fn;
   const void* router_w;
   const float* router_bias;
-  int64_t experts, top_k, renormalize;
+  int64_t experts, top_k, renormalize; /* 2: softmax over the top k's logits (route_topk_softmax) */
   const void* w13;
   const void* w2;
   int64_t inter, act;
@@ -167,10 +172,45 @@ static const decode_step_meta* rotary_rows(const decode_step_meta* m, decode_ste
   return local;
 }
 
-/* Softmax over one token's E logits (float32), its top k into w / slot. 0 if two of the k + 1
- * best are (nearly) equal: the caller then routes this layer with torch.topk. */
+/* rule 2 (GPT-OSS's topk_softmax): the top k + 1 of the logits, and the softmax over the k picked
+ * ones (the max is the first pick); 0 on a (near) tie, as below. */
+static int route_topk_softmax(const float* logits, int64_t E, int64_t k, float* probs, float* w, int32_t* slot) {
+  float prev = 0.f, sum = 0.f;
+  const int64_t want = k < E ? k + 1 : k;
+  memcpy(probs, logits, sizeof(float) * (size_t)E);
+  unsigned char* taken = (unsigned char*)calloc((size_t)E, 1);
+  for (int64_t j = 0; j < want; j++) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; e++)
+      if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+    const float v = probs[best];
+    if (j > 0 && prev - v <= 1e-6f * fabsf(prev)) {
+      free(taken);
+      return 0;
+    }
+    prev = v;
+    taken[best] = 1;
+    if (j < k) {
+      w[j] = v;
+      slot[j] = (int32_t)best;
+    }
+  }
+  free(taken);
+  const float mx = w[0];
+  for (int64_t j = 0; j < k; j++) {
+    w[j] = expf(w[j] - mx);
+    sum += w[j];
+  }
+  for (int64_t j = 0; j < k; j++) w[j] /= sum;
+  return 1;
+}
+
+/* Softmax over one token's E logits (float32), its top k into w / slot (renormalize 2: the
+ * topk_softmax rule above). 0 if two of the k + 1 best are (nearly) equal: the caller then routes
+ * this layer with torch.topk. */
 static int route_softmax_topk(const float* logits, int64_t E, int64_t k, int renormalize, float* probs,
                               float* w, int32_t* slot) {
+  if (renormalize == 2) return route_topk_softmax(logits, E, k, probs, w, slot);
   float mx = -INFINITY, sum = 0.f;
   for (int64_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
   for (int64_t e = 0; e < E; e++) {

@@ -308,7 +308,7 @@ void moe_q_ex(int kind, const float* x, int64_t n, int64_t H, const int32_t* slo
   moe_free(&p);
 }
 
-/* moe_q_ex without biases, for the gated activations 0-2 (native decode's shims call it). */
+/* moe_q_ex without biases, for the gated activations 0-2. */
 void moe_q(int kind, const float* x, int64_t n, int64_t H, const int32_t* slot, const float* w, int64_t k,
            const uint8_t* w13_codes, const float* w13_scales, const float* w13_offsets, int64_t w13_group,
            const uint8_t* w2_codes, const float* w2_scales, const float* w2_offsets, int64_t w2_group,
