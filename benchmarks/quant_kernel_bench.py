@@ -35,6 +35,7 @@ from expertmesh.layers.quantization.packed import QuantizedExperts, QuantizedWei
 SHAPES = {
     "small": ({"w13": (2048, 512), "w2": (512, 1024), "qkv": (1024, 512)}, (512, 1024, 8, 2)),
     "gpt-oss-20b": ({"w13": (5760, 2880), "w2": (2880, 2880), "qkv": (5120, 2880)}, (2880, 2880, 32, 4)),
+    "qwen3-30b-a3b": ({"w13": (1536, 2048), "w2": (2048, 768), "qkv": (5120, 2048)}, (2048, 768, 128, 8)),
 }
 PRODUCTS, MOE = SHAPES["small"]
 # "int4-bf16", "int8-bf16", "fp4-bf16", "fp8-bf16": the weights times bf16 activations (a bf16

@@ -5,14 +5,13 @@ dequantizer's, in every build of the kernel (AVX-512 VBMI permutes, 16-lane SWAR
 8-lane generic build); a region's blocks reach a streamed expert's staging untouched and any other
 destination as int16; the value that carries them holds no data, so no other consumer reads zeros."""
 
-from types import SimpleNamespace
-
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from expertmesh.cpu import cpu_kernels, kernel_library
+from expertmesh.cpu.ops import CpuOps
 from expertmesh.layers.quantization import mxfp4_blocks
 from expertmesh.layers.quantization.held import HeldParam, HeldWeights, _weight, split_exponents
 from expertmesh.layers.weights import copy_into
@@ -47,7 +46,7 @@ def test_blocks_make_the_int16_paths_panels_and_gguf_values(builds, rows, groups
     raw = _blocks(np.random.default_rng(rows), rows, groups)
     want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), MX))
     for name, k in builds.items():
-        ops = SimpleNamespace(kernels=k, quant_lanes=k.lanes)
+        ops = CpuOps(k)
         h = HeldParam("w", "fp4", 32, (rows, groups * 32), exponents=True)
         int16 = torch.from_numpy(mxfp4_blocks.int16_of(raw, 0, groups * 32))
         ref = _weight(split_exponents(int16, h), h, ops)

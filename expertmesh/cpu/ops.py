@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,6 +51,8 @@ class CpuOps(TorchCpuOps):
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = self.library = self.packer = kernels
         self.quant_lanes = kernels.lanes
+        # older builds lack the repack; its panels are up to 64 lanes wide
+        self.lays_mxfp4_blocks = kernels.lanes <= 64 and hasattr(kernels.lib, "mxfp4_gguf_panels")
 
     # ---- weight forms -------------------------------------------------------------------------------
     def experts_form(self, block: nn.Module) -> ExpertsWeight:
@@ -119,6 +122,21 @@ class CpuOps(TorchCpuOps):
         self, w: QuantizedWeight, dtype: torch.dtype, keep: list, float32_out: bool
     ) -> dict | None:
         return gemm_q_native(self.kernels, w, dtype, keep, float32_out)
+
+    def mxfp4_block_panels(
+        self, raw: np.ndarray, groups: int, codes: torch.Tensor, scales: torch.Tensor, threads: int
+    ) -> None:
+        rows, stride = raw.shape[0], groups * raw.shape[-1]
+        self.kernels.lib.mxfp4_gguf_panels(
+            raw.ctypes.data,
+            stride,
+            rows,
+            groups,
+            self.quant_lanes,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            threads,
+        )
 
     # ---- per-op compute -----------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

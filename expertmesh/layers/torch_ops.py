@@ -4,6 +4,7 @@ where it serves them (cpu/cpu_gemm.py), and our compiled kernels' CpuOps fall ba
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +24,7 @@ class TorchOps:
     native_decode = False
     runs_codes = False
     quant_lanes = 8  # the codes' panel width when no kernel of ours reads them
+    lays_mxfp4_blocks = False  # MXFP4 blocks reach the panels as int16 values (mxfp4_blocks.py)
 
     def pack(
         self, weight: torch.Tensor, float32_out: bool = False, in_place: bool = False
@@ -104,6 +106,11 @@ class TorchOps:
         self, w: QuantizedWeight, dtype: torch.dtype, keep: list, float32_out: bool
     ) -> dict | None:
         return None
+
+    def mxfp4_block_panels(
+        self, raw: np.ndarray, groups: int, codes: torch.Tensor, scales: torch.Tensor, threads: int
+    ) -> None:
+        raise NotImplementedError("torch's ops lay no MXFP4 blocks (lays_mxfp4_blocks is False)")
 
     # ---- per-op compute -----------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -106,7 +106,9 @@ static inline __attribute__((always_inline)) void pf_values(const float* const p
 }
 
 typedef int32_t pf_i __attribute__((vector_size(PF_LANES * 4)));
-static const int32_t pf_iota[128] = {
+/* read as pf_i vectors (aligned loads): its own alignment must be a vector's, not the 4 bytes an
+ * int32_t array gets by default (a build whose other tables moved it off 64 crashed there) */
+static const int32_t pf_iota[128] __attribute__((aligned(64))) = {
     0,   1,   2,   3,   4,   5,   6,   7,   8,   9,   10,  11,  12,  13,  14,  15,  16,  17,  18,
     19,  20,  21,  22,  23,  24,  25,  26,  27,  28,  29,  30,  31,  32,  33,  34,  35,  36,  37,
     38,  39,  40,  41,  42,  43,  44,  45,  46,  47,  48,  49,  50,  51,  52,  53,  54,  55,  56,

@@ -58,10 +58,9 @@ class Mxfp4Blocks:
         self.written = True
 
 
-def collects_blocks(ops: Any, lanes: int) -> bool:
-    """Whether this model's ops lay blocks straight into panels (our kernels, a build that has it)."""
-    lib = getattr(getattr(ops, "kernels", None), "lib", None)
-    return lanes <= 64 and getattr(lib, "mxfp4_gguf_panels", None) is not None
+def collects_blocks(ops: Any) -> bool:
+    """Whether this model's ops lay blocks straight into panels (QuantizedProducts' declaration)."""
+    return ops.lays_mxfp4_blocks
 
 
 def panels(pieces: list[tuple[int, np.ndarray]], out_f: int, ops: Any, into: Any, threads: int) -> tuple:
@@ -88,8 +87,5 @@ def panels(pieces: list[tuple[int, np.ndarray]], out_f: int, ops: Any, into: Any
     for row, raw in pieces:
         raw = np.ascontiguousarray(raw)
         first = row // lanes
-        ops.kernels.lib.mxfp4_gguf_panels(
-            raw.ctypes.data, groups * BLOCK_BYTES, len(raw), groups, lanes, codes[first:].data_ptr(),
-            scales[first:].data_ptr(), threads,
-        )  # fmt: skip
+        ops.mxfp4_block_panels(raw, groups, codes[first:], scales[first:], threads)
     return codes, scales

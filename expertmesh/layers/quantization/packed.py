@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -66,6 +67,8 @@ class QuantizedProducts(Protocol):
     """The products of QuantizedWeight: the part of the model's ops (layers/ops.py) it runs on."""
 
     quant_lanes: int  # output rows a panel of codes holds
+    # Whether mxfp4_block_panels lays GGUF MXFP4 blocks straight into fp4 panels (mxfp4_blocks.py)
+    lays_mxfp4_blocks: bool
 
     def gemm_q(
         self, w: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
@@ -78,6 +81,13 @@ class QuantizedProducts(Protocol):
         self, w: QuantizedWeight, dtype: torch.dtype, keep: list, float32_out: bool
     ) -> dict | None:
         """w in a native decode layer's GEMM slot (cpu/native_decode.py), or None."""
+        ...
+
+    def mxfp4_block_panels(
+        self, raw: np.ndarray, groups: int, codes: torch.Tensor, scales: torch.Tensor, threads: int
+    ) -> None:
+        """GGUF MXFP4 blocks [rows, groups, 17] (C-contiguous) into the fp4 panels starting at
+        `codes` / `scales` (the rows from a panel's first); only where `lays_mxfp4_blocks`."""
         ...
 
 

@@ -121,7 +121,7 @@ class Streaming:
 
     def __init__(self, model: Any, held: HeldWeights | None, scheme: Any, ops: Ops) -> None:
         self.model, self.held, self.scheme, self.ops = model, held, scheme, ops
-        self.blocks_direct = mxfp4_blocks.collects_blocks(ops, ops.quant_lanes)
+        self.blocks_direct = mxfp4_blocks.collects_blocks(ops)
         self.params = dict(model.named_parameters())
         self.linear: dict[str, set] = {}  # parameter -> shards still to come
         self.experts: dict[str, _Experts] = {}
