@@ -33,6 +33,9 @@ CONFIG = os.path.join(ROOT, "tests", "real_configs", "gpt-oss-20b.json")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from gguf_checkpoints import gpt_oss_metadata  # noqa: E402  (the test writer's keys: one source)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from write_published_size import placeholder_vocabulary  # noqa: E402
+
 Q = gguf.GGMLQuantizationType
 SCALE = 127 - 7  # e8m0 block scale 2^-7
 
@@ -124,11 +127,7 @@ def write(out: str, n_layers: int | None, vocab: int | None, seed: int = 0) -> d
     w = gguf.GGUFWriter(out + ".gguf", "gpt-oss")
     gpt_oss_metadata(w, cfg, len(layers))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(v)])
-    w.add_token_types([1] * v)
-    w.add_token_merges(["<t1> <t2>"])  # llama.cpp needs merges; ids are fed, never text
+    placeholder_vocabulary(w, v)
     w.add_eos_token_id(cfg["eos_token_id"])
     # the tensor table first (shapes known), then each tensor's bytes as it is made
     probe = np.random.default_rng(0)

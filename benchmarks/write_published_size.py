@@ -88,15 +88,20 @@ def tensors(cfg: dict, layers: list[int]) -> list[tuple[str, tuple[int, ...], st
     return out
 
 
-def write(out: str, n_layers: int | None, seed: int = 0) -> dict:
-    cfg = json.load(open(CONFIG))
-    total = cfg["num_hidden_layers"]
-    layers = list(range(total)) if not n_layers else [i * total // n_layers for i in range(n_layers)]
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(out, "qwen3moe")
+def placeholder_vocabulary(w: gguf.GGUFWriter, vocab: int) -> None:
+    """Placeholder tokens `<ti>` as a gpt2 BPE vocabulary: the benchmarks feed token ids."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(["<t1> <t2>"])  # llama.cpp needs merges; ids are fed, never text
+
+
+def qwen3moe_header(w: gguf.GGUFWriter, cfg: dict, n_layers: int, file_type: gguf.LlamaFileType) -> None:
+    """llama.cpp's qwen3moe metadata of a Qwen3-MoE config with n_layers, the placeholder vocabulary."""
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(len(layers))
+    w.add_block_count(n_layers)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
@@ -108,14 +113,19 @@ def write(out: str, n_layers: int | None, seed: int = 0) -> dict:
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
-    w.add_token_types([1] * cfg["vocab_size"])
-    w.add_token_merges(["<t1> <t2>"])  # llama.cpp needs merges; ids are fed, never text
+    w.add_file_type(file_type)
+    placeholder_vocabulary(w, cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+
+
+def write(out: str, n_layers: int | None, seed: int = 0) -> dict:
+    cfg = json.load(open(CONFIG))
+    total = cfg["num_hidden_layers"]
+    layers = list(range(total)) if not n_layers else [i * total // n_layers for i in range(n_layers)]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(out, "qwen3moe")
+    qwen3moe_header(w, cfg, len(layers), gguf.LlamaFileType.MOSTLY_Q4_K_M)
     plan = tensors(cfg, layers)
     for name, shape, qtype in plan:
         if qtype == "F32":

@@ -27,10 +27,14 @@ import argparse
 import json
 import os
 import struct
+import sys
 import time
 
 import gguf
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from write_published_size import qwen3moe_header  # noqa: E402  (one writer of the qwen3moe keys)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "real_configs", "qwen3-30b-a3b.json")
@@ -148,28 +152,7 @@ def write(out: str, n_layers: int | None, seed: int = 0, only: str = "both", cfg
     os.makedirs(out, exist_ok=True)
 
     w = gguf.GGUFWriter(out.rstrip("/") + ".gguf" if only != "ct" else os.devnull, "qwen3moe")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(h)
-    w.add_block_count(n)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_expert_count(e)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(inter)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_vocab_size(v)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(v)])
-    w.add_token_types([1] * v)
-    w.add_token_merges(["<t1> <t2>"])  # llama.cpp needs merges; ids are fed, never text
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    qwen3moe_header(w, cfg, n, gguf.LlamaFileType.MOSTLY_Q4_0)
 
     # (gguf name, CT name, shape [.., out, in], kind) in llama.cpp's order; kind: int4, bf16, norm
     top = [("token_embd.weight", "model.embed_tokens.weight", (v, h), "bf16"),
